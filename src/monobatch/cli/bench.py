@@ -1,0 +1,56 @@
+"""`monobatch bench`: engine-direct B=1 prefill and decode speed, TTFT, load time and peak RSS.
+
+On the bundled model by default, or random weights of a named shape with
+``--dummy-weights --shape NAME`` (no download). ``--json`` prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from monobatch.cli.args import add_model_args, engine_settings
+from monobatch.errors import InvalidRequestError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from monobatch.loader.dummy import SHAPES
+
+    p = sub.add_parser("bench", help="measure B=1 prefill/decode speed through the engine", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-p", "--prompt-tokens", type=int, default=256, help="prompt length in tokens (default 256)")
+    p.add_argument("-n", "--gen-tokens", type=int, default=128, help="generated tokens, EOS ignored (default 128)")
+    p.add_argument("-r", "--runs", type=int, default=3, help="timed runs after one warm-up (default 3)")
+    p.add_argument("--dummy-weights", action="store_true", help="random weights of --shape instead of a checkpoint")
+    p.add_argument("--shape", default="smollm2-135m", help=f"with --dummy-weights: {', '.join(SHAPES)}")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_model_args(p)
+    p.set_defaults(func=run)
+
+
+def run(ns: argparse.Namespace) -> int:
+    """Load, warm up, time, print. Returns the exit code."""
+    import torch
+
+    from monobatch.bench import bench
+    from monobatch.cli.args import open_engine
+    from monobatch.engine.engine import Engine, EngineConfig
+    from monobatch.engine.scheduler import BatchScheduler
+    from monobatch.loader.dummy import dummy_model
+
+    for name in ("prompt_tokens", "gen_tokens", "runs"):
+        if getattr(ns, name) < 1:
+            raise InvalidRequestError(f"--{name.replace('_', '-')} must be >= 1", name)
+    if ns.dummy_weights:
+        config = EngineConfig(**engine_settings(ns))
+        if ns.threads > 0:
+            torch.set_num_threads(ns.threads)
+        scheduler = BatchScheduler(Engine(dummy_model(ns.shape, ns.device, ns.dtype), config))
+    else:
+        scheduler = open_engine(ns)
+    need = ns.prompt_tokens + ns.gen_tokens
+    if need > scheduler.engine.max_model_len:
+        raise InvalidRequestError(f"prompt + generated tokens ({need}) exceed the context ({scheduler.engine.max_model_len})")
+    result = bench(scheduler, ns.prompt_tokens, ns.gen_tokens, ns.runs)
+    print(json.dumps(result.to_dict()) if ns.json else result.table())
+    return 0

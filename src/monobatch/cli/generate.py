@@ -1,0 +1,92 @@
+"""`monobatch generate`: raw completion in-process (llama-completion's role).
+
+The prompt is sent as is (BOS per the model's add_bos_token); ``--chat`` wraps it as one user
+message through the chat template. Text streams to stdout as produced; diagnostics go to stderr.
+Holds no decode logic: it builds one Request and drives the BatchScheduler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from monobatch.cli.args import add_model_args, add_sampling_args, open_engine, sampling_flags
+from monobatch.engine.params import resolve_sampling
+from monobatch.engine.sequence import Request
+from monobatch.errors import InvalidRequestError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="raw completion on the engine, streamed to stdout",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-p", "--prompt", help="the prompt (default: read stdin)")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    p.add_argument("--system", help="with --chat: a system message before the prompt")
+    p.add_argument("--output-format", choices=("text", "json"), default="text",
+                   help="text: stream the completion; json: one object with text, token_ids, finish_reason, usage, timings (ms)")
+    add_model_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=run)
+
+
+def read_prompt(ns: argparse.Namespace) -> str:
+    """``-p`` or stdin. Raises InvalidRequestError when neither gives a prompt."""
+    if ns.prompt is not None:
+        return ns.prompt
+    if sys.stdin is None or sys.stdin.isatty():
+        raise InvalidRequestError("no prompt: pass -p/--prompt or pipe text on stdin", "prompt")
+    return sys.stdin.read()
+
+
+def run(ns: argparse.Namespace) -> int:
+    """Generate one completion; returns the exit code."""
+    prompt = read_prompt(ns)
+    flags = sampling_flags(ns)
+    scheduler = open_engine(ns)
+    loaded = scheduler.engine.loaded
+    params = resolve_sampling(None, flags, loaded.generation_defaults, entry_point="generate")
+    tok = loaded.tokenizer
+    if ns.chat:
+        messages = ([{"role": "system", "content": ns.system}] if ns.system else []) + [{"role": "user", "content": prompt}]
+        prompt_ids = tok.encode_chat(messages, add_generation_prompt=True)
+    else:
+        prompt_ids = tok.encode(prompt)
+    request = Request("generate-0", prompt_ids, params)
+    scheduler.add_request(request)
+    stream = ns.output_format == "text"
+    token_ids: list[int] = []
+    text: list[str] = []
+    logprobs: list = []
+    last = None
+    for out in scheduler.run():
+        token_ids += out.token_ids
+        text.append(out.text)
+        logprobs += out.logprobs or []
+        if stream and out.text:
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+        last = out
+    m = last.metrics
+    timings = {"load_ms": round(loaded.load_seconds * 1000, 1), "ttft_ms": round(m.ttft_ms, 2),
+               "total_ms": round((m.finished_time - m.arrival_time) * 1000, 2),
+               "prefill_tok_per_s": round(m.prefill_tok_per_s, 1), "decode_tok_per_s": round(m.decode_tok_per_s, 1)}
+    if stream:
+        sys.stdout.write("\n")
+        print(f"[{len(prompt_ids)} prompt + {len(token_ids)} generated tokens, finish_reason={last.finish_reason.value}, "
+              f"TTFT {timings['ttft_ms']:.0f} ms, decode {timings['decode_tok_per_s']:.1f} tok/s]", file=sys.stderr)
+    else:
+        result = {
+            "text": "".join(text),
+            "token_ids": token_ids,
+            "finish_reason": last.finish_reason.value,
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(token_ids),
+                      "total_tokens": len(prompt_ids) + len(token_ids)},
+            "timings": timings,
+            "model": loaded.name,
+        }
+        if params.logprobs is not None:
+            result["logprobs"] = [{"token_id": t, "logprob": lp, "top_logprobs": [{"token_id": a, "logprob": b} for a, b in top]}
+                                  for t, lp, top in logprobs]
+        print(json.dumps(result, ensure_ascii=False))
+    return 0

@@ -1,0 +1,43 @@
+"""The `monobatch` command: one parser, one subcommand module per command.
+
+Errors a user can cause are :class:`monobatch.errors.MonobatchError`: printed as one line on
+stderr, exit code 1 (argparse's flag errors: one line, exit code 2). No tracebacks.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from monobatch import __version__
+from monobatch.cli.args import OneLineParser
+from monobatch.errors import MonobatchError
+
+
+def build_parser() -> OneLineParser:
+    from monobatch.cli import bench, generate
+
+    parser = OneLineParser(prog="monobatch", description="One batch-native LLM inference engine.")
+    parser.add_argument("--version", action="version", version=f"monobatch {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
+    generate.add_parser(sub)
+    bench.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script and ``python -m monobatch``; returns the exit code."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if not getattr(ns, "func", None):
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return ns.func(ns)
+    except MonobatchError as e:
+        print(f"monobatch {ns.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"monobatch {ns.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0

@@ -1,0 +1,51 @@
+"""The one defaults table. Every client (CLI, server, Python API) reads its defaults here.
+
+Precedence for a sampling field, highest first (see docs/adr/0001-one-engine.md):
+request field > server/CLI flag > the model's generation config > this table.
+:func:`monobatch.engine.params.resolve_sampling` applies that order; no other module may hold a
+default of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# -- engine ---------------------------------------------------------------------------------
+#: Tokens of one prompt computed per step. The seed project measured 512 raising TTFT at 8K
+#: tokens by 8-29 % against 2048, with decode unchanged.
+PREFILL_CHUNK = 2048
+#: Tokens per sequence a DenseKv buffer grows by (allocation granularity, not a limit).
+DENSE_KV_GROWTH = 256
+#: Sequences the scheduler runs at once.
+MAX_NUM_SEQS = 64
+#: Paged KV block size in tokens (vLLM, llama.cpp's server use 16 too).
+BLOCK_SIZE = 16
+
+# -- sampling (the table of the last precedence level) --------------------------------------
+#: Neutral values: a request that names nothing samples the model's own distribution, as
+#: OpenAI's API does (temperature 1, top_p 1) and as vLLM does. Each filter's "off" value.
+SAMPLER_DEFAULTS: dict[str, Any] = {
+    "temperature": 1.0,        # OpenAI API default
+    "top_k": 0,                # off (llama.cpp: <= 0 disables; vLLM's -1 accepted too)
+    "top_p": 1.0,              # off; OpenAI API default
+    "min_p": 0.0,              # off
+    "typical_p": 1.0,          # off
+    "repeat_penalty": 1.0,     # off
+    "repeat_last_n": 64,       # llama.cpp's window
+    "presence_penalty": 0.0,   # OpenAI API default
+    "frequency_penalty": 0.0,  # OpenAI API default
+    "dry_multiplier": 0.0,     # off (llama.cpp)
+    "dry_base": 1.75,          # llama.cpp
+    "dry_allowed_length": 2,   # llama.cpp
+    "dry_penalty_last_n": 64,  # same window as repeat_last_n (ENGINE.md)
+    "dry_sequence_breakers": ("\n", ":", '"', "*"),  # llama.cpp
+}
+
+#: max_tokens when a request omits it, per entry point. None = until EOS or the context end
+#: (llama.cpp's -n -1); 16 is OpenAI's documented default for /v1/completions.
+MAX_TOKENS_DEFAULT: dict[str, int | None] = {
+    "generate": None,
+    "completions": 16,
+    "chat": None,
+    "python": 16,  # vLLM's SamplingParams default
+}

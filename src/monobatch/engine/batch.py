@@ -1,0 +1,112 @@
+"""StepBatch: what one forward call computes (llama.cpp's ``llama_batch``).
+
+A StepBatch is a flat list of tokens from any number of sequences. Each sequence contributes
+one contiguous *chunk*: a prefill chunk of its prompt, or the single token of a decode. B=1 is not
+a special case, and prefill chunks and decode tokens of different sequences share one call.
+
+Layout (T tokens, 3 chunks; ``*`` marks rows that want logits)::
+
+    token_ids  [ a0 a1 a2 a3 | b7 | c40 c41 ]      T = 7
+    positions  [ 0  1  2  3  | 7  | 40  41  ]
+    seq_ids    [ A  A  A  A  | B  | C   C   ]
+    logit_rows [          3*,  4*,       6* ]      R = 3 (last token of each chunk that asks)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass(slots=True, frozen=True)
+class Chunk:
+    """One sequence's contiguous run of tokens in a StepBatch.
+
+    ``start`` is the offset in the flat batch, ``pos`` the position (= KV length before this
+    step) of its first token, ``length`` its token count.
+    """
+
+    seq_id: int
+    start: int
+    pos: int
+    length: int
+    wants_logits: bool
+
+    @property
+    def end_pos(self) -> int:
+        """KV length of the sequence after this step (tokens)."""
+        return self.pos + self.length
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """Flat tokens of one step and the rows that want logits.
+
+    Attributes:
+        token_ids: ``[T]`` int64 token ids, on the model's device.
+        positions: ``[T]`` int64 positions, on the model's device.
+        seq_ids: ``[T]`` int64 sequence ids (host), llama_batch's ``seq_id``.
+        logit_rows: ``[R]`` int64 indices into T whose logits are returned, on the device.
+        chunks: the contiguous per-sequence runs, in batch order.
+    """
+
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    seq_ids: torch.Tensor
+    logit_rows: torch.Tensor
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the tokens computed in this step."""
+        return int(self.token_ids.shape[0])
+
+    @property
+    def is_decode_only(self) -> bool:
+        """True when every chunk is one token that wants logits (the CUDA-graph-capturable case)."""
+        return all(c.length == 1 and c.wants_logits for c in self.chunks)
+
+    @classmethod
+    def build(
+        cls,
+        chunks: Sequence[tuple[int, Sequence[int], int, bool]],
+        device: torch.device | str = "cpu",
+    ) -> "StepBatch":
+        """Build from ``(seq_id, token_ids, first_position, wants_logits)`` per sequence.
+
+        The logit row of a chunk is its last token. A sequence may appear at most once.
+
+        Raises:
+            ValueError: an empty chunk, a negative position, or a sequence listed twice.
+        """
+        tokens: list[int] = []
+        positions: list[int] = []
+        seq_ids: list[int] = []
+        rows: list[int] = []
+        built: list[Chunk] = []
+        seen: set[int] = set()
+        for seq_id, ids, pos, wants in chunks:
+            if not ids:
+                raise ValueError(f"empty chunk for sequence {seq_id}")
+            if pos < 0:
+                raise ValueError(f"negative position for sequence {seq_id}")
+            if seq_id in seen:
+                raise ValueError(f"sequence {seq_id} appears twice in one StepBatch")
+            seen.add(seq_id)
+            start = len(tokens)
+            tokens.extend(ids)
+            positions.extend(range(pos, pos + len(ids)))
+            seq_ids.extend([seq_id] * len(ids))
+            if wants:
+                rows.append(len(tokens) - 1)
+            built.append(Chunk(seq_id, start, pos, len(ids), wants))
+        as_long = dict(dtype=torch.int64, device=device)
+        return cls(
+            token_ids=torch.tensor(tokens, **as_long),
+            positions=torch.tensor(positions, **as_long),
+            seq_ids=torch.tensor(seq_ids, dtype=torch.int64),
+            logit_rows=torch.tensor(rows, **as_long),
+            chunks=tuple(built),
+        )

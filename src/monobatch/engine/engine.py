@@ -1,0 +1,109 @@
+"""Engine: one step of the model — forward, sample, finish — over a planned StepBatch.
+
+The engine knows nothing of HTTP, the CLI or queues; its inputs are token ids. The one decode
+loop that drives it is :class:`monobatch.engine.scheduler.BatchScheduler`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from monobatch import defaults
+from monobatch.engine.batch import StepBatch
+from monobatch.engine.finish import FinishStep, RowOutput
+from monobatch.engine.sampler import RowSampler
+from monobatch.engine.sequence import Sequence
+from monobatch.errors import InvalidRequestError
+from monobatch.kv.dense import DenseKv
+from monobatch.kv.store import KvStore
+from monobatch.loader import LoadedModel
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Engine settings (CLI flags / server options map onto these; defaults from
+    :mod:`monobatch.defaults`).
+
+    Attributes:
+        max_model_len: context length in tokens (None = the model's).
+        max_num_seqs: sequences running at once.
+        prefill_chunk: prompt tokens of one sequence computed per step.
+        max_num_batched_tokens: tokens per step across all sequences (None = prefill_chunk,
+            raised to max_num_seqs so every running decode fits).
+        kv_storage: ``dense`` (paged storage comes later behind the same KvStore).
+    """
+
+    max_model_len: int | None = None
+    max_num_seqs: int = defaults.MAX_NUM_SEQS
+    prefill_chunk: int = defaults.PREFILL_CHUNK
+    max_num_batched_tokens: int | None = None
+    kv_storage: str = "dense"
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise InvalidRequestError("max_model_len (--ctx-size) must be >= 2", "max_model_len")
+        if self.max_num_seqs < 1:
+            raise InvalidRequestError("max_num_seqs must be >= 1", "max_num_seqs")
+        if self.prefill_chunk < 1:
+            raise InvalidRequestError("prefill_chunk must be >= 1", "prefill_chunk")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise InvalidRequestError("max_num_batched_tokens must be >= 1", "max_num_batched_tokens")
+        if self.kv_storage != "dense":
+            raise InvalidRequestError(f"kv_storage {self.kv_storage!r}: only 'dense' is available", "kv_storage")
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens one step may compute."""
+        return self.max_num_batched_tokens or max(self.prefill_chunk, self.max_num_seqs)
+
+
+class Engine:
+    """The model, its KV cache, the sampler and the finish step.
+
+    Args:
+        loaded: weights and tokenizer from :func:`monobatch.loader.load_model`.
+        config: engine settings; ``max_model_len`` is capped at the model's context length.
+    """
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.config = config or EngineConfig()
+        args = self.model.args
+        self.max_model_len = min(self.config.max_model_len or args.max_position_embeddings,
+                                 args.max_position_embeddings)
+        self.kv: KvStore = DenseKv(args.num_hidden_layers, args.num_key_value_heads, args.head_dim,
+                                   self.max_model_len, self.model.dtype, self.model.device)
+        self.sampler = RowSampler(args.vocab_size)
+        self.finisher = FinishStep(self.tokenizer.eog_ids, self.max_model_len)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """Run ``batch`` through the model, caching its KV. Returns ``[R, V]`` float32 logits."""
+        self.kv.prepare(batch)
+        logits = self.model(batch, self.kv)
+        self.kv.commit(batch)
+        return logits
+
+    def step(self, batch: StepBatch, rows: list[Sequence]) -> list[RowOutput]:
+        """Forward ``batch``, then sample and finish one token for each of ``rows``.
+
+        Args:
+            batch: the planned step; its logit rows belong to ``rows``, in order.
+            rows: the sequences whose chunk reaches their last token (R of them).
+
+        Returns:
+            One RowOutput per row.
+        """
+        logits = self.forward(batch)  # (R, V)
+        if not rows:
+            return []
+        self.finisher.ban_early_stops(logits, rows)
+        sample = self.sampler.sample(logits, [s.sampler for s in rows])
+        return self.finisher.apply(rows, sample)

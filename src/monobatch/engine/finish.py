@@ -1,0 +1,159 @@
+"""FinishStep: the single post-sample step every sequence of every client goes through.
+
+For each row that drew a token, in this order: append the token and push it to the sampler's
+history (accept); decide whether the sequence ends (end-of-generation id, stop token id, stop
+string, max_tokens, context length); turn the token into text that is safe to stream (UTF-8
+complete, stop-string prefixes held back); set ``finish_reason``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from monobatch.engine.sampler import SampleOutput
+from monobatch.engine.sequence import FinishReason, Sequence, SeqStatus
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Timings of a finished request (``time.perf_counter`` seconds).
+
+    TTFT = first token - arrival; decode rate = (tokens - 1) / (finish - first token).
+    """
+
+    arrival_time: float
+    first_token_time: float | None
+    finished_time: float
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+    @property
+    def ttft_ms(self) -> float:
+        return ((self.first_token_time or self.finished_time) - self.arrival_time) * 1000
+
+    @property
+    def decode_tok_per_s(self) -> float:
+        span = self.finished_time - (self.first_token_time or self.finished_time)
+        return (self.num_output_tokens - 1) / span if self.num_output_tokens > 1 and span > 0 else 0.0
+
+    @property
+    def prefill_tok_per_s(self) -> float:
+        return self.num_prompt_tokens / (self.ttft_ms / 1000) if self.ttft_ms > 0 else 0.0
+
+    @classmethod
+    def of(cls, seq: Sequence) -> "RequestMetrics":
+        return cls(seq.arrival_time, seq.first_token_time, time.perf_counter(),
+                   len(seq.prompt_ids), len(seq.output_ids))
+
+
+@dataclass(slots=True)
+class RowOutput:
+    """What one step produced for one request.
+
+    Attributes:
+        request_id: the client's key.
+        token_ids: tokens generated this step (0 or 1).
+        text: new text safe to show now (may be "" while bytes or a stop prefix are held).
+        finish_reason: None while running; ``stop`` | ``length`` | ``abort`` at the end.
+        logprobs: ``[(token_id, logprob, top_alternatives)]`` per new token when asked
+            (the model's distribution; see the ADR).
+        num_prompt_tokens / num_output_tokens: usage so far.
+        metrics: timings, on the final output only.
+    """
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class FinishStep:
+    """Applies a step's draws to their sequences.
+
+    Args:
+        eog_ids: every end-of-generation token id of the model (EOS, ``<|im_end|>``, ...).
+        max_model_len: the context length in tokens; a sequence reaching it ends with ``length``.
+    """
+
+    def __init__(self, eog_ids: frozenset[int], max_model_len: int) -> None:
+        self.eog_ids = frozenset(eog_ids)
+        self.max_model_len = max_model_len
+
+    def ban_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Mask end-of-generation and stop token ids in place (``-inf``) for rows that may not
+        end yet: ``ignore_eos``, or fewer than ``min_tokens`` generated (vLLM's semantics;
+        llama.cpp's ignore_eos is the same -inf bias).
+
+        Args:
+            logits: ``[R, V]`` float32, row r for seqs[r].
+        """
+        for r, seq in enumerate(seqs):
+            p = seq.params
+            banned = set()
+            if p.ignore_eos or len(seq.output_ids) < p.min_tokens:
+                banned |= self.eog_ids
+            if len(seq.output_ids) < p.min_tokens:
+                banned |= set(p.stop_token_ids)
+            if banned:
+                logits[r, sorted(banned)] = float("-inf")
+
+    def _reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        p = seq.params
+        if token in p.stop_token_ids or (token in self.eog_ids and not p.ignore_eos):
+            return FinishReason.STOP
+        if p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens:
+            return FinishReason.LENGTH
+        if seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def apply(self, seqs: list[Sequence], sample: SampleOutput) -> list[RowOutput]:
+        """Append each row's token to its sequence and build the step's outputs (one per row)."""
+        now = time.perf_counter()
+        outputs = []
+        for r, seq in enumerate(seqs):
+            token = sample.token_ids[r]
+            seq.output_ids.append(token)
+            seq.sampler.accept(token)
+            seq.first_token_time = seq.first_token_time or now
+            seq.last_token_time = now
+            reason = self._reason(seq, token)
+            # The token that ends a sequence by id (EOS, stop token) adds no text.
+            text = "" if reason is FinishReason.STOP else seq.stop.feed(seq.detok.push(token))
+            if reason is None and seq.stop.matched is not None:
+                reason = FinishReason.STOP
+            out = RowOutput(seq.request_id, [token], text, num_prompt_tokens=len(seq.prompt_ids),
+                            num_output_tokens=len(seq.output_ids))
+            if sample.logprobs is not None and seq.params.logprobs is not None:
+                out.logprobs = [(token, sample.logprobs[r], sample.top_logprobs[r] if sample.top_logprobs else [])]
+            if reason is not None:
+                out.text += self.release(seq)
+                self.finish(seq, reason)
+                out.finish_reason = reason
+                out.metrics = RequestMetrics.of(seq)
+            outputs.append(out)
+        return outputs
+
+    @staticmethod
+    def release(seq: Sequence) -> str:
+        """Text still held when a sequence ends (incomplete bytes, a failed stop prefix), once."""
+        if seq.stop.matched is not None:
+            return ""
+        return seq.stop.feed(seq.detok.flush()) + seq.stop.flush()
+
+    @staticmethod
+    def finish(seq: Sequence, reason: FinishReason) -> None:
+        """Mark ``seq`` finished; the scheduler frees its KV in the same step."""
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,151 @@
+"""Per-request sampling and stopping parameters, checked once at construction.
+
+Field names and sentinels follow llama.cpp's sampler knobs and the OpenAI API; see
+docs/adr/0001-one-engine.md for the defaults and their precedence.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from monobatch import defaults
+from monobatch.errors import InvalidRequestError
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(f"{param}: {message}", param=param)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    Sampling (applied in llama.cpp's order by :class:`monobatch.engine.sampler.RowSampler`):
+    logit_bias -> repeat_penalty -> presence/frequency penalties -> DRY -> top_k -> typical_p ->
+    top_p -> min_p -> temperature -> draw. ``temperature == 0`` is greedy (argmax).
+
+    Sentinels: ``top_k <= 0`` off (0 llama.cpp, -1 vLLM); ``top_p == 1``, ``typical_p == 1``,
+    ``min_p == 0``, ``repeat_penalty == 1`` off; ``repeat_last_n`` / ``dry_penalty_last_n``: 0 off,
+    -1 the whole context; ``max_tokens=None`` runs to EOS or the context end (llama.cpp ``-n -1``).
+    ``seed=None`` draws a fresh per-request seed, so an unseeded request never disturbs the
+    random stream of a seeded one.
+
+    Raises:
+        InvalidRequestError: any field outside its documented range (the message names it).
+    """
+
+    max_tokens: int | None = None
+    temperature: float = defaults.SAMPLER_DEFAULTS["temperature"]
+    top_k: int = defaults.SAMPLER_DEFAULTS["top_k"]
+    top_p: float = defaults.SAMPLER_DEFAULTS["top_p"]
+    min_p: float = defaults.SAMPLER_DEFAULTS["min_p"]
+    typical_p: float = defaults.SAMPLER_DEFAULTS["typical_p"]
+    repeat_penalty: float = defaults.SAMPLER_DEFAULTS["repeat_penalty"]
+    repeat_last_n: int = defaults.SAMPLER_DEFAULTS["repeat_last_n"]
+    presence_penalty: float = defaults.SAMPLER_DEFAULTS["presence_penalty"]
+    frequency_penalty: float = defaults.SAMPLER_DEFAULTS["frequency_penalty"]
+    dry_multiplier: float = defaults.SAMPLER_DEFAULTS["dry_multiplier"]
+    dry_base: float = defaults.SAMPLER_DEFAULTS["dry_base"]
+    dry_allowed_length: int = defaults.SAMPLER_DEFAULTS["dry_allowed_length"]
+    dry_penalty_last_n: int = defaults.SAMPLER_DEFAULTS["dry_penalty_last_n"]
+    dry_sequence_breakers: tuple[str, ...] = defaults.SAMPLER_DEFAULTS["dry_sequence_breakers"]
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    # -- stopping (applied by FinishStep) --
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    # -- output --
+    logprobs: int | None = None  # top-N alternatives per generated token; None = none
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.stop = tuple(self.stop)
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        self.dry_sequence_breakers = tuple(self.dry_sequence_breakers)
+        self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        _check(self.max_tokens is None or self.max_tokens >= 0, "max_tokens", "must be >= 0 (or None/-1 for no limit)")
+        for name in ("temperature", "top_p", "min_p", "typical_p", "repeat_penalty",
+                     "presence_penalty", "frequency_penalty", "dry_multiplier", "dry_base"):
+            _check(math.isfinite(getattr(self, name)), name, "must be a finite number")
+        _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(self.top_k >= -1, "top_k", f"must be >= 0 (0 or -1 disables), got {self.top_k}")
+        _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check(0 < self.typical_p <= 1, "typical_p", f"must be in (0, 1], got {self.typical_p}")
+        _check(self.repeat_penalty > 0, "repeat_penalty", f"must be > 0, got {self.repeat_penalty}")
+        _check(self.repeat_last_n >= -1, "repeat_last_n", f"must be >= -1, got {self.repeat_last_n}")
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2] (OpenAI API)")
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2] (OpenAI API)")
+        _check(self.dry_multiplier >= 0, "dry_multiplier", "must be >= 0")
+        _check(self.dry_base >= 1, "dry_base", "must be >= 1")
+        _check(self.dry_allowed_length >= 0, "dry_allowed_length", "must be >= 0")
+        _check(self.dry_penalty_last_n >= -1, "dry_penalty_last_n", "must be >= -1")
+        for tok, bias in self.logit_bias.items():
+            _check(tok >= 0, "logit_bias", f"token id {tok} is negative")
+            _check(math.isfinite(bias) and -100 <= bias <= 100, "logit_bias",
+                   f"bias {bias} for token {tok} must be in [-100, 100] (OpenAI API)")
+        _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
+        _check(self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings")
+        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the draw is an argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse token ids outside ``[0, vocab_size)`` in logit_bias and stop_token_ids.
+
+        Raises:
+            InvalidRequestError: naming the first offending id.
+        """
+        for tok in self.logit_bias:
+            _check(tok < vocab_size, "logit_bias", f"token id {tok} is outside the vocabulary (size {vocab_size})")
+        for tok in self.stop_token_ids:
+            _check(0 <= tok < vocab_size, "stop_token_ids", f"token id {tok} is outside the vocabulary (size {vocab_size})")
+
+    def effective_seed(self) -> int:
+        """The seed the draw uses: ``seed`` or a fresh random one (never shared with a neighbour)."""
+        return self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+
+
+SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+
+
+def resolve_sampling(
+    request: Mapping[str, Any] | None = None,
+    flags: Mapping[str, Any] | None = None,
+    generation_config: Mapping[str, Any] | None = None,
+    *,
+    entry_point: str = "generate",
+) -> SamplingParams:
+    """Build :class:`SamplingParams` with the documented precedence.
+
+    request > flags (server or CLI) > the model's generation config > :mod:`monobatch.defaults`.
+    Keys whose value is None at a level fall through to the next. ``max_tokens`` left unset at
+    every level takes ``defaults.MAX_TOKENS_DEFAULT[entry_point]``; -1 means no limit.
+
+    Raises:
+        InvalidRequestError: an unknown field, or a value out of range.
+    """
+    merged: dict[str, Any] = {}
+    for level in (generation_config, flags, request):
+        for key, value in (level or {}).items():
+            if value is None:
+                continue
+            if key not in SAMPLING_FIELDS:
+                raise InvalidRequestError(f"{key}: unknown sampling parameter", param=key)
+            merged[key] = value
+    if "max_tokens" not in merged:
+        merged["max_tokens"] = defaults.MAX_TOKENS_DEFAULT[entry_point]
+    elif merged["max_tokens"] == -1:
+        merged["max_tokens"] = None
+    return SamplingParams(**merged)

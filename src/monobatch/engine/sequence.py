@@ -1,0 +1,97 @@
+"""Request state: one :class:`Sequence` per request, with a status and derived counts.
+
+The scheduler's single idea (vLLM v1's): there is no prefill or decode phase. Each step a running
+sequence's ``num_computed`` (tokens whose KV is cached) catches up with ``num_tokens`` (prompt +
+generated). A prompt catches up in chunks; a decode is the case ``num_tokens - num_computed == 1``.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from monobatch.engine.params import SamplingParams
+from monobatch.engine.sampler import SamplerState
+from monobatch.engine.stop import StopMatcher
+from monobatch.tokenizer import IncrementalDetokenizer
+
+_seq_ids = itertools.count()
+
+
+@dataclass(slots=True)
+class Request:
+    """What a client submits: prompt token ids and how to sample them.
+
+    ``request_id`` is the client's key for routing outputs (an OpenAI completion id, say).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float = field(default_factory=time.perf_counter)
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"    # queued, holds no KV
+    RUNNING = "running"    # admitted: prefilling or decoding, holds KV
+    FINISHED = "finished"  # done (finish_reason set), KV released
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence ended (OpenAI's ``finish_reason`` values, plus ``abort``)."""
+
+    STOP = "stop"      # EOS / end-of-generation token, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context length reached
+    ABORT = "abort"    # the client went away or cancelled
+
+
+class Sequence:
+    """One request in flight: tokens, sampler state, text state and timings.
+
+    Attributes:
+        seq_id: engine-wide unique id (the KV store's key).
+        prompt_ids / output_ids: token ids (prompt fixed; output grows by one per decode).
+        num_computed: tokens whose KV is cached (catches up with ``num_tokens``).
+        sampler: per-sequence sampler state (history, seeded RNG, DRY).
+        detok / stop: streaming detokenizer and stop-string matcher.
+    """
+
+    def __init__(self, request: Request, detok: IncrementalDetokenizer) -> None:
+        self.seq_id = next(_seq_ids)
+        self.request_id = request.request_id
+        self.prompt_ids = list(request.prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = request.params
+        self.sampler = SamplerState(request.params, self.prompt_ids, request.params.effective_seed(),
+                                    token_bytes=detok.tokenizer.token_bytes)
+        self.detok = detok
+        self.stop = StopMatcher(request.params.stop, request.params.include_stop_str_in_output)
+        self.status = SeqStatus.WAITING
+        self.num_computed = 0
+        self.finish_reason: FinishReason | None = None
+        self.arrival_time = request.arrival_time
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + generated tokens."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens still to run through the forward before the next draw."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Token ids ``[start, end)`` of prompt + output."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids[start:] if start < n else []) + self.output_ids[max(start - n, 0):end - n]

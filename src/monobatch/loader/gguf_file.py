@@ -1,0 +1,169 @@
+"""GGUF checkpoints (llama.cpp's format), read with the ``gguf`` package.
+
+Each tensor is dequantized on its own by ``gguf.quants.dequantize`` (every type gguf-py can
+dequantize) and copied into the model's compute dtype, so peak memory is the final weights plus
+one float32 tensor. llama.cpp's converter permutes the Q and K rows of ``llama`` checkpoints for
+its interleaved RoPE; we undo it (as transformers' GGUF loader does) and run HF's rotate-half
+RoPE, so GGUF and safetensors checkpoints share one forward.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from monobatch.errors import UnsupportedModelError
+from monobatch.loader.weights import WeightFiller, check_memory, new_model, progress_bar
+from monobatch.models.args import SUPPORTED_MODEL_TYPES, ModelArgs
+from monobatch.models.llama import LlamaModel
+
+#: GGUF tensor name -> HF name (``{i}`` is the layer index). llama.cpp's tensor naming.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
+                 "output.weight": "lm_head.weight"}
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    """One metadata value (scalars, strings and arrays decoded by gguf-py), or ``default``."""
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """llama.cpp tensor name -> HF name; None for tensors the forward does not use."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def model_args(reader: GGUFReader) -> ModelArgs:
+    """ModelArgs from GGUF metadata (``{arch}.block_count`` etc., llama.cpp's key names).
+
+    Raises:
+        UnsupportedModelError: an architecture outside the Llama family, or partial RoPE.
+    """
+    arch = field(reader, "general.architecture")
+    model_type = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}.get(arch)
+    if model_type is None:
+        raise UnsupportedModelError(
+            f"unsupported architecture {arch!r} in GGUF; monobatch runs {', '.join(SUPPORTED_MODEL_TYPES)}")
+    names = {t.name for t in reader.tensors}
+    heads = int(field(reader, f"{arch}.attention.head_count"))
+    hidden = int(field(reader, f"{arch}.embedding_length"))
+    head_dim = int(field(reader, f"{arch}.attention.key_length", hidden // heads))
+    rope_dim = int(field(reader, f"{arch}.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise UnsupportedModelError(f"partial RoPE ({rope_dim} of {head_dim} dims) is not supported")
+    scaling = None
+    kind = field(reader, f"{arch}.rope.scaling.type")
+    if kind and kind != "none":
+        scaling = {"rope_type": kind, "factor": float(field(reader, f"{arch}.rope.scaling.factor", 1.0)),
+                   "original_max_position_embeddings": field(reader, f"{arch}.rope.scaling.original_context_length")}
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    return ModelArgs(
+        model_type=model_type,
+        hidden_size=hidden,
+        num_hidden_layers=int(field(reader, f"{arch}.block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        intermediate_size=int(field(reader, f"{arch}.feed_forward_length")),
+        vocab_size=int(field(reader, f"{arch}.vocab_size", len(tokens) if tokens else 0)),
+        max_position_embeddings=int(field(reader, f"{arch}.context_length", 4096)),
+        rms_norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+    )
+
+
+def generation_defaults(reader: GGUFReader) -> dict[str, Any]:
+    """Sampling defaults a GGUF recommends (``general.sampling.*``, llama.cpp), as SamplingParams fields."""
+    keys = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+            "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
+            "general.sampling.penalty_repeat": "repeat_penalty", "general.sampling.penalty_last_n": "repeat_last_n"}
+    return {ours: field(reader, key) for key, ours in keys.items() if field(reader, key) is not None}
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp convert_hf_to_gguf.py's ``permute`` of Q/K rows (interleaved -> rotate-half)."""
+    shape = w.shape
+    return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def dequantize_tensor(t: Any) -> np.ndarray:
+    """One GGUF tensor as float32 in numpy (row-major, HF's ``[out, in]`` order).
+
+    Raises:
+        UnsupportedModelError: a type gguf-py cannot dequantize.
+    """
+    qtype = GGMLQuantizationType(int(t.tensor_type))
+    try:
+        data = dequantize(t.data, qtype)
+    except NotImplementedError as e:
+        raise UnsupportedModelError(f"tensor {t.name}: weight type {qtype.name} cannot be dequantized ({e})") from e
+    return data.astype(np.float32, copy=False).reshape(tuple(int(n) for n in reversed(t.shape)))
+
+
+def load_gguf_model(reader: GGUFReader, device: torch.device, dtype: torch.dtype,
+                    progress: bool = True) -> LlamaModel:
+    """Build and fill a LlamaModel from an open GGUF file.
+
+    Raises:
+        UnsupportedModelError, InsufficientMemoryError: see :func:`model_args`, :func:`check_memory`.
+    """
+    args = model_args(reader)
+    check_memory(args, dtype, device)
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    freq_factors = torch.from_numpy(dequantize_tensor(rope_freqs).copy()) if rope_freqs is not None else None
+    model = new_model(args, device, dtype, freq_factors)
+    filler = WeightFiller(model)
+    permute = args.model_type in ("llama", "mistral")
+    bar = progress_bar(sum(int(t.n_bytes) for t in reader.tensors), "loading weights", progress)
+    with bar:
+        for t in reader.tensors:
+            name = hf_name(t.name)
+            if name is not None:
+                w = dequantize_tensor(t)
+                if permute and (".q_proj." in name or ".k_proj." in name):
+                    n = args.num_attention_heads if ".q_proj." in name else args.num_key_value_heads
+                    w = unpermute_qk(w, n)
+                filler.fill(name, w)
+            bar.update(int(t.n_bytes))
+    return filler.finish()
+
+
+def open_gguf(path: str | Path) -> GGUFReader:
+    """Open a GGUF file (memory-mapped, read-only).
+
+    Raises:
+        UnsupportedModelError: the file is not a readable GGUF.
+    """
+    try:
+        return GGUFReader(str(path), "r")
+    except Exception as e:  # gguf-py raises ValueError/struct errors on bad files
+        raise UnsupportedModelError(f"{path}: not a readable GGUF file ({e})") from e

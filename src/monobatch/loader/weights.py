@@ -1,0 +1,113 @@
+"""Filling a LlamaModel from HF-named tensors, whatever the file format, with a memory check."""
+
+from __future__ import annotations
+
+import sys
+import numpy as np
+import psutil
+import torch
+from tqdm import tqdm
+
+from monobatch.errors import InsufficientMemoryError, UnsupportedModelError
+from monobatch.models.args import ModelArgs
+from monobatch.models.llama import PACKED, LlamaModel
+
+#: Fraction of the free memory the dequantized weights may take; the rest is left for the KV
+#: cache, activations and the OS.
+MEMORY_HEADROOM = 0.9
+
+
+def available_memory(device: torch.device) -> int:
+    """Free memory in bytes: MemAvailable for CPU (psutil), cudaMemGetInfo's free for CUDA."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return int(psutil.virtual_memory().available)
+
+
+def check_memory(args: ModelArgs, dtype: torch.dtype, device: torch.device) -> int:
+    """Refuse to load weights that would not fit; returns the bytes the weights will take.
+
+    Raises:
+        InsufficientMemoryError: weights need more than ``MEMORY_HEADROOM`` of free memory.
+    """
+    need = args.num_parameters() * torch.tensor([], dtype=dtype).element_size()
+    free = available_memory(device)
+    if need > MEMORY_HEADROOM * free:
+        raise InsufficientMemoryError(
+            f"the weights need {need / 2**30:.2f} GiB as {str(dtype).removeprefix('torch.')} on {device.type}, "
+            f"but only {free / 2**30:.2f} GiB is free; try a smaller model or --dtype bfloat16"
+        )
+    return need
+
+
+def new_model(args: ModelArgs, device: torch.device, dtype: torch.dtype,
+              freq_factors: torch.Tensor | None = None) -> LlamaModel:
+    """An unfilled model with its parameters allocated (uninitialised) on ``device`` in ``dtype``."""
+    with torch.device("meta"):
+        model = LlamaModel(args, freq_factors)
+    model.to_empty(device=device)
+    model.to(dtype=dtype)
+    model.rope.to(device)
+    return model
+
+
+class WeightFiller:
+    """Copies HF-named tensors (``layers.3.self_attn.q_proj.weight``; ``model.`` prefix optional)
+    into a model's (packed) parameters, converting dtype and device, and tracks what is missing.
+    """
+
+    def __init__(self, model: LlamaModel) -> None:
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.args = model.args
+        self.filled: set[str] = set()
+        a = self.args
+        q, kv, f = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim, a.intermediate_size
+        self._slices = {"self_attn.qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
+                        "mlp.gate_up_proj": [(0, f), (f, 2 * f)]}
+        self._parts: dict[str, int] = {}
+
+    def _target(self, name: str) -> tuple[str, slice | None, int]:
+        """HF name -> (our parameter name, its row slice or None, slices that make it whole)."""
+        name = name.removeprefix("model.")
+        if name == "embed_tokens.weight":
+            return "embed_tokens", None, 1
+        for hf, (packed, idx) in PACKED.items():
+            marker = f".{hf}."
+            if marker in name:
+                prefix, suffix = name.split(marker)
+                lo, hi = self._slices[packed][idx]
+                return f"{prefix}.{packed}.{suffix}", slice(lo, hi), len(self._slices[packed])
+        return name, None, 1
+
+    def fill(self, name: str, value: np.ndarray | torch.Tensor) -> None:
+        """Copy one tensor. Raises UnsupportedModelError on an unknown name or a shape mismatch."""
+        target, rows, parts = self._target(name)
+        param = self.params.get(target)
+        if param is None:
+            raise UnsupportedModelError(f"unexpected tensor {name!r} for a {self.args.model_type} model")
+        dst = param.data if rows is None else param.data[rows]
+        src = torch.from_numpy(np.array(value, copy=False) if value.flags.writeable else value.copy()) if isinstance(value, np.ndarray) else value
+        if tuple(src.shape) != tuple(dst.shape):
+            raise UnsupportedModelError(f"tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+        dst.copy_(src)
+        self._parts[target] = self._parts.get(target, 0) + 1
+        if self._parts[target] == parts:
+            self.filled.add(target)
+
+    def finish(self) -> LlamaModel:
+        """Check every parameter was filled.
+
+        Raises:
+            UnsupportedModelError: naming the first missing tensor.
+        """
+        missing = sorted(set(self.params) - self.filled)
+        if missing:
+            raise UnsupportedModelError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[0]!r}")
+        return self.model
+
+
+def progress_bar(total_bytes: int, desc: str, enabled: bool) -> tqdm:
+    """A tqdm bar on stderr counting bytes read; ``update(n)`` per tensor."""
+    return tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, file=sys.stderr,
+                disable=not enabled, leave=False, dynamic_ncols=True)

@@ -1,0 +1,91 @@
+"""Model hyper-parameters for the Llama family, read from HF config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from monobatch.errors import UnsupportedModelError
+
+#: HF `model_type` values the Llama forward runs, and the extras each one turns on.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(slots=True)
+class ModelArgs:
+    """Shapes and options of a Llama-family decoder (names follow HF's LlamaConfig).
+
+    ``attention_bias`` is Qwen2's q/k/v bias; ``qk_norm`` is Qwen3's per-head RMSNorm on q and k.
+    ``rope_scaling`` is HF's dict (``rope_type``: linear | llama3 | yarn) or None.
+    """
+
+    model_type: str = "llama"
+    hidden_size: int = 576
+    num_hidden_layers: int = 30
+    num_attention_heads: int = 9
+    num_key_value_heads: int = 3
+    head_dim: int = 0  # 0 = hidden_size // num_attention_heads
+    intermediate_size: int = 1536
+    vocab_size: int = 49152
+    max_position_embeddings: int = 8192
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    hidden_act: str = "silu"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"unsupported architecture {self.model_type!r}; monobatch runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if self.hidden_act != "silu":
+            raise UnsupportedModelError(f"unsupported activation {self.hidden_act!r} (only silu)")
+        if not self.head_dim:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UnsupportedModelError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.model_type == "qwen3":
+            self.qk_norm = True
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> "ModelArgs":
+        """Build from an HF config.json dict, ignoring keys this forward does not use (mlx-lm style).
+
+        Raises:
+            UnsupportedModelError: an architecture outside :data:`SUPPORTED_MODEL_TYPES`.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in config.items() if k in names and k != "extra"}
+        if config.get("model_type") == "qwen2":
+            kwargs.setdefault("attention_bias", True)
+        # HF moved rope parameters into `rope_parameters` (transformers 5); read either.
+        rope = config.get("rope_parameters") or {}
+        if "rope_theta" not in kwargs and "rope_theta" in rope:
+            kwargs["rope_theta"] = rope["rope_theta"]
+        if kwargs.get("rope_scaling") is None and rope.get("rope_type", "default") != "default":
+            kwargs["rope_scaling"] = dict(rope)
+        if kwargs.get("head_dim") is None:
+            kwargs.pop("head_dim", None)
+        return cls(**kwargs)
+
+    @property
+    def num_kv_groups(self) -> int:
+        """Query heads per KV head (GQA group size)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def num_parameters(self) -> int:
+        """Parameter count of the weights this forward holds (tied embeddings counted once)."""
+        d, hd, L = self.hidden_size, self.head_dim, self.num_hidden_layers
+        q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
+        per_layer = d * (q + 2 * kv) + q * d + 3 * d * self.intermediate_size + 2 * d
+        if self.attention_bias:
+            per_layer += q + 2 * kv
+        if self.qk_norm:
+            per_layer += 2 * hd
+        head = 0 if self.tie_word_embeddings else self.vocab_size * d
+        return self.vocab_size * d + L * per_layer + d + head

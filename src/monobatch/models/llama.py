@@ -1,0 +1,173 @@
+"""The Llama-family decoder: Llama 2/3, SmolLM2, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+One batch-native forward: ``forward(batch, kv) -> logits[R, vocab]`` over a flat StepBatch whose
+tokens may come from many sequences (prefill chunks and decode tokens mixed). Attention reads and
+writes the KV cache only through :class:`monobatch.kv.store.KvStore`.
+
+Shape letters: T tokens in the step, R rows that want logits, D hidden size, H query heads,
+K KV heads, hd head dim, F FFN size, V vocab.
+
+Weights are held packed (nano-vllm style): ``qkv_proj`` = cat(q, k, v) rows and
+``gate_up_proj`` = cat(gate, up) rows, so a layer is four GEMMs. The loader fills them from HF
+names (:data:`PACKED`), whatever the file format.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from monobatch.engine.batch import StepBatch
+from monobatch.kv.store import KvStore
+from monobatch.models.args import ModelArgs
+from monobatch.models.rope import RotaryEmbedding, apply_rope, rope_inv_freq
+
+#: HF tensor suffix -> (packed parameter, index of its slice). Read by the loaders.
+PACKED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+def _param(*shape: int) -> nn.Parameter:
+    # torch.empty: no random init; the loader fills every parameter.
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), weight ``[out, in]``; no init (the loader fills it)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = _param(out_features, in_features)
+        self.bias = _param(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[T, in]`` -> ``[T, out]``."""
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019), computed in float32 like HF's LlamaRMSNorm."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = _param(dim)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[..., dim]`` -> same shape and dtype."""
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with packed QKV, optional qkv bias (Qwen2) and q/k norm (Qwen3)."""
+
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.hd = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.q_size, self.kv_size = self.n_heads * self.hd, self.n_kv * self.hd
+        self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.attention_bias)
+        self.o_proj = Linear(self.q_size, args.hidden_size)
+        self.q_norm = RMSNorm(self.hd, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, args.rms_norm_eps) if args.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch, kv: KvStore) -> torch.Tensor:
+        """x ``[T, D]`` -> ``[T, D]``."""
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.n_heads, self.hd)  # (T, H, hd)
+        k = k.view(T, self.n_kv, self.hd)  # (T, K, hd)
+        v = v.view(T, self.n_kv, self.hd)  # (T, K, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = kv.attend(self.layer, q, k, v, batch)  # (T, H, hd)
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x)), gate and up packed."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.ffn = args.intermediate_size
+        self.gate_up_proj = Linear(args.hidden_size, 2 * self.ffn)
+        self.down_proj = Linear(self.ffn, args.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[T, D]`` -> ``[T, D]``."""
+        gate, up = self.gate_up_proj(x).split(self.ffn, dim=-1)  # (T, F) each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: two residual lines."""
+
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, layer)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch, kv: KvStore) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embeddings -> decoder layers -> final norm -> LM head (tied to the embeddings when the
+    checkpoint has no separate output matrix)."""
+
+    def __init__(self, args: ModelArgs, freq_factors: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = _param(args.vocab_size, args.hidden_size)  # (V, D)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size)
+        inv_freq, scale = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling,
+                                        args.max_position_embeddings, freq_factors)
+        self.rope = RotaryEmbedding(inv_freq, scale)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    def to_device(self, device: torch.device, dtype: torch.dtype) -> "LlamaModel":
+        """Move and cast the weights; the RoPE table stays float32."""
+        self.to(device=device, dtype=dtype)
+        self.rope.to(device)
+        return self
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, kv: KvStore) -> torch.Tensor:
+        """Run one step.
+
+        Args:
+            batch: T flat tokens of any number of sequences (see :class:`StepBatch`).
+            kv: the KV cache; ``kv.prepare(batch)`` must have been called.
+
+        Returns:
+            ``[R, V]`` float32 logits for ``batch.logit_rows``, in their order.
+        """
+        x = F.embedding(batch.token_ids, self.embed_tokens)  # (T, D)
+        cos, sin = self.rope.cos_sin(batch.positions, x.dtype)  # (T, hd) each
+        for layer in self.layers:
+            x = layer(x, cos, sin, batch, kv)
+        x = self.norm(x[batch.logit_rows])  # (R, D): only rows that want logits
+        head = self.embed_tokens if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, head).float()  # (R, V)

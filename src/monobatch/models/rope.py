@@ -1,0 +1,117 @@
+"""Rotary position embeddings (RoPE, Su et al. 2021) with HF's scaling variants.
+
+The rotation is HF's ``rotate_half`` layout (first half / second half of each head), which is
+what HF checkpoints use and what our GGUF loader restores by undoing llama.cpp's Q/K permutation.
+Scaling formulas follow transformers' ``modeling_rope_utils`` (linear; llama3 from Meta's
+Llama 3.1 release; YaRN, Peng et al. 2023).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from monobatch.errors import UnsupportedModelError
+
+
+def _yarn(inv_freq: torch.Tensor, dim: int, base: float, cfg: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
+    factor = float(cfg["factor"])
+    orig = int(cfg.get("original_max_position_embeddings") or max_pos)
+    beta_fast, beta_slow = float(cfg.get("beta_fast") or 32), float(cfg.get("beta_slow") or 1)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = cfg.get("attention_factor")
+    if attention_factor is None:
+        if cfg.get("mscale") and cfg.get("mscale_all_dim"):
+            attention_factor = mscale(factor, cfg["mscale"]) / mscale(factor, cfg["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1.0 - ramp
+    inv_freq = (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def _llama3(inv_freq: torch.Tensor, cfg: dict[str, Any]) -> torch.Tensor:
+    factor = float(cfg["factor"])
+    low_ff, high_ff = float(cfg.get("low_freq_factor", 1.0)), float(cfg.get("high_freq_factor", 4.0))
+    old_ctx = float(cfg["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_ctx / low_ff, old_ctx / high_ff
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low_ff) / (high_ff - low_ff)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position_embeddings: int,
+    freq_factors: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``[head_dim // 2]`` float32 and the attention (cos/sin) scale.
+
+    ``freq_factors`` is GGUF's ``rope_freqs.weight`` (llama3 models store the scaling as
+    per-frequency divisors, llama.cpp convention); it is applied instead of ``scaling``.
+
+    Raises:
+        UnsupportedModelError: a ``rope_type`` other than default, linear, llama3 and yarn
+            (dynamic NTK and longrope are refused rather than silently ignored).
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    if freq_factors is not None:
+        return inv_freq / freq_factors.float(), 1.0
+    if not scaling:
+        return inv_freq, 1.0
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"]), 1.0
+    if kind == "llama3":
+        return _llama3(inv_freq, scaling), 1.0
+    if kind == "yarn":
+        return _yarn(inv_freq, head_dim, theta, scaling, max_position_embeddings)
+    raise UnsupportedModelError(f"unsupported rope scaling {kind!r} (monobatch implements linear, llama3, yarn)")
+
+
+class RotaryEmbedding:
+    """cos/sin tables for positions, computed on the fly from ``inv_freq`` (no length cap).
+
+    Args:
+        inv_freq: ``[head_dim // 2]`` float32 from :func:`rope_inv_freq`.
+        attention_scale: multiplies cos and sin (YaRN's mscale; 1.0 otherwise).
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scale: float = 1.0) -> None:
+        self.inv_freq = inv_freq
+        self.attention_scale = attention_scale
+
+    def to(self, device: torch.device) -> "RotaryEmbedding":
+        self.inv_freq = self.inv_freq.to(device)
+        return self
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions ``[T]`` int64 -> (cos, sin) each ``[T, head_dim]`` in ``dtype`` (computed in float32, as HF)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+        return (emb.cos() * self.attention_scale).to(dtype), (emb.sin() * self.attention_scale).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, heads, head_dim]`` by cos/sin ``[T, head_dim]`` (HF rotate_half layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

