@@ -91,6 +91,7 @@ class Engine:
         self.kv.commit(batch)
         return logits
 
+    @torch.inference_mode()
     def step(self, batch: StepBatch, rows: list[Sequence]) -> list[RowOutput]:
         """Forward ``batch``, then sample and finish one token for each of ``rows``.
 

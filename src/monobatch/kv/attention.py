@@ -27,11 +27,11 @@ def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int) ->
     g = n_q // n_kv
     # (L, n_kv, g, hd) -> (n_kv, g*L, hd): one KV head serves g query heads.
     qg = q.view(L, n_kv, g, hd).permute(1, 2, 0, 3).reshape(n_kv, g * L, hd)
-    if L == 1:
-        out = F.scaled_dot_product_attention(qg, k, v)  # (n_kv, g, hd), sees every cached key
-    else:
+    mask = None  # a single query token sees every cached key
+    if L > 1:
         key_pos = torch.arange(S, device=q.device)
         query_pos = torch.arange(pos, pos + L, device=q.device)
         mask = (key_pos[None, :] <= query_pos[:, None]).repeat(g, 1)  # (g*L, S)
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
+    # 4-D inputs: torch's fused CPU kernels take the (B, heads, L, E) layout; 3-D falls back to a slow path.
+    out = F.scaled_dot_product_attention(qg[None], k[None], v[None], attn_mask=mask)[0]  # (n_kv, g*L, hd)
     return out.view(n_kv, g, L, hd).permute(2, 0, 1, 3).reshape(L, n_q, hd)
