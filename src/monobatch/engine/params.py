@@ -68,8 +68,15 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.stop = tuple(self.stop)
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        _check(not isinstance(self.dry_sequence_breakers, str)
+               and all(isinstance(b, str) for b in self.dry_sequence_breakers),
+               "dry_sequence_breakers", "must be a list of strings")
         self.dry_sequence_breakers = tuple(self.dry_sequence_breakers)
-        self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        try:  # OpenAI sends string keys ("50256": -100)
+            self.logit_bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
+        except (TypeError, ValueError):
+            raise InvalidRequestError("logit_bias: keys must be integer token ids and values "
+                                      "numbers", param="logit_bias") from None
         _check(self.max_tokens is None or self.max_tokens >= 0, "max_tokens", "must be >= 0 (or None/-1 for no limit)")
         for name in ("temperature", "top_p", "min_p", "typical_p", "repeat_penalty",
                      "presence_penalty", "frequency_penalty", "dry_multiplier", "dry_base"):

@@ -1,0 +1,364 @@
+"""Per-row sampling with history: :class:`SamplerState` per sequence, :class:`RowSampler` per step.
+
+The chain is llama.cpp's default order (common/sampling.cpp, ``common_sampler_init``):
+logit_bias -> repetition penalty -> presence/frequency -> DRY -> top_k -> typical_p -> top_p ->
+min_p -> temperature -> draw. The formulas live in :mod:`monobatch.engine.sampler_stages`.
+
+Sample and accept are separate calls (llama.cpp ``common_sampler_sample`` / ``_accept``):
+``RowSampler.sample`` reads the states and never changes them; the finish step calls
+``SamplerState.accept`` with each chosen token, which updates the penalty counts and DRY state.
+
+Reproducibility: a row's draw is a function of its own logits, its state and
+``(state.seed, position = len(state.history))`` only, through a counter-based RNG
+(:func:`~monobatch.engine.sampler_stages.counter_uniforms`). Neighbours, row order, batch size,
+preemption with recompute and the device (the uniforms are integer-exact on CPU and CUDA) do
+not change a seeded sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from monobatch.engine import sampler_stages as st
+from monobatch.engine.params import SamplingParams
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    """What :meth:`RowSampler.sample` returns for R rows.
+
+    Attributes:
+        token_ids: [R] the drawn token ids.
+        logprobs: [R] the log-probability of each drawn token under the MODEL's distribution
+            (``log_softmax`` of the raw logits), or None when no row asked for logprobs. When any
+            row asks, every row's entry is filled (the values are real, not placeholders).
+        top_logprobs: [R][N] ``(token id, logprob)`` alternatives, best first, N = that row's
+            ``params.logprobs``; ``[]`` for rows that did not ask; None when no row asked.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+class SamplerState:
+    """Per-sequence sampler state: history, penalty counts, DRY state, seed.
+
+    Args:
+        params: the request's checked :class:`SamplingParams`.
+        prompt_ids: the prompt's token ids (they count for the repetition penalty and DRY, as in
+            llama.cpp's server, which accepts the prompt into its sampler; not for
+            presence/frequency, case P1).
+        seed: the draw's seed (``params.effective_seed()``); keep the state across preemption,
+            or rebuild it from the prompt and ``accept`` the generated tokens again.
+        token_bytes: a token id's raw bytes, for DRY's sequence breakers. None ignores breakers.
+
+    Attributes:
+        history: prompt + generated ids, in order. num_prompt_tokens: the prompt's length.
+        repeat_counts: token -> count in the last ``repeat_last_n`` tokens of history (kept only
+            while the repetition penalty is on).
+        generated_counts: token -> count among generated tokens (kept only while
+            presence/frequency is on).
+    """
+
+    __slots__ = ("params", "seed", "history", "num_prompt_tokens", "repeat_counts",
+                 "generated_counts", "dry", "_repeat_window", "_count_generated")
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], seed: int,
+                 token_bytes: Callable[[int], bytes] | None = None) -> None:
+        self.params = params
+        self.seed = int(seed)
+        self.history = [int(t) for t in prompt_ids]
+        self.num_prompt_tokens = len(self.history)
+        on = params.repeat_penalty != 1.0 and params.repeat_last_n != 0
+        self._repeat_window = params.repeat_last_n if on else None  # -1 = whole history
+        self.repeat_counts: dict[int, int] = {}
+        if on:
+            n = params.repeat_last_n
+            for t in self.history if n < 0 else self.history[-n:]:
+                self.repeat_counts[t] = self.repeat_counts.get(t, 0) + 1
+        self._count_generated = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+        self.generated_counts: dict[int, int] = {}
+        dry_on = params.dry_multiplier > 0.0 and params.dry_penalty_last_n != 0
+        self.dry = st.DryState(params, self.history, token_bytes) if dry_on else None
+
+    @property
+    def generated(self) -> list[int]:
+        """The generated token ids (history after the prompt)."""
+        return self.history[self.num_prompt_tokens:]
+
+    def accept(self, token_id: int) -> None:
+        """Push the token just chosen; update the penalty counts and DRY state incrementally."""
+        t = int(token_id)
+        self.history.append(t)
+        n = self._repeat_window
+        if n is not None:
+            self.repeat_counts[t] = self.repeat_counts.get(t, 0) + 1
+            if 0 < n < len(self.history):
+                old = self.history[-n - 1]
+                self.repeat_counts[old] -= 1
+                if self.repeat_counts[old] == 0:
+                    del self.repeat_counts[old]
+        if self._count_generated:
+            self.generated_counts[t] = self.generated_counts.get(t, 0) + 1
+        if self.dry is not None:
+            self.dry.accept(t)
+
+
+def _entries(row: int, counts: dict[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    # (rows, token ids, counts) of one row's sparse table
+    n = len(counts)
+    return (np.full(n, row, np.int64), np.fromiter(counts.keys(), np.int64, n),
+            np.fromiter(counts.values(), np.float64, n))
+
+
+def _cat(parts: list, dtype: type) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
+
+
+def _mass(p: float) -> float:
+    # a typical_p / top_p mass; 1 (off) becomes inf, which keeps every token without a mask
+    return p if p < 1.0 else math.inf
+
+
+#: Sampled rows go in one of three groups: "plain" (no top_k/typical_p/top_p: the draw runs over
+#: the whole vocabulary), "topk" (a top_k <= TOPK_FAST: filters and draw run on the top_k
+#: candidates from torch.topk), "sort" (the rest: one full descending sort).
+GROUPS = ("plain", "topk", "sort")
+TOPK_FAST = 1024
+_PER_ROW_INTS = ("rows", "keys", "top_k")
+_PER_ROW_FLTS = ("temp", "log_min_p", "typical", "top_p")
+
+
+class _Plan:
+    """Host side of one step: which rows use which stage, with their parameters.
+
+    Everything is collected into numpy arrays on the host and sent to the logits' device in ONE
+    copy (pinned, non-blocking on CUDA), so the step has no host sync before the final
+    ``.tolist()``. Stage choices (which stages run, the top-k width) are read from the host
+    arrays, never from the device.
+    """
+
+    def __init__(self, states: list[SamplerState], vocab_size: int) -> None:
+        ints: dict[str, list] = {k: [] for k in (
+            "bias_rows", "bias_cols", "rep_rows", "rep_cols", "add_rows", "add_cols", "lp_rows",
+            *(f"{g}_{k}" for g in GROUPS for k in _PER_ROW_INTS))}
+        flts: dict[str, list] = {k: [] for k in (
+            "bias", "rep", "add", *(f"{g}_{k}" for g in GROUPS for k in _PER_ROW_FLTS))}
+        self.top_n: list[int | None] = []
+        for r, s in enumerate(states):
+            p = s.params
+            self.top_n.append(p.logprobs)
+            if p.logprobs is not None and p.logprobs > 0:
+                ints["lp_rows"].append([r])
+            if p.logit_bias:
+                rows, cols, vals = _entries(r, p.logit_bias)  # values are float biases
+                ints["bias_rows"].append(rows), ints["bias_cols"].append(cols)
+                flts["bias"].append(vals)
+            if s.repeat_counts:
+                rows, cols, _ = _entries(r, s.repeat_counts)
+                ints["rep_rows"].append(rows), ints["rep_cols"].append(cols)
+                flts["rep"].append(np.full(len(rows), p.repeat_penalty))
+            if s.generated_counts:  # presence/frequency, added after the repetition penalty
+                rows, cols, cnt = _entries(r, s.generated_counts)
+                ints["add_rows"].append(rows), ints["add_cols"].append(cols)
+                flts["add"].append(st.presence_frequency_delta(
+                    cnt, p.presence_penalty, p.frequency_penalty))
+            if s.dry is not None and s.dry.lengths:  # DRY, likewise
+                rows, cols, lens = _entries(r, s.dry.lengths)
+                ints["add_rows"].append(rows), ints["add_cols"].append(cols)
+                flts["add"].append(st.dry_delta(
+                    lens, p.dry_multiplier, p.dry_base, p.dry_allowed_length))
+            if p.temperature == 0.0:
+                continue  # greedy: the argmax of the penalised logits
+            top_k = p.top_k if 0 < p.top_k < vocab_size else 0
+            g = ("topk" if 0 < top_k <= TOPK_FAST else
+                 "sort" if top_k or p.typical_p < 1.0 or p.top_p < 1.0 else "plain")
+            key = st.to_signed64(st.row_key(s.seed, len(s.history)))
+            for k, v in zip(_PER_ROW_INTS, (r, key, top_k)):
+                ints[f"{g}_{k}"].append([v])
+            # "off" as values the stages need no mask for: ln 0 = -inf, p >= 1 -> inf
+            log_min_p = math.log(p.min_p) if p.min_p > 0.0 else -math.inf
+            for k, v in zip(_PER_ROW_FLTS, (p.temperature, log_min_p, _mass(p.typical_p),
+                                            _mass(p.top_p))):
+                flts[f"{g}_{k}"].append([v])
+        self.ints = {k: _cat(v, np.int64) for k, v in ints.items()}
+        self.flts = {k: _cat(v, np.float64) for k, v in flts.items()}
+        self.n = {k: len(v) for k, v in {**self.ints, **self.flts}.items()}
+        if self.n["bias_cols"] and int(self.ints["bias_cols"].max()) >= vocab_size:
+            raise ValueError(f"logit_bias token id outside the vocabulary (size {vocab_size}); "
+                             "check requests with SamplingParams.check_vocab at admission")
+
+    def uses(self, name: str) -> bool:
+        """True when some row has entries in array ``name`` (the stage must run)."""
+        return self.n[name] > 0
+
+    def upload(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """All arrays as tensors on ``device``, from one int64 buffer (floats bit-cast)."""
+        names = list(self.ints) + list(self.flts)
+        parts = list(self.ints.values()) + [a.view(np.int64) for a in self.flts.values()]
+        buf = torch.from_numpy(np.concatenate(parts))
+        if device.type != "cpu":
+            buf = buf.pin_memory().to(device, non_blocking=True)
+        out, at = {}, 0
+        for name, part in zip(names, parts):
+            t = buf[at:at + len(part)]
+            out[name] = t.view(torch.float64) if name in self.flts else t
+            at += len(part)
+        return out
+
+
+@dataclass(slots=True)
+class _Drawn:
+    """One group of sampled rows after the chain: the draw's input."""
+
+    rows: torch.Tensor  # (n,) int64 row indices into the batch
+    z: torch.Tensor  # (n, C) float64 logits after filters and temperature (-inf: filtered out)
+    ids: torch.Tensor | None  # (n, C) int64 token id of each column; None: column = token id
+    keys: torch.Tensor  # (n,) int64 RNG keys
+
+
+class RowSampler:
+    """Samples one token per row of a logits batch, each row with its own settings and state.
+
+    Rows with different settings share one call; a stage runs only on the rows that use it
+    (an all-neutral batch costs a temperature division and the draw; an all-greedy neutral batch
+    one argmax). Rows with top_k <= 1024 are filtered and drawn on their top_k candidates only,
+    which is exact because the RNG is keyed by token id. Greedy (``temperature == 0``) is the
+    argmax of the logits after logit_bias and the penalties, as in llama.cpp; the truncation
+    filters are skipped for greedy rows. (llama.cpp runs typical_p before its temperature-0
+    argmax, and typical_p can drop the argmax token; monobatch keeps greedy the plain argmax,
+    which invariants 1-3 compare.)
+
+    Args:
+        vocab_size: the tokenizer's vocabulary size. Logit columns past it (a padded lm_head)
+            are never drawn.
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = int(vocab_size)
+
+    def sample(self, logits: torch.Tensor, states: list[SamplerState]) -> SampleOutput:
+        """Draw one token per row. Does not mutate ``states`` (``accept`` is separate).
+
+        Args:
+            logits: (R, V) float (float32, bf16 or fp16; CPU or CUDA), V >= vocab_size; row r
+                belongs to ``states[r]``.
+            states: R sampler states.
+        Returns:
+            :class:`SampleOutput`. Logprobs, when asked, are the MODEL's distribution
+            (``log_softmax`` of the raw logits, before bias, penalties, filters and temperature),
+            as OpenAI's ``logprobs`` are.
+        Raises:
+            ValueError: shapes disagree, or a logit_bias id is outside the vocabulary.
+        """
+        R = self._check(logits, states)
+        if R == 0:
+            return SampleOutput([], None, None)
+        plan = _Plan(states, self.vocab_size)
+        t = plan.upload(logits.device)
+        x, groups = self._chain(logits, plan, t)
+        greedy = R - sum(g.rows.shape[0] for g in groups)
+        tok = x.argmax(dim=-1) if greedy else torch.empty(R, dtype=torch.int64, device=x.device)
+        for g in groups:
+            drawn = st.gumbel_argmax(g.z, g.keys, g.ids)
+            tok = drawn if g.rows.shape[0] == R else tok.index_copy_(0, g.rows, drawn)
+        if all(n is None for n in plan.top_n):
+            return SampleOutput(tok.tolist(), None, None)
+        return self._with_logprobs(logits, tok, plan, t)
+
+    def transform(self, logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
+        """The logits each row's draw sees, for tests and the parity report.
+
+        Returns:
+            (R, V) float64: for greedy rows the logits after logit_bias and the penalties; for
+            sampled rows after every filter and the temperature (``-inf`` = filtered out).
+        """
+        self._check(logits, states)
+        plan = _Plan(states, self.vocab_size)
+        t = plan.upload(logits.device)
+        x, groups = self._chain(logits, plan, t)
+        out = x.double()
+        for g in groups:
+            if g.ids is None:
+                out[g.rows] = g.z
+            else:  # candidates back to token order
+                full = torch.full((g.z.shape[0], out.shape[1]), st.NEG_INF, dtype=out.dtype,
+                                  device=out.device)
+                out[g.rows] = full.scatter_(1, g.ids, g.z)
+        return out
+
+    def _check(self, logits: torch.Tensor, states: list[SamplerState]) -> int:
+        if logits.dim() != 2 or logits.shape[0] != len(states):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} states")
+        if logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits have {logits.shape[1]} columns < vocab {self.vocab_size}")
+        return logits.shape[0]
+
+    def _raw(self, logits: torch.Tensor, copy: bool) -> torch.Tensor:
+        # float32 logits, padded vocab columns masked out
+        x = logits.to(torch.float32, copy=copy or logits.shape[1] > self.vocab_size)
+        if x.shape[1] > self.vocab_size:
+            x[:, self.vocab_size:] = st.NEG_INF
+        return x
+
+    def _chain(self, logits: torch.Tensor, plan: _Plan, t: dict[str, torch.Tensor]
+               ) -> tuple[torch.Tensor, list[_Drawn]]:
+        """Run the stages. Returns x, (R, V) float32 after bias and penalties (the greedy rows'
+        argmax input), and the sampled rows' groups after filters and temperature."""
+        x = self._raw(logits, copy=any(plan.uses(k) for k in ("bias", "rep", "add")))
+        # 1. logit_bias, 2. repetition penalty, 3+4. presence/frequency and DRY (additive, so
+        # one scatter-add; their amounts were computed on the host)
+        if plan.uses("bias"):
+            st.apply_additive(x, t["bias_rows"], t["bias_cols"], t["bias"].float())
+        if plan.uses("rep"):
+            st.apply_repeat_penalty(x, t["rep_rows"], t["rep_cols"], t["rep"].float())
+        if plan.uses("add"):
+            st.apply_additive(x, t["add_rows"], t["add_cols"], t["add"].float())
+        return x, [self._truncate(x, g, plan, t) for g in GROUPS if plan.uses(f"{g}_rows")]
+
+    def _truncate(self, x: torch.Tensor, g: str, plan: _Plan, t: dict[str, torch.Tensor]
+                  ) -> _Drawn:
+        """5-8. top_k -> typical_p -> top_p -> min_p, then 9. temperature, for group ``g``."""
+        rows = t[f"{g}_rows"]
+        xg = x if plan.n[f"{g}_rows"] == x.shape[0] else x.index_select(0, rows)
+        top_k = plan.ints[f"{g}_top_k"]
+        ids = None
+        if g == "topk":
+            xg, ids = st.top_candidates(xg, int(top_k.max()))
+        elif g == "sort":
+            xg, ids = st.sort_desc(xg)
+        if g != "plain":
+            if (top_k > 0).any() and top_k.min() < xg.shape[1]:
+                xg = st.top_k_sorted(xg, t[f"{g}_top_k"])
+            if np.isfinite(plan.flts[f"{g}_typical"]).any():
+                xg = st.typical_sorted(xg, t[f"{g}_typical"])
+            if np.isfinite(plan.flts[f"{g}_top_p"]).any():
+                xg = st.top_p_sorted(xg, t[f"{g}_top_p"])
+        if np.isfinite(plan.flts[f"{g}_log_min_p"]).any():  # relative to the max left
+            xg = st.apply_min_p(xg, t[f"{g}_log_min_p"])
+        return _Drawn(rows, st.apply_temperature(xg, t[f"{g}_temp"]), ids, t[f"{g}_keys"])
+
+    def _with_logprobs(self, logits: torch.Tensor, tok: torch.Tensor, plan: _Plan,
+                       t: dict[str, torch.Tensor]) -> SampleOutput:
+        R = tok.shape[0]
+        lp = torch.log_softmax(self._raw(logits, copy=False), dim=-1)  # the model's distribution
+        parts = [tok.double(), lp.gather(1, tok[:, None]).squeeze(1).double()]
+        N = max((n or 0) for n in plan.top_n)
+        if N > 0:
+            top_v, top_i = lp.index_select(0, t["lp_rows"]).topk(N, dim=-1)
+            parts += [top_i.double().flatten(), top_v.double().flatten()]
+        flat = torch.cat(parts).tolist()  # the one device -> host sync
+        ids, chosen = [int(v) for v in flat[:R]], flat[R:2 * R]
+        L = plan.n["lp_rows"]
+        top_ids, top_vals = flat[2 * R:2 * R + L * N], flat[2 * R + L * N:]
+        tops: list[list[tuple[int, float]]] = [[] for _ in range(R)]
+        for j, r in enumerate(plan.ints["lp_rows"].tolist()):
+            n = plan.top_n[r]
+            tops[r] = [(int(top_ids[j * N + i]), top_vals[j * N + i]) for i in range(n)]
+        return SampleOutput(ids, chosen, tops)

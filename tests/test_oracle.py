@@ -1,0 +1,115 @@
+"""The engine against an independent implementation: HF transformers loading the same GGUF.
+
+Prompts are fixed here (chosen before the first run). Both sides get the same prompt ids;
+greedy ids must be identical, or the first divergence must sit where HF's top-2 logit margin is
+under 1e-4 (a near-tie float32 rounding can flip); prefill logits must agree within 1e-3.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from helpers import first_divergence, run_requests, top2_margin
+from monobatch.engine.batch import StepBatch
+from monobatch.engine.params import SamplingParams
+from monobatch.kv.dense import DenseKv
+
+log = logging.getLogger(__name__)
+
+RAW_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village by the sea,",
+    "1, 2, 3, 5, 8, 13, 21,",
+    "Photosynthesis is the process by which",
+]
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain in two sentences why the sky is blue.",
+]
+N_TOKENS = 48
+MARGIN_TOL = 1e-4
+
+
+def prompt_ids(tokenizer, text: str, chat: bool) -> list[int]:
+    return tokenizer.encode_chat([{"role": "user", "content": text}]) if chat else tokenizer.encode(text)
+
+
+ALL = [(p, False) for p in RAW_PROMPTS] + [(p, True) for p in CHAT_PROMPTS]
+
+
+def hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:
+    """HF greedy decode of n tokens, never stopping early (a manual loop with HF's KV cache)."""
+    out, past, inp = [], None, torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n):
+            res = hf_model(inp, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            tok = int(res.logits[0, -1].argmax())
+            out.append(tok)
+            inp = torch.tensor([[tok]])
+    return out
+
+
+def check_against_hf(hf_model, eog_ids, ids: list[int], ours: list[int], hf: list[int], label: str) -> None:
+    """ours must equal hf, up to our early stop at an end-of-generation id or a near-tie divergence."""
+    if len(ours) < len(hf):  # we stopped: the last token must be an end-of-generation id HF drew too
+        assert ours[-1] in eog_ids, f"{label}: stopped early at a non-EOG token"
+        hf = hf[:len(ours)]
+    i = first_divergence(ours, hf)
+    if i is None:
+        return
+    margin = top2_margin(hf_model, ids + hf[:i])
+    log.warning("%s: first divergence at token %d (ours %d, HF %d), HF top-2 margin %.2e", label, i, ours[i], hf[i], margin)
+    assert margin < MARGIN_TOL, f"{label}: diverged at {i} with margin {margin:.3e} >= {MARGIN_TOL}"
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(loaded, hf_model):
+    tok = loaded.tokenizer
+    out = {}
+    for text, chat in ALL:
+        ids = prompt_ids(tok, text, chat)
+        out[(text, chat)] = (ids, hf_greedy(hf_model, ids, N_TOKENS))
+    return out
+
+
+@pytest.mark.parametrize("text,chat", ALL)
+def test_prefill_logits_match_hf(loaded, hf_model, text, chat):
+    ids = prompt_ids(loaded.tokenizer, text, chat)
+    model, a = loaded.model, loaded.model.args
+    kv = DenseKv(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, 4096, model.dtype, model.device)
+    batch = StepBatch.build([(0, ids, 0, True)])
+    batch.logit_rows = torch.arange(len(ids))  # every position's logits
+    kv.prepare(batch)
+    with torch.inference_mode():
+        ours = model(batch, kv)
+        ref = hf_model(torch.tensor([ids])).logits[0].float()
+    assert (ours - ref).abs().max().item() < 1e-3
+
+
+def test_engine_greedy_matches_hf(make_scheduler, loaded, hf_model, hf_outputs):
+    """All prompts, each alone (B=1) through the scheduler."""
+    for (text, chat), (ids, hf) in hf_outputs.items():
+        [ours] = run_requests(make_scheduler(), [ids], SamplingParams(max_tokens=N_TOKENS, temperature=0.0))
+        check_against_hf(hf_model, loaded.tokenizer.eog_ids, ids, ours, hf, f"{text!r} chat={chat}")
+
+
+@pytest.mark.parametrize("text,chat", [ALL[0], ALL[1], ALL[len(RAW_PROMPTS)]])
+def test_cli_generate_matches_hf(capsys, loaded, hf_model, hf_outputs, text, chat):
+    """`monobatch generate --temperature 0 -n 48 --output-format json` gives HF's greedy ids."""
+    from monobatch.cli.main import main
+
+    argv = ["generate", "-p", text, "--temperature", "0", "-n", str(N_TOKENS), "--output-format", "json",
+            "--device", "cpu", "--no-progress"] + (["--chat"] if chat else [])
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    ids, hf = hf_outputs[(text, chat)]
+    assert result["usage"]["prompt_tokens"] == len(ids)
+    check_against_hf(hf_model, loaded.tokenizer.eog_ids, ids, result["token_ids"], hf, f"cli {text!r}")
+    assert result["text"] == loaded.tokenizer.decode(result["token_ids"])

@@ -1,0 +1,135 @@
+"""The decode loop with several sequences: batch-transparency, chunked prefill, limits, abort."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from helpers import first_divergence, run_requests
+from monobatch.engine.params import SamplingParams
+from monobatch.engine.sequence import FinishReason, Request
+from monobatch.errors import ContextLengthError, InvalidRequestError
+
+log = logging.getLogger(__name__)
+TEXTS = ["The quick brown fox", "In 1969, the first humans", "import numpy as np\n", "Roses are red,",
+         "The three primary colours are"]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def prompts(loaded):
+    return [loaded.tokenizer.encode(t) for t in TEXTS]
+
+
+def logit_margin(loaded, ids: list[int]) -> float:
+    """Our top-2 margin after ``ids`` (B=1, dense): how close the tie was where outputs differ."""
+    from monobatch.engine.batch import StepBatch
+    from monobatch.kv.dense import DenseKv
+
+    a = loaded.model.args
+    kv = DenseKv(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, 4096, loaded.model.dtype, loaded.model.device)
+    batch = StepBatch.build([(0, ids, 0, True)])
+    kv.prepare(batch)
+    with torch.inference_mode():
+        top = loaded.model(batch, kv)[0].topk(2).values
+    return float(top[0] - top[1])
+
+
+def assert_same_or_near_tie(loaded, prompt, alone, other, label):
+    i = first_divergence(alone, other)
+    if i is None:
+        return
+    margin = logit_margin(loaded, prompt + alone[:i])
+    log.warning("%s: divergence at %d (alone %d, batched %d), top-2 margin %.2e", label, i, alone[i], other[i], margin)
+    assert margin < 1e-3, f"{label}: diverged at {i} with margin {margin}"
+
+
+def test_batched_equals_alone(make_scheduler, loaded, prompts):
+    alone = [run_requests(make_scheduler(), [p], GREEDY)[0] for p in prompts]
+    together = run_requests(make_scheduler(), prompts, GREEDY)
+    for i, p in enumerate(prompts):
+        assert len(together[i]) > 0
+        assert_same_or_near_tie(loaded, p, alone[i], together[i], f"prompt {i}")
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+def test_chunked_prefill_equals_whole(make_scheduler, loaded, prompts, chunk):
+    whole = run_requests(make_scheduler(), prompts[:3], GREEDY)
+    chunked = run_requests(make_scheduler(prefill_chunk=chunk), prompts[:3], GREEDY)
+    for i in range(3):
+        assert_same_or_near_tie(loaded, prompts[i], whole[i], chunked[i], f"chunk {chunk} prompt {i}")
+
+
+def test_token_budget_is_respected(make_scheduler, prompts):
+    sched = make_scheduler(prefill_chunk=4, max_num_batched_tokens=6, max_num_seqs=2)
+    for i, p in enumerate(prompts):
+        sched.add_request(Request(f"r{i}", p, GREEDY))
+    sizes = []
+    real_step = sched.engine.step
+    sched.engine.step = lambda batch, rows: sizes.append(batch.num_tokens) or real_step(batch, rows)
+    while sched.has_unfinished():
+        sched.step()
+        assert len(sched.running) <= 2
+    assert sizes and max(sizes) <= 6
+    assert sched.engine.kv.num_sequences() == 0
+
+
+def test_max_tokens_and_finish_reasons(make_scheduler, prompts):
+    sched = make_scheduler()
+    outs = list(sched.run([Request("a", prompts[0], SamplingParams(max_tokens=5, temperature=0.0)),
+                           Request("b", prompts[1], SamplingParams(max_tokens=0, temperature=0.0))]))
+    final = {o.request_id: o for o in outs if o.finished}
+    assert final["a"].finish_reason is FinishReason.LENGTH and final["a"].num_output_tokens == 5
+    assert final["b"].finish_reason is FinishReason.LENGTH and final["b"].num_output_tokens == 0
+    assert sum(len(o.token_ids) for o in outs if o.request_id == "a") == 5
+
+
+def test_context_bound_stops_with_length(make_scheduler, prompts):
+    p = prompts[0]
+    sched = make_scheduler(max_model_len=len(p) + 3)
+    outs = list(sched.run([Request("a", p, SamplingParams(temperature=0.0, ignore_eos=True))]))
+    assert outs[-1].finish_reason is FinishReason.LENGTH
+    assert outs[-1].num_output_tokens == 3
+    assert sched.engine.kv.num_sequences() == 0
+
+
+def test_bad_requests_are_refused_and_change_nothing(make_scheduler, loaded, prompts):
+    sched = make_scheduler(max_model_len=16)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        sched.add_request(Request("e", [], GREEDY))
+    with pytest.raises(ContextLengthError, match="16 tokens"):
+        sched.add_request(Request("long", list(range(1, 17)), GREEDY))
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        sched.add_request(Request("v", [loaded.model.args.vocab_size], GREEDY))
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        sched.add_request(Request("b", prompts[0][:4], SamplingParams(logit_bias={10**6: 1.0})))
+    assert not sched.has_unfinished()
+    [out] = run_requests(sched, [prompts[0][:4]], SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(out) == 3
+
+
+def test_abort_frees_kv_within_a_step(make_scheduler, prompts):
+    sched = make_scheduler()
+    sched.add_request(Request("a", prompts[0], SamplingParams(max_tokens=50, temperature=0.0)))
+    sched.add_request(Request("b", prompts[1], SamplingParams(max_tokens=5, temperature=0.0)))
+    sched.step()
+    sched.step()
+    assert sched.engine.kv.num_sequences() == 2
+    assert sched.abort("a")
+    assert sched.engine.kv.num_sequences() == 1
+    outs = list(sched.run())
+    aborted = [o for o in outs if o.request_id == "a"]
+    assert len(aborted) == 1 and aborted[0].finish_reason is FinishReason.ABORT
+    assert sched.engine.kv.num_sequences() == 0
+    assert not sched.abort("a")
+
+
+def test_eos_ends_with_stop_and_no_text(make_scheduler, loaded):
+    """A chat reply ends at <|im_end|> (an end-of-generation id) with finish_reason stop."""
+    ids = loaded.tokenizer.encode_chat([{"role": "user", "content": "Say hello."}])
+    outs = list(make_scheduler().run([Request("a", ids, SamplingParams(max_tokens=64, temperature=0.0))]))
+    assert outs[-1].finish_reason is FinishReason.STOP
+    assert outs[-1].token_ids[0] in loaded.tokenizer.eog_ids
+    assert "<|im_end|>" not in "".join(o.text for o in outs)
