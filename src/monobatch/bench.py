@@ -73,10 +73,11 @@ def run_once(scheduler: BatchScheduler, prompt_tokens: int, gen_tokens: int, rng
 
 
 def bench(scheduler: BatchScheduler, prompt_tokens: int, gen_tokens: int, runs: int, seed: int = 0) -> BenchResult:
-    """Warm up once, then time ``runs`` B=1 requests; medians of TTFT and decode rate."""
+    """Warm up with one full-size request (allocator, kernels, KV growth), then time ``runs``
+    B=1 requests; medians of TTFT and decode rate."""
     rng = random.Random(seed)
     loaded = scheduler.engine.loaded
-    run_once(scheduler, min(prompt_tokens, 16), min(gen_tokens, 4), rng)  # warm-up: allocator, kernels
+    run_once(scheduler, prompt_tokens, gen_tokens, rng)
     ttfts, rates = [], []
     for _ in range(runs):
         ttft, rate = run_once(scheduler, prompt_tokens, gen_tokens, rng)

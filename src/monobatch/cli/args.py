@@ -73,6 +73,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", default=None, help="keep generating past end-of-generation tokens")
     g.add_argument("--min-tokens", type=int, help="generate at least this many tokens before stopping")
+    g.add_argument("--loop-window", type=int,
+                   help="end with finish_reason=loop once the last N tokens repeat with a period <= 32 (0 = off)")
     g.add_argument("--logprobs", type=int, help="report the top-N alternatives of each token (json output)")
 
 
@@ -85,7 +87,7 @@ def sampling_flags(ns: argparse.Namespace) -> dict[str, Any]:
     keys = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty",
             "repeat_last_n", "presence_penalty", "frequency_penalty", "dry_multiplier", "dry_base",
             "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "stop", "ignore_eos",
-            "min_tokens", "logprobs", "seed")
+            "min_tokens", "loop_window", "logprobs", "seed")
     out = {k: getattr(ns, k) for k in keys if getattr(ns, k, None) is not None}
     if out.get("max_tokens") is not None and out["max_tokens"] < -1:
         raise InvalidRequestError(f"-n/--max-tokens must be >= -1 (-1 = no limit), got {out['max_tokens']}", "max_tokens")

@@ -43,6 +43,7 @@ def run(ns: argparse.Namespace) -> int:
     """Generate one completion; returns the exit code."""
     prompt = read_prompt(ns)
     flags = sampling_flags(ns)
+    resolve_sampling(None, flags, entry_point="generate")  # refuse bad values before loading anything
     scheduler = open_engine(ns)
     loaded = scheduler.engine.loaded
     params = resolve_sampling(None, flags, loaded.generation_defaults, entry_point="generate")

@@ -57,7 +57,7 @@ class RowOutput:
         request_id: the client's key.
         token_ids: tokens generated this step (0 or 1).
         text: new text safe to show now (may be "" while bytes or a stop prefix are held).
-        finish_reason: None while running; ``stop`` | ``length`` | ``abort`` at the end.
+        finish_reason: None while running; ``stop`` | ``length`` | ``loop`` | ``abort`` at the end.
         logprobs: ``[(token_id, logprob, top_alternatives)]`` per new token when asked
             (the model's distribution; see the ADR).
         num_prompt_tokens / num_output_tokens: usage so far.
@@ -76,6 +76,10 @@ class RowOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+#: Longest repeating pattern loop detection looks for (tokens).
+LOOP_MAX_PERIOD = 32
 
 
 class FinishStep:
@@ -108,10 +112,27 @@ class FinishStep:
             if banned:
                 logits[r, sorted(banned)] = float("-inf")
 
+    @staticmethod
+    def is_looping(tokens: list[int], window: int, max_period: int = LOOP_MAX_PERIOD) -> bool:
+        """Loop rule: the last ``window`` generated tokens repeat the ``window`` tokens one period
+        ``p`` earlier, for some ``p`` in ``1 .. max_period`` — i.e. the tail of length
+        ``window + p`` is periodic with period ``p``. Off when ``window`` is 0.
+
+        Example: window 8 ends ``A B C A B C A B C A B`` (p = 3, 11 tokens periodic).
+        """
+        if window <= 0:
+            return False
+        for p in range(1, max_period + 1):
+            if len(tokens) >= window + p and tokens[-window:] == tokens[-window - p:-p]:
+                return True
+        return False
+
     def _reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params
         if token in p.stop_token_ids or (token in self.eog_ids and not p.ignore_eos):
             return FinishReason.STOP
+        if self.is_looping(seq.output_ids, p.loop_window):
+            return FinishReason.LOOP
         if p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens:
             return FinishReason.LENGTH
         if seq.num_tokens >= self.max_model_len:

@@ -61,6 +61,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
+    loop_window: int = 0  # 0 = off; see FinishStep.is_looping
     # -- output --
     logprobs: int | None = None  # top-N alternatives per generated token; None = none
     skip_special_tokens: bool = True
@@ -100,6 +101,7 @@ class SamplingParams:
                    f"bias {bias} for token {tok} must be in [-100, 100] (OpenAI API)")
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
         _check(self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        _check(self.loop_window >= 0, "loop_window", "must be >= 0 (0 = off)")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
 

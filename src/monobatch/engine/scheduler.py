@@ -79,6 +79,23 @@ class BatchScheduler:
                     return True
         return False
 
+    def preempt(self, request_id: str) -> bool:
+        """Preempt by recompute: free a running sequence's KV and requeue it at the front.
+
+        Its generated tokens and sampler state are kept, so when re-admitted it recomputes
+        prompt + output and continues exactly where it stopped (a seeded draw depends only on
+        seed and position). Returns False when the id is not running.
+        """
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self.running.remove(seq)
+                self.engine.kv.free(seq.seq_id)
+                seq.num_computed = 0
+                seq.status = SeqStatus.WAITING
+                self.waiting.appendleft(seq)
+                return True
+        return False
+
     def has_unfinished(self) -> bool:
         """True while any request is waiting, running, or has an undelivered final output."""
         return bool(self.waiting or self.running or self._done)

@@ -45,6 +45,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"      # EOS / end-of-generation token, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context length reached
     ABORT = "abort"    # the client went away or cancelled
+    LOOP = "loop"      # loop detection (opt-in, SamplingParams.loop_window) saw a repeating tail
 
 
 class Sequence:

@@ -147,10 +147,12 @@ def load_model(model: str | Path | None = None, device: str | None = None, dtype
         gen = hf_dir.generation_defaults(path)
     else:
         reader = gguf_file.open_gguf(path)
-        net = gguf_file.load_gguf_model(reader, dev, dt, progress)
+        args = gguf_file.model_args(reader)
         tokenizer = Tokenizer.from_gguf(reader)
         gen = gguf_file.generation_defaults(reader)
-        del reader
+        reader.fields.clear()  # the parsed metadata (vocab arrays: ~150 MB) is no longer needed
+        net = gguf_file.load_gguf_model(reader, dev, dt, progress, args)
+        del reader  # unmaps the file
     if chat_template is not None:
         tokenizer.set_chat_template(chat_template)
     weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())

@@ -115,28 +115,37 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def dequantize_tensor(t: Any) -> np.ndarray:
+def dequantize_tensor(t: Any, rows_per_chunk: int = 4096) -> np.ndarray:
     """One GGUF tensor as float32 in numpy (row-major, HF's ``[out, in]`` order).
+
+    Dequantized ``rows_per_chunk`` rows at a time into the output, so the transient memory of a
+    large matrix (the embeddings) is one chunk rather than gguf-py's full-size intermediates.
 
     Raises:
         UnsupportedModelError: a type gguf-py cannot dequantize.
     """
     qtype = GGMLQuantizationType(int(t.tensor_type))
+    shape = tuple(int(n) for n in reversed(t.shape))
+    out = np.empty(shape, dtype=np.float32)
+    flat_out = out.reshape(-1, shape[-1])
+    data = t.data.reshape(flat_out.shape[0], -1)
     try:
-        data = dequantize(t.data, qtype)
+        for i in range(0, data.shape[0], rows_per_chunk):
+            flat_out[i:i + rows_per_chunk] = dequantize(data[i:i + rows_per_chunk], qtype).reshape(-1, shape[-1])
     except NotImplementedError as e:
         raise UnsupportedModelError(f"tensor {t.name}: weight type {qtype.name} cannot be dequantized ({e})") from e
-    return data.astype(np.float32, copy=False).reshape(tuple(int(n) for n in reversed(t.shape)))
+    return out
 
 
 def load_gguf_model(reader: GGUFReader, device: torch.device, dtype: torch.dtype,
-                    progress: bool = True) -> LlamaModel:
-    """Build and fill a LlamaModel from an open GGUF file.
+                    progress: bool = True, args: ModelArgs | None = None) -> LlamaModel:
+    """Build and fill a LlamaModel from an open GGUF file (``args`` from :func:`model_args`,
+    read here when not given, so the caller may drop the parsed metadata first).
 
     Raises:
         UnsupportedModelError, InsufficientMemoryError: see :func:`model_args`, :func:`check_memory`.
     """
-    args = model_args(reader)
+    args = args or model_args(reader)
     check_memory(args, dtype, device)
     rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     freq_factors = torch.from_numpy(dequantize_tensor(rope_freqs).copy()) if rope_freqs is not None else None

@@ -138,6 +138,7 @@ class LlamaModel(nn.Module):
         inv_freq, scale = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling,
                                         args.max_position_embeddings, freq_factors)
         self.rope = RotaryEmbedding(inv_freq, scale)
+        self._mm_out_dtype: bool | None = None  # torch.mm(out_dtype=) support, found on first use
 
     @property
     def device(self) -> torch.device:
@@ -170,4 +171,17 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, batch, kv)
         x = self.norm(x[batch.logit_rows])  # (R, D): only rows that want logits
         head = self.embed_tokens if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head).float()  # (R, V)
+        return self._logits(x, head)  # (R, V)
+
+    def _logits(self, x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        """``x @ head.T`` as float32 ``[R, V]``. With 16-bit weights on CUDA the GEMM writes
+        float32 directly (``torch.mm(..., out_dtype=)``, torch >= 2.8), so logits are not rounded
+        to bfloat16 (which ties tokens whose logits differ by less than ~0.1)."""
+        if x.dtype != torch.float32 and x.is_cuda and self._mm_out_dtype is not False:
+            try:
+                out = torch.mm(x, head.t(), out_dtype=torch.float32)
+                self._mm_out_dtype = True
+                return out
+            except (TypeError, RuntimeError):
+                self._mm_out_dtype = False  # older torch: fall back to a bf16 GEMM
+        return F.linear(x, head).float()
