@@ -23,7 +23,7 @@ from tokenizers import pre_tokenizers
 
 from monobatch.errors import InvalidRequestError, ModelNotFoundError, UnsupportedModelError
 from monobatch.tokenizer import Tokenizer
-from monobatch.tokenizer.tokenizer import _PRE_FAMILY
+from monobatch.tokenizer.gguf_vocab import PRE_FAMILY as _PRE_FAMILY
 
 # fixtures and helpers (tests/ is on sys.path via conftest.py)
 from fixtures_tokenizer import (hf_smollm, smollm_reader, smollm_tokenizer,  # noqa: F401
