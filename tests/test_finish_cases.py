@@ -213,7 +213,7 @@ def pick_stop(ref: Reference, kind: str) -> str:
     Different kinds start their search at different tokens so they cut at different places.
     """
     t, s = ref.texts, ref.starts
-    first = {"inside": 2, "two": 4, "three": 7, "mid": 10}[kind]
+    first = {"inside": 1, "two": 2, "three": 4, "mid": 6}[kind]
     for i in range(first, len(t) - 3):
         if kind == "inside" and len(t[i]) >= 4:
             stop, at = t[i][1:-1], s[i] + 1
@@ -287,6 +287,18 @@ def test_s1_stop_string_across_tokens(loaded, story, s1_stops, kind, batched, mo
             emitted += delta
             assert expected.startswith(emitted), f"delta {delta!r} shows text later retracted"
         assert emitted == expected
+
+
+@pytest.mark.parametrize("kind", S1_KINDS)
+def test_s1_stop_completed_on_the_last_allowed_token(loaded, story, s1_stops, kind):
+    """S1: when the token that completes the stop string is also the max_tokens-th, the text is
+    cut before the stop string and finish_reason is stop (the stop string matched)."""
+    stop = s1_stops[kind]
+    at = story.text.find(stop)
+    k = story.spanned(at, at + len(stop))[-1] + 1  # the token that completes the stop string
+    run = generate(loaded, story.prompt, greedy(max_tokens=k, stop=(stop,)))
+    assert len(run.ids) == k and run.text == story.text[:at]
+    assert run.final.finish_reason is FinishReason.STOP
 
 
 # -- S2: a held-back prefix is released exactly once ------------------------------------------
@@ -377,10 +389,10 @@ def test_s2_prefix_held_when_max_tokens_ends(loaded, story, batched):
 #: Chat prompts whose greedy replies contain characters split over several byte tokens (the
 #: precondition is asserted): a 4-byte emoji (3 tokens), CJK (3 single-byte tokens), kana + kanji.
 T1_CASES = {
-    "emoji": ("Write three emojis.", 24),           # ends on a whole emoji
-    "emoji_cut": ("Write three emojis.", 25),       # max_tokens cuts an emoji: flushed as U+FFFD
+    "emoji": ("Write three emojis.", 18),           # ends on a whole emoji
+    "emoji_cut": ("Write three emojis.", 19),       # max_tokens cuts an emoji: flushed as U+FFFD
     "cjk_eos": ("How do you say hello in Chinese?", 40),  # ends by EOS
-    "kana": ("Translate 'thank you' into Japanese.", 30),
+    "kana": ("Translate 'thank you' into Japanese.", 20),
 }
 
 
@@ -394,16 +406,31 @@ def complete_prefix(data: bytes) -> str:
     raise AssertionError("invalid UTF-8 in the middle")
 
 
+def t1_request(loaded, case: str) -> Request:
+    message, max_tokens = T1_CASES[case]
+    return Request(case, loaded.tokenizer.encode_chat([{"role": "user", "content": message}]),
+                   greedy(max_tokens=max_tokens))
+
+
+@pytest.fixture(scope="module")
+def t1_batched(loaded) -> dict[str, Run]:
+    """Every T1 case in one batch, streamed, beside a seeded sampled neighbour."""
+    reqs = [t1_request(loaded, c) for c in T1_CASES] + neighbours(loaded)[1:]
+    return drive(new_scheduler(loaded), reqs)
+
+
 @pytest.mark.parametrize("batched", [False, True], ids=["B1", "batched"])
 @pytest.mark.parametrize("case", list(T1_CASES))
-def test_t1_multibyte_split_across_tokens(loaded, case, batched):
+def test_t1_multibyte_split_across_tokens(loaded, case, batched, request):
     """T1: replies with emoji / CJK / kana whose bytes are split across tokens: the joined deltas
     equal decoding all generated ids at once; no delta holds half a character or U+FFFD (except
-    the final flush of bytes really left incomplete by max_tokens); B=1 and batched."""
+    the final flush of bytes really left incomplete by max_tokens); B=1 and batched (all cases
+    in one batch with a sampled neighbour)."""
     tok = loaded.tokenizer
-    message, max_tokens = T1_CASES[case]
-    prompt = tok.encode_chat([{"role": "user", "content": message}])
-    run = generate(loaded, prompt, greedy(max_tokens=max_tokens), batched=batched)
+    if batched:
+        run = request.getfixturevalue("t1_batched")[case]
+    else:
+        run = drive(new_scheduler(loaded), [t1_request(loaded, case)])[case]
     ids = [i for i in run.ids if i not in tok.eog_ids]
     data = [tok.token_bytes(i) for i in ids]
     # precondition: some character's bytes are split across tokens

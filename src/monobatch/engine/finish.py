@@ -152,7 +152,7 @@ class FinishStep:
             reason = self._reason(seq, token)
             # The token that ends a sequence by id (EOS, stop token) adds no text.
             text = "" if reason is FinishReason.STOP else seq.stop.feed(seq.detok.push(token))
-            if reason is None and seq.stop.matched is not None:
+            if seq.stop.matched is not None:  # a stop string wins over length/loop on the same token
                 reason = FinishReason.STOP
             out = RowOutput(seq.request_id, [token], text, num_prompt_tokens=len(seq.prompt_ids),
                             num_output_tokens=len(seq.output_ids))

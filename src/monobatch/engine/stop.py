@@ -10,7 +10,7 @@ from __future__ import annotations
 class StopMatcher:
     """Feed text deltas; get back text safe to emit and whether a stop string completed.
 
-    Invariant: the held text is the shortest suffix of everything fed that is a proper prefix
+    Invariant: the held text is the longest suffix of everything fed that is a proper prefix
     of some stop string, so a stop string can never begin inside text already emitted.
 
     Args:
