@@ -10,14 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
-
-from monobatch.engine.batch import StepBatch
 from monobatch.engine.engine import Engine
 from monobatch.engine.params import SamplingParams
 from monobatch.engine.scheduler import BatchScheduler
 from monobatch.engine.sequence import Request
-from monobatch.kv.dense import DenseKv
 from monobatch.loader import load_model
 
 PROMPTS = ["The capital of France is", "Write a short poem about the sea.", "Explain what a hash table is."]
@@ -28,17 +24,6 @@ def greedy(scheduler: BatchScheduler, ids: list[int], n: int) -> list[int]:
     for o in scheduler.run([Request("x", ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))]):
         out += o.token_ids
     return out
-
-
-@torch.inference_mode()
-def margin(loaded, ids: list[int]) -> tuple[float, int, int]:
-    """Top-2 logit margin after ``ids`` and the two token ids."""
-    a, m = loaded.model.args, loaded.model
-    kv = DenseKv(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, len(ids) + 1, m.dtype, m.device)
-    batch = StepBatch.build([(0, ids, 0, True)], m.device)
-    kv.prepare(batch)
-    top = m(batch, kv)[0].topk(2)
-    return float(top.values[0] - top.values[1]), int(top.indices[0]), int(top.indices[1])
 
 
 def main() -> None:
@@ -58,7 +43,8 @@ def main() -> None:
         row = {"prompt": text, "tokens": ns.n, "matching_prefix": ns.n if i is None else i}
         if i is not None:
             row |= {"cpu_token": a[i], "cuda_token": b[i],
-                    "cpu_top2_margin": margin(cpu, ids + a[:i])[0], "cuda_top2_margin": margin(gpu, ids + a[:i])[0]}
+                    "cpu_top2_margin": Engine(cpu).top2_margin(ids + a[:i]),
+                    "cuda_top2_margin": Engine(gpu).top2_margin(ids + a[:i])}
         rows.append(row)
         print(json.dumps(row))
     if ns.json:

@@ -29,7 +29,7 @@ def assert_one_line_error(res: subprocess.CompletedProcess, *needles: str) -> No
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["-n", "-2"], "max-tokens"),
+    (["-n", "-3"], "max-tokens"),
     (["--top-p", "2"], "top_p"),
     (["--temperature", "-1"], "temperature"),
     (["--top-k", "-5"], "top_k"),
@@ -45,6 +45,50 @@ def assert_one_line_error(res: subprocess.CompletedProcess, *needles: str) -> No
 def test_out_of_range_values(args, needle):
     res = monobatch("generate", "-p", "hi", "--no-progress", *args)
     assert_one_line_error(res, needle)
+
+
+def test_errors_stay_one_line_with_progress_enabled():
+    """Without --no-progress the bar is off when stderr is not a terminal: the error is alone."""
+    assert_one_line_error(monobatch("generate", "-p", ""), "prompt is empty")
+
+
+def test_non_utf8_prompt_is_refused():
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    res = subprocess.run([sys.executable, "-m", "monobatch", "generate", "--no-progress"], input=b"a\xffb",
+                         capture_output=True, timeout=120, env=env)
+    res.stderr = res.stderr.decode()
+    assert_one_line_error(res, "not valid UTF-8")
+
+
+def test_logprobs_needs_json_output():
+    assert_one_line_error(monobatch("generate", "-p", "hi", "--logprobs", "2"), "--output-format json")
+
+
+def test_progress_bar_on_a_terminal():
+    """On a terminal, loading shows a progress bar on stderr (llama.cpp users expect one)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    main_fd, child_fd = pty.openpty()
+    fcntl.ioctl(child_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))  # a real terminal's size
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen([sys.executable, "-m", "monobatch", "generate", "-p", "Hi", "-n", "1", "--temperature", "0"],
+                            stdout=subprocess.PIPE, stderr=child_fd, env=env)
+    os.close(child_fd)
+    chunks = []
+    while True:
+        try:
+            data = os.read(main_fd, 4096)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=180) == 0
+    os.close(main_fd)
+    assert b"loading weights" in b"".join(chunks)
 
 
 def test_missing_model():
@@ -82,12 +126,19 @@ def test_generate_streams_text_and_reports_json(loaded):
     assert res.stdout.strip()
     assert "finish_reason=" in res.stderr
     res = monobatch("generate", "--temperature", "0", "-n", "-1", "-c", "40", "--ignore-eos", "--output-format", "json",
-                    "--no-progress", stdin="Once upon a time")
+                    "--logprobs", "2", "--no-progress", stdin="Once upon a time")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["finish_reason"] == "length"
     assert out["usage"]["total_tokens"] == 40  # -n -1 runs to the context end
     assert set(out["timings"]) >= {"load_ms", "ttft_ms", "decode_tok_per_s"}
+    # Logprobs are the model's distribution: a greedy token is its own top-1 alternative.
+    assert len(out["logprobs"]) == len(out["token_ids"])
+    for tok, entry in zip(out["token_ids"], out["logprobs"]):
+        top = entry["top_logprobs"]
+        assert len(top) == 2 and top[0]["logprob"] >= top[1]["logprob"]
+        assert entry["token_id"] == tok == top[0]["token_id"]
+        assert entry["logprob"] == pytest.approx(top[0]["logprob"]) and entry["logprob"] <= 0
 
 
 def test_bench_json_dummy_weights():

@@ -83,7 +83,12 @@ def test_unsupported_rope_scaling_is_refused():
         rope_inv_freq(64, 10000.0, {"rope_type": "dynamic", "factor": 2.0}, 2048)
 
 
-def test_load_model_progress_bar_on_stderr(capfd):
-    lm = loader.load_model(None, device="cpu", progress=True)
-    assert "loading weights" in capfd.readouterr().err
-    assert lm.load_seconds > 0
+def test_hf_config_defaults_follow_hf():
+    """No num_key_value_heads means no GQA; a missing rms_norm_eps is HF's 1e-6; a sliding window
+    smaller than the context caps the context (sliding attention is not implemented)."""
+    a = ModelArgs.from_dict({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+                             "num_key_value_heads": None, "max_position_embeddings": 512})
+    assert a.num_key_value_heads == 4 and a.rms_norm_eps == 1e-6
+    m = ModelArgs.from_dict({"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 4,
+                             "max_position_embeddings": 32768, "sliding_window": 4096})
+    assert m.max_position_embeddings == 4096

@@ -165,3 +165,35 @@ def test_gguf_weight_types_load_exactly(qtype, tmp_path):
     np.testing.assert_array_equal(qkv[q:q + kv].numpy(), expected["model.layers.0.self_attn.k_proj.weight"])
     np.testing.assert_array_equal(model.embed_tokens.numpy(), expected["model.embed_tokens.weight"])
     np.testing.assert_array_equal(layer.mlp.down_proj.weight.numpy(), expected["model.layers.0.mlp.down_proj.weight"])
+
+
+def test_hf_folder_end_to_end_with_padded_vocab(tmp_path):
+    """An HF folder whose embedding has more rows (128) than the tokenizer has ids (100), as HF
+    exports often pad: load_model takes tokenizer.json too, ids past the tokenizer are refused
+    in requests and never drawn."""
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    from monobatch.engine.engine import Engine
+    from monobatch.engine.params import SamplingParams
+    from monobatch.engine.scheduler import BatchScheduler
+    from monobatch.engine.sequence import Request
+    from monobatch.errors import InvalidRequestError
+    from monobatch.loader import load_model
+
+    make_hf("llama", tmp_path)
+    tok = HFTok(WordLevel({f"w{i}": i for i in range(100)}, unk_token="w0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    lm = load_model(tmp_path, device="cpu", progress=False)
+    assert lm.model.args.vocab_size == 128 and lm.tokenizer.vocab_size == 100
+    sched = BatchScheduler(Engine(lm))
+    prompt = lm.tokenizer.encode("w1 w2 w3")
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        sched.add_request(Request("b", prompt, SamplingParams(logit_bias={120: 100.0})))
+    drawn = []
+    for seed in range(4):
+        for out in sched.run([Request(f"s{seed}", prompt, SamplingParams(max_tokens=16, temperature=1.5, seed=seed))]):
+            drawn += out.token_ids
+    assert drawn and max(drawn) < 100

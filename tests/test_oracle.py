@@ -14,9 +14,7 @@ import pytest
 import torch
 
 from helpers import first_divergence, run_requests, top2_margin
-from monobatch.engine.batch import StepBatch
 from monobatch.engine.params import SamplingParams
-from monobatch.kv.dense import DenseKv
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +79,11 @@ def hf_outputs(loaded, hf_model):
 
 @pytest.mark.parametrize("text,chat", ALL)
 def test_prefill_logits_match_hf(loaded, hf_model, text, chat):
+    from monobatch.engine.engine import Engine
+
     ids = prompt_ids(loaded.tokenizer, text, chat)
-    model, a = loaded.model, loaded.model.args
-    kv = DenseKv(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, 4096, model.dtype, model.device)
-    batch = StepBatch.build([(0, ids, 0, True)])
-    batch.logit_rows = torch.arange(len(ids))  # every position's logits
-    kv.prepare(batch)
-    with torch.inference_mode():
-        ours = model(batch, kv)
+    ours = Engine(loaded).prompt_logits(ids, all_positions=True)  # (T, V)
+    with torch.no_grad():
         ref = hf_model(torch.tensor([ids])).logits[0].float()
     assert (ours - ref).abs().max().item() < 1e-3
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
 
 from helpers import first_divergence, run_requests
 from monobatch.engine.params import SamplingParams
@@ -25,16 +24,9 @@ def prompts(loaded):
 
 def logit_margin(loaded, ids: list[int]) -> float:
     """Our top-2 margin after ``ids`` (B=1, dense): how close the tie was where outputs differ."""
-    from monobatch.engine.batch import StepBatch
-    from monobatch.kv.dense import DenseKv
+    from monobatch.engine.engine import Engine
 
-    a = loaded.model.args
-    kv = DenseKv(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, 4096, loaded.model.dtype, loaded.model.device)
-    batch = StepBatch.build([(0, ids, 0, True)])
-    kv.prepare(batch)
-    with torch.inference_mode():
-        top = loaded.model(batch, kv)[0].topk(2).values
-    return float(top[0] - top[1])
+    return Engine(loaded).top2_margin(ids)
 
 
 def assert_same_or_near_tie(loaded, prompt, alone, other, label):

@@ -16,6 +16,7 @@ from monobatch.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from monobatch.engine.scheduler import BatchScheduler
+    from monobatch.loader import LoadedModel
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -52,7 +53,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     """Every sampling and stopping knob (llama.cpp names)."""
     g = p.add_argument_group("sampling (llama.cpp's names; unset flags take the defaults table)")
     g.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int,
-                   help="tokens to generate (-1 = until EOS or the context end; default -1)")
+                   help="tokens to generate (-1 or -2 = until EOS or the context end; default -1)")
     g.add_argument("--temperature", "--temp", type=float, help="0 = greedy (default 1.0)")
     g.add_argument("--seed", type=int, help="RNG seed (-1 = random)")
     g.add_argument("--top-k", type=int, help="keep the k most likely tokens (0 = off)")
@@ -89,8 +90,12 @@ def sampling_flags(ns: argparse.Namespace) -> dict[str, Any]:
             "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "stop", "ignore_eos",
             "min_tokens", "loop_window", "logprobs", "seed")
     out = {k: getattr(ns, k) for k in keys if getattr(ns, k, None) is not None}
-    if out.get("max_tokens") is not None and out["max_tokens"] < -1:
-        raise InvalidRequestError(f"-n/--max-tokens must be >= -1 (-1 = no limit), got {out['max_tokens']}", "max_tokens")
+    if out.get("max_tokens") is not None:
+        if out["max_tokens"] < -2:
+            raise InvalidRequestError(f"-n/--max-tokens must be >= -2 (-1/-2 = no limit), got {out['max_tokens']}",
+                                      "max_tokens")
+        if out["max_tokens"] == -2:  # llama.cpp: until the context is filled; we also stop at EOS
+            out["max_tokens"] = -1
     if out.get("seed") == -1:
         del out["seed"]
     if getattr(ns, "logit_bias", None):
@@ -113,8 +118,8 @@ def engine_settings(ns: argparse.Namespace) -> dict[str, Any]:
     return {"max_model_len": ns.ctx_size or None, "prefill_chunk": ns.prefill_chunk}
 
 
-def open_engine(ns: argparse.Namespace) -> "BatchScheduler":
-    """Load the model named by the flags and return the decode loop over it.
+def open_engine(ns: argparse.Namespace, loaded: "LoadedModel | None" = None) -> "BatchScheduler":
+    """Load the model named by the flags (or take ``loaded``) and return the decode loop over it.
 
     Raises:
         MonobatchError: any loading or settings error (the caller prints it as one line).
@@ -129,6 +134,7 @@ def open_engine(ns: argparse.Namespace) -> "BatchScheduler":
     config = EngineConfig(**engine_settings(ns))
     if ns.threads > 0:
         torch.set_num_threads(ns.threads)
-    template = load_chat_template(ns.chat_template, ns.chat_template_file)
-    loaded = load_model(ns.model, ns.device, ns.dtype, chat_template=template, progress=not ns.no_progress)
+    if loaded is None:
+        template = load_chat_template(ns.chat_template, ns.chat_template_file)
+        loaded = load_model(ns.model, ns.device, ns.dtype, chat_template=template, progress=not ns.no_progress)
     return BatchScheduler(Engine(loaded, config))

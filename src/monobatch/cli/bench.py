@@ -14,6 +14,7 @@ from monobatch.errors import InvalidRequestError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``monobatch bench`` and its flags."""
     from monobatch.loader.dummy import SHAPES
 
     p = sub.add_parser("bench", help="measure B=1 prefill/decode speed through the engine", description=__doc__,
@@ -30,24 +31,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(ns: argparse.Namespace) -> int:
     """Load, warm up, time, print. Returns the exit code."""
-    import torch
-
     from monobatch.bench import bench
     from monobatch.cli.args import open_engine
-    from monobatch.engine.engine import Engine, EngineConfig
-    from monobatch.engine.scheduler import BatchScheduler
     from monobatch.loader.dummy import dummy_model
 
     for name in ("prompt_tokens", "gen_tokens", "runs"):
         if getattr(ns, name) < 1:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be >= 1", name)
-    if ns.dummy_weights:
-        config = EngineConfig(**engine_settings(ns))
-        if ns.threads > 0:
-            torch.set_num_threads(ns.threads)
-        scheduler = BatchScheduler(Engine(dummy_model(ns.shape, ns.device, ns.dtype), config))
-    else:
-        scheduler = open_engine(ns)
+    engine_settings(ns)  # refuse bad flags before building weights
+    scheduler = open_engine(ns, dummy_model(ns.shape, ns.device, ns.dtype) if ns.dummy_weights else None)
     need = ns.prompt_tokens + ns.gen_tokens
     if need > scheduler.engine.max_model_len:
         raise InvalidRequestError(f"prompt + generated tokens ({need}) exceed the context ({scheduler.engine.max_model_len})")

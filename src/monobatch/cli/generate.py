@@ -18,6 +18,7 @@ from monobatch.errors import InvalidRequestError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``monobatch generate`` and its flags."""
     p = sub.add_parser("generate", help="raw completion on the engine, streamed to stdout",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-p", "--prompt", help="the prompt (default: read stdin)")
@@ -33,16 +34,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def read_prompt(ns: argparse.Namespace) -> str:
     """``-p`` or stdin. Raises InvalidRequestError when neither gives a prompt."""
     if ns.prompt is not None:
-        return ns.prompt
-    if sys.stdin is None or sys.stdin.isatty():
+        text = ns.prompt
+    elif sys.stdin is None or sys.stdin.isatty():
         raise InvalidRequestError("no prompt: pass -p/--prompt or pipe text on stdin", "prompt")
-    return sys.stdin.read()
+    else:
+        text = sys.stdin.buffer.read().decode("utf-8", errors="surrogateescape")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequestError("the prompt is not valid UTF-8 text", "prompt") from None
+    return text
 
 
 def run(ns: argparse.Namespace) -> int:
     """Generate one completion; returns the exit code."""
     prompt = read_prompt(ns)
     flags = sampling_flags(ns)
+    if flags.get("logprobs") is not None and ns.output_format != "json":
+        raise InvalidRequestError("--logprobs needs --output-format json", "logprobs")
     resolve_sampling(None, flags, entry_point="generate")  # refuse bad values before loading anything
     scheduler = open_engine(ns)
     loaded = scheduler.engine.loaded

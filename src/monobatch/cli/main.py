@@ -14,6 +14,7 @@ from monobatch.errors import MonobatchError
 
 
 def build_parser() -> OneLineParser:
+    """The ``monobatch`` parser with one subcommand per command module."""
     from monobatch.cli import bench, generate
 
     parser = OneLineParser(prog="monobatch", description="One batch-native LLM inference engine.")

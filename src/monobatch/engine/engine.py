@@ -77,12 +77,39 @@ class Engine:
                                  args.max_position_embeddings)
         self.kv: KvStore = DenseKv(args.num_hidden_layers, args.num_key_value_heads, args.head_dim,
                                    self.max_model_len, self.model.dtype, self.model.device)
-        self.sampler = RowSampler(args.vocab_size)
+        # A padded embedding (HF exports round it up) has rows no token owns: never draw them.
+        self.vocab_size = min(args.vocab_size, self.tokenizer.vocab_size)
+        self.sampler = RowSampler(self.vocab_size)
         self.finisher = FinishStep(self.tokenizer.eog_ids, self.max_model_len)
 
     @property
     def device(self) -> torch.device:
+        """The model's device (StepBatch tensors are built there)."""
         return self.model.device
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int], all_positions: bool = False) -> torch.Tensor:
+        """Logits of one prompt run alone (B=1) on a scratch dense KV cache — for parity
+        reports and near-tie margins; the engine's own KV is untouched.
+
+        Returns:
+            ``[V]`` float32 after the last token, or ``[T, V]`` for every position.
+        """
+        args = self.model.args
+        scratch = DenseKv(args.num_hidden_layers, args.num_key_value_heads, args.head_dim,
+                          max(len(token_ids), 1), self.model.dtype, self.model.device)
+        batch = StepBatch.build([(0, list(token_ids), 0, True)], self.device)
+        if all_positions:
+            batch.logit_rows = torch.arange(len(token_ids), device=self.device)
+        scratch.prepare(batch)
+        logits = self.model(batch, scratch)
+        return logits if all_positions else logits[0]
+
+    def top2_margin(self, token_ids: list[int]) -> float:
+        """The gap between the two largest logits after ``token_ids`` (how near a tie the next
+        greedy draw is)."""
+        top = self.prompt_logits(token_ids).topk(2).values
+        return float(top[0] - top[1])
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Run ``batch`` through the model, caching its KV. Returns ``[R, V]`` float32 logits."""
@@ -105,6 +132,6 @@ class Engine:
         logits = self.forward(batch)  # (R, V)
         if not rows:
             return []
-        self.finisher.ban_early_stops(logits, rows)
-        sample = self.sampler.sample(logits, [s.sampler for s in rows])
+        masked = self.finisher.ban_early_stops(logits, rows)
+        sample = self.sampler.sample(masked, [s.sampler for s in rows], model_logits=logits)
         return self.finisher.apply(rows, sample)

@@ -32,19 +32,23 @@ class RequestMetrics:
 
     @property
     def ttft_ms(self) -> float:
+        """Time to first token, ms (arrival -> first draw; the whole prefill)."""
         return ((self.first_token_time or self.finished_time) - self.arrival_time) * 1000
 
     @property
     def decode_tok_per_s(self) -> float:
+        """Decode rate after the first token, tokens/s (0 with fewer than 2 tokens)."""
         span = self.finished_time - (self.first_token_time or self.finished_time)
         return (self.num_output_tokens - 1) / span if self.num_output_tokens > 1 and span > 0 else 0.0
 
     @property
     def prefill_tok_per_s(self) -> float:
+        """Prompt tokens / TTFT, tokens/s."""
         return self.num_prompt_tokens / (self.ttft_ms / 1000) if self.ttft_ms > 0 else 0.0
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestMetrics":
+        """The metrics of ``seq``, finishing now."""
         return cls(seq.arrival_time, seq.first_token_time, time.perf_counter(),
                    len(seq.prompt_ids), len(seq.output_ids))
 
@@ -75,6 +79,7 @@ class RowOutput:
 
     @property
     def finished(self) -> bool:
+        """True on a request's last output."""
         return self.finish_reason is not None
 
 
@@ -94,14 +99,18 @@ class FinishStep:
         self.eog_ids = frozenset(eog_ids)
         self.max_model_len = max_model_len
 
-    def ban_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Mask end-of-generation and stop token ids in place (``-inf``) for rows that may not
-        end yet: ``ignore_eos``, or fewer than ``min_tokens`` generated (vLLM's semantics;
-        llama.cpp's ignore_eos is the same -inf bias).
+    def ban_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Mask end-of-generation and stop token ids (``-inf``) for rows that may not end yet:
+        ``ignore_eos``, or fewer than ``min_tokens`` generated (vLLM's semantics; llama.cpp's
+        ignore_eos is the same -inf bias).
 
         Args:
-            logits: ``[R, V]`` float32, row r for seqs[r].
+            logits: ``[R, V]`` float32, row r for seqs[r]; not modified.
+
+        Returns:
+            ``logits`` itself when no row needs a mask, else a masked copy.
         """
+        masked = logits
         for r, seq in enumerate(seqs):
             p = seq.params
             banned = set()
@@ -110,7 +119,9 @@ class FinishStep:
             if len(seq.output_ids) < p.min_tokens:
                 banned |= set(p.stop_token_ids)
             if banned:
-                logits[r, sorted(banned)] = float("-inf")
+                masked = logits.clone() if masked is logits else masked
+                masked[r, sorted(banned)] = float("-inf")
+        return masked
 
     @staticmethod
     def is_looping(tokens: list[int], window: int, max_period: int = LOOP_MAX_PERIOD) -> bool:

@@ -20,6 +20,17 @@ def _check(ok: bool, param: str, message: str) -> None:
         raise InvalidRequestError(f"{param}: {message}", param=param)
 
 
+_INT_FIELDS = ("max_tokens", "top_k", "repeat_last_n", "dry_allowed_length", "dry_penalty_last_n", "seed",
+               "min_tokens", "loop_window", "logprobs")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "typical_p", "repeat_penalty", "presence_penalty",
+                 "frequency_penalty", "dry_multiplier", "dry_base")
+_KINDS: dict[str, type] = {**dict.fromkeys(_INT_FIELDS, int), **dict.fromkeys(_FLOAT_FIELDS, float),
+                           "include_stop_str_in_output": bool, "ignore_eos": bool, "skip_special_tokens": bool,
+                           "stop": list, "stop_token_ids": list, "dry_sequence_breakers": list, "logit_bias": dict}
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "a boolean", list: "a list", dict: "an object"}
+_OPTIONAL = frozenset(["max_tokens", "seed", "logprobs"])
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How one request samples and when it stops.
@@ -67,8 +78,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        self.stop = tuple(self.stop)
-        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        self._check_types()
+        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)  # OpenAI: a string or a list
+        self.stop_token_ids = tuple(self.stop_token_ids)
         _check(not isinstance(self.dry_sequence_breakers, str)
                and all(isinstance(b, str) for b in self.dry_sequence_breakers),
                "dry_sequence_breakers", "must be a list of strings")
@@ -104,6 +116,31 @@ class SamplingParams:
         _check(self.loop_window >= 0, "loop_window", "must be >= 0 (0 = off)")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+
+    def _check_types(self) -> None:
+        """Refuse values of the wrong JSON type (``"10"``, ``true``, ``2.5`` for an integer) with
+        the field's name, so a bad request is a 400 rather than a TypeError deep inside."""
+        for f in fields(self):
+            value, kind = getattr(self, f.name), _KINDS.get(f.name)
+            if value is None and f.name in _OPTIONAL:
+                continue
+            if kind is int:
+                ok = isinstance(value, int) and not isinstance(value, bool)
+            elif kind is float:
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            elif kind is bool:
+                ok = isinstance(value, bool)
+            elif kind is list:
+                ok = isinstance(value, (str, list, tuple)) if f.name == "stop" else isinstance(value, (list, tuple))
+                if ok and f.name == "stop_token_ids":
+                    ok = all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+            elif kind is dict:
+                ok = isinstance(value, dict)
+            else:
+                continue
+            _check(ok, f.name, f"expected {_KIND_NAMES[kind]}, got {type(value).__name__} {value!r}")
 
     @property
     def greedy(self) -> bool:

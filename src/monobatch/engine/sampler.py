@@ -243,13 +243,16 @@ class RowSampler:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = int(vocab_size)
 
-    def sample(self, logits: torch.Tensor, states: list[SamplerState]) -> SampleOutput:
+    def sample(self, logits: torch.Tensor, states: list[SamplerState],
+               model_logits: torch.Tensor | None = None) -> SampleOutput:
         """Draw one token per row. Does not mutate ``states`` (``accept`` is separate).
 
         Args:
             logits: (R, V) float (float32, bf16 or fp16; CPU or CUDA), V >= vocab_size; row r
                 belongs to ``states[r]``.
             states: R sampler states.
+            model_logits: the model's logits when ``logits`` carries engine-side masks
+                (min_tokens/ignore_eos); logprobs are taken from these. Default: ``logits``.
         Returns:
             :class:`SampleOutput`. Logprobs, when asked, are the MODEL's distribution
             (``log_softmax`` of the raw logits, before bias, penalties, filters and temperature),
@@ -270,7 +273,7 @@ class RowSampler:
             tok = drawn if g.rows.shape[0] == R else tok.index_copy_(0, g.rows, drawn)
         if all(n is None for n in plan.top_n):
             return SampleOutput(tok.tolist(), None, None)
-        return self._with_logprobs(logits, tok, plan, t)
+        return self._with_logprobs(logits if model_logits is None else model_logits, tok, plan, t)
 
     def transform(self, logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
         """The logits each row's draw sees, for tests and the parity report.

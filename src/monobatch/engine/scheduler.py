@@ -42,7 +42,7 @@ class BatchScheduler:
             InvalidRequestError: an empty prompt, a token id outside the vocabulary, a bad
                 sampling value. ContextLengthError: the prompt leaves no room to generate.
         """
-        vocab = self.engine.model.args.vocab_size
+        vocab = self.engine.vocab_size
         n, limit = len(request.prompt_ids), self.engine.max_model_len
         if n == 0:
             raise InvalidRequestError("the prompt is empty (it must contain at least one token)", "prompt")
@@ -109,7 +109,14 @@ class BatchScheduler:
         if planned is None:
             return outputs
         batch, rows = planned
-        outputs += self.engine.step(batch, rows)
+        try:
+            outputs += self.engine.step(batch, rows)
+        except Exception:
+            # Never leave KV and num_computed disagreeing: the step's sequences end (abort) and
+            # free their KV; the error propagates to the client that drives the loop.
+            for c in batch.chunks:
+                self._drop(c.seq_id)
+            raise
         for seq in [s for s in self.running if s.is_finished]:
             self.running.remove(seq)
             self.engine.kv.free(seq.seq_id)
@@ -121,6 +128,12 @@ class BatchScheduler:
             self.add_request(request)
         while self.has_unfinished():
             yield from self.step()
+
+    def _drop(self, seq_id: int) -> None:
+        """Abort the running sequence ``seq_id`` after a failed step (KV freed, output queued)."""
+        for seq in list(self.running):
+            if seq.seq_id == seq_id:
+                self.abort(seq.request_id)
 
     # -- phases of a step -------------------------------------------------------------------
     def _admit(self) -> None:

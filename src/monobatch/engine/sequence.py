@@ -34,6 +34,8 @@ class Request:
 
 
 class SeqStatus(enum.Enum):
+    """Lifecycle of a Sequence: WAITING -> RUNNING (-> WAITING on preemption) -> FINISHED."""
+
     WAITING = "waiting"    # queued, holds no KV
     RUNNING = "running"    # admitted: prefilling or decoding, holds KV
     FINISHED = "finished"  # done (finish_reason set), KV released

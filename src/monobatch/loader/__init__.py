@@ -47,6 +47,7 @@ class LoadedModel:
 
     @property
     def args(self) -> ModelArgs:
+        """The model's hyper-parameters."""
         return self.model.args
 
     @property

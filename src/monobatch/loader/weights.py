@@ -108,6 +108,7 @@ class WeightFiller:
 
 
 def progress_bar(total_bytes: int, desc: str, enabled: bool) -> tqdm:
-    """A tqdm bar on stderr counting bytes read; ``update(n)`` per tensor."""
+    """A tqdm bar on stderr counting bytes read; ``update(n)`` per tensor. Shown only when stderr
+    is a terminal, so logs and error output stay free of carriage-return redraws."""
     return tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, file=sys.stderr,
-                disable=not enabled, leave=False, dynamic_ncols=True)
+                disable=not (enabled and sys.stderr.isatty()), leave=False, dynamic_ncols=True)

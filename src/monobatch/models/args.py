@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from monobatch.errors import UnsupportedModelError
+
+log = logging.getLogger(__name__)
 
 #: HF `model_type` values the Llama forward runs, and the extras each one turns on.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -29,7 +32,7 @@ class ModelArgs:
     intermediate_size: int = 1536
     vocab_size: int = 49152
     max_position_embeddings: int = 8192
-    rms_norm_eps: float = 1e-5
+    rms_norm_eps: float = 1e-6  # HF LlamaConfig's default
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
@@ -69,8 +72,17 @@ class ModelArgs:
             kwargs["rope_theta"] = rope["rope_theta"]
         if kwargs.get("rope_scaling") is None and rope.get("rope_type", "default") != "default":
             kwargs["rope_scaling"] = dict(rope)
-        if kwargs.get("head_dim") is None:
-            kwargs.pop("head_dim", None)
+        for key in ("head_dim", "num_key_value_heads"):
+            if kwargs.get(key) is None:
+                kwargs.pop(key, None)
+        if "num_key_value_heads" not in kwargs and "num_attention_heads" in kwargs:
+            kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]  # HF: no GQA
+        window = config.get("sliding_window")
+        if window and (config.get("use_sliding_window", True)) and window < kwargs.get("max_position_embeddings", 0):
+            # Sliding-window attention is not implemented: within the window it equals full
+            # attention, so cap the context there rather than compute wrong logits past it.
+            log.warning("sliding-window attention (%d tokens) is not implemented: context capped to %d", window, window)
+            kwargs["max_position_embeddings"] = int(window)
         return cls(**kwargs)
 
     @property

@@ -120,6 +120,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch, kv: KvStore) -> torch.Tensor:
+        """x ``[T, D]`` -> ``[T, D]``; cos/sin ``[T, hd]``."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -142,10 +143,12 @@ class LlamaModel(nn.Module):
 
     @property
     def device(self) -> torch.device:
+        """Where the weights live."""
         return self.embed_tokens.device
 
     @property
     def dtype(self) -> torch.dtype:
+        """Compute (and KV) dtype."""
         return self.embed_tokens.dtype
 
     def to_device(self, device: torch.device, dtype: torch.dtype) -> "LlamaModel":

@@ -100,6 +100,7 @@ class RotaryEmbedding:
         self.attention_scale = attention_scale
 
     def to(self, device: torch.device) -> "RotaryEmbedding":
+        """Move the frequency table to ``device``."""
         self.inv_freq = self.inv_freq.to(device)
         return self
 

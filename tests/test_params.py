@@ -1,0 +1,36 @@
+"""SamplingParams refuses wrong types and out-of-range values with the field's name (E3-like
+input at the engine's one validation point) and applies the documented precedence."""
+
+from __future__ import annotations
+
+import pytest
+
+from monobatch.engine.params import SamplingParams, resolve_sampling
+from monobatch.errors import InvalidRequestError
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"max_tokens": "10"}, "max_tokens"), ({"temperature": "hot"}, "temperature"), ({"temperature": -1}, "temperature"),
+    ({"top_p": 2}, "top_p"), ({"top_k": -5}, "top_k"), ({"top_k": 2.5}, "top_k"), ({"stop": 7}, "stop"),
+    ({"stop_token_ids": 5}, "stop_token_ids"), ({"logprobs": True}, "logprobs"), ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"5": 1e9}}, "logit_bias"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"seed": -1}, "seed"), ({"presence_penalty": 3}, "presence_penalty"),
+])
+def test_bad_values_are_refused_with_the_field_name(kwargs, field):
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(**kwargs)
+    assert err.value.param == field and field in str(err.value)
+
+
+def test_openai_shapes_are_accepted():
+    p = SamplingParams(stop="END", logit_bias={"50": -100}, temperature=1, top_p=1)
+    assert p.stop == ("END",) and p.logit_bias == {50: -100.0}
+
+
+def test_precedence_request_over_flag_over_model_over_table():
+    p = resolve_sampling({"temperature": 0.3}, {"temperature": 0.5, "top_k": 7}, {"temperature": 0.9, "top_k": 3, "top_p": 0.8})
+    assert (p.temperature, p.top_k, p.top_p, p.min_p) == (0.3, 7, 0.8, 0.0)
+    assert resolve_sampling(entry_point="completions").max_tokens == 16
+    assert resolve_sampling({"max_tokens": -1}).max_tokens is None
+    with pytest.raises(InvalidRequestError, match="unknown"):
+        resolve_sampling({"best_of": 2})
