@@ -46,10 +46,21 @@ def test_batched_equals_alone(make_scheduler, loaded, prompts):
         assert_same_or_near_tie(loaded, p, alone[i], together[i], f"prompt {i}")
 
 
+SHORT = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def whole_prefill(loaded, prompts):
+    from monobatch.engine.engine import Engine
+    from monobatch.engine.scheduler import BatchScheduler
+
+    return run_requests(BatchScheduler(Engine(loaded)), prompts[:3], SHORT)
+
+
 @pytest.mark.parametrize("chunk", [1, 3, 7])
-def test_chunked_prefill_equals_whole(make_scheduler, loaded, prompts, chunk):
-    whole = run_requests(make_scheduler(), prompts[:3], GREEDY)
-    chunked = run_requests(make_scheduler(prefill_chunk=chunk), prompts[:3], GREEDY)
+def test_chunked_prefill_equals_whole(make_scheduler, loaded, prompts, whole_prefill, chunk):
+    whole = whole_prefill
+    chunked = run_requests(make_scheduler(prefill_chunk=chunk), prompts[:3], SHORT)
     for i in range(3):
         assert_same_or_near_tie(loaded, prompts[i], whole[i], chunked[i], f"chunk {chunk} prompt {i}")
 
@@ -57,7 +68,7 @@ def test_chunked_prefill_equals_whole(make_scheduler, loaded, prompts, chunk):
 def test_token_budget_is_respected(make_scheduler, prompts):
     sched = make_scheduler(prefill_chunk=4, max_num_batched_tokens=6, max_num_seqs=2)
     for i, p in enumerate(prompts):
-        sched.add_request(Request(f"r{i}", p, GREEDY))
+        sched.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=6, temperature=0.0)))
     sizes = []
     real_step = sched.engine.step
     sched.engine.step = lambda batch, rows: sizes.append(batch.num_tokens) or real_step(batch, rows)
