@@ -17,6 +17,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.manual_seed(0)
 
 
+@pytest.fixture(scope="module")
+def one_cpu_thread():
+    """Small batches of a 135M model: extra intra-op threads only add latency, and on a machine
+    shared with other runs oversubscription makes a step 5-20x slower. Use with
+    ``pytestmark = pytest.mark.usefixtures("one_cpu_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def bundled_path() -> Path:
     from monobatch.loader import bundled_model_path

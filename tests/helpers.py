@@ -8,6 +8,14 @@ from monobatch.engine.params import SamplingParams
 from monobatch.engine.sequence import Request
 
 
+def new_scheduler(loaded, **config):
+    """A fresh BatchScheduler over already-loaded weights (EngineConfig fields as keywords)."""
+    from monobatch.engine.engine import Engine, EngineConfig
+    from monobatch.engine.scheduler import BatchScheduler
+
+    return BatchScheduler(Engine(loaded, EngineConfig(**config)))
+
+
 def run_requests(scheduler, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
     """Submit all prompts at once, step to the end; generated ids per prompt, in order."""
     plist = params if isinstance(params, list) else [params] * len(prompts)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from monobatch.engine.batch import StepBatch
-from monobatch.engine.engine import Engine, EngineConfig
+from helpers import new_scheduler
 from monobatch.engine.finish import FinishStep, LOOP_MAX_PERIOD, RowOutput
 from monobatch.engine.params import SamplingParams
 from monobatch.engine.sampler import RowSampler, SamplerState
@@ -32,20 +32,11 @@ REF_TOKENS = 24
 FFFD = "\ufffd"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    # B<=3 decode of a 135M model: extra intra-op threads only add latency, and on a machine
-    # shared with other test runs oversubscription makes a step 5-20x slower
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 # -- driving the engine ----------------------------------------------------------------------
 
-def new_scheduler(loaded, **config) -> BatchScheduler:
-    return BatchScheduler(Engine(loaded, EngineConfig(**config)))
 
 
 def greedy(**kw) -> SamplingParams:

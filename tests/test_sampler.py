@@ -22,13 +22,7 @@ from monobatch.errors import InvalidRequestError
 INF = float("inf")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    # tiny tensors: intra-op threads only add latency, a lot on a busy machine
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def make(prompt=(), seed=0, token_bytes=None, **kw) -> SamplerState:

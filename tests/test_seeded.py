@@ -11,9 +11,8 @@ from __future__ import annotations
 from typing import Callable
 
 import pytest
-import torch
 
-from monobatch.engine.engine import Engine, EngineConfig
+from helpers import new_scheduler
 from monobatch.engine.params import SamplingParams
 from monobatch.engine.scheduler import BatchScheduler
 from monobatch.engine.sequence import FinishReason, Request
@@ -29,18 +28,9 @@ C1_TEXTS = ["The quick brown fox", "In 1969, the first humans", "import numpy as
             "The three primary colours are"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    # small batches of a 135M model: extra intra-op threads only add latency, and on a machine
-    # shared with other test runs oversubscription makes a step 5-20x slower
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
-def new_scheduler(loaded, **config) -> BatchScheduler:
-    return BatchScheduler(Engine(loaded, EngineConfig(**config)))
 
 
 Action = Callable[[BatchScheduler], None]
