@@ -105,3 +105,12 @@ def test_step_batch_layout():
         StepBatch.build([(1, [1], 0, True), (1, [2], 1, True)])
     with pytest.raises(ValueError):
         StepBatch.build([(1, [], 0, True)])
+
+
+def test_kv_out_of_memory_is_a_clear_error():
+    """A KV buffer the allocator cannot provide raises InsufficientMemoryError, not a torch error."""
+    from monobatch.errors import InsufficientMemoryError
+
+    kv = DenseKv(L, 2**20, 2**10, 2**20, torch.float32, torch.device("cpu"), growth=2**20)  # 16 PiB
+    with pytest.raises(InsufficientMemoryError, match="KV cache"):
+        kv.prepare(StepBatch.build([(0, [1], 0, True)]))

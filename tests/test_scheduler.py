@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from helpers import first_divergence, run_requests
 from monobatch.engine.params import SamplingParams
@@ -136,3 +137,24 @@ def test_eos_ends_with_stop_and_no_text(make_scheduler, loaded):
     assert outs[-1].finish_reason is FinishReason.STOP
     assert outs[-1].token_ids[0] in loaded.tokenizer.eog_ids
     assert "<|im_end|>" not in "".join(o.text for o in outs)
+
+
+def test_failed_step_aborts_its_sequences_and_the_loop_recovers(make_scheduler, loaded, prompts):
+    """An error inside a step (here: the KV cache cannot grow) ends that step's sequences with
+    abort and frees their KV; the loop keeps serving the next request."""
+    from monobatch.errors import InsufficientMemoryError
+    from monobatch.kv.dense import DenseKv
+
+    sched = make_scheduler()
+    good_kv = sched.engine.kv
+    a = loaded.model.args
+    sched.engine.kv = DenseKv(a.num_hidden_layers, 2**20, 2**10, 2**20, torch.float32, torch.device("cpu"), growth=2**20)
+    sched.add_request(Request("doomed", prompts[0], GREEDY))
+    with pytest.raises(InsufficientMemoryError):
+        sched.step()
+    assert not sched.running and sched.engine.kv.num_sequences() == 0
+    [final] = sched.step()
+    assert final.request_id == "doomed" and final.finish_reason is FinishReason.ABORT
+    sched.engine.kv = good_kv
+    [out] = run_requests(sched, [prompts[1]], SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(out) == 3

@@ -6,6 +6,7 @@ import torch
 
 from monobatch import defaults
 from monobatch.engine.batch import StepBatch
+from monobatch.errors import InsufficientMemoryError
 from monobatch.kv.attention import attend_chunk
 from monobatch.kv.store import KvStore
 
@@ -39,14 +40,26 @@ class DenseKv(KvStore):
         if need <= cap:
             return
         new_cap = min(-(-need // self.growth) * self.growth, self.max_seq_len)
-        new = torch.empty(self.num_layers, 2, self.num_kv_heads, new_cap, self.head_dim,
-                          dtype=self.dtype, device=self.device)
+        try:
+            new = torch.empty(self.num_layers, 2, self.num_kv_heads, new_cap, self.head_dim,
+                              dtype=self.dtype, device=self.device)
+        except (torch.OutOfMemoryError, RuntimeError) as e:  # CPU allocators raise RuntimeError
+            raise InsufficientMemoryError(
+                f"out of memory growing the KV cache of sequence {seq_id} to {new_cap} tokens "
+                f"({self.num_sequences()} sequences hold {self.used_bytes() / 2**20:.0f} MiB); "
+                "lower --ctx-size or run fewer sequences at once") from e
         if buf is not None:
             n = self._len[seq_id]
             new[:, :, :, :n] = buf[:, :, :, :n]
         self._buf[seq_id] = new
 
     def prepare(self, batch: StepBatch) -> None:
+        """Grow each chunk's buffer to fit (see :meth:`KvStore.prepare`).
+
+        Raises:
+            ValueError: a gap or an overflow of the context. InsufficientMemoryError: the
+                allocator cannot grow a buffer (the scheduler aborts the step's sequences).
+        """
         for c in batch.chunks:
             have = self.seq_len(c.seq_id)
             if c.pos != have:
