@@ -30,9 +30,11 @@ def assert_one_line_error(res: subprocess.CompletedProcess, *needles: str) -> No
 
 @pytest.mark.parametrize("args,needle", [
     (["-n", "-3"], "max-tokens"),
-    (["--top-p", "2"], "top_p"),
-    (["--temperature", "-1"], "temperature"),
-    (["--top-k", "-5"], "top_k"),
+    (["--top-p", "2"], "--top-p"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--top-k", "-5"], "--top-k"),
+    (["--system", "be brief"], "--system needs --chat"),
+    (["--seed", "-7"], "--seed"),
     (["-c", "-1"], "ctx-size"),
     (["-t", "0"], "threads"),
     (["--prefill-chunk", "0"], "prefill-chunk"),
@@ -147,6 +149,19 @@ def test_bench_json_dummy_weights():
     out = json.loads(res.stdout)
     assert out["prompt_tokens"] == 16 and out["gen_tokens"] == 8
     assert out["decode_tok_s"] > 0 and out["ttft_ms"] > 0 and out["peak_rss_mb"] > 0
+
+
+def test_stdin_trailing_newline_is_not_part_of_the_prompt():
+    """`echo text | monobatch generate` sends the same prompt as `-p text` (llama.cpp strips it too)."""
+    piped = json.loads(monobatch("generate", "-n", "0", "--output-format", "json", "--no-progress",
+                                 stdin="Once upon a time\n").stdout)
+    flag = json.loads(monobatch("generate", "-n", "0", "--output-format", "json", "--no-progress",
+                                "-p", "Once upon a time").stdout)
+    assert piped["usage"]["prompt_tokens"] == flag["usage"]["prompt_tokens"] == 4
+
+
+def test_bench_shape_needs_dummy_weights():
+    assert_one_line_error(monobatch("bench", "--shape", "llama-1b"), "--dummy-weights")
 
 
 def test_bench_unknown_shape():

@@ -9,6 +9,7 @@ flags the user set, so the precedence of :func:`resolve_sampling` applies.
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import TYPE_CHECKING, Any
 
 from monobatch import defaults
@@ -73,7 +74,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--logit-bias", action="append", type=_logit_bias, metavar="ID=BIAS", help="add BIAS to token ID's logit (repeatable)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", default=None, help="keep generating past end-of-generation tokens")
-    g.add_argument("--min-tokens", type=int, help="generate at least this many tokens before stopping")
+    g.add_argument("--min-tokens", type=int,
+                   help="end-of-generation and stop token ids cannot end the reply before this many tokens "
+                        "(stop strings still apply)")
     g.add_argument("--loop-window", type=int,
                    help="end with finish_reason=loop once the last N tokens repeat with a period <= 32 (0 = off)")
     g.add_argument("--logprobs", type=int, help="report the top-N alternatives of each token (json output)")
@@ -137,4 +140,7 @@ def open_engine(ns: argparse.Namespace, loaded: "LoadedModel | None" = None) -> 
     if loaded is None:
         template = load_chat_template(ns.chat_template, ns.chat_template_file)
         loaded = load_model(ns.model, ns.device, ns.dtype, chat_template=template, progress=not ns.no_progress)
-    return BatchScheduler(Engine(loaded, config))
+    engine = Engine(loaded, config)
+    if ns.ctx_size and ns.ctx_size > engine.max_model_len:
+        print(f"monobatch: -c {ns.ctx_size} exceeds the model's context; using {engine.max_model_len}", file=sys.stderr)
+    return BatchScheduler(engine)

@@ -38,6 +38,8 @@ def run(ns: argparse.Namespace) -> int:
     for name in ("prompt_tokens", "gen_tokens", "runs"):
         if getattr(ns, name) < 1:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be >= 1", name)
+    if ns.shape != "smollm2-135m" and not ns.dummy_weights:
+        raise InvalidRequestError("--shape needs --dummy-weights (a checkpoint has its own shape)", "shape")
     engine_settings(ns)  # refuse bad flags before building weights
     scheduler = open_engine(ns, dummy_model(ns.shape, ns.device, ns.dtype) if ns.dummy_weights else None)
     need = ns.prompt_tokens + ns.gen_tokens

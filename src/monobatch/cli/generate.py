@@ -20,7 +20,9 @@ from monobatch.errors import InvalidRequestError
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``monobatch generate`` and its flags."""
     p = sub.add_parser("generate", help="raw completion on the engine, streamed to stdout",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description="Complete a prompt with the model and stream the text to stdout "
+                                   "(diagnostics on stderr). The prompt is sent as is; --chat sends it as "
+                                   "a user message through the model's chat template.")
     p.add_argument("-p", "--prompt", help="the prompt (default: read stdin)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     p.add_argument("--system", help="with --chat: a system message before the prompt")
@@ -39,6 +41,7 @@ def read_prompt(ns: argparse.Namespace) -> str:
         raise InvalidRequestError("no prompt: pass -p/--prompt or pipe text on stdin", "prompt")
     else:
         text = sys.stdin.buffer.read().decode("utf-8", errors="surrogateescape")
+        text = text[:-1] if text.endswith("\n") else text  # `echo` adds one; llama.cpp strips it too
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -48,6 +51,8 @@ def read_prompt(ns: argparse.Namespace) -> str:
 
 def run(ns: argparse.Namespace) -> int:
     """Generate one completion; returns the exit code."""
+    if ns.system is not None and not ns.chat:
+        raise InvalidRequestError("--system needs --chat (a raw prompt has no system message)", "system")
     prompt = read_prompt(ns)
     flags = sampling_flags(ns)
     if flags.get("logprobs") is not None and ns.output_format != "json":

@@ -25,6 +25,14 @@ def build_parser() -> OneLineParser:
     return parser
 
 
+def as_flag(error: MonobatchError) -> str:
+    """The message with a leading ``field:`` renamed to its CLI flag (``top_p:`` -> ``--top-p:``)."""
+    message, param = str(error), getattr(error, "param", None)
+    if param and message.startswith(f"{param}:"):
+        return f"--{param.replace('_', '-')}" + message[len(param):]
+    return message
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script and ``python -m monobatch``; returns the exit code."""
     parser = build_parser()
@@ -35,10 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return ns.func(ns)
     except MonobatchError as e:
-        print(f"monobatch {ns.command}: error: {e}", file=sys.stderr)
+        print(f"monobatch {ns.command}: error: {as_flag(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"monobatch {ns.command}: interrupted", file=sys.stderr)
+        print(f"\nmonobatch {ns.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return 0

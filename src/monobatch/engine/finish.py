@@ -43,8 +43,10 @@ class RequestMetrics:
 
     @property
     def prefill_tok_per_s(self) -> float:
-        """Prompt tokens / TTFT, tokens/s."""
-        return self.num_prompt_tokens / (self.ttft_ms / 1000) if self.ttft_ms > 0 else 0.0
+        """Prompt tokens / TTFT, tokens/s (0 when no token was generated)."""
+        if self.first_token_time is None or self.ttft_ms <= 0:
+            return 0.0
+        return self.num_prompt_tokens / (self.ttft_ms / 1000)
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestMetrics":
