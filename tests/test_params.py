@@ -34,3 +34,11 @@ def test_precedence_request_over_flag_over_model_over_table():
     assert resolve_sampling({"max_tokens": -1}).max_tokens is None
     with pytest.raises(InvalidRequestError, match="unknown"):
         resolve_sampling({"best_of": 2})
+
+
+def test_numpy_scalars_are_accepted_as_numbers():
+    import numpy as np
+
+    p = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(40), stop_token_ids=[np.int64(2)])
+    assert (p.temperature, p.top_k, p.stop_token_ids) == (0.5, 40, (2,))
+    assert type(p.top_k) is int

@@ -158,3 +158,19 @@ def test_failed_step_aborts_its_sequences_and_the_loop_recovers(make_scheduler, 
     sched.engine.kv = good_kv
     [out] = run_requests(sched, [prompts[1]], SamplingParams(max_tokens=3, temperature=0.0))
     assert len(out) == 3
+
+
+def test_failed_step_keeps_outputs_already_due(make_scheduler, loaded, prompts):
+    """Final outputs queued before a failing step (max_tokens=0 here) still reach the client."""
+    from monobatch.errors import InsufficientMemoryError
+    from monobatch.kv.dense import DenseKv
+
+    sched = make_scheduler()
+    a = loaded.model.args
+    sched.engine.kv = DenseKv(a.num_hidden_layers, 2**20, 2**10, 2**20, torch.float32, torch.device("cpu"), growth=2**20)
+    sched.add_request(Request("zero", prompts[0], SamplingParams(max_tokens=0)))
+    sched.add_request(Request("doomed", prompts[1], GREEDY))
+    with pytest.raises(InsufficientMemoryError):
+        sched.step()
+    finals = {o.request_id: o.finish_reason for o in sched.step()}
+    assert finals == {"zero": FinishReason.LENGTH, "doomed": FinishReason.ABORT}

@@ -62,7 +62,7 @@ def peak_rss_mb() -> float:
 
 def run_once(scheduler: BatchScheduler, prompt_tokens: int, gen_tokens: int, rng: random.Random) -> tuple[float, float]:
     """One B=1 request of random prompt ids, greedy, ignore_eos. Returns (TTFT ms, decode tok/s)."""
-    vocab = scheduler.engine.model.args.vocab_size
+    vocab = scheduler.engine.vocab_size
     prompt = [rng.randrange(vocab) for _ in range(prompt_tokens)]
     params = SamplingParams(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True)
     last = None

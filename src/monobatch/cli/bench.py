@@ -23,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-n", "--gen-tokens", type=int, default=128, help="generated tokens, EOS ignored (default 128)")
     p.add_argument("-r", "--runs", type=int, default=3, help="timed runs after one warm-up (default 3)")
     p.add_argument("--dummy-weights", action="store_true", help="random weights of --shape instead of a checkpoint")
-    p.add_argument("--shape", default="smollm2-135m", help=f"with --dummy-weights: {', '.join(SHAPES)}")
+    p.add_argument("--shape", help=f"with --dummy-weights: {', '.join(SHAPES)} (default smollm2-135m)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_model_args(p)
     p.set_defaults(func=run)
@@ -38,10 +38,10 @@ def run(ns: argparse.Namespace) -> int:
     for name in ("prompt_tokens", "gen_tokens", "runs"):
         if getattr(ns, name) < 1:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be >= 1", name)
-    if ns.shape != "smollm2-135m" and not ns.dummy_weights:
+    if ns.shape is not None and not ns.dummy_weights:
         raise InvalidRequestError("--shape needs --dummy-weights (a checkpoint has its own shape)", "shape")
     engine_settings(ns)  # refuse bad flags before building weights
-    scheduler = open_engine(ns, dummy_model(ns.shape, ns.device, ns.dtype) if ns.dummy_weights else None)
+    scheduler = open_engine(ns, dummy_model(ns.shape or "smollm2-135m", ns.device, ns.dtype) if ns.dummy_weights else None)
     need = ns.prompt_tokens + ns.gen_tokens
     if need > scheduler.engine.max_model_len:
         raise InvalidRequestError(f"prompt + generated tokens ({need}) exceed the context ({scheduler.engine.max_model_len})")

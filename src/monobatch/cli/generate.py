@@ -41,7 +41,7 @@ def read_prompt(ns: argparse.Namespace) -> str:
         raise InvalidRequestError("no prompt: pass -p/--prompt or pipe text on stdin", "prompt")
     else:
         text = sys.stdin.buffer.read().decode("utf-8", errors="surrogateescape")
-        text = text[:-1] if text.endswith("\n") else text  # `echo` adds one; llama.cpp strips it too
+        text = text.removesuffix("\n").removesuffix("\r")  # `echo` adds one; llama.cpp strips it too
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

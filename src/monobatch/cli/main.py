@@ -25,17 +25,26 @@ def build_parser() -> OneLineParser:
     return parser
 
 
-def as_flag(error: MonobatchError) -> str:
-    """The message with a leading ``field:`` renamed to its CLI flag (``top_p:`` -> ``--top-p:``)."""
+#: Field names whose CLI flag is not ``--`` + the name with dashes.
+_FLAG_NAMES = {"dry_sequence_breakers": "--dry-sequence-breaker", "max_tokens": "-n/--max-tokens"}
+
+
+def as_flag(error: MonobatchError, argv: list[str]) -> str:
+    """The message with a leading ``field:`` renamed to the CLI flag that set it (``top_p:`` ->
+    ``--top-p:``), only when that flag is on the command line (a model default keeps its name)."""
     message, param = str(error), getattr(error, "param", None)
-    if param and message.startswith(f"{param}:"):
-        return f"--{param.replace('_', '-')}" + message[len(param):]
-    return message
+    if not param or not message.startswith(f"{param}:"):
+        return message
+    flag = _FLAG_NAMES.get(param, f"--{param.replace('_', '-')}")
+    if not any(arg.split("=", 1)[0] in flag.split("/") for arg in argv):
+        return message
+    return flag + message[len(param):]
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script and ``python -m monobatch``; returns the exit code."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     ns = parser.parse_args(argv)
     if not getattr(ns, "func", None):
         parser.print_help(sys.stderr)
@@ -43,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return ns.func(ns)
     except MonobatchError as e:
-        print(f"monobatch {ns.command}: error: {as_flag(e)}", file=sys.stderr)
+        print(f"monobatch {ns.command}: error: {as_flag(e, argv)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"\nmonobatch {ns.command}: interrupted", file=sys.stderr)

@@ -102,7 +102,7 @@ class Engine:
         if all_positions:
             batch.logit_rows = torch.arange(len(token_ids), device=self.device)
         scratch.prepare(batch)
-        logits = self.model(batch, scratch)
+        logits = self.model(batch, scratch)[:, : self.vocab_size]  # no padded columns
         return logits if all_positions else logits[0]
 
     def top2_margin(self, token_ids: list[int]) -> float:

@@ -7,6 +7,7 @@ docs/adr/0001-one-engine.md for the defaults and their precedence.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
@@ -82,8 +83,8 @@ class SamplingParams:
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)  # OpenAI: a string or a list
         self.stop_token_ids = tuple(self.stop_token_ids)
         _check(not isinstance(self.dry_sequence_breakers, str)
-               and all(isinstance(b, str) for b in self.dry_sequence_breakers),
-               "dry_sequence_breakers", "must be a list of strings")
+               and all(isinstance(b, str) and b for b in self.dry_sequence_breakers),
+               "dry_sequence_breakers", "must be a list of non-empty strings")
         self.dry_sequence_breakers = tuple(self.dry_sequence_breakers)
         try:  # OpenAI sends string keys ("50256": -100)
             self.logit_bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
@@ -127,15 +128,21 @@ class SamplingParams:
             if value is None and f.name in _OPTIONAL:
                 continue
             if kind is int:
-                ok = isinstance(value, int) and not isinstance(value, bool)
+                ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+                if ok:
+                    setattr(self, f.name, int(value))  # numpy ints too
             elif kind is float:
-                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+                ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+                if ok:
+                    setattr(self, f.name, float(value) if not isinstance(value, int) else value)
             elif kind is bool:
                 ok = isinstance(value, bool)
             elif kind is list:
                 ok = isinstance(value, (str, list, tuple)) if f.name == "stop" else isinstance(value, (list, tuple))
                 if ok and f.name == "stop_token_ids":
-                    ok = all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+                    _check(all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in value),
+                           f.name, "list items must be integer token ids")
+                    setattr(self, f.name, [int(t) for t in value])
             elif kind is dict:
                 ok = isinstance(value, dict)
             else:

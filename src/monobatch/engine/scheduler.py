@@ -111,9 +111,11 @@ class BatchScheduler:
         batch, rows = planned
         try:
             outputs += self.engine.step(batch, rows)
-        except Exception:
+        except BaseException:
             # Never leave KV and num_computed disagreeing: the step's sequences end (abort) and
-            # free their KV; the error propagates to the client that drives the loop.
+            # free their KV; outputs already due are kept for the next step; the error
+            # propagates to the client that drives the loop.
+            self._done[:0] = outputs
             for c in batch.chunks:
                 self._drop(c.seq_id)
             raise

@@ -43,7 +43,7 @@ class DenseKv(KvStore):
         try:
             new = torch.empty(self.num_layers, 2, self.num_kv_heads, new_cap, self.head_dim,
                               dtype=self.dtype, device=self.device)
-        except (torch.OutOfMemoryError, RuntimeError) as e:  # CPU allocators raise RuntimeError
+        except RuntimeError as e:  # CPU allocators raise RuntimeError; CUDA's OOM error subclasses it
             raise InsufficientMemoryError(
                 f"out of memory growing the KV cache of sequence {seq_id} to {new_cap} tokens "
                 f"({self.num_sequences()} sequences hold {self.used_bytes() / 2**20:.0f} MiB); "

@@ -78,7 +78,11 @@ class ModelArgs:
         if "num_key_value_heads" not in kwargs and "num_attention_heads" in kwargs:
             kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]  # HF: no GQA
         window = config.get("sliding_window")
-        if window and (config.get("use_sliding_window", True)) and window < kwargs.get("max_position_embeddings", 0):
+        uses_window = config.get("use_sliding_window", config.get("model_type") not in ("qwen2", "qwen3"))  # HF defaults
+        context = kwargs.get("max_position_embeddings", cls.max_position_embeddings)
+        if window and uses_window and window < context:
+            if kwargs.get("rope_scaling") and not kwargs["rope_scaling"].get("original_max_position_embeddings"):
+                kwargs["rope_scaling"] = {**kwargs["rope_scaling"], "original_max_position_embeddings": context}
             # Sliding-window attention is not implemented: within the window it equals full
             # attention, so cap the context there rather than compute wrong logits past it.
             log.warning("sliding-window attention (%d tokens) is not implemented: context capped to %d", window, window)
