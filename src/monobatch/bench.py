@@ -51,6 +51,7 @@ class BenchResult:
         ])
 
     def to_dict(self) -> dict:
+        """The result as a JSON-ready dict (``monobatch bench --json``)."""
         return asdict(self)
 
 

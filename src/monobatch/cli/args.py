@@ -24,6 +24,7 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a bad flag as one line on stderr and exits 2 (no usage dump)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        """Print ``prog: error: message (see --help)`` and exit 2."""
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 

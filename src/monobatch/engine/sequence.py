@@ -90,6 +90,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
+        """True once a finish_reason is set (KV released or about to be)."""
         return self.status is SeqStatus.FINISHED
 
     def token_slice(self, start: int, end: int) -> list[int]:
