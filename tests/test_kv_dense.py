@@ -64,11 +64,11 @@ def test_sequences_are_isolated_in_one_batch():
 def test_growth_trim_free():
     kv = kv_store(max_len=40, growth=16)
     step(kv, [(0, list(range(10)), 0, True)])
-    assert kv.seq_len(0) == 10 and kv._buf[0].shape[3] == 16
+    assert kv.seq_len(0) == 10 and kv.capacity(0) == 16
     step(kv, [(0, list(range(10)), 10, True)])
-    assert kv.seq_len(0) == 20 and kv._buf[0].shape[3] == 32
+    assert kv.seq_len(0) == 20 and kv.capacity(0) == 32
     step(kv, [(0, list(range(15)), 20, True)])
-    assert kv._buf[0].shape[3] == 40  # capped at the context
+    assert kv.capacity(0) == 40  # capped at the context
     kv.trim(0, 12)
     assert kv.seq_len(0) == 12
     step(kv, [(0, [5], 12, True)])  # rewind then continue
@@ -90,7 +90,7 @@ def test_attend_chunk_gqa_decode_matches_reference():
     g = torch.Generator().manual_seed(3)
     q, k, v = torch.randn(6, H, HD, generator=g), torch.randn(6, K, HD, generator=g), torch.randn(6, K, HD, generator=g)
     ref = reference_attention(q, k, v)
-    out = attend_chunk(q[5:], k.transpose(0, 1), v.transpose(0, 1), pos=5)
+    out = attend_chunk(q[5:], k, v, pos=5)
     torch.testing.assert_close(out, ref[5:])
 
 

@@ -20,6 +20,17 @@ DENSE_KV_GROWTH = 256
 MAX_NUM_SEQS = 64
 #: Paged KV block size in tokens (vLLM, llama.cpp's server use 16 too).
 BLOCK_SIZE = 16
+#: KV storage when none is named. Paged everywhere: it adds the prefix cache and a memory budget,
+#: and at B=1 on CPU it measured within noise of dense (docs/benchmarks); dense stays selectable.
+KV_STORAGE = "paged"
+#: Paged KV pool on CPU when --kv-cache-memory is not given (bytes), raised to one full context
+#: if that is larger. Small and fixed so several test servers fit in one machine's memory.
+KV_CACHE_MEMORY_CPU = 1 << 30
+#: Paged KV pool on CUDA: this fraction of the device memory free after loading the weights.
+KV_CACHE_GPU_FRACTION = 0.85
+#: Deterministic mode: rows per fixed GEMM tile, by device type. A larger tile wastes work at
+#: B=1; a smaller one slows prefill (CPU, 2 cores: 8 costs 2.5x per GEMM at both ends).
+DETERMINISTIC_ROW_TILE = {"cpu": 8, "cuda": 32}
 
 # -- sampling (the table of the last precedence level) --------------------------------------
 #: Neutral values: a request that names nothing samples the model's own distribution, as

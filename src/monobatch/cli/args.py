@@ -28,8 +28,32 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+_SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
+               "G": 2**30, "GB": 2**30, "GIB": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """``1073741824``, ``512M``, ``1.5G``, ``2GiB`` -> bytes (binary units, as vLLM's
+    ``--kv-cache-memory`` and llama.cpp's sizes).
+
+    Raises:
+        argparse.ArgumentTypeError: not a positive size.
+    """
+    t = text.strip().upper()
+    number = t.rstrip("KMGIB")
+    unit = t[len(number):]
+    try:
+        value = float(number) * _SIZE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"expected a size in bytes such as 512M or 2G, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"the size must be positive, got {text!r}")
+    return int(value)
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model, --device, --dtype, -c, -t, --prefill-chunk, --chat-template[-file]."""
+    """--model, --device, --dtype, -c, -t, --prefill-chunk, --chat-template[-file], and the
+    engine's KV and batching settings."""
     g = p.add_argument_group("model")
     g.add_argument("-m", "--model", help="a .gguf file or a Hugging Face folder (default: the bundled SmolLM2-135M-Instruct Q4_1)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
@@ -41,6 +65,19 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", help="a jinja chat template replacing the model's")
     g.add_argument("--chat-template-file", help="a file holding a jinja chat template")
     g.add_argument("--no-progress", action="store_true", help="no loading progress bar")
+    e = p.add_argument_group("engine")
+    e.add_argument("--kv-storage", choices=("paged", "dense"), default=defaults.KV_STORAGE,
+                   help=f"KV cache layout: paged (block pool + prefix cache) or dense (default {defaults.KV_STORAGE})")
+    e.add_argument("--kv-cache-memory", type=parse_bytes, metavar="BYTES",
+                   help=f"paged KV pool size, e.g. 512M or 4G (default: {defaults.KV_CACHE_MEMORY_CPU >> 30} GiB on CPU "
+                        f"or one context if larger; {defaults.KV_CACHE_GPU_FRACTION:.0%} of free memory on CUDA)")
+    e.add_argument("--max-num-seqs", type=int, default=defaults.MAX_NUM_SEQS,
+                   help=f"sequences running at once (default {defaults.MAX_NUM_SEQS})")
+    e.add_argument("--max-num-batched-tokens", type=int,
+                   help="tokens computed per step across all sequences (default: the prefill chunk)")
+    e.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant computation: a request's tokens do not depend on the batch, chunking or "
+                        "prefix cache (slower; see the ADR)")
 
 
 def _logit_bias(text: str) -> tuple[int, float]:
@@ -119,7 +156,17 @@ def engine_settings(ns: argparse.Namespace) -> dict[str, Any]:
         raise InvalidRequestError(f"-t/--threads must be >= 1 (or -1 for the default), got {ns.threads}", "threads")
     if ns.prefill_chunk < 1:
         raise InvalidRequestError(f"--prefill-chunk must be >= 1, got {ns.prefill_chunk}", "prefill_chunk")
-    return {"max_model_len": ns.ctx_size or None, "prefill_chunk": ns.prefill_chunk}
+    if ns.max_num_seqs < 1:
+        raise InvalidRequestError(f"--max-num-seqs must be >= 1, got {ns.max_num_seqs}", "max_num_seqs")
+    batched = ns.max_num_batched_tokens
+    if batched is not None and batched < ns.max_num_seqs:
+        raise InvalidRequestError(f"--max-num-batched-tokens must be >= --max-num-seqs ({ns.max_num_seqs}), got {batched}",
+                                  "max_num_batched_tokens")
+    if ns.kv_cache_memory is not None and ns.kv_storage != "paged":
+        raise InvalidRequestError("--kv-cache-memory sizes the paged pool; it needs --kv-storage paged", "kv_cache_memory")
+    return {"max_model_len": ns.ctx_size or None, "prefill_chunk": ns.prefill_chunk, "max_num_seqs": ns.max_num_seqs,
+            "max_num_batched_tokens": batched, "kv_storage": ns.kv_storage, "kv_cache_memory": ns.kv_cache_memory,
+            "deterministic": ns.deterministic}
 
 
 def open_engine(ns: argparse.Namespace, loaded: "LoadedModel | None" = None) -> "BatchScheduler":
@@ -142,6 +189,7 @@ def open_engine(ns: argparse.Namespace, loaded: "LoadedModel | None" = None) -> 
         template = load_chat_template(ns.chat_template, ns.chat_template_file)
         loaded = load_model(ns.model, ns.device, ns.dtype, chat_template=template, progress=not ns.no_progress)
     engine = Engine(loaded, config)
+    print(f"monobatch: {engine.kv.describe()}" + (", deterministic mode" if config.deterministic else ""), file=sys.stderr)
     if ns.ctx_size and ns.ctx_size > engine.max_model_len:
         print(f"monobatch: -c {ns.ctx_size} exceeds the model's context; using {engine.max_model_len}", file=sys.stderr)
     return BatchScheduler(engine)

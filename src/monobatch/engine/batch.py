@@ -25,7 +25,8 @@ class Chunk:
     """One sequence's contiguous run of tokens in a StepBatch.
 
     ``start`` is the offset in the flat batch, ``pos`` the position (= KV length before this
-    step) of its first token, ``length`` its token count.
+    step) of its first token, ``length`` its token count, ``token_ids`` its ids on the host (the
+    prefix cache hashes them).
     """
 
     seq_id: int
@@ -33,6 +34,7 @@ class Chunk:
     pos: int
     length: int
     wants_logits: bool
+    token_ids: tuple[int, ...] = ()
 
     @property
     def end_pos(self) -> int:
@@ -50,6 +52,9 @@ class StepBatch:
         seq_ids: ``[T]`` int64 sequence ids (host), llama_batch's ``seq_id``.
         logit_rows: ``[R]`` int64 indices into T whose logits are returned, on the device.
         chunks: the contiguous per-sequence runs, in batch order.
+        row_tile: 0 in the default (fast) mode. In deterministic mode, N > 0: every row-wise
+            operation (norms, GEMMs, activations) runs on tiles of exactly N rows and attention
+            one query row at a time, so a token's result does not depend on the batch.
     """
 
     token_ids: torch.Tensor
@@ -57,6 +62,7 @@ class StepBatch:
     seq_ids: torch.Tensor
     logit_rows: torch.Tensor
     chunks: tuple[Chunk, ...]
+    row_tile: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -73,10 +79,12 @@ class StepBatch:
         cls,
         chunks: Sequence[tuple[int, Sequence[int], int, bool]],
         device: torch.device | str = "cpu",
+        row_tile: int = 0,
     ) -> "StepBatch":
         """Build from ``(seq_id, token_ids, first_position, wants_logits)`` per sequence.
 
         The logit row of a chunk is its last token. A sequence may appear at most once.
+        ``row_tile``: see the class attributes (0 = fast mode).
 
         Raises:
             ValueError: an empty chunk, a negative position, or a sequence listed twice.
@@ -101,7 +109,7 @@ class StepBatch:
             seq_ids.extend([seq_id] * len(ids))
             if wants:
                 rows.append(len(tokens) - 1)
-            built.append(Chunk(seq_id, start, pos, len(ids), wants))
+            built.append(Chunk(seq_id, start, pos, len(ids), wants, tuple(ids)))
         as_long = dict(dtype=torch.int64, device=device)
         return cls(
             token_ids=torch.tensor(tokens, **as_long),
@@ -109,4 +117,5 @@ class StepBatch:
             seq_ids=torch.tensor(seq_ids, dtype=torch.int64),
             logit_rows=torch.tensor(rows, **as_long),
             chunks=tuple(built),
+            row_tile=row_tile,
         )

@@ -15,8 +15,9 @@ from monobatch.engine.batch import StepBatch
 from monobatch.engine.finish import FinishStep, RowOutput
 from monobatch.engine.sampler import RowSampler
 from monobatch.engine.sequence import Sequence
-from monobatch.errors import InvalidRequestError
+from monobatch.errors import InsufficientMemoryError, InvalidRequestError
 from monobatch.kv.dense import DenseKv
+from monobatch.kv.paged import PagedKv
 from monobatch.kv.store import KvStore
 from monobatch.loader import LoadedModel
 
@@ -32,14 +33,22 @@ class EngineConfig:
         prefill_chunk: prompt tokens of one sequence computed per step.
         max_num_batched_tokens: tokens per step across all sequences (None = prefill_chunk,
             raised to max_num_seqs so every running decode fits).
-        kv_storage: ``dense`` (paged storage comes later behind the same KvStore).
+        kv_storage: ``paged`` (block pool + prefix cache) or ``dense`` (a buffer per sequence).
+        kv_cache_memory: paged pool size in bytes (None: ``defaults.KV_CACHE_MEMORY_CPU`` on CPU,
+            ``defaults.KV_CACHE_GPU_FRACTION`` of free memory on CUDA).
+        block_size: paged block size in tokens.
+        deterministic: batch-invariant computation (see :class:`StepBatch` ``row_tile`` and the
+            ADR): a request's logits do not depend on batch, chunking or cache state.
     """
 
     max_model_len: int | None = None
     max_num_seqs: int = defaults.MAX_NUM_SEQS
     prefill_chunk: int = defaults.PREFILL_CHUNK
     max_num_batched_tokens: int | None = None
-    kv_storage: str = "dense"
+    kv_storage: str = defaults.KV_STORAGE
+    kv_cache_memory: int | None = None
+    block_size: int = defaults.BLOCK_SIZE
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -50,8 +59,16 @@ class EngineConfig:
             raise InvalidRequestError("prefill_chunk must be >= 1", "prefill_chunk")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise InvalidRequestError("max_num_batched_tokens must be >= 1", "max_num_batched_tokens")
-        if self.kv_storage != "dense":
-            raise InvalidRequestError(f"kv_storage {self.kv_storage!r}: only 'dense' is available", "kv_storage")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
+            raise InvalidRequestError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}) "
+                "so every running decode fits in a step", "max_num_batched_tokens")
+        if self.kv_storage not in ("paged", "dense"):
+            raise InvalidRequestError(f"kv_storage {self.kv_storage!r}: expected 'paged' or 'dense'", "kv_storage")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise InvalidRequestError("kv_cache_memory must be a positive number of bytes", "kv_cache_memory")
+        if self.block_size < 1:
+            raise InvalidRequestError("block_size must be >= 1", "block_size")
 
     @property
     def token_budget(self) -> int:
@@ -75,8 +92,8 @@ class Engine:
         args = self.model.args
         self.max_model_len = min(self.config.max_model_len or args.max_position_embeddings,
                                  args.max_position_embeddings)
-        self.kv: KvStore = DenseKv(args.num_hidden_layers, args.num_key_value_heads, args.head_dim,
-                                   self.max_model_len, self.model.dtype, self.model.device)
+        self.kv: KvStore = self._make_kv()
+        self.row_tile = defaults.DETERMINISTIC_ROW_TILE.get(self.device.type, 8) if self.config.deterministic else 0
         # A padded embedding (HF exports round it up) has rows no token owns: never draw them.
         self.vocab_size = min(args.vocab_size, self.tokenizer.vocab_size)
         self.sampler = RowSampler(self.vocab_size)
@@ -86,6 +103,33 @@ class Engine:
     def device(self) -> torch.device:
         """The model's device (StepBatch tensors are built there)."""
         return self.model.device
+
+    def _make_kv(self) -> KvStore:
+        """The KV store the config names; a paged pool is sized from ``kv_cache_memory``.
+
+        Raises:
+            InsufficientMemoryError: the pool holds fewer tokens than one context.
+        """
+        args, cfg = self.model.args, self.config
+        shape = (args.num_hidden_layers, args.num_key_value_heads, args.head_dim, self.max_model_len,
+                 self.model.dtype, self.model.device)
+        if cfg.kv_storage == "dense":
+            return DenseKv(*shape)
+        token_bytes = KvStore.token_bytes(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, self.model.dtype)
+        context_blocks = -(-self.max_model_len // cfg.block_size)
+        memory = cfg.kv_cache_memory
+        if memory is None and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            memory = int(free * defaults.KV_CACHE_GPU_FRACTION)
+        elif memory is None:
+            memory = max(defaults.KV_CACHE_MEMORY_CPU, context_blocks * cfg.block_size * token_bytes)
+        num_blocks = memory // (cfg.block_size * token_bytes)
+        if num_blocks < context_blocks:
+            raise InsufficientMemoryError(
+                f"the KV cache memory ({memory / 2**20:.1f} MiB) holds {num_blocks * cfg.block_size} tokens, fewer "
+                f"than one context of {self.max_model_len} tokens ({context_blocks * cfg.block_size * token_bytes / 2**20:.1f} "
+                "MiB); raise --kv-cache-memory or lower -c/--ctx-size")
+        return PagedKv(*shape, num_blocks=num_blocks, block_size=cfg.block_size)
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int], all_positions: bool = False) -> torch.Tensor:
@@ -98,7 +142,7 @@ class Engine:
         args = self.model.args
         scratch = DenseKv(args.num_hidden_layers, args.num_key_value_heads, args.head_dim,
                           max(len(token_ids), 1), self.model.dtype, self.model.device)
-        batch = StepBatch.build([(0, list(token_ids), 0, True)], self.device)
+        batch = StepBatch.build([(0, list(token_ids), 0, True)], self.device, self.row_tile)
         if all_positions:
             batch.logit_rows = torch.arange(len(token_ids), device=self.device)
         scratch.prepare(batch)
@@ -133,5 +177,8 @@ class Engine:
         if not rows:
             return []
         masked = self.finisher.ban_early_stops(logits, rows)
-        sample = self.sampler.sample(masked, [s.sampler for s in rows], model_logits=logits)
-        return self.finisher.apply(rows, sample)
+        if not self.row_tile:
+            return self.finisher.apply(rows, self.sampler.sample(masked, [s.sampler for s in rows], model_logits=logits))
+        # Deterministic mode: one row per sampler call, so no reduction sees a neighbour's row.
+        return [out for r, seq in enumerate(rows) for out in self.finisher.apply(
+            [seq], self.sampler.sample(masked[r:r + 1], [seq.sampler], model_logits=logits[r:r + 1]))]

@@ -21,7 +21,8 @@ from monobatch.engine.sequence import FinishReason, Sequence, SeqStatus
 class RequestMetrics:
     """Timings of a finished request (``time.perf_counter`` seconds).
 
-    TTFT = first token - arrival; decode rate = (tokens - 1) / (finish - first token).
+    TTFT = first token - arrival; decode rate = (tokens - 1) / (finish - first token); ITL =
+    the gaps between consecutive tokens (ms), TPOT their mean.
     """
 
     arrival_time: float
@@ -29,6 +30,8 @@ class RequestMetrics:
     finished_time: float
     num_prompt_tokens: int
     num_output_tokens: int
+    itl_ms: list[float] = field(default_factory=list)
+    num_cached_tokens: int = 0
 
     @property
     def ttft_ms(self) -> float:
@@ -52,7 +55,7 @@ class RequestMetrics:
     def of(cls, seq: Sequence) -> "RequestMetrics":
         """The metrics of ``seq``, finishing now."""
         return cls(seq.arrival_time, seq.first_token_time, time.perf_counter(),
-                   len(seq.prompt_ids), len(seq.output_ids))
+                   len(seq.prompt_ids), len(seq.output_ids), list(seq.itl_ms), seq.num_cached_tokens)
 
 
 @dataclass(slots=True)
@@ -67,6 +70,8 @@ class RowOutput:
         logprobs: ``[(token_id, logprob, top_alternatives)]`` per new token when asked
             (the model's distribution; see the ADR).
         num_prompt_tokens / num_output_tokens: usage so far.
+        num_cached_tokens: prompt tokens served by the prefix cache (OpenAI's
+            ``usage.prompt_tokens_details.cached_tokens``).
         metrics: timings, on the final output only.
     """
 
@@ -77,6 +82,7 @@ class RowOutput:
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
 
     @property
@@ -160,15 +166,14 @@ class FinishStep:
             token = sample.token_ids[r]
             seq.output_ids.append(token)
             seq.sampler.accept(token)
-            seq.first_token_time = seq.first_token_time or now
-            seq.last_token_time = now
+            seq.record_token_time(now)
             reason = self._reason(seq, token)
             # The token that ends a sequence by id (EOS, stop token) adds no text.
             text = "" if reason is FinishReason.STOP else seq.stop.feed(seq.detok.push(token))
             if seq.stop.matched is not None:  # a stop string wins over length/loop on the same token
                 reason = FinishReason.STOP
             out = RowOutput(seq.request_id, [token], text, num_prompt_tokens=len(seq.prompt_ids),
-                            num_output_tokens=len(seq.output_ids))
+                            num_output_tokens=len(seq.output_ids), num_cached_tokens=seq.num_cached_tokens)
             if sample.logprobs is not None and seq.params.logprobs is not None:
                 out.logprobs = [(token, sample.logprobs[r], sample.top_logprobs[r] if sample.top_logprobs else [])]
             if reason is not None:

@@ -1,10 +1,18 @@
 """BatchScheduler: the one decode loop. Every client — CLI, server, Python API — drives it.
 
 NOTE (the whole algorithm, after vLLM v1): there is no prefill or decode phase. Each step, each
-running sequence's ``num_computed`` catches up with its ``num_tokens``: running decodes (one
-token each) are planned first, then prompt chunks of at most ``prefill_chunk`` tokens fill the
-remaining token budget, FIFO. A chunk that reaches a sequence's last token asks for logits, and
-that sequence draws one token. Finished sequences release their KV in the same step.
+running sequence's ``num_computed`` catches up with its ``num_tokens``. A step:
+
+1. *running first*: every running decode gets its one token, then running prompts get chunks
+   (:class:`PrefillPlan`), within the step's token budget. Each chunk reserves its KV blocks; when
+   the pool is out of blocks the newest running sequence is preempted (recompute: KV freed,
+   requeued at the front, tokens and sampler state kept) until the chunk fits.
+2. *then admission*, FIFO, if nothing was preempted: a waiting sequence adopts its cached
+   prefix, reserves blocks for its first chunk and joins the batch — while ``max_num_seqs``,
+   the budget and free blocks allow.
+3. ``Engine.step``: forward + sample + finish; a chunk that reaches its sequence's last token
+   asks for logits, and that sequence draws one token. Finished sequences release their KV
+   (their full blocks stay in the prefix cache) in the same step.
 """
 
 from __future__ import annotations
@@ -15,13 +23,16 @@ from typing import Iterable, Iterator
 from monobatch.engine.batch import StepBatch
 from monobatch.engine.engine import Engine
 from monobatch.engine.finish import RequestMetrics, RowOutput
+from monobatch.engine.metrics import SchedulerStats
+from monobatch.engine.planner import PrefillPlan
 from monobatch.engine.sequence import FinishReason, Request, Sequence, SeqStatus
 from monobatch.errors import ContextLengthError, InvalidRequestError
 from monobatch.tokenizer import IncrementalDetokenizer
 
 
 class BatchScheduler:
-    """Continuous batching over an :class:`Engine` (FIFO admission, chunked prefill).
+    """Continuous batching over an :class:`Engine`: FIFO admission by free KV blocks and
+    ``max_num_seqs``, chunked prefill, prefix-cache adoption, preemption by recompute.
 
     Args:
         engine: the model, KV cache, sampler and finish step.
@@ -30,9 +41,11 @@ class BatchScheduler:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.config = engine.config
+        self.plan = PrefillPlan(engine.config.prefill_chunk, engine.config.token_budget)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._done: list[RowOutput] = []  # outputs produced outside a forward (max_tokens 0, abort)
+        self._stats = SchedulerStats()
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -40,7 +53,8 @@ class BatchScheduler:
 
         Raises:
             InvalidRequestError: an empty prompt, a token id outside the vocabulary, a bad
-                sampling value. ContextLengthError: the prompt leaves no room to generate.
+                sampling value, a request id already in flight. ContextLengthError: the prompt
+                leaves no room to generate.
         """
         vocab = self.engine.vocab_size
         n, limit = len(request.prompt_ids), self.engine.max_model_len
@@ -52,6 +66,8 @@ class BatchScheduler:
             raise ContextLengthError(
                 f"the prompt has {n} tokens but the context is {limit} tokens (at least one must be left to generate)",
                 "prompt")
+        if self._find(request.request_id) is not None:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in flight", "request_id")
         request.params.check_vocab(vocab)
         detok = IncrementalDetokenizer(self.engine.tokenizer, request.prompt_ids, request.params.skip_special_tokens)
         seq = Sequence(request, detok)
@@ -60,69 +76,89 @@ class BatchScheduler:
             seq.finish_reason = FinishReason.LENGTH
             self._done.append(RowOutput(seq.request_id, finish_reason=FinishReason.LENGTH, num_prompt_tokens=n,
                                         metrics=RequestMetrics.of(seq)))
+            self._stats.num_requests_finished += 1
             return
         self.waiting.append(seq)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV; its final output (``abort``) comes from the next
         :meth:`step`. Returns False when the id is unknown or already finished."""
-        for queue in (self.waiting, self.running):
-            for seq in list(queue):
-                if seq.request_id == request_id:
-                    queue.remove(seq)
-                    self.engine.kv.free(seq.seq_id)
-                    seq.status, seq.finish_reason = SeqStatus.FINISHED, FinishReason.ABORT
-                    self._done.append(RowOutput(seq.request_id, finish_reason=FinishReason.ABORT,
-                                                num_prompt_tokens=len(seq.prompt_ids),
-                                                num_output_tokens=len(seq.output_ids),
-                                                metrics=RequestMetrics.of(seq)))
-                    return True
-        return False
+        seq = self._find(request_id)
+        if seq is None:
+            return False
+        (self.running if seq.status is SeqStatus.RUNNING else self.waiting).remove(seq)
+        self.kv.free(seq.seq_id)
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, FinishReason.ABORT
+        self._done.append(RowOutput(seq.request_id, finish_reason=FinishReason.ABORT,
+                                    num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids),
+                                    num_cached_tokens=seq.num_cached_tokens, metrics=RequestMetrics.of(seq)))
+        self._stats.num_requests_finished += 1
+        return True
 
     def preempt(self, request_id: str) -> bool:
         """Preempt by recompute: free a running sequence's KV and requeue it at the front.
 
         Its generated tokens and sampler state are kept, so when re-admitted it recomputes
-        prompt + output and continues exactly where it stopped (a seeded draw depends only on
-        seed and position). Returns False when the id is not running.
+        prompt + output (adopting whatever the prefix cache still holds) and continues exactly
+        where it stopped (a seeded draw depends only on seed and position). Returns False when
+        the id is not running.
         """
-        for seq in self.running:
-            if seq.request_id == request_id:
-                self.running.remove(seq)
-                self.engine.kv.free(seq.seq_id)
-                seq.num_computed = 0
-                seq.status = SeqStatus.WAITING
-                self.waiting.appendleft(seq)
-                return True
-        return False
+        seq = self._find(request_id)
+        if seq is None or seq.status is not SeqStatus.RUNNING:
+            return False
+        self.running.remove(seq)
+        self.kv.free(seq.seq_id)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self._stats.num_preemptions += 1
+        return True
+
+    @property
+    def kv(self):
+        """The engine's KV store."""
+        return self.engine.kv
 
     def has_unfinished(self) -> bool:
         """True while any request is waiting, running, or has an undelivered final output."""
         return bool(self.waiting or self.running or self._done)
 
+    def stats(self) -> SchedulerStats:
+        """Counters and gauges for metrics (a copy)."""
+        usage = self.kv.usage()
+        s = self._stats
+        return SchedulerStats(len(self.running), len(self.waiting), usage.used_blocks, usage.total_blocks,
+                              usage.cached_blocks, usage.used_bytes, s.prefix_cache_queries, s.prefix_cache_hits,
+                              s.prompt_tokens_total, s.generation_tokens_total, s.num_preemptions,
+                              s.num_requests_finished)
+
     # -- the loop -------------------------------------------------------------------------
     def step(self) -> list[RowOutput]:
-        """One iteration: admit, plan, forward + sample + finish, release finished KV."""
+        """One iteration: schedule (running first, then admission), forward + sample + finish,
+        release finished KV."""
         outputs, self._done = self._done, []
-        self._admit()
-        planned = self._plan()
+        planned = self._schedule()
         if planned is None:
             return outputs
         batch, rows = planned
         try:
-            outputs += self.engine.step(batch, rows)
+            step_outputs = self.engine.step(batch, rows)
         except BaseException:
             # Never leave KV and num_computed disagreeing: the step's sequences end (abort) and
             # free their KV; outputs already due are kept for the next step; the error
             # propagates to the client that drives the loop.
             self._done[:0] = outputs
             for c in batch.chunks:
-                self._drop(c.seq_id)
+                seq = self._find_seq_id(c.seq_id)
+                if seq is not None:
+                    self.abort(seq.request_id)
             raise
+        self._stats.generation_tokens_total += sum(len(o.token_ids) for o in step_outputs)
         for seq in [s for s in self.running if s.is_finished]:
             self.running.remove(seq)
-            self.engine.kv.free(seq.seq_id)
-        return outputs
+            self.kv.free(seq.seq_id)
+            self._stats.num_requests_finished += 1
+        return outputs + step_outputs
 
     def run(self, requests: Iterable[Request] = ()) -> Iterator[RowOutput]:
         """Add ``requests`` and step until nothing is left, yielding every output as produced."""
@@ -131,39 +167,76 @@ class BatchScheduler:
         while self.has_unfinished():
             yield from self.step()
 
-    def _drop(self, seq_id: int) -> None:
-        """Abort the running sequence ``seq_id`` after a failed step (KV freed, output queued)."""
-        for seq in list(self.running):
-            if seq.seq_id == seq_id:
-                self.abort(seq.request_id)
-
-    # -- phases of a step -------------------------------------------------------------------
-    def _admit(self) -> None:
-        """Move waiting sequences to running while ``max_num_seqs`` allows (FIFO)."""
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting.popleft()
+    # -- scheduling -----------------------------------------------------------------------
+    def _schedule(self) -> tuple[StepBatch, list[Sequence]] | None:
+        """Plan one step (see the module docstring); None when there is nothing to compute."""
+        budget = self.plan.token_budget
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted = False
+        # 1. running sequences: decodes first, then prompt chunks (stable: FIFO within each).
+        for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted below as a victim
+            n = self.plan.chunk_len(seq, budget)
+            if n == 0:
+                continue
+            while not self.kv.reserve(seq.seq_id, seq.num_computed + n):
+                victim = self.running[-1]
+                if victim is seq and len(self.running) == 1:
+                    # Unreachable while the pool holds one context (checked at start-up).
+                    raise RuntimeError(f"the KV pool cannot hold sequence {seq.request_id!r} alone")
+                budget += sum(m for s, m in scheduled if s is victim)
+                scheduled = [(s, m) for s, m in scheduled if s is not victim]
+                self.preempt(victim.request_id)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                scheduled.append((seq, n))
+                budget -= n
+        # 2. admission, FIFO, while sequences, budget and blocks allow.
+        while not preempted and self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            cached = self.plan.adopt_cached_prefix(seq, self.kv)
+            n = self.plan.chunk_len(seq, budget)
+            if not self.kv.reserve(seq.seq_id, seq.num_computed + n):
+                self.kv.free(seq.seq_id)  # give the adopted blocks back; wait for free blocks
+                seq.num_computed = 0
+                break
+            self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            scheduled.append((seq, n))
+            budget -= n
+            if not seq.output_ids:  # first admission (a preempted sequence re-enters with output)
+                seq.num_cached_tokens = cached
+                self._stats.prompt_tokens_total += len(seq.prompt_ids)
+            if self.kv.block_size is not None and not seq.bypass_prefix_cache:
+                self._stats.prefix_cache_queries += seq.num_tokens
+                self._stats.prefix_cache_hits += cached
+        assert budget >= 0 and len(self.running) <= self.config.max_num_seqs, "scheduler invariant broken"
+        return self._build(scheduled)
 
-    def _plan(self) -> tuple[StepBatch, list[Sequence]] | None:
-        """First every decode (one token each), then prompt chunks within the token budget."""
-        budget = self.config.token_budget
-        chunks: list[tuple[int, list[int], int, bool]] = []
-        rows: list[Sequence] = []
-        decodes = [s for s in self.running if s.num_uncomputed == 1]
-        prefills = [s for s in self.running if s.num_uncomputed > 1]
-        for seq in decodes + prefills:
-            n = min(seq.num_uncomputed, self.config.prefill_chunk, budget)
-            if n <= 0:
-                break
+    def _build(self, scheduled: list[tuple[Sequence, int]]) -> tuple[StepBatch, list[Sequence]] | None:
+        """The StepBatch of the planned chunks and the sequences that draw a token."""
+        if not scheduled:
+            return None
+        chunks, rows = [], []
+        for seq, n in scheduled:
             start = seq.num_computed
             wants = start + n == seq.num_tokens
             chunks.append((seq.seq_id, seq.token_slice(start, start + n), start, wants))
             seq.num_computed += n
-            budget -= n
             if wants:
                 rows.append(seq)
-        assert budget >= 0, "token budget overrun"
-        if not chunks:
-            return None
-        return StepBatch.build(chunks, self.engine.device), rows
+        return StepBatch.build(chunks, self.engine.device, self.engine.row_tile), rows
+
+    def _find(self, request_id: str) -> Sequence | None:
+        for queue in (self.running, self.waiting):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    return seq
+        return None
+
+    def _find_seq_id(self, seq_id: int) -> Sequence | None:
+        return next((s for s in self.running if s.seq_id == seq_id), None)

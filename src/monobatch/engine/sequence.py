@@ -25,12 +25,15 @@ class Request:
     """What a client submits: prompt token ids and how to sample them.
 
     ``request_id`` is the client's key for routing outputs (an OpenAI completion id, say).
+    ``bypass_prefix_cache`` computes the whole prompt even when its blocks are cached (a
+    request that needs every prompt position's logits, e.g. echo with logprobs).
     """
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     arrival_time: float = field(default_factory=time.perf_counter)
+    bypass_prefix_cache: bool = False
 
 
 class SeqStatus(enum.Enum):
@@ -57,6 +60,7 @@ class Sequence:
         seq_id: engine-wide unique id (the KV store's key).
         prompt_ids / output_ids: token ids (prompt fixed; output grows by one per decode).
         num_computed: tokens whose KV is cached (catches up with ``num_tokens``).
+        num_cached_tokens: prompt tokens adopted from the prefix cache at (first) admission.
         sampler: per-sequence sampler state (history, seeded RNG, DRY).
         detok / stop: streaming detokenizer and stop-string matcher.
     """
@@ -73,10 +77,13 @@ class Sequence:
         self.stop = StopMatcher(request.params.stop, request.params.include_stop_str_in_output)
         self.status = SeqStatus.WAITING
         self.num_computed = 0
+        self.num_cached_tokens = 0
+        self.bypass_prefix_cache = request.bypass_prefix_cache
         self.finish_reason: FinishReason | None = None
         self.arrival_time = request.arrival_time
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+        self.itl_ms: list[float] = []  # inter-token latencies, ms
 
     @property
     def num_tokens(self) -> int:
@@ -92,6 +99,13 @@ class Sequence:
     def is_finished(self) -> bool:
         """True once a finish_reason is set (KV released or about to be)."""
         return self.status is SeqStatus.FINISHED
+
+    def record_token_time(self, now: float) -> None:
+        """Timestamp a new token (``time.perf_counter`` seconds): TTFT on the first, ITL after."""
+        if self.last_token_time is not None:
+            self.itl_ms.append((now - self.last_token_time) * 1000)
+        self.first_token_time = self.first_token_time or now
+        self.last_token_time = now
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Token ids ``[start, end)`` of prompt + output."""

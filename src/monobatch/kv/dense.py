@@ -1,4 +1,8 @@
-"""DenseKv: one contiguous KV buffer per sequence, grown in chunks up to the context length."""
+"""DenseKv: one contiguous KV buffer per sequence, grown in chunks up to the context length.
+
+Dense storage has no blocks and so no prefix cache: every prompt is computed in full (see the
+ADR). It is the fastest layout at B=1 — attention reads a contiguous slice, no gather.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +12,14 @@ from monobatch import defaults
 from monobatch.engine.batch import StepBatch
 from monobatch.errors import InsufficientMemoryError
 from monobatch.kv.attention import attend_chunk
-from monobatch.kv.store import KvStore
+from monobatch.kv.store import KvStore, KvUsage
 
 
 class DenseKv(KvStore):
-    """Dense storage: sequence -> buffer ``[layers, 2, n_kv, capacity, hd]``.
+    """Dense storage: sequence -> buffer ``[layers, 2, capacity, n_kv, hd]`` (token-major).
 
     Capacity grows in steps of ``growth`` tokens (copying the buffer), capped at
-    ``max_seq_len``. Fastest at B=1: attention reads a contiguous slice, no gather.
+    ``max_seq_len``.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
@@ -31,26 +35,34 @@ class DenseKv(KvStore):
     def num_sequences(self) -> int:
         return len(self._buf)
 
-    def used_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buf.values())
+    def capacity(self, seq_id: int) -> int:
+        """Tokens ``seq_id``'s buffer holds before it must grow (0 when it has none)."""
+        buf = self._buf.get(seq_id)
+        return 0 if buf is None else buf.shape[2]
+
+    def usage(self) -> KvUsage:
+        return KvUsage(len(self._buf), 0, sum(b.numel() * b.element_size() for b in self._buf.values()))
+
+    def describe(self) -> str:
+        return (f"KV cache: dense, one buffer per sequence grown by {self.growth} tokens up to {self.max_seq_len} "
+                f"({self.bytes_per_token / 1024:.0f} KiB per token, {str(self.dtype).removeprefix('torch.')})")
 
     def _reserve(self, seq_id: int, need: int) -> None:
-        buf = self._buf.get(seq_id)
-        cap = 0 if buf is None else buf.shape[3]
+        cap = self.capacity(seq_id)
         if need <= cap:
             return
         new_cap = min(-(-need // self.growth) * self.growth, self.max_seq_len)
         try:
-            new = torch.empty(self.num_layers, 2, self.num_kv_heads, new_cap, self.head_dim,
+            new = torch.empty(self.num_layers, 2, new_cap, self.num_kv_heads, self.head_dim,
                               dtype=self.dtype, device=self.device)
         except RuntimeError as e:  # CPU allocators raise RuntimeError; CUDA's OOM error subclasses it
             raise InsufficientMemoryError(
                 f"out of memory growing the KV cache of sequence {seq_id} to {new_cap} tokens "
                 f"({self.num_sequences()} sequences hold {self.used_bytes() / 2**20:.0f} MiB); "
                 "lower --ctx-size or run fewer sequences at once") from e
-        if buf is not None:
+        if cap:
             n = self._len[seq_id]
-            new[:, :, :, :n] = buf[:, :, :, :n]
+            new[:, :, :n] = self._buf[seq_id][:, :, :n]
         self._buf[seq_id] = new
 
     def prepare(self, batch: StepBatch) -> None:
@@ -73,10 +85,10 @@ class DenseKv(KvStore):
         out = torch.empty_like(q)
         for c in batch.chunks:
             s, e = c.start, c.start + c.length
-            cache = self._buf[c.seq_id][layer]  # (2, n_kv, cap, hd)
-            cache[0, :, c.pos:c.end_pos] = k[s:e].transpose(0, 1)
-            cache[1, :, c.pos:c.end_pos] = v[s:e].transpose(0, 1)
-            out[s:e] = attend_chunk(q[s:e], cache[0, :, :c.end_pos], cache[1, :, :c.end_pos], c.pos)
+            cache = self._buf[c.seq_id][layer]  # (2, cap, n_kv, hd)
+            cache[0, c.pos:c.end_pos] = k[s:e]
+            cache[1, c.pos:c.end_pos] = v[s:e]
+            out[s:e] = attend_chunk(q[s:e], cache[0, :c.end_pos], cache[1, :c.end_pos], c.pos, batch.row_tile > 0)
         return out
 
     def commit(self, batch: StepBatch) -> None:
@@ -86,6 +98,15 @@ class DenseKv(KvStore):
     def trim(self, seq_id: int, n: int) -> None:
         if seq_id in self._len:
             self._len[seq_id] = min(self._len[seq_id], max(n, 0))
+
+    def fork(self, src: int, dst: int) -> None:
+        if self.seq_len(dst) or dst in self._buf:
+            raise ValueError(f"sequence {dst} already holds KV")
+        n = self.seq_len(src)
+        if n:
+            self._reserve(dst, n)
+            self._buf[dst][:, :, :n] = self._buf[src][:, :, :n]
+        self._len[dst] = n
 
     def free(self, seq_id: int) -> None:
         self._buf.pop(seq_id, None)

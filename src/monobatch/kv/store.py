@@ -1,30 +1,62 @@
 """KvStore: the one interface attention reads and writes the KV cache through.
 
-Storages behind it: :class:`monobatch.kv.dense.DenseKv` (a contiguous buffer per sequence) and,
-later, paged storage with a prefix cache. The forward never touches a storage's layout.
+Storages behind it: :class:`monobatch.kv.dense.DenseKv` (a contiguous buffer per sequence) and
+:class:`monobatch.kv.paged.PagedKv` (a block pool with block tables and the prefix cache). The
+forward never touches a storage's layout.
 
-Per step the engine calls ``prepare(batch)`` (reserve room, check positions), then each layer
-calls ``attend(layer, q, k, v, batch)`` (store the step's K/V, attend), then ``commit(batch)``
-(the new tokens become part of each sequence's cached length).
+Per step the scheduler calls ``reserve(seq, n)`` for each planned chunk (paged storage allocates
+blocks, or says no), the engine calls ``prepare(batch)`` (check positions, build the step's
+indices), then each layer calls ``attend(layer, q, k, v, batch)`` (store the step's K/V, attend),
+then ``commit(batch)`` (the new tokens become part of each sequence's cached length; paged
+storage registers blocks that became full in the prefix cache).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from monobatch.engine.batch import StepBatch
 
 
+@dataclass(slots=True)
+class KvUsage:
+    """A snapshot of a KV store for metrics.
+
+    Attributes:
+        used_blocks / total_blocks: blocks referenced by sequences / in the pool (paged); for
+            dense storage, sequences holding a buffer / 0 (no fixed pool).
+        used_bytes: bytes held by sequences.
+        cached_blocks: unreferenced blocks kept for the prefix cache (evictable).
+    """
+
+    used_blocks: int
+    total_blocks: int
+    used_bytes: int
+    cached_blocks: int = 0
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool referenced by sequences, 0..1 (0 without a fixed pool)."""
+        return self.used_blocks / self.total_blocks if self.total_blocks else 0.0
+
+
 class KvStore(ABC):
     """Key/value cache for any number of sequences, addressed by sequence id.
+
+    Caches are token-major: a sequence's keys of one layer read as ``[S, n_kv, hd]``.
 
     Args:
         num_layers, num_kv_heads, head_dim: the model's KV shape.
         max_seq_len: the context length; no sequence may grow past it (tokens).
         dtype, device: storage dtype and device (the model's compute dtype).
     """
+
+    #: Tokens per block; None for storages without blocks (no prefix cache).
+    block_size: int | None = None
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -35,22 +67,49 @@ class KvStore(ABC):
         self.dtype = dtype
         self.device = torch.device(device)
 
+    @staticmethod
+    def token_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """KV bytes one token occupies across all layers (K and V)."""
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
     @property
     def bytes_per_token(self) -> int:
         """KV bytes one token occupies across all layers (K and V)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        return self.token_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
     @abstractmethod
     def seq_len(self, seq_id: int) -> int:
         """Tokens cached for ``seq_id`` (0 for an unknown sequence)."""
 
+    def reserve(self, seq_id: int, num_tokens: int) -> bool:
+        """Make room for ``seq_id`` to hold ``num_tokens`` tokens before the next step.
+
+        Returns False (and changes nothing) when the storage cannot; storages without a fixed
+        pool always say yes and grow in :meth:`prepare`.
+        """
+        return True
+
+    def adopt_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
+        """Start ``seq_id`` (holding no KV) from cached blocks matching a prefix of ``token_ids``.
+
+        Returns:
+            Tokens adopted (whole blocks; 0 for storages without a prefix cache). The caller
+            computes the rest; pass at most ``num_tokens - 1`` ids so the last token, whose
+            logits are needed, is always recomputed.
+        """
+        return 0
+
+    def capacity_tokens(self) -> int | None:
+        """Tokens the whole store can hold at once (None = no fixed pool)."""
+        return None
+
     @abstractmethod
     def prepare(self, batch: StepBatch) -> None:
-        """Reserve room for every chunk of ``batch``.
+        """Reserve room for every chunk of ``batch`` and build its indices.
 
         Raises:
             ValueError: a chunk does not start at its sequence's cached length, or would pass
-                ``max_seq_len``.
+                ``max_seq_len``. InsufficientMemoryError: no room (allocation failed).
         """
 
     @abstractmethod
@@ -61,7 +120,8 @@ class KvStore(ABC):
             q: ``[T, n_q, hd]``; k, v: ``[T, n_kv, hd]`` for the batch's T tokens (RoPE applied).
 
         Returns:
-            ``[T, n_q, hd]``, each token attending causally to its own sequence only.
+            ``[T, n_q, hd]``, each token attending causally to its own sequence only (one query
+            row at a time when ``batch.row_tile`` is set).
         """
 
     @abstractmethod
@@ -73,6 +133,15 @@ class KvStore(ABC):
         """Keep only the first ``n`` cached tokens of ``seq_id`` (rewind); ``n`` >= current is a no-op."""
 
     @abstractmethod
+    def fork(self, src: int, dst: int) -> None:
+        """Give ``dst`` (holding no KV) a copy of ``src``'s cache; paged storage shares full
+        blocks (reference counts) and copies only the last partial block.
+
+        Raises:
+            ValueError: ``dst`` already holds KV. InsufficientMemoryError: no room for the copy.
+        """
+
+    @abstractmethod
     def free(self, seq_id: int) -> None:
         """Release everything held for ``seq_id``; unknown ids are ignored."""
 
@@ -80,6 +149,14 @@ class KvStore(ABC):
     def num_sequences(self) -> int:
         """Sequences currently holding KV."""
 
+    @abstractmethod
+    def usage(self) -> KvUsage:
+        """Blocks and bytes in use (for metrics)."""
+
     def used_bytes(self) -> int:
-        """Bytes of KV storage currently allocated (for metrics)."""
-        return 0
+        """Bytes of KV storage currently held by sequences."""
+        return self.usage().used_bytes
+
+    def describe(self) -> str:
+        """One line for the start-up log: storage, capacity, dtype."""
+        return f"{type(self).__name__}"

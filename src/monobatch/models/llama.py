@@ -33,6 +33,26 @@ PACKED = {
 }
 
 
+def rowwise(tile: int, fn, *xs: torch.Tensor):
+    """Apply a row-wise ``fn`` to ``xs`` (each ``[T, ...]``), in fixed tiles when ``tile`` > 0.
+
+    Deterministic mode (``tile`` = N): the rows are zero-padded to a multiple of N and ``fn`` runs
+    on ``[N, ...]`` tiles only, so every GEMM, reduction and vectorised activation has the same
+    shape whatever the batch holds, and a row's result depends on that row alone (a 1-row GEMM
+    differs bitwise from the same row inside a larger one; see the ADR). ``tile`` 0 is one call.
+    """
+    T = xs[0].shape[0]
+    if tile <= 0 or T == 0:
+        return fn(*xs)
+    pad = -T % tile
+    if pad:
+        xs = tuple(torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) for x in xs)
+    tiles = [fn(*(x[i:i + tile] for x in xs)) for i in range(0, T + pad, tile)]
+    if isinstance(tiles[0], tuple):
+        return tuple(torch.cat(parts)[:T] for parts in zip(*tiles))
+    return torch.cat(tiles)[:T]
+
+
 def _param(*shape: int) -> nn.Parameter:
     # torch.empty: no random init; the loader fills every parameter.
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
@@ -68,7 +88,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with packed QKV, optional qkv bias (Qwen2) and q/k norm (Qwen3)."""
+    """Grouped-query attention's projections: packed QKV, optional qkv bias (Qwen2) and q/k norm
+    (Qwen3). The attention itself runs in the KV store (:meth:`KvStore.attend`)."""
 
     def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
@@ -80,18 +101,16 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.hd, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.hd, args.rms_norm_eps) if args.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch, kv: KvStore) -> torch.Tensor:
-        """x ``[T, D]`` -> ``[T, D]``."""
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x ``[T, D]`` -> q ``[T, H, hd]``, k and v ``[T, K, hd]`` (norms and RoPE applied)."""
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.n_heads, self.hd)  # (T, H, hd)
         k = k.view(T, self.n_kv, self.hd)  # (T, K, hd)
-        v = v.view(T, self.n_kv, self.hd)  # (T, K, hd)
+        v = v.reshape(T, self.n_kv, self.hd)  # (T, K, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = kv.attend(self.layer, q, k, v, batch)  # (T, H, hd)
-        return self.o_proj(out.reshape(T, self.q_size))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 class MLP(nn.Module):
@@ -120,8 +139,16 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch, kv: KvStore) -> torch.Tensor:
-        """x ``[T, D]`` -> ``[T, D]``; cos/sin ``[T, hd]``."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
+        """x ``[T, D]`` -> ``[T, D]``; cos/sin ``[T, hd]``. Everything but attention is row-wise
+        (tiled in deterministic mode, see :func:`rowwise`)."""
+        attn = self.self_attn
+        q, k, v = rowwise(batch.row_tile, lambda x, c, s: attn.project(self.input_layernorm(x), c, s), x, cos, sin)
+        out = kv.attend(attn.layer, q, k, v, batch)  # (T, H, hd)
+        return rowwise(batch.row_tile, self._residual_mlp, x, out.flatten(1))
+
+    def _residual_mlp(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The two residual lines around attention: x ``[T, D]``, attn_out ``[T, H*hd]``."""
+        x = x + self.self_attn.o_proj(attn_out)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -172,9 +199,9 @@ class LlamaModel(nn.Module):
         cos, sin = self.rope.cos_sin(batch.positions, x.dtype)  # (T, hd) each
         for layer in self.layers:
             x = layer(x, cos, sin, batch, kv)
-        x = self.norm(x[batch.logit_rows])  # (R, D): only rows that want logits
         head = self.embed_tokens if self.lm_head is None else self.lm_head.weight
-        return self._logits(x, head)  # (R, V)
+        # (R, D) -> (R, V): only rows that want logits
+        return rowwise(batch.row_tile, lambda x: self._logits(self.norm(x), head), x[batch.logit_rows])
 
     def _logits(self, x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         """``x @ head.T`` as float32 ``[R, V]``. With 16-bit weights on CUDA the GEMM writes

@@ -1,0 +1,136 @@
+"""Chat output: a reply's text split into reasoning and content, shared by every chat client.
+
+Reasoning models write their thinking inside a ``<think> ... </think>`` block before the answer.
+Some templates open the block themselves (the rendered prompt ends with ``<think>``, as
+DeepSeek-R1's does), others leave it to the model (Qwen3 writes ``<think>`` as its first token).
+With ``reasoning_format="separate"`` the text inside the block goes to ``reasoning_content`` and
+the rest to ``content`` (llama.cpp's ``--reasoning-format deepseek``, vLLM's reasoning parser);
+with ``"none"`` everything is ``content``, tags included.
+
+:class:`ReasoningSplitter` works on streamed text pieces: a piece that could still become a tag
+(``"</thi"``) is held back until it can be decided, so streamed deltas joined equal the split of
+the whole text. Whitespace right after an opening or closing tag is dropped (the template's
+newline, the blank line before the answer).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+#: The values of ``--reasoning-format`` / the request field ``reasoning_format``.
+REASONING_FORMATS = ("none", "separate")
+OPEN_TAG = "<think>"
+CLOSE_TAG = "</think>"
+
+
+@dataclass(slots=True)
+class ChatDelta:
+    """A piece of a reply: new content and new reasoning text (either may be "")."""
+
+    content: str = ""
+    reasoning: str = ""
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning)
+
+    def __iadd__(self, other: "ChatDelta") -> "ChatDelta":
+        self.content += other.content
+        self.reasoning += other.reasoning
+        return self
+
+
+class _State(enum.Enum):
+    START = "start"          # nothing decided: the text may still open a block
+    REASONING = "reasoning"  # inside <think> ... </think>
+    CONTENT = "content"      # the answer (or everything, when format is "none")
+
+
+def prompt_opens_reasoning(prompt_text: str) -> bool:
+    """Whether a rendered chat prompt leaves a ``<think>`` block open for the reply to continue."""
+    return prompt_text.rstrip().endswith(OPEN_TAG)
+
+
+class ReasoningSplitter:
+    """Splits one reply's streamed text into content and reasoning.
+
+    Args:
+        reasoning_format: ``"separate"`` splits; ``"none"`` passes every piece through as content.
+        in_reasoning: the prompt already opened a ``<think>`` block (see
+            :func:`prompt_opens_reasoning`), so the reply starts inside it.
+
+    Attributes:
+        has_reasoning: a reasoning block was opened (the reply has ``reasoning_content``).
+    """
+
+    def __init__(self, reasoning_format: str = "separate", in_reasoning: bool = False) -> None:
+        if reasoning_format not in REASONING_FORMATS:
+            raise ValueError(f"reasoning_format must be one of {REASONING_FORMATS}, got {reasoning_format!r}")
+        self._split = reasoning_format == "separate"
+        self._state = _State.REASONING if self._split and in_reasoning else _State.START if self._split else _State.CONTENT
+        self.has_reasoning = self._state is _State.REASONING
+        self._held = ""           # text not yet decided (a possible tag prefix)
+        self._strip = self.has_reasoning  # drop whitespace before the next visible character
+
+    def feed(self, text: str) -> ChatDelta:
+        """Add the next piece of the reply; returns what can be shown now."""
+        if not self._split:
+            return ChatDelta(content=text)
+        out = ChatDelta()
+        self._held += text
+        while self._held:
+            if self._state is _State.START:
+                stripped = self._held.lstrip()
+                if stripped.startswith(OPEN_TAG):
+                    self._held = stripped[len(OPEN_TAG):]
+                    self._state, self.has_reasoning, self._strip = _State.REASONING, True, True
+                elif stripped and OPEN_TAG.startswith(stripped) or not stripped:
+                    break  # still possibly "<think>": wait
+                else:
+                    self._state = _State.CONTENT
+            elif self._state is _State.REASONING:
+                end = self._held.find(CLOSE_TAG)
+                if end >= 0:
+                    out.reasoning += self._visible(self._held[:end])
+                    self._held = self._held[end + len(CLOSE_TAG):]
+                    self._state, self._strip = _State.CONTENT, True
+                    continue
+                keep = _partial_suffix(self._held, CLOSE_TAG)
+                out.reasoning += self._visible(self._held[:len(self._held) - keep])
+                self._held = self._held[len(self._held) - keep:]
+                break
+            else:
+                out.content += self._visible(self._held)
+                self._held = ""
+        return out
+
+    def flush(self) -> ChatDelta:
+        """End of the reply: release held text (an unfinished tag is plain text)."""
+        held, self._held = self._held, ""
+        if not held:
+            return ChatDelta()
+        if self._state is _State.REASONING:
+            return ChatDelta(reasoning=self._visible(held))
+        return ChatDelta(content=self._visible(held))
+
+    def _visible(self, text: str) -> str:
+        if self._strip:
+            text = text.lstrip()
+            self._strip = not text
+        return text
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def split_reasoning(text: str, reasoning_format: str = "separate", in_reasoning: bool = False) -> ChatDelta:
+    """The whole-text form of :class:`ReasoningSplitter` (non-streamed replies)."""
+    splitter = ReasoningSplitter(reasoning_format, in_reasoning)
+    out = splitter.feed(text)
+    out += splitter.flush()
+    return out

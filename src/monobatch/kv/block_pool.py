@@ -1,0 +1,127 @@
+"""BlockPool: the bookkeeping of paged KV — free list, reference counts and the prefix cache.
+
+No tensors here (those live in :class:`monobatch.kv.paged.PagedKv`); a block is an int.
+
+Prefix cache (vLLM's automatic prefix caching, SGLang's radix cache in block form): a *full*
+block is keyed by a chained hash ``hash((parent_hash, *token_ids))``, so one key names the whole
+prefix up to the block's end. A hit is confirmed by comparing the stored parent hash and token
+ids, so a hash collision can never hand a sequence another prefix's KV. A block whose last
+reference goes away keeps its key and becomes *evictable*: it still serves hits until a fresh
+block is needed, then the least recently released one is reused (LRU).
+
+States of a block::
+
+    free  --allocate-->  referenced  --release (ref 0, no key)-->  free
+                          |   ^
+              register key|   |lookup hit
+                          v   |
+                       referenced+key --release (ref 0)--> evictable --evict (LRU)--> free
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from typing import Sequence
+
+#: The parent hash of a sequence's first block.
+ROOT_HASH = 0
+
+
+def block_hash(parent: int, token_ids: Sequence[int]) -> int:
+    """The chained key of a full block: depends on every token of the prefix it ends."""
+    return hash((parent, *token_ids))
+
+
+class BlockPool:
+    """Blocks ``0 .. num_blocks-1`` with reference counts, a free list and the prefix cache.
+
+    Args:
+        num_blocks: blocks in the pool.
+
+    Attributes:
+        ref: reference count per block (sequences whose block table holds it).
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.ref = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 with a key, oldest first
+        self._key: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # block -> (hash, parent, ids)
+        self._by_hash: dict[int, int] = {}  # hash -> block
+
+    # -- counts -------------------------------------------------------------------------------
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation may take now: free plus evictable."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_evictable(self) -> int:
+        """Unreferenced blocks kept for the prefix cache."""
+        return len(self._evictable)
+
+    @property
+    def num_referenced(self) -> int:
+        """Blocks held by at least one sequence."""
+        return self.num_blocks - self.num_available
+
+    # -- allocation ---------------------------------------------------------------------------
+    def allocate(self) -> int:
+        """A fresh block with reference count 1, evicting the least recently released cached
+        block when the free list is empty.
+
+        Raises:
+            MemoryError: no block is free or evictable (callers check :attr:`num_available`).
+        """
+        if self._free:
+            block = self._free.popleft()
+        elif self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            self._forget(block)
+        else:
+            raise MemoryError("KV block pool exhausted")
+        self.ref[block] = 1
+        return block
+
+    def share(self, block: int) -> None:
+        """One more sequence holds ``block`` (fork)."""
+        assert self.ref[block] > 0, "sharing an unreferenced block"
+        self.ref[block] += 1
+
+    def release(self, block: int) -> None:
+        """One holder fewer; at zero the block becomes evictable (keyed) or free."""
+        assert self.ref[block] > 0, f"block {block} released more often than held"
+        self.ref[block] -= 1
+        if self.ref[block] == 0:
+            if block in self._key:
+                self._evictable[block] = None  # most recently released: evicted last
+            else:
+                self._free.append(block)
+
+    # -- prefix cache ---------------------------------------------------------------------------
+    def register(self, block: int, key: int, parent: int, token_ids: Sequence[int]) -> None:
+        """Key a full, computed, referenced block. A prefix already cached in another block keeps
+        that block (two sequences computed it at once); this one stays private."""
+        if key in self._by_hash or block in self._key:
+            return
+        self._key[block] = (key, parent, tuple(token_ids))
+        self._by_hash[key] = block
+
+    def lookup(self, key: int, parent: int, token_ids: Sequence[int]) -> int | None:
+        """The cached block for this prefix, taken with one more reference; None on a miss."""
+        block = self._by_hash.get(key)
+        if block is None or self._key[block] != (key, parent, tuple(token_ids)):
+            return None
+        if self.ref[block] == 0:
+            del self._evictable[block]
+        self.ref[block] += 1
+        return block
+
+    def is_cached(self, block: int) -> bool:
+        """True when ``block`` is keyed in the prefix cache (its contents must not change)."""
+        return block in self._key
+
+    def _forget(self, block: int) -> None:
+        key, _, _ = self._key.pop(block)
+        del self._by_hash[key]

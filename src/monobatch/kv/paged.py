@@ -1,0 +1,241 @@
+"""PagedKv: a pool of fixed-size KV blocks, a block table per sequence, and the prefix cache.
+
+Layout (``bs`` = block size, tokens)::
+
+    pool      [layers, 2, num_blocks * bs, n_kv, hd]    one slot per token, token-major
+    table[s]  [b0, b1, b2]                              block ids of sequence s, in order
+    slot(p)   = table[s][p // bs] * bs + p % bs        where position p of s lives
+
+A step writes its tokens' K/V with one ``index_copy_`` per layer (slot mapping built once per
+step in :meth:`PagedKv.prepare`) and reads each sequence's keys with one gather, so a
+sequence's keys arrive as ``[S, n_kv, hd]`` exactly as dense storage hands them to
+:func:`monobatch.kv.attention.attend_chunk`. (A plain torch gather; fused paged-attention
+kernels belong to the GPU work.)
+
+Blocks are reference-counted (:class:`monobatch.kv.block_pool.BlockPool`): ``fork`` shares every
+block, and a block that is shared or keyed in the prefix cache is copied before a sequence writes
+into it (copy-on-write, done in :meth:`PagedKv.reserve`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from monobatch.engine.batch import StepBatch
+from monobatch.errors import InsufficientMemoryError
+from monobatch.kv.attention import attend_chunk
+from monobatch.kv.block_pool import ROOT_HASH, BlockPool, block_hash
+from monobatch.kv.store import KvStore, KvUsage
+
+
+class PagedKv(KvStore):
+    """Paged storage with a prefix cache.
+
+    Args:
+        num_layers, num_kv_heads, head_dim, max_seq_len, dtype, device: see :class:`KvStore`.
+        num_blocks: blocks in the pool (``num_blocks * block_size`` tokens in all).
+        block_size: tokens per block (16 by default, like vLLM and llama.cpp's server).
+
+    Raises:
+        InsufficientMemoryError: the pool cannot be allocated.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
+                 dtype: torch.dtype, device: torch.device, num_blocks: int, block_size: int = 16) -> None:
+        super().__init__(num_layers, num_kv_heads, head_dim, max_seq_len, dtype, device)
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        try:
+            self.cache = torch.empty(num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim,
+                                     dtype=dtype, device=self.device)
+        except RuntimeError as e:
+            raise InsufficientMemoryError(
+                f"cannot allocate the KV pool ({num_blocks} blocks, "
+                f"{num_blocks * block_size * self.bytes_per_token / 2**20:.0f} MiB); lower --kv-cache-memory") from e
+        self._table: dict[int, list[int]] = {}
+        self._len: dict[int, int] = {}
+        self._tokens: dict[int, list[int]] = {}  # cached token ids, to key full blocks
+        self._keys: dict[int, list[int]] = {}    # prefix-cache keys of the sequence's full blocks
+        self._step: tuple[StepBatch, torch.Tensor, torch.Tensor, list[tuple[int, int]]] | None = None
+
+    # -- queries --------------------------------------------------------------------------------
+    def seq_len(self, seq_id: int) -> int:
+        return self._len.get(seq_id, 0)
+
+    def num_sequences(self) -> int:
+        return len(self._table)
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """Block ids of ``seq_id`` in position order (a copy)."""
+        return list(self._table.get(seq_id, ()))
+
+    def capacity_tokens(self) -> int:
+        return self.pool.num_blocks * self.block_size
+
+    def usage(self) -> KvUsage:
+        used = self.pool.num_referenced
+        return KvUsage(used, self.pool.num_blocks, used * self.block_size * self.bytes_per_token, self.pool.num_evictable)
+
+    def describe(self) -> str:
+        n, bs = self.pool.num_blocks, self.block_size
+        return (f"KV cache: paged, {n} blocks x {bs} tokens = {n * bs} tokens "
+                f"({n * bs * self.bytes_per_token / 2**20:.0f} MiB, {str(self.dtype).removeprefix('torch.')}), "
+                "prefix cache on")
+
+    # -- allocation -------------------------------------------------------------------------------
+    def _needs_copy(self, seq_id: int) -> bool:
+        """True when the block holding the next position is shared or cached (copy before writing)."""
+        n, table = self._len.get(seq_id, 0), self._table.get(seq_id, [])
+        if n % self.block_size == 0 or n // self.block_size >= len(table):
+            return False
+        block = table[n // self.block_size]
+        return self.pool.ref[block] > 1 or self.pool.is_cached(block)
+
+    def reserve(self, seq_id: int, num_tokens: int) -> bool:
+        """Allocate blocks (and copy a shared tail block) so ``seq_id`` can hold ``num_tokens``.
+        Returns False, allocating nothing, when the pool has too few free + evictable blocks."""
+        table = self._table.get(seq_id, [])
+        if num_tokens <= self._len.get(seq_id, 0):
+            return True
+        copy = self._needs_copy(seq_id)
+        need = max(-(-num_tokens // self.block_size) - len(table), 0) + copy
+        if need > self.pool.num_available:
+            return False
+        table = self._table.setdefault(seq_id, table)
+        self._len.setdefault(seq_id, 0)
+        self._tokens.setdefault(seq_id, [])
+        self._keys.setdefault(seq_id, [])
+        if copy:
+            i = self._len[seq_id] // self.block_size
+            old, new = table[i], self.pool.allocate()
+            self._block(new).copy_(self._block(old))
+            self.pool.release(old)
+            table[i] = new
+        while len(table) * self.block_size < num_tokens:
+            table.append(self.pool.allocate())
+        return True
+
+    def _block(self, block: int) -> torch.Tensor:
+        """The slots of one block across layers: ``[layers, 2, bs, n_kv, hd]`` (a view)."""
+        bs = self.block_size
+        return self.cache[:, :, block * bs:(block + 1) * bs]
+
+    def adopt_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
+        if self._table.get(seq_id):
+            raise ValueError(f"sequence {seq_id} already holds KV")
+        bs, parent = self.block_size, ROOT_HASH
+        table, keys = [], []
+        for i in range(len(token_ids) // bs):
+            ids = token_ids[i * bs:(i + 1) * bs]
+            key = block_hash(parent, ids)
+            block = self.pool.lookup(key, parent, ids)
+            if block is None:
+                break
+            table.append(block)
+            keys.append(key)
+            parent = key
+        n = len(table) * bs
+        self._table[seq_id], self._keys[seq_id] = table, keys
+        self._len[seq_id], self._tokens[seq_id] = n, list(token_ids[:n])
+        return n
+
+    # -- a step -------------------------------------------------------------------------------------
+    def prepare(self, batch: StepBatch) -> None:
+        """Check positions, allocate what :meth:`reserve` did not, and build the step's slot
+        mapping (where each new token is written) and gather indices (each chunk's keys).
+
+        Raises:
+            ValueError: a gap or an overflow of the context. InsufficientMemoryError: the pool
+                has no free or evictable block left.
+        """
+        bs = self.block_size
+        arange = torch.arange(bs)
+        write, gather, spans = [], [], []
+        offset = 0
+        for c in batch.chunks:
+            have = self.seq_len(c.seq_id)
+            if c.pos != have:
+                raise ValueError(f"sequence {c.seq_id}: chunk starts at {c.pos} but {have} tokens are cached")
+            if c.end_pos > self.max_seq_len:
+                raise ValueError(f"sequence {c.seq_id}: {c.end_pos} tokens exceed the context ({self.max_seq_len})")
+            if not self.reserve(c.seq_id, c.end_pos):
+                u = self.usage()
+                raise InsufficientMemoryError(
+                    f"the KV pool is full ({u.used_blocks} of {u.total_blocks} blocks in use); "
+                    "raise --kv-cache-memory or run fewer sequences at once")
+            table = torch.tensor(self._table[c.seq_id], dtype=torch.int64)
+            slots = (table[:, None] * bs + arange).reshape(-1)[:c.end_pos]  # slot of each position
+            write.append(slots[c.pos:])
+            gather.append(slots)
+            spans.append((offset, c.end_pos))
+            offset += c.end_pos
+        if not batch.chunks:
+            self._step = None
+            return
+        self._step = (batch, torch.cat(write).to(self.device), torch.cat(gather).to(self.device), spans)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        assert self._step is not None and self._step[0] is batch, "prepare(batch) first"
+        _, write, gather, spans = self._step
+        k_cache, v_cache = self.cache[layer, 0], self.cache[layer, 1]  # (slots, n_kv, hd)
+        k_cache.index_copy_(0, write, k)
+        v_cache.index_copy_(0, write, v)
+        keys, values = k_cache[gather], v_cache[gather]  # (sum of S, n_kv, hd): every chunk's keys
+        out = torch.empty_like(q)
+        for c, (o, S) in zip(batch.chunks, spans):
+            s, e = c.start, c.start + c.length
+            out[s:e] = attend_chunk(q[s:e], keys[o:o + S], values[o:o + S], c.pos, batch.row_tile > 0)
+        return out
+
+    def commit(self, batch: StepBatch) -> None:
+        """Advance each sequence and key the blocks that became full in the prefix cache."""
+        bs = self.block_size
+        for c in batch.chunks:
+            self._len[c.seq_id] = c.end_pos
+            tokens, keys, table = self._tokens[c.seq_id], self._keys[c.seq_id], self._table[c.seq_id]
+            tokens.extend(c.token_ids)
+            while len(keys) < c.end_pos // bs:
+                i = len(keys)
+                parent = keys[-1] if keys else ROOT_HASH
+                ids = tokens[i * bs:(i + 1) * bs]
+                key = block_hash(parent, ids)
+                self.pool.register(table[i], key, parent, ids)
+                keys.append(key)
+        self._step = None
+
+    # -- lifetime -------------------------------------------------------------------------------------
+    def trim(self, seq_id: int, n: int) -> None:
+        """Rewind to ``n`` tokens; blocks past them are released (a kept, partly overwritten
+        block is copied first if it is shared or cached — see :meth:`reserve`)."""
+        have = self._len.get(seq_id)
+        if have is None or n >= have:
+            return
+        n = max(n, 0)
+        table = self._table[seq_id]
+        keep = -(-n // self.block_size)
+        for block in reversed(table[keep:]):
+            self.pool.release(block)
+        del table[keep:]
+        self._len[seq_id] = n
+        del self._tokens[seq_id][n:]
+        del self._keys[seq_id][n // self.block_size:]
+
+    def fork(self, src: int, dst: int) -> None:
+        if self._table.get(dst):
+            raise ValueError(f"sequence {dst} already holds KV")
+        table = list(self._table.get(src, []))
+        for block in table:
+            self.pool.share(block)
+        self._table[dst], self._len[dst] = table, self._len.get(src, 0)
+        self._tokens[dst], self._keys[dst] = list(self._tokens.get(src, [])), list(self._keys.get(src, []))
+
+    def free(self, seq_id: int) -> None:
+        """Release ``seq_id``'s blocks, last first, so the LRU evicts a prefix's tail before its head."""
+        for block in reversed(self._table.pop(seq_id, [])):
+            self.pool.release(block)
+        for state in (self._len, self._tokens, self._keys):
+            state.pop(seq_id, None)

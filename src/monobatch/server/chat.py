@@ -1,0 +1,155 @@
+"""``POST /v1/chat/completions``: messages through the chat template, streamed or not, with the
+reasoning split of :mod:`monobatch.chat_output` and chat-shaped logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from monobatch.chat_output import ChatDelta, ReasoningSplitter, prompt_opens_reasoning
+from monobatch.engine.params import resolve_sampling
+from monobatch.errors import InvalidRequestError
+from monobatch.server.client import EngineFailed, ResponseReader
+from monobatch.server.errors import APIError, error_body
+from monobatch.server.generation import (SSE_DONE, SSE_HEADERS, Choice, ClientGone, build_requests, chat_logprobs,
+                                         created, new_id, sse, unless_disconnected, usage)
+from monobatch.server.protocol import ChatCompletionRequest
+from monobatch.server.state import ServerState
+from monobatch.tokenizer import Tokenizer
+
+#: Template variables a request's chat_template_kwargs may not replace.
+_RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+
+
+def render_chat(tok: Tokenizer, body: ChatCompletionRequest) -> tuple[str, list[int]]:
+    """The rendered prompt text and its ids (one BOS at most: case F2).
+
+    Raises:
+        InvalidRequestError: bad messages, a template's ``raise_exception``, reserved kwargs.
+    """
+    kwargs = body.chat_template_kwargs or {}
+    clash = sorted(_RESERVED_TEMPLATE_VARS & kwargs.keys())
+    if clash:
+        raise InvalidRequestError(f"chat_template_kwargs: may not set {', '.join(clash)}", "chat_template_kwargs")
+    text = tok.apply_chat_template(body.messages, body.add_generation_prompt, **kwargs)
+    return text, tok.encode(text)
+
+
+@dataclass(slots=True)
+class _Chat:
+    """One chat request in flight: what shaping its response needs."""
+
+    id: str
+    model: str
+    created: int
+    body: ChatCompletionRequest
+    tok: Tokenizer
+    prompt_ids: list[int]
+    reasoning_format: str
+    in_reasoning: bool
+
+    def splitter(self) -> ReasoningSplitter:
+        return ReasoningSplitter(self.reasoning_format, self.in_reasoning)
+
+    def _chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
+        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                 "choices": choices}
+        if self.body.include_usage:
+            chunk["usage"] = usage_
+        return chunk
+
+    async def collect(self, reader: ResponseReader) -> list[Choice]:
+        """Read every output of ``reader`` into one Choice per sequence."""
+        async with reader:
+            choices = [Choice(i) for i in range(len(reader.index))]
+            async for i, out in reader:
+                choices[i].add(out)
+        return choices
+
+    def response(self, choices: list[Choice]) -> dict:
+        """The non-streamed body."""
+        rows = []
+        for c in choices:
+            splitter = self.splitter()
+            parts = splitter.feed("".join(c.text))
+            parts += splitter.flush()
+            message = {"role": "assistant", "content": parts.content}
+            if splitter.has_reasoning:
+                message["reasoning_content"] = parts.reasoning
+            row = {"index": c.index, "message": message,
+                   "logprobs": chat_logprobs(self.tok, c.logprobs) if self.body.logprobs else None,
+                   "finish_reason": c.finish_reason}
+            if self.body.return_token_ids:
+                row["token_ids"] = c.token_ids
+            rows.append(row)
+        out = {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+               "choices": rows, "usage": usage(choices, self.body.n)}
+        if self.body.return_token_ids:
+            out["prompt_token_ids"] = self.prompt_ids
+        return out
+
+    async def stream(self, reader: ResponseReader) -> AsyncIterator[str]:
+        """The SSE events: the role first per choice, one chunk per output with text, a final
+        chunk per choice with its finish_reason, usage, ``[DONE]`` (case F1)."""
+        n = len(reader.index)
+        choices = [Choice(i) for i in range(n)]
+        splitters = [self.splitter() for _ in range(n)]
+        try:
+            async with reader:
+                for i in range(n):
+                    first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}
+                    if self.body.return_token_ids and i == 0:
+                        first["prompt_token_ids"] = self.prompt_ids
+                    yield sse(self._chunk([first]))
+                async for i, out in reader:
+                    choices[i].add(out)
+                    parts: ChatDelta = splitters[i].feed(out.text)
+                    if out.finished:
+                        parts += splitters[i].flush()
+                    wants_logprobs = self.body.logprobs and out.logprobs
+                    if not (parts or out.finished or wants_logprobs):
+                        continue
+                    delta = {}
+                    if parts.content:
+                        delta["content"] = parts.content
+                    if parts.reasoning:
+                        delta["reasoning_content"] = parts.reasoning
+                    row = {"index": i, "delta": delta,
+                           "logprobs": chat_logprobs(self.tok, out.logprobs) if wants_logprobs else None,
+                           "finish_reason": out.finish_reason.value if out.finished else None}
+                    if self.body.return_token_ids:
+                        row["token_ids"] = out.token_ids
+                    yield sse(self._chunk([row]))
+            if self.body.include_usage:
+                yield sse(self._chunk([], usage(choices, self.body.n)))
+        except EngineFailed as exc:
+            yield sse(error_body(500, str(exc)))
+        yield SSE_DONE
+
+
+async def create_chat_completion(body: ChatCompletionRequest, http: HttpRequest, state: ServerState) -> Response:
+    """Validate, render, submit and answer one chat request (errors before any SSE byte)."""
+    client = state.require_client()
+    model = state.check_model(body.model)
+    tok = state.tokenizer
+    params = resolve_sampling(body.sampling_request(), state.sampling_flags, state.generation_defaults,
+                              entry_point="chat")
+    prompt_text, prompt_ids = render_chat(tok, body)
+    chat_id = new_id("chatcmpl")
+    requests = build_requests(chat_id, [prompt_ids], params, body.n, bypass_prefix_cache=not body.cache_prompt)
+    reader = await client.submit(requests)
+    job = _Chat(chat_id, model, created(), body, tok, prompt_ids,
+                body.reasoning_format or state.settings.reasoning_format, prompt_opens_reasoning(prompt_text))
+    if body.stream:
+        return StreamingResponse(job.stream(reader), media_type="text/event-stream", headers=SSE_HEADERS)
+    try:
+        choices = await unless_disconnected(http, job.collect(reader))
+    except ClientGone:
+        return Response(status_code=499)
+    except EngineFailed as exc:
+        raise APIError(500, str(exc)) from exc
+    return JSONResponse(job.response(choices))

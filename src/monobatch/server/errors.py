@@ -1,0 +1,111 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status.
+
+Every client mistake ends here as a 400/401/404/413/429 (503 while the model loads); only a bug
+or an engine failure is a 500. Handlers are registered on the app by :func:`install_handlers`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from monobatch.errors import ContextLengthError, MonobatchError
+
+log = logging.getLogger("monobatch.server")
+
+#: OpenAI's error ``type`` per status.
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          500: "server_error", 503: "service_unavailable_error"}
+
+
+class APIError(Exception):
+    """An error answered as OpenAI-shaped JSON.
+
+    Args:
+        status: the HTTP status.
+        message: one line for the user.
+        param: the request field at fault, if any.
+        code: a machine-readable code (``context_length_exceeded``, ``model_not_found``, ...).
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """The JSON body of an error response (also sent as an SSE event when a stream fails)."""
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """An OpenAI-shaped JSON error response."""
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def from_monobatch(exc: MonobatchError) -> APIError:
+    """A MonobatchError raised on a request's behalf (bad field, prompt too long) as a 400."""
+    code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
+    return APIError(400, str(exc), getattr(exc, "param", None), code)
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """pydantic's errors as one line and the field at fault.
+
+    A union field fails once per member (``prompt``: not a string, not a list, ...): those are
+    joined under the field's name.
+    """
+    first = errors[0]
+    kind, loc = first.get("type"), [str(p) for p in first.get("loc", ()) if p != "body"]
+    if kind == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
+    if kind == "missing" and not loc:
+        return "the request body is empty: expected a JSON object", None
+    if kind == "model_attributes_type" or (kind == "model_type" and not loc):
+        return "the request body must be a JSON object (Content-Type: application/json)", None
+    ctx = first.get("ctx") or {}
+    if "field" in ctx:  # our own PydanticCustomErrors carry the field and a finished message
+        return first["msg"], ctx["field"]
+    if kind == "extra_forbidden":
+        return f"{'.'.join(loc)}: unknown field (not supported by monobatch)", loc[0] if loc else None
+    param = loc[0] if loc else None
+    same = [e for e in errors if [str(p) for p in e.get("loc", ()) if p != "body"][:1] == loc[:1]]
+    if len(same) > 1 and len({e["type"] for e in same}) > 1:  # a union: every member failed
+        return f"{param}: invalid value ({'; '.join(dict.fromkeys(e['msg'] for e in same))})", param
+    return f"{'.'.join(loc)}: {first['msg']}", param
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Map APIError, MonobatchError, validation and routing errors to OpenAI-shaped responses."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return error_response(exc.status, exc.message, exc.param, exc.code, headers)
+
+    @app.exception_handler(MonobatchError)
+    async def _monobatch_error(request: Request, exc: MonobatchError) -> JSONResponse:
+        err = from_monobatch(exc)
+        return error_response(err.status, err.message, err.param, err.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(list(exc.errors()))
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(exc.status_code, message, None, None, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")

@@ -1,0 +1,159 @@
+"""Server settings and the state one app holds: the loading model, then the engine client.
+
+The model loads on a background thread after the server starts listening, so ``/health``
+answers 503 while it loads (then 200) and generation endpoints answer 503 until it is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from monobatch.chat_output import REASONING_FORMATS
+from monobatch.engine.scheduler import BatchScheduler
+from monobatch.errors import InvalidRequestError
+from monobatch.server.client import EngineClient
+from monobatch.server.errors import APIError
+from monobatch.server.metrics import ServerMetrics
+
+log = logging.getLogger("monobatch.server")
+
+#: Largest request body accepted (413 beyond): a 128K-token prompt as JSON ids is ~1 MB.
+MAX_BODY_BYTES = 32 * 2**20
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    """What ``monobatch serve`` (or an in-process caller) configures beyond the engine.
+
+    Attributes:
+        served_model_names: names the API answers to (``model`` field, ``/v1/models``); empty =
+            the model's own name.
+        api_key: when set, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need ``Authorization:
+            Bearer <key>``.
+        max_queue: sequences that may wait beyond ``max_num_seqs`` before a 429; None = no limit.
+        reasoning_format: ``separate`` (``<think>`` text -> ``reasoning_content``) or ``none``.
+        sampling_flags: server-level sampling defaults (SamplingParams fields), below the
+            request's own fields in precedence.
+        max_body_bytes: larger request bodies get a 413.
+    """
+
+    served_model_names: tuple[str, ...] = ()
+    api_key: str | None = None
+    max_queue: int | None = None
+    reasoning_format: str = "separate"
+    sampling_flags: dict[str, Any] = field(default_factory=dict)
+    max_body_bytes: int = MAX_BODY_BYTES
+
+    def __post_init__(self) -> None:
+        self.served_model_names = tuple(self.served_model_names)
+        if self.max_queue is not None and self.max_queue < 0:
+            raise InvalidRequestError("--max-queue must be >= 0", "max_queue")
+        if self.reasoning_format not in REASONING_FORMATS:
+            raise InvalidRequestError(f"--reasoning-format must be one of {', '.join(REASONING_FORMATS)}",
+                                      "reasoning_format")
+        if self.api_key == "":
+            raise InvalidRequestError("--api-key must not be empty", "api_key")
+
+
+class ServerState:
+    """The app's model and engine, once loaded (``app.state.monobatch``).
+
+    Args:
+        settings: the server settings.
+        load: builds the BatchScheduler (loads the model); runs on a background thread.
+
+    Attributes:
+        on_fatal: called (on the event loop) with the error when loading fails; the runner
+            uses it to stop the server.
+        load_error: that error, if any.
+    """
+
+    def __init__(self, settings: ServerSettings, load: Callable[[], BatchScheduler]) -> None:
+        self.settings = settings
+        self._load = load
+        self.client: EngineClient | None = None
+        self.scheduler: BatchScheduler | None = None
+        self.load_error: BaseException | None = None
+        self.on_fatal: Callable[[BaseException], None] | None = None
+        self.metrics = ServerMetrics(self._stats)
+        self.names: tuple[str, ...] = settings.served_model_names
+        self.ready = threading.Event()  # set once the engine runs (other threads may wait on it)
+
+    # -- lifecycle (event loop) ---------------------------------------------------------------
+    def start_loading(self) -> None:
+        """Load on a daemon thread (shutting down never waits for a load in progress)."""
+        loop = asyncio.get_running_loop()
+
+        def work() -> None:
+            try:
+                scheduler = self._load()
+            except BaseException as exc:  # noqa: BLE001 - reported to the runner, which exits
+                loop.call_soon_threadsafe(self._failed, exc)
+            else:
+                loop.call_soon_threadsafe(self._loaded, scheduler, loop)
+
+        threading.Thread(target=work, name="monobatch-load", daemon=True).start()
+
+    def _loaded(self, scheduler: BatchScheduler, loop: asyncio.AbstractEventLoop) -> None:
+        self.scheduler = scheduler
+        self.names = self.names or (scheduler.engine.loaded.name,)
+        self.client = EngineClient(scheduler, loop, self.settings.max_queue, self.metrics.observe_final)
+        self.client.start()
+        self.ready.set()
+        log.info("model %s ready (context %d tokens)", self.names[0], scheduler.engine.max_model_len)
+
+    def _failed(self, exc: BaseException) -> None:
+        self.load_error = exc
+        log.error("loading the model failed: %s", exc)
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
+
+    def shutdown(self) -> None:
+        """Abort what still runs and stop the engine thread."""
+        if self.client is not None:
+            self.client.stop()
+
+    # -- for handlers ---------------------------------------------------------------------------
+    def require_client(self) -> EngineClient:
+        """The engine client. Raises APIError 503 while loading or after the engine stopped."""
+        if self.client is None:
+            raise APIError(503, "the model is loading; retry when GET /health answers 200", code="model_loading")
+        if not self.client.engine.alive:
+            raise APIError(503, "the engine has stopped", code="engine_stopped")
+        return self.client
+
+    def check_model(self, name: str | None) -> str:
+        """The served name a request's ``model`` refers to. Raises APIError 404 for another name."""
+        if name in (None, ""):
+            return self.names[0]
+        if name not in self.names:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {', '.join(self.names)}",
+                           param="model", code="model_not_found")
+        return name
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer (ready state only)."""
+        return self.scheduler.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """The engine's context length."""
+        return self.scheduler.engine.max_model_len
+
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        """The model's generation config (the third precedence level)."""
+        return self.scheduler.engine.loaded.generation_defaults
+
+    @property
+    def sampling_flags(self) -> dict[str, Any]:
+        """Server-level sampling defaults."""
+        return self.settings.sampling_flags
+
+    def _stats(self) -> dict | None:
+        return self.client.engine.stats if self.client is not None else None
