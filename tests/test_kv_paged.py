@@ -1,0 +1,168 @@
+"""PagedKv and BlockPool: attention equal to dense storage, the prefix cache (chained keys, ids
+checked, LRU eviction of unreferenced blocks), fork with copy-on-write, trim, reserve, free."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from monobatch.engine.batch import StepBatch
+from monobatch.errors import InsufficientMemoryError
+from monobatch.kv import block_pool
+from monobatch.kv.block_pool import BlockPool
+from monobatch.kv.dense import DenseKv
+from monobatch.kv.paged import PagedKv
+
+L, K, HD, H, BS = 2, 2, 8, 4, 4
+SHAPE = (L, K, HD, 64, torch.float32, torch.device("cpu"))
+
+
+def paged(num_blocks=32) -> PagedKv:
+    return PagedKv(*SHAPE, num_blocks=num_blocks, block_size=BS)
+
+
+def step(kv, chunks, seed=0):
+    """Write deterministic q/k/v for ``chunks`` (k/v derived from token ids and positions, so two
+    sequences with the same prefix get the same KV) through every layer; returns the outputs."""
+    batch = StepBatch.build(chunks)
+    T = batch.num_tokens
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, H, HD, generator=g)
+    base = (batch.token_ids * 7 + batch.positions).float()[:, None, None]
+    k = torch.sin(base + torch.arange(K * HD).view(1, K, HD))
+    v = torch.cos(base * 0.3 + torch.arange(K * HD).view(1, K, HD))
+    kv.prepare(batch)
+    outs = [kv.attend(layer, q, k, v, batch) for layer in range(L)]
+    kv.commit(batch)
+    return outs
+
+
+def keys_of(kv: PagedKv, seq: int, layer: int = 0) -> torch.Tensor:
+    slots = [b * BS + i for b in kv.block_table(seq) for i in range(BS)][:kv.seq_len(seq)]
+    return kv.cache[layer, 0, slots]
+
+
+def test_paged_attention_equals_dense_bitwise():
+    """Same chunks (mixed prefill + decode of two sequences) through dense and paged storage give
+    bit-identical outputs: both hand attend_chunk token-major keys with the same strides."""
+    plan = [[(0, list(range(9)), 0, True), (1, [5, 6, 7], 0, True)],
+            [(0, [1], 9, True), (1, list(range(11)), 3, True)],
+            [(0, [2], 10, True), (1, [3], 14, True)]]
+    dense, pg = DenseKv(*SHAPE, growth=8), paged()
+    for i, chunks in enumerate(plan):
+        for a, b in zip(step(dense, chunks, seed=i), step(pg, chunks, seed=i)):
+            assert torch.equal(a, b)
+    assert pg.seq_len(0) == 11 and pg.seq_len(1) == 15
+    assert len(pg.block_table(1)) == 4  # ceil(15 / 4)
+
+
+def test_prefix_hit_adopts_whole_blocks_with_the_same_kv():
+    kv = paged()
+    prompt = list(range(100, 114))  # 14 tokens: 3 full blocks + 2
+    step(kv, [(0, prompt, 0, True)])
+    kv.free(0)  # blocks become evictable but keep their keys
+    assert kv.usage().used_blocks == 0 and kv.usage().cached_blocks == 3
+    n = kv.adopt_prefix(1, prompt[:13] + [999])
+    assert n == 12  # three whole blocks; the partial 4th is never adopted
+    assert kv.seq_len(1) == 12 and kv.usage().used_blocks == 3
+    step(kv, [(1, prompt[12:], 12, True)])
+    cold = paged()
+    step(cold, [(0, prompt, 0, True)])
+    assert torch.equal(keys_of(kv, 1), keys_of(cold, 0))
+
+
+def test_a_different_prefix_misses_even_with_the_same_block():
+    """Keys are chained: block 2 of another prefix with identical ids is not a hit."""
+    kv = paged()
+    step(kv, [(0, [1, 2, 3, 4, 9, 9, 9, 9, 0], 0, True)])
+    assert kv.adopt_prefix(1, [7, 7, 7, 7, 9, 9, 9, 9, 0]) == 0
+
+
+def test_hash_collisions_are_caught_by_the_id_check(monkeypatch):
+    monkeypatch.setattr(block_pool, "block_hash", lambda parent, ids: 42)
+    import monobatch.kv.paged as paged_mod
+    monkeypatch.setattr(paged_mod, "block_hash", lambda parent, ids: 42)
+    kv = paged()
+    step(kv, [(0, [1, 2, 3, 4, 0], 0, True)])
+    assert kv.adopt_prefix(1, [5, 6, 7, 8, 0]) == 0  # same key, other ids: a miss
+    assert kv.adopt_prefix(2, [1, 2, 3, 4, 0]) == 4
+
+
+def test_lru_evicts_least_recently_released_and_tails_first():
+    pool = BlockPool(4)
+    a = [pool.allocate() for _ in range(2)]
+    for i, b in enumerate(a):
+        pool.register(b, key=100 + i, parent=99 + i, token_ids=[i])
+    b = [pool.allocate() for _ in range(2)]
+    for i, blk in enumerate(b):
+        pool.register(blk, key=200 + i, parent=199 + i, token_ids=[i])
+    for blk in reversed(a):  # free() releases tail first
+        pool.release(blk)
+    for blk in reversed(b):
+        pool.release(blk)
+    assert pool.num_available == 4 and pool.num_evictable == 4
+    assert pool.allocate() == a[1]  # a's tail: released first
+    assert pool.lookup(101, 100, [1]) is None  # evicted
+    assert pool.lookup(100, 99, [0]) == a[0]  # a's head still cached, now referenced again
+    assert pool.num_evictable == 2
+
+
+def test_fork_shares_blocks_and_copies_on_write():
+    kv = paged()
+    step(kv, [(0, list(range(6)), 0, True)])  # blocks: full + partial (2 tokens)
+    before = keys_of(kv, 0).clone()
+    kv.fork(0, 1)
+    assert kv.block_table(1) == kv.block_table(0)
+    assert all(kv.pool.ref[b] == 2 for b in kv.block_table(0))
+    step(kv, [(1, [50, 51], 6, True)])  # writes into the shared partial block: copied first
+    assert kv.block_table(1)[0] == kv.block_table(0)[0]  # the full block is still shared
+    assert kv.block_table(1)[1] != kv.block_table(0)[1]
+    assert torch.equal(keys_of(kv, 0), before)  # the source is untouched
+    assert kv.seq_len(1) == 8
+    with pytest.raises(ValueError):
+        kv.fork(0, 1)
+
+
+def test_trim_releases_blocks_and_protects_cached_ones():
+    kv = paged()
+    prompt = list(range(10))
+    step(kv, [(0, prompt, 0, True)])  # blocks 0, 1 full and keyed; block 2 partial
+    cached = keys_of(kv, 0)[:8].clone()
+    kv.trim(0, 6)
+    assert kv.seq_len(0) == 6 and len(kv.block_table(0)) == 2
+    step(kv, [(0, [77, 78, 79], 6, True)])  # overwrites positions 6.. of a cached block: copy-on-write
+    assert kv.adopt_prefix(1, prompt) == 8
+    assert torch.equal(keys_of(kv, 1), cached)  # the cache still holds the original prefix
+    kv.trim(0, 100)  # past the end: no-op
+    assert kv.seq_len(0) == 9
+
+
+def test_reserve_says_no_without_allocating():
+    kv = paged(num_blocks=4)
+    assert kv.reserve(0, 12)
+    assert kv.usage().used_blocks == 3
+    assert not kv.reserve(1, 8)  # needs 2, one left
+    assert kv.usage().used_blocks == 3 and kv.seq_len(1) == 0
+    assert kv.reserve(1, 4)
+    with pytest.raises(InsufficientMemoryError):
+        step(kv, [(1, list(range(5)), 0, True)])  # a second block is not there
+
+
+def test_prepare_refuses_gaps_and_overflow():
+    kv = paged()
+    with pytest.raises(ValueError):
+        kv.prepare(StepBatch.build([(0, [1, 2], 3, True)]))
+    with pytest.raises(ValueError):
+        kv.prepare(StepBatch.build([(0, list(range(65)), 0, True)]))
+
+
+def test_free_returns_every_block():
+    kv = paged(num_blocks=8)
+    step(kv, [(0, list(range(9)), 0, True), (1, list(range(20, 25)), 0, True)])
+    kv.fork(0, 2)
+    for s in (0, 1, 2, 7):  # 7: unknown, ignored
+        kv.free(s)
+    u = kv.usage()
+    assert u.used_blocks == 0 and kv.num_sequences() == 0
+    assert kv.pool.num_available == 8 and u.cached_blocks == 3  # 2 + 1 full blocks keyed
+    assert all(r == 0 for r in kv.pool.ref)
