@@ -1,0 +1,208 @@
+"""``monobatch.LLM``: offline batched generation from Python, shaped like vLLM's ``LLM``.
+
+    from monobatch import LLM, SamplingParams
+    llm = LLM()                      # the bundled SmolLM2-135M-Instruct; or LLM("model.gguf")
+    outs = llm.generate(["The capital of France is", "def fib(n):"],
+                        SamplingParams(temperature=0, max_tokens=32))
+    print(outs[0].outputs[0].text)
+
+It submits every prompt to the one decode loop (:class:`BatchScheduler`) at once and steps it
+until all are done: continuous batching, the prefix cache and the sampler are the ones the server
+and the CLI use, so a request gives the same tokens here as there.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from monobatch import defaults
+from monobatch.engine.engine import Engine, EngineConfig
+from monobatch.engine.finish import RequestMetrics
+from monobatch.engine.params import SamplingParams, resolve_sampling
+from monobatch.engine.scheduler import BatchScheduler
+from monobatch.engine.sequence import Request
+from monobatch.errors import InvalidRequestError
+from monobatch.loader import LoadedModel, load_model
+
+PromptType = Union[str, Sequence[int]]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One generated continuation (vLLM's shape).
+
+    Attributes:
+        index: position among a request's outputs (always 0: one output per request).
+        text: the generated text (stop string excluded unless include_stop_str_in_output).
+        token_ids: generated token ids.
+        finish_reason: ``stop`` | ``length`` | ``loop`` | ``abort``.
+        logprobs: per token ``(token_id, logprob, [(alt_id, alt_logprob), ...])`` when asked.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The result of one prompt (vLLM's shape).
+
+    Attributes:
+        request_id: the id it ran under.
+        prompt: the prompt text (None when token ids were given).
+        prompt_token_ids: the ids the model saw (chat template and BOS applied).
+        outputs: the continuations (one).
+        num_cached_tokens: prompt tokens served by the prefix cache.
+        metrics: TTFT, ITL, decode rate.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Always True for outputs returned by :meth:`LLM.generate`."""
+        return bool(self.outputs)
+
+
+class LLM:
+    """A model and its engine, for batched offline generation.
+
+    Args:
+        model: a ``.gguf`` file or a Hugging Face folder; None for the bundled model.
+        device, dtype: as ``--device`` / ``--dtype`` (``auto``: CUDA bfloat16 when present, else
+            CPU float32).
+        max_model_len, max_num_seqs, prefill_chunk, max_num_batched_tokens, kv_storage,
+        kv_cache_memory, deterministic: :class:`EngineConfig` fields (the CLI flags of the same
+            names).
+        chat_template: a jinja template replacing the model's.
+        progress: show the loading bar (on a terminal).
+        loaded: an already loaded model to share (skips loading).
+
+    Raises:
+        ModelNotFoundError, UnsupportedModelError, InsufficientMemoryError, InvalidRequestError.
+    """
+
+    def __init__(self, model: str | None = None, *, device: str = "auto", dtype: str = "auto",
+                 max_model_len: int | None = None, max_num_seqs: int = defaults.MAX_NUM_SEQS,
+                 prefill_chunk: int = defaults.PREFILL_CHUNK, max_num_batched_tokens: int | None = None,
+                 kv_storage: str = defaults.KV_STORAGE, kv_cache_memory: int | None = None,
+                 deterministic: bool = False, chat_template: str | None = None, progress: bool = True,
+                 loaded: LoadedModel | None = None) -> None:
+        config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk,
+                              max_num_batched_tokens=max_num_batched_tokens, kv_storage=kv_storage,
+                              kv_cache_memory=kv_cache_memory, deterministic=deterministic)
+        self.loaded = loaded or load_model(model, device, dtype, chat_template=chat_template, progress=progress)
+        self.scheduler = BatchScheduler(Engine(self.loaded, config))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        """The model's :class:`monobatch.tokenizer.Tokenizer`."""
+        return self.loaded.tokenizer
+
+    def default_sampling_params(self) -> SamplingParams:
+        """What a call without ``sampling_params`` uses: the model's generation config over the
+        defaults table, ``max_tokens`` 16 (vLLM's default)."""
+        return resolve_sampling(None, {}, self.loaded.generation_defaults, entry_point="python")
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt; outputs in the order of ``prompts``.
+
+        Args:
+            prompts: a string, a list of token ids, or a list of either (raw completion: the
+                text is encoded as is, BOS per the model).
+            sampling_params: one for all prompts, one per prompt, or None for
+                :meth:`default_sampling_params`.
+            use_tqdm: a progress bar over finished requests (shown on a terminal).
+
+        Raises:
+            InvalidRequestError / ContextLengthError: a bad prompt or parameter; nothing runs.
+        """
+        items = self._as_list(prompts)
+        encoded = [(p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in items]
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Answer one conversation or a list of them through the model's chat template.
+
+        Args:
+            messages: ``[{"role": ..., "content": ...}, ...]`` or a list of such lists (roles
+                system/user/assistant/tool, OpenAI's shape).
+
+        Raises:
+            InvalidRequestError: a malformed conversation or a model without a chat template.
+        """
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list of conversations or of messages", "messages")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        encoded = [(None, self.tokenizer.encode_chat(c, add_generation_prompt=add_generation_prompt))
+                   for c in conversations]
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    @staticmethod
+    def _as_list(prompts) -> list[PromptType]:
+        if isinstance(prompts, str):
+            return [prompts]
+        if not isinstance(prompts, Sequence) or len(prompts) == 0:
+            raise InvalidRequestError("prompts must be a string, a list of token ids, or a non-empty list of them", "prompts")
+        if all(isinstance(t, int) for t in prompts):
+            return [prompts]  # one tokenized prompt
+        return list(prompts)
+
+    def _run(self, encoded: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None:
+            params = [self.default_sampling_params()] * len(encoded)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(encoded)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(encoded):
+                raise InvalidRequestError(f"{len(params)} sampling_params for {len(encoded)} prompts", "sampling_params")
+        results: dict[str, RequestOutput] = {}
+        asked: dict[str, SamplingParams] = {}
+        added: list[str] = []
+        try:
+            for (text, ids), sp in zip(encoded, params):
+                rid = f"llm-{next(self._ids)}"
+                self.scheduler.add_request(Request(rid, ids, sp))
+                added.append(rid)
+                results[rid], asked[rid] = RequestOutput(rid, text, ids), sp
+        except BaseException:
+            for rid in added:  # a bad prompt changes nothing: drop the ones already queued
+                self.scheduler.abort(rid)
+            while self.scheduler.has_unfinished():
+                self.scheduler.step()
+            raise
+        text_parts: dict[str, list[str]] = {rid: [] for rid in results}
+        tokens: dict[str, list[int]] = {rid: [] for rid in results}
+        logprobs: dict[str, list] = {rid: [] for rid in results}
+        with tqdm(total=len(results), desc="Generating", unit="req", disable=None if use_tqdm else True) as bar:
+            while self.scheduler.has_unfinished():
+                for out in self.scheduler.step():
+                    rid = out.request_id
+                    text_parts[rid].append(out.text)
+                    tokens[rid] += out.token_ids
+                    logprobs[rid] += out.logprobs or []
+                    if out.finished:
+                        r = results[rid]
+                        r.num_cached_tokens, r.metrics = out.num_cached_tokens, out.metrics
+                        r.outputs.append(CompletionOutput(0, "".join(text_parts[rid]), tokens[rid], out.finish_reason.value,
+                                                          logprobs[rid] if asked[rid].logprobs is not None else None))
+                        bar.update(1)
+        return [results[rid] for rid in added]

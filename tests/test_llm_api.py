@@ -1,0 +1,80 @@
+"""``monobatch.LLM``: the Python API drives the same loop as the CLI (same ids as `generate`),
+accepts strings and token ids, per-prompt params, chat, and refuses bad input without side effects."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from monobatch import LLM, SamplingParams
+from monobatch.errors import ContextLengthError, InvalidRequestError
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def llm(loaded):
+    return LLM(loaded=loaded)
+
+
+def test_generate_strings_and_token_ids_in_order(llm):
+    texts = ["The capital of France is", "def fibonacci(n):", "Roses are red,"]
+    outs = llm.generate(texts, GREEDY)
+    assert [o.prompt for o in outs] == texts
+    ids = [o.prompt_token_ids for o in outs]
+    again = llm.generate(ids, GREEDY)  # token id lists give the same tokens
+    for a, b in zip(outs, again):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert b.prompt is None and len(a.outputs[0].token_ids) <= 12
+        assert a.outputs[0].finish_reason in ("stop", "length")
+        assert a.outputs[0].text == llm.tokenizer.decode(a.outputs[0].token_ids)
+    single = llm.generate(ids[0], GREEDY)  # one tokenized prompt
+    assert len(single) == 1 and single[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_same_ids_as_the_cli(llm, bundled_path):
+    prompt = "The three primary colours are"
+    res = subprocess.run([sys.executable, "-m", "monobatch", "generate", "-p", prompt, "--temperature", "0", "-n", "12",
+                          "--output-format", "json", "-t", "1", "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    cli = json.loads(res.stdout)
+    assert llm.generate(prompt, GREEDY)[0].outputs[0].token_ids == cli["token_ids"]
+
+
+def test_per_prompt_params_defaults_and_logprobs(llm):
+    outs = llm.generate(["Hello", "Hello"], [SamplingParams(temperature=0, max_tokens=3),
+                                             SamplingParams(temperature=0, max_tokens=5, logprobs=2)])
+    assert len(outs[0].outputs[0].token_ids) <= 3 and outs[0].outputs[0].logprobs is None
+    lp = outs[1].outputs[0].logprobs
+    assert lp and len(lp) == len(outs[1].outputs[0].token_ids) and len(lp[0][2]) == 2
+    assert llm.default_sampling_params().max_tokens == 16  # vLLM's default when none is given
+    assert len(llm.generate("Hello", use_tqdm=False)[0].outputs[0].token_ids) <= 16
+
+
+def test_chat_one_conversation_or_many(llm):
+    conv = [{"role": "user", "content": "Name a colour."}]
+    one = llm.chat(conv, GREEDY)
+    many = llm.chat([conv, [{"role": "user", "content": "Name a fruit."}]], GREEDY)
+    assert len(one) == 1 and len(many) == 2
+    assert one[0].outputs[0].token_ids == many[0].outputs[0].token_ids
+    assert one[0].prompt_token_ids == llm.tokenizer.encode_chat(conv)
+
+
+def test_bad_input_is_refused_and_changes_nothing(llm):
+    with pytest.raises(InvalidRequestError):
+        llm.generate(["fine", [10**9]], GREEDY)  # the second prompt has an id outside the vocabulary
+    with pytest.raises(ContextLengthError):
+        llm.generate([[1] * 10_000], GREEDY)
+    with pytest.raises(InvalidRequestError):
+        llm.generate(["a", "b"], [GREEDY])
+    with pytest.raises(InvalidRequestError):
+        llm.generate([], GREEDY)
+    with pytest.raises(InvalidRequestError):
+        llm.chat([{"role": "nobody", "content": "x"}], GREEDY)
+    s = llm.scheduler
+    assert not s.has_unfinished() and s.kv.usage().used_blocks == 0
+    assert llm.generate("fine", GREEDY)[0].outputs[0].token_ids  # still works
