@@ -1,4 +1,5 @@
-"""Engine-direct benchmarks: B=1 prefill and decode speed through the one decode loop.
+"""Engine-direct benchmarks: B=1 prefill and decode speed, and N concurrent requests against the
+same N one after another, through the one decode loop.
 
 Timed region: from a request's arrival in the scheduler to its last token — tokenization, HTTP
 and model loading are outside. Each draw ends with a host sync (the token ids come back to the
@@ -12,6 +13,7 @@ import random
 import resource
 import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 
 import psutil
@@ -39,6 +41,9 @@ class BenchResult:
     prefill_tok_s: float
     decode_tok_s: float
     threads: int
+    kv_storage: str = ""
+    deterministic: bool = False
+    concurrency: dict | None = None
     samples: dict = field(default_factory=dict)
 
     def table(self) -> str:
@@ -48,7 +53,12 @@ class BenchResult:
             f"load {self.load_s:.2f} s  weights {self.weight_mb:.0f} MB  peak RSS {self.peak_rss_mb:.0f} MB",
             f"B=1  prompt {self.prompt_tokens} + gen {self.gen_tokens} tokens, median of {self.runs} runs:",
             f"  TTFT {self.ttft_ms:.1f} ms   prefill {self.prefill_tok_s:.1f} tok/s   decode {self.decode_tok_s:.1f} tok/s",
-        ])
+            f"  KV {self.kv_storage}{', deterministic' if self.deterministic else ''}",
+        ] + ([] if not self.concurrency else [
+            f"{self.concurrency['requests']} requests: concurrent {self.concurrency['concurrent_tok_s']:.1f} tok/s "
+            f"({self.concurrency['concurrent_s']:.2f} s), sequential {self.concurrency['sequential_tok_s']:.1f} tok/s "
+            f"({self.concurrency['sequential_s']:.2f} s): {self.concurrency['speedup']:.2f}x",
+        ]))
 
     def to_dict(self) -> dict:
         """The result as a JSON-ready dict (``monobatch bench --json``)."""
@@ -73,9 +83,39 @@ def run_once(scheduler: BatchScheduler, prompt_tokens: int, gen_tokens: int, rng
     return m.ttft_ms, m.decode_tok_per_s
 
 
-def bench(scheduler: BatchScheduler, prompt_tokens: int, gen_tokens: int, runs: int, seed: int = 0) -> BenchResult:
+def concurrent_vs_sequential(scheduler: BatchScheduler, requests: int, prompt_tokens: int, gen_tokens: int,
+                             seed: int = 0) -> dict:
+    """``requests`` random prompts (greedy, ignore_eos) submitted at once, then the same prompts
+    one after another, in one process so the two are comparable as a ratio.
+
+    Returns:
+        ``requests``, ``concurrent_s`` / ``sequential_s`` (wall seconds), generated tokens/s of
+        each, ``speedup`` (sequential time / concurrent time).
+    """
+    rng = random.Random(seed)
+    vocab = scheduler.engine.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(prompt_tokens)] for _ in range(requests)]
+    params = SamplingParams(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    for _ in scheduler.run([Request(f"c{i}", p, params) for i, p in enumerate(prompts)]):
+        pass
+    concurrent = time.perf_counter() - start
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        for _ in scheduler.run([Request(f"s{i}", p, params)]):
+            pass
+    sequential = time.perf_counter() - start
+    total = requests * gen_tokens
+    return {"requests": requests, "concurrent_s": round(concurrent, 3), "sequential_s": round(sequential, 3),
+            "concurrent_tok_s": round(total / concurrent, 1), "sequential_tok_s": round(total / sequential, 1),
+            "speedup": round(sequential / concurrent, 2)}
+
+
+def bench(scheduler: BatchScheduler, prompt_tokens: int, gen_tokens: int, runs: int, seed: int = 0,
+          concurrency: int = 0) -> BenchResult:
     """Warm up with one full-size request (allocator, kernels, KV growth), then time ``runs``
-    B=1 requests; medians of TTFT and decode rate."""
+    B=1 requests; medians of TTFT and decode rate. With ``concurrency`` N > 0, also
+    :func:`concurrent_vs_sequential` for N requests."""
     rng = random.Random(seed)
     loaded = scheduler.engine.loaded
     run_once(scheduler, prompt_tokens, gen_tokens, rng)
@@ -91,6 +131,8 @@ def bench(scheduler: BatchScheduler, prompt_tokens: int, gen_tokens: int, runs: 
         weight_mb=round(loaded.weight_bytes / 1e6, 1), peak_rss_mb=round(peak_rss_mb(), 1),
         ttft_ms=round(ttft, 2), prefill_tok_s=round(prompt_tokens / (ttft / 1000), 1),
         decode_tok_s=round(statistics.median(rates), 1), threads=torch.get_num_threads(),
+        kv_storage=scheduler.config.kv_storage, deterministic=scheduler.config.deterministic,
+        concurrency=concurrent_vs_sequential(scheduler, concurrency, prompt_tokens, gen_tokens, seed) if concurrency else None,
         samples={"ttft_ms": [round(x, 2) for x in ttfts], "decode_tok_s": [round(x, 1) for x in rates],
                  "rss_now_mb": round(psutil.Process(os.getpid()).memory_info().rss / 1e6, 1)},
     )

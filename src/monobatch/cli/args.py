@@ -189,7 +189,6 @@ def open_engine(ns: argparse.Namespace, loaded: "LoadedModel | None" = None) -> 
         template = load_chat_template(ns.chat_template, ns.chat_template_file)
         loaded = load_model(ns.model, ns.device, ns.dtype, chat_template=template, progress=not ns.no_progress)
     engine = Engine(loaded, config)
-    print(f"monobatch: {engine.kv.describe()}" + (", deterministic mode" if config.deterministic else ""), file=sys.stderr)
     if ns.ctx_size and ns.ctx_size > engine.max_model_len:
         print(f"monobatch: -c {ns.ctx_size} exceeds the model's context; using {engine.max_model_len}", file=sys.stderr)
     return BatchScheduler(engine)

@@ -1,4 +1,5 @@
-"""`monobatch bench`: engine-direct B=1 prefill and decode speed, TTFT, load time and peak RSS.
+"""`monobatch bench`: engine-direct B=1 prefill and decode speed, TTFT, load time and peak RSS;
+with ``-b N``, N concurrent requests against the same N run one after another.
 
 On the bundled model by default, or random weights of a named shape with
 ``--dummy-weights --shape NAME`` (no download). ``--json`` prints one JSON object.
@@ -22,6 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-p", "--prompt-tokens", type=int, default=256, help="prompt length in tokens (default 256)")
     p.add_argument("-n", "--gen-tokens", type=int, default=128, help="generated tokens, EOS ignored (default 128)")
     p.add_argument("-r", "--runs", type=int, default=3, help="timed runs after one warm-up (default 3)")
+    p.add_argument("-b", "--concurrency", type=int, default=0,
+                   help="also run N requests at once and the same N one after another (default 0: skip)")
     p.add_argument("--dummy-weights", action="store_true", help="random weights of --shape instead of a checkpoint")
     p.add_argument("--shape", help=f"with --dummy-weights: {', '.join(SHAPES)} (default smollm2-135m)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -45,6 +48,8 @@ def run(ns: argparse.Namespace) -> int:
     need = ns.prompt_tokens + ns.gen_tokens
     if need > scheduler.engine.max_model_len:
         raise InvalidRequestError(f"prompt + generated tokens ({need}) exceed the context ({scheduler.engine.max_model_len})")
-    result = bench(scheduler, ns.prompt_tokens, ns.gen_tokens, ns.runs)
+    if ns.concurrency < 0:
+        raise InvalidRequestError("--concurrency must be >= 0", "concurrency")
+    result = bench(scheduler, ns.prompt_tokens, ns.gen_tokens, ns.runs, concurrency=ns.concurrency)
     print(json.dumps(result.to_dict()) if ns.json else result.table())
     return 0

@@ -104,6 +104,11 @@ class Engine:
         """The model's device (StepBatch tensors are built there)."""
         return self.model.device
 
+    def describe(self) -> str:
+        """One line for a start-up log: the KV store, its capacity and the numerics mode."""
+        mode = f"deterministic (row tiles of {self.row_tile})" if self.row_tile else "fast (not batch-invariant)"
+        return f"{self.kv.describe()}; context {self.max_model_len} tokens; mode {mode}"
+
     def _make_kv(self) -> KvStore:
         """The KV store the config names; a paged pool is sized from ``kv_cache_memory``.
 
