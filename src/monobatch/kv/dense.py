@@ -73,11 +73,7 @@ class DenseKv(KvStore):
                 allocator cannot grow a buffer (the scheduler aborts the step's sequences).
         """
         for c in batch.chunks:
-            have = self.seq_len(c.seq_id)
-            if c.pos != have:
-                raise ValueError(f"sequence {c.seq_id}: chunk starts at {c.pos} but {have} tokens are cached")
-            if c.end_pos > self.max_seq_len:
-                raise ValueError(f"sequence {c.seq_id}: {c.end_pos} tokens exceed the context ({self.max_seq_len})")
+            self.check_chunk(c)
             self._reserve(c.seq_id, c.end_pos)
             self._len.setdefault(c.seq_id, 0)
 

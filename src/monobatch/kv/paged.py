@@ -157,11 +157,7 @@ class PagedKv(KvStore):
         write, gather, spans = [], [], []
         offset = 0
         for c in batch.chunks:
-            have = self.seq_len(c.seq_id)
-            if c.pos != have:
-                raise ValueError(f"sequence {c.seq_id}: chunk starts at {c.pos} but {have} tokens are cached")
-            if c.end_pos > self.max_seq_len:
-                raise ValueError(f"sequence {c.seq_id}: {c.end_pos} tokens exceed the context ({self.max_seq_len})")
+            self.check_chunk(c)
             if not self.reserve(c.seq_id, c.end_pos):
                 u = self.usage()
                 raise InsufficientMemoryError(

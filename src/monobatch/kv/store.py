@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from monobatch.engine.batch import StepBatch
+from monobatch.engine.batch import Chunk, StepBatch
 
 
 @dataclass(slots=True)
@@ -102,6 +102,18 @@ class KvStore(ABC):
     def capacity_tokens(self) -> int | None:
         """Tokens the whole store can hold at once (None = no fixed pool)."""
         return None
+
+    def check_chunk(self, chunk: Chunk) -> None:
+        """A chunk must continue its sequence's cache and stay within the context.
+
+        Raises:
+            ValueError: a gap (``chunk.pos`` is not the cached length) or an overflow.
+        """
+        have = self.seq_len(chunk.seq_id)
+        if chunk.pos != have:
+            raise ValueError(f"sequence {chunk.seq_id}: chunk starts at {chunk.pos} but {have} tokens are cached")
+        if chunk.end_pos > self.max_seq_len:
+            raise ValueError(f"sequence {chunk.seq_id}: {chunk.end_pos} tokens exceed the context ({self.max_seq_len})")
 
     @abstractmethod
     def prepare(self, batch: StepBatch) -> None:
