@@ -1,6 +1,8 @@
 """KV accounting under random traffic (hypothesis): arrivals, aborts, stops, length limits and
-preemption on a pool far too small. Afterwards no block is referenced, free + evictable blocks
-equal the pool, and every request ended exactly once (none lost, none mixed)."""
+preemption on a pool far too small. After every action the block references add up; afterwards
+no block is referenced, free + evictable blocks equal the pool, every request ended exactly once
+(none lost), and each request's tokens are the ones it generates alone (none mixed: the engine
+runs in deterministic mode, so equality is exact; an aborted request's tokens are a prefix)."""
 
 from __future__ import annotations
 
@@ -53,18 +55,33 @@ def test_random_traffic_leaves_no_block_referenced(tiny, actions, pool_blocks, s
                                                    example_must_preempt):
     per_token = 2 * 2 * 2 * 16 * 4  # layers * (K, V) * kv heads * head dim * float32
     config = EngineConfig(max_model_len=CONTEXT, max_num_seqs=max_num_seqs, prefill_chunk=24, kv_storage=storage,
-                          kv_cache_memory=pool_blocks * BLOCK * per_token if storage == "paged" else None)
+                          kv_cache_memory=pool_blocks * BLOCK * per_token if storage == "paged" else None,
+                          deterministic=True)
     sched = BatchScheduler(Engine(tiny, config))
+    requests: dict[str, Request] = {}
     added: list[str] = []
     finals: dict[str, int] = {}
-    produced: dict[str, int] = {}
+
+    produced: dict[str, list[int]] = {}
+    aborted: set[str] = set()
 
     def collect(outputs):
         for o in outputs:
             assert o.request_id in added  # nothing appears that was not sent
-            produced[o.request_id] = produced.get(o.request_id, 0) + len(o.token_ids)
+            produced.setdefault(o.request_id, []).extend(o.token_ids)
             if o.finished:
                 finals[o.request_id] = finals.get(o.request_id, 0) + 1
+                if o.finish_reason.value == "abort":
+                    aborted.add(o.request_id)
+
+    def check_references():
+        u = sched.kv.usage()
+        assert len(sched.running) <= max_num_seqs
+        if storage == "paged":
+            pool, kv = sched.kv.pool, sched.kv
+            assert u.used_blocks <= u.total_blocks
+            assert sum(pool.ref) == sum(len(kv.block_table(s.seq_id)) for s in sched.running)
+            assert pool.num_available + pool.num_referenced == pool.num_blocks
 
     for kind, arg in actions:
         if kind == "add":
@@ -73,17 +90,18 @@ def test_random_traffic_leaves_no_block_referenced(tiny, actions, pool_blocks, s
                 params = SamplingParams(max_tokens=r["max_tokens"], temperature=r["temperature"], seed=r["seed"],
                                         stop_token_ids=() if r["stop_token"] is None else (r["stop_token"],))
                 added.append(rid)
-                sched.add_request(Request(rid, r["prompt"], params))
+                requests[rid] = Request(rid, r["prompt"], params)
+                sched.add_request(requests[rid])
         elif kind == "abort" and added:
             sched.abort(added[arg % len(added)])
         else:
             for _ in range(arg):
                 collect(sched.step())
-        u = sched.kv.usage()
-        assert u.used_blocks <= max(u.total_blocks, u.used_blocks) and len(sched.running) <= max_num_seqs
+        check_references()
     steps = 0
     while sched.has_unfinished():
         collect(sched.step())
+        check_references()
         steps += 1
         assert steps < 5000, "the loop does not terminate"
     target(float(sched.stats().num_preemptions))  # steer the search towards preemption
@@ -97,3 +115,21 @@ def test_random_traffic_leaves_no_block_referenced(tiny, actions, pool_blocks, s
         pool = sched.kv.pool
         assert pool.num_available == pool.num_blocks  # free + evictable = the pool
         assert all(r == 0 for r in pool.ref)
+    for rid, req in requests.items():  # none mixed: each got its own tokens
+        if req.params.seed is None and req.params.temperature > 0:
+            continue  # a fresh random seed: nothing to compare with
+        alone = solo(tiny, req)
+        got = produced.get(rid, [])
+        assert got == alone or (rid in aborted and got == alone[:len(got)]), rid
+
+
+_solo_cache: dict = {}
+
+
+def solo(tiny, req: Request) -> list[int]:
+    """The request's tokens when it runs alone (deterministic mode, dense storage)."""
+    key = (tuple(req.prompt_ids), repr(req.params))
+    if key not in _solo_cache:
+        sched = BatchScheduler(Engine(tiny, EngineConfig(max_model_len=CONTEXT, deterministic=True, kv_storage="dense")))
+        _solo_cache[key] = [t for o in sched.run([Request("solo", req.prompt_ids, req.params)]) for t in o.token_ids]
+    return _solo_cache[key]

@@ -78,6 +78,12 @@ def test_a_different_prefix_misses_even_with_the_same_block():
     assert kv.adopt_prefix(1, [7, 7, 7, 7, 9, 9, 9, 9, 0]) == 0
 
 
+def test_keys_are_cryptographic_digests_of_the_whole_prefix():
+    a = block_pool.block_hash(block_pool.ROOT_HASH, [1, 2, 3, 4])
+    assert len(a) == 16 and a != block_pool.block_hash(block_pool.ROOT_HASH, [1, 2, 3, 5])
+    assert block_pool.block_hash(a, [9, 9, 9, 9]) != block_pool.block_hash(block_pool.ROOT_HASH, [9, 9, 9, 9])
+
+
 def test_hash_collisions_are_caught_by_the_id_check(monkeypatch):
     monkeypatch.setattr(block_pool, "block_hash", lambda parent, ids: 42)
     import monobatch.kv.paged as paged_mod
@@ -121,6 +127,19 @@ def test_fork_shares_blocks_and_copies_on_write():
     assert kv.seq_len(1) == 8
     with pytest.raises(ValueError):
         kv.fork(0, 1)
+
+
+def test_fork_never_shares_reserved_unwritten_blocks():
+    """Blocks reserved past a sequence's tokens stay private: the fork and the source write their
+    next tokens into different slots."""
+    kv = paged()
+    step(kv, [(0, [1, 2, 3, 4], 0, True)])  # exactly one full block
+    assert kv.reserve(0, 8)  # a second block, reserved but unwritten
+    kv.fork(0, 1)
+    assert kv.block_table(1) == kv.block_table(0)[:1]
+    step(kv, [(0, [5], 4, True), (1, [6], 4, True)])
+    assert kv.block_table(0)[1] != kv.block_table(1)[1]
+    assert not torch.equal(keys_of(kv, 0)[4], keys_of(kv, 1)[4])  # each kept its own token's key
 
 
 def test_trim_releases_blocks_and_protects_cached_ones():

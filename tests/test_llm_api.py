@@ -78,3 +78,24 @@ def test_bad_input_is_refused_and_changes_nothing(llm):
     s = llm.scheduler
     assert not s.has_unfinished() and s.kv.usage().used_blocks == 0
     assert llm.generate("fine", GREEDY)[0].outputs[0].token_ids  # still works
+
+
+def test_a_failed_step_leaves_nothing_behind(loaded, monkeypatch):
+    """An error while stepping (a device failure, Ctrl-C) aborts the call's requests: the next
+    call starts clean and works."""
+    llm = LLM(loaded=loaded)
+    real = llm.scheduler.engine.step
+    calls = {"n": 0}
+
+    def failing_once(batch, rows):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("simulated device failure")
+        return real(batch, rows)
+
+    monkeypatch.setattr(llm.scheduler.engine, "step", failing_once)
+    with pytest.raises(RuntimeError, match="simulated"):
+        llm.generate(["Hello", "The capital of France is"], GREEDY)
+    s = llm.scheduler
+    assert not s.has_unfinished() and s.kv.usage().used_blocks == 0
+    assert llm.generate("Hello", GREEDY)[0].outputs[0].token_ids

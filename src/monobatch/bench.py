@@ -43,6 +43,7 @@ class BenchResult:
     threads: int
     kv_storage: str = ""
     deterministic: bool = False
+    engine: str = ""
     concurrency: dict | None = None
     samples: dict = field(default_factory=dict)
 
@@ -53,7 +54,7 @@ class BenchResult:
             f"load {self.load_s:.2f} s  weights {self.weight_mb:.0f} MB  peak RSS {self.peak_rss_mb:.0f} MB",
             f"B=1  prompt {self.prompt_tokens} + gen {self.gen_tokens} tokens, median of {self.runs} runs:",
             f"  TTFT {self.ttft_ms:.1f} ms   prefill {self.prefill_tok_s:.1f} tok/s   decode {self.decode_tok_s:.1f} tok/s",
-            f"  KV {self.kv_storage}{', deterministic' if self.deterministic else ''}",
+            f"  {self.engine}",
         ] + ([] if not self.concurrency else [
             f"{self.concurrency['requests']} requests: concurrent {self.concurrency['concurrent_tok_s']:.1f} tok/s "
             f"({self.concurrency['concurrent_s']:.2f} s), sequential {self.concurrency['sequential_tok_s']:.1f} tok/s "
@@ -86,7 +87,8 @@ def run_once(scheduler: BatchScheduler, prompt_tokens: int, gen_tokens: int, rng
 def concurrent_vs_sequential(scheduler: BatchScheduler, requests: int, prompt_tokens: int, gen_tokens: int,
                              seed: int = 0) -> dict:
     """``requests`` random prompts (greedy, ignore_eos) submitted at once, then the same prompts
-    one after another, in one process so the two are comparable as a ratio.
+    one after another, in one process so the two are comparable as a ratio. Both passes bypass
+    the prefix cache, so the second pass does not reuse the first one's KV.
 
     Returns:
         ``requests``, ``concurrent_s`` / ``sequential_s`` (wall seconds), generated tokens/s of
@@ -97,12 +99,12 @@ def concurrent_vs_sequential(scheduler: BatchScheduler, requests: int, prompt_to
     prompts = [[rng.randrange(vocab) for _ in range(prompt_tokens)] for _ in range(requests)]
     params = SamplingParams(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
-    for _ in scheduler.run([Request(f"c{i}", p, params) for i, p in enumerate(prompts)]):
+    for _ in scheduler.run([Request(f"c{i}", p, params, bypass_prefix_cache=True) for i, p in enumerate(prompts)]):
         pass
     concurrent = time.perf_counter() - start
     start = time.perf_counter()
     for i, p in enumerate(prompts):
-        for _ in scheduler.run([Request(f"s{i}", p, params)]):
+        for _ in scheduler.run([Request(f"s{i}", p, params, bypass_prefix_cache=True)]):
             pass
     sequential = time.perf_counter() - start
     total = requests * gen_tokens
@@ -132,6 +134,7 @@ def bench(scheduler: BatchScheduler, prompt_tokens: int, gen_tokens: int, runs: 
         ttft_ms=round(ttft, 2), prefill_tok_s=round(prompt_tokens / (ttft / 1000), 1),
         decode_tok_s=round(statistics.median(rates), 1), threads=torch.get_num_threads(),
         kv_storage=scheduler.config.kv_storage, deterministic=scheduler.config.deterministic,
+        engine=scheduler.engine.describe(),
         concurrency=concurrent_vs_sequential(scheduler, concurrency, prompt_tokens, gen_tokens, seed) if concurrency else None,
         samples={"ttft_ms": [round(x, 2) for x in ttfts], "decode_tok_s": [round(x, 1) for x in rates],
                  "rss_now_mb": round(psutil.Process(os.getpid()).memory_info().rss / 1e6, 1)},

@@ -14,6 +14,7 @@ and the CLI use, so a request gives the same tokens here as there.
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Sequence, Union
 
@@ -29,6 +30,7 @@ from monobatch.errors import InvalidRequestError
 from monobatch.loader import LoadedModel, load_model
 
 PromptType = Union[str, Sequence[int]]
+log = logging.getLogger("monobatch")
 
 
 @dataclass(slots=True)
@@ -105,6 +107,7 @@ class LLM:
                               kv_cache_memory=kv_cache_memory, deterministic=deterministic)
         self.loaded = loaded or load_model(model, device, dtype, chat_template=chat_template, progress=progress)
         self.scheduler = BatchScheduler(Engine(self.loaded, config))
+        log.info("%s", self.scheduler.engine.describe())
         self._ids = itertools.count()
 
     @property
@@ -144,6 +147,13 @@ class LLM:
         Args:
             messages: ``[{"role": ..., "content": ...}, ...]`` or a list of such lists (roles
                 system/user/assistant/tool, OpenAI's shape).
+            sampling_params: as for :meth:`generate`.
+            use_tqdm: a progress bar over finished requests (shown on a terminal).
+            add_generation_prompt: end the prompt with the template's assistant header.
+
+        Returns:
+            One :class:`RequestOutput` per conversation, in order (``prompt`` is None; the
+            rendered ids are in ``prompt_token_ids``).
 
         Raises:
             InvalidRequestError: a malformed conversation or a model without a chat template.
@@ -183,12 +193,15 @@ class LLM:
                 self.scheduler.add_request(Request(rid, ids, sp))
                 added.append(rid)
                 results[rid], asked[rid] = RequestOutput(rid, text, ids), sp
+            self._step_until_done(results, asked, use_tqdm)
         except BaseException:
-            for rid in added:  # a bad prompt changes nothing: drop the ones already queued
-                self.scheduler.abort(rid)
-            while self.scheduler.has_unfinished():
-                self.scheduler.step()
+            self._discard(added)  # a bad prompt, a failed step or Ctrl-C leaves nothing behind
             raise
+        return [results[rid] for rid in added]
+
+    def _step_until_done(self, results: dict[str, RequestOutput], asked: dict[str, SamplingParams],
+                         use_tqdm: bool) -> None:
+        """Drive the loop until every request in ``results`` has its final output."""
         text_parts: dict[str, list[str]] = {rid: [] for rid in results}
         tokens: dict[str, list[int]] = {rid: [] for rid in results}
         logprobs: dict[str, list] = {rid: [] for rid in results}
@@ -196,6 +209,8 @@ class LLM:
             while self.scheduler.has_unfinished():
                 for out in self.scheduler.step():
                     rid = out.request_id
+                    if rid not in results:
+                        continue
                     text_parts[rid].append(out.text)
                     tokens[rid] += out.token_ids
                     logprobs[rid] += out.logprobs or []
@@ -205,4 +220,13 @@ class LLM:
                         r.outputs.append(CompletionOutput(0, "".join(text_parts[rid]), tokens[rid], out.finish_reason.value,
                                                           logprobs[rid] if asked[rid].logprobs is not None else None))
                         bar.update(1)
-        return [results[rid] for rid in added]
+
+    def _discard(self, request_ids: list[str]) -> None:
+        """Abort ``request_ids`` and drop their outputs, so the next call starts clean."""
+        for rid in request_ids:
+            self.scheduler.abort(rid)
+        try:
+            while self.scheduler.has_unfinished():
+                self.scheduler.step()
+        except Exception:  # the engine is failing again: leave the aborts queued, report the first error
+            pass

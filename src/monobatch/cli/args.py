@@ -9,6 +9,7 @@ flags the user set, so the precedence of :func:`resolve_sampling` applies.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +47,7 @@ def parse_bytes(text: str) -> int:
         value = float(number) * _SIZE_UNITS[unit]
     except (ValueError, KeyError):
         raise argparse.ArgumentTypeError(f"expected a size in bytes such as 512M or 2G, got {text!r}") from None
-    if value < 1:
+    if not math.isfinite(value) or value < 1:
         raise argparse.ArgumentTypeError(f"the size must be positive, got {text!r}")
     return int(value)
 
@@ -74,7 +75,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-seqs", type=int, default=defaults.MAX_NUM_SEQS,
                    help=f"sequences running at once (default {defaults.MAX_NUM_SEQS})")
     e.add_argument("--max-num-batched-tokens", type=int,
-                   help="tokens computed per step across all sequences (default: the prefill chunk)")
+                   help="tokens computed per step across all sequences (default: the larger of --prefill-chunk and --max-num-seqs)")
     e.add_argument("--deterministic", action="store_true",
                    help="batch-invariant computation: a request's tokens do not depend on the batch, chunking or "
                         "prefix cache (slower; see the ADR)")

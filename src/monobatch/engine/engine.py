@@ -67,6 +67,8 @@ class EngineConfig:
             raise InvalidRequestError(f"kv_storage {self.kv_storage!r}: expected 'paged' or 'dense'", "kv_storage")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise InvalidRequestError("kv_cache_memory must be a positive number of bytes", "kv_cache_memory")
+        if self.kv_cache_memory is not None and self.kv_storage != "paged":
+            raise InvalidRequestError("kv_cache_memory sizes the paged pool; it needs kv_storage 'paged'", "kv_cache_memory")
         if self.block_size < 1:
             raise InvalidRequestError("block_size must be >= 1", "block_size")
 
@@ -125,6 +127,8 @@ class Engine:
         memory = cfg.kv_cache_memory
         if memory is None and self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
+            # memory torch's caching allocator holds but does not use (a freed engine's pool) is free too
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             memory = int(free * defaults.KV_CACHE_GPU_FRACTION)
         elif memory is None:
             memory = max(defaults.KV_CACHE_MEMORY_CPU, context_blocks * cfg.block_size * token_bytes)

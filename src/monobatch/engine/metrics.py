@@ -20,9 +20,10 @@ class SchedulerStats:
         kv_cached_blocks: unreferenced blocks kept for the prefix cache (evictable).
         kv_used_bytes: KV bytes held by sequences.
         prefix_cache_queries / prefix_cache_hits: prompt tokens looked up in / served by the
-            prefix cache at admission (counters, tokens; vLLM's definition).
-        prompt_tokens_total / generation_tokens_total: prompt tokens admitted / tokens
-            generated (counters).
+            prefix cache at a request's first admission (counters, tokens; vLLM's definition;
+            a preempted request's recompute is not counted again).
+        prompt_tokens_total / generation_tokens_total: prompt tokens of admitted requests (once
+            each) / tokens generated (counters).
         num_preemptions: sequences preempted (recompute) for lack of KV blocks (counter).
         num_requests_finished: requests that ended, any finish_reason (counter).
     """

@@ -137,7 +137,11 @@ class BatchScheduler:
         """One iteration: schedule (running first, then admission), forward + sample + finish,
         release finished KV."""
         outputs, self._done = self._done, []
-        planned = self._schedule()
+        try:
+            planned = self._schedule()
+        except BaseException:
+            self._done[:0] = outputs  # outputs already due are not lost
+            raise
         if planned is None:
             return outputs
         batch, rows = planned
@@ -208,12 +212,13 @@ class BatchScheduler:
             self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n
-            if not seq.output_ids:  # first admission (a preempted sequence re-enters with output)
+            if seq.num_admissions == 0:  # a preempted sequence re-enters: counted once
                 seq.num_cached_tokens = cached
                 self._stats.prompt_tokens_total += len(seq.prompt_ids)
-            if self.kv.block_size is not None and not seq.bypass_prefix_cache:
-                self._stats.prefix_cache_queries += seq.num_tokens
-                self._stats.prefix_cache_hits += cached
+                if self.kv.block_size is not None and not seq.bypass_prefix_cache:
+                    self._stats.prefix_cache_queries += len(seq.prompt_ids)
+                    self._stats.prefix_cache_hits += cached
+            seq.num_admissions += 1
         assert budget >= 0 and len(self.running) <= self.config.max_num_seqs, "scheduler invariant broken"
         return self._build(scheduled)
 

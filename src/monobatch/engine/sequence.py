@@ -60,7 +60,8 @@ class Sequence:
         seq_id: engine-wide unique id (the KV store's key).
         prompt_ids / output_ids: token ids (prompt fixed; output grows by one per decode).
         num_computed: tokens whose KV is cached (catches up with ``num_tokens``).
-        num_cached_tokens: prompt tokens adopted from the prefix cache at (first) admission.
+        num_cached_tokens: prompt tokens adopted from the prefix cache at the first admission.
+        num_admissions: times admitted (1 + preemptions survived).
         sampler: per-sequence sampler state (history, seeded RNG, DRY).
         detok / stop: streaming detokenizer and stop-string matcher.
     """
@@ -78,6 +79,7 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.num_computed = 0
         self.num_cached_tokens = 0
+        self.num_admissions = 0
         self.bypass_prefix_cache = request.bypass_prefix_cache
         self.finish_reason: FinishReason | None = None
         self.arrival_time = request.arrival_time

@@ -3,11 +3,13 @@
 No tensors here (those live in :class:`monobatch.kv.paged.PagedKv`); a block is an int.
 
 Prefix cache (vLLM's automatic prefix caching, SGLang's radix cache in block form): a *full*
-block is keyed by a chained hash ``hash((parent_hash, *token_ids))``, so one key names the whole
-prefix up to the block's end. A hit is confirmed by comparing the stored parent hash and token
-ids, so a hash collision can never hand a sequence another prefix's KV. A block whose last
-reference goes away keeps its key and becomes *evictable*: it still serves hits until a fresh
-block is needed, then the least recently released one is reused (LRU).
+block is keyed by a chained digest ``blake2b(parent_key || token_ids)`` (128 bits), so one key
+names the whole prefix up to the block's end. The digest is cryptographic because a collision
+would hand a sequence KV computed after another prefix, and Python's ``hash`` of a tuple can be
+collided on purpose (vLLM's CVE-2025-25183 was this). A hit is also confirmed by comparing the
+stored parent key and token ids. A block whose last reference goes away keeps its key and becomes
+*evictable*: it still serves hits until a fresh block is needed, then the least recently
+released one is reused (LRU).
 
 States of a block::
 
@@ -20,16 +22,18 @@ States of a block::
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 from typing import Sequence
 
-#: The parent hash of a sequence's first block.
-ROOT_HASH = 0
+#: The parent key of a sequence's first block.
+ROOT_HASH = b""
 
 
-def block_hash(parent: int, token_ids: Sequence[int]) -> int:
-    """The chained key of a full block: depends on every token of the prefix it ends."""
-    return hash((parent, *token_ids))
+def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """The chained key of a full block (16 bytes): depends on every token of the prefix it ends."""
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
 
 
 class BlockPool:
@@ -47,8 +51,8 @@ class BlockPool:
         self.ref = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 with a key, oldest first
-        self._key: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # block -> (hash, parent, ids)
-        self._by_hash: dict[int, int] = {}  # hash -> block
+        self._key: dict[int, tuple[bytes, bytes, tuple[int, ...]]] = {}  # block -> (key, parent, ids)
+        self._by_hash: dict[bytes, int] = {}  # key -> block
 
     # -- counts -------------------------------------------------------------------------------
     @property
@@ -100,7 +104,7 @@ class BlockPool:
                 self._free.append(block)
 
     # -- prefix cache ---------------------------------------------------------------------------
-    def register(self, block: int, key: int, parent: int, token_ids: Sequence[int]) -> None:
+    def register(self, block: int, key: bytes, parent: bytes, token_ids: Sequence[int]) -> None:
         """Key a full, computed, referenced block. A prefix already cached in another block keeps
         that block (two sequences computed it at once); this one stays private."""
         if key in self._by_hash or block in self._key:
@@ -108,7 +112,7 @@ class BlockPool:
         self._key[block] = (key, parent, tuple(token_ids))
         self._by_hash[key] = block
 
-    def lookup(self, key: int, parent: int, token_ids: Sequence[int]) -> int | None:
+    def lookup(self, key: bytes, parent: bytes, token_ids: Sequence[int]) -> int | None:
         """The cached block for this prefix, taken with one more reference; None on a miss."""
         block = self._by_hash.get(key)
         if block is None or self._key[block] != (key, parent, tuple(token_ids)):

@@ -59,7 +59,7 @@ class PagedKv(KvStore):
         self._table: dict[int, list[int]] = {}
         self._len: dict[int, int] = {}
         self._tokens: dict[int, list[int]] = {}  # cached token ids, to key full blocks
-        self._keys: dict[int, list[int]] = {}    # prefix-cache keys of the sequence's full blocks
+        self._keys: dict[int, list[bytes]] = {}  # prefix-cache keys of the sequence's full blocks
         self._step: tuple[StepBatch, torch.Tensor, torch.Tensor, list[tuple[int, int]]] | None = None
 
     # -- queries --------------------------------------------------------------------------------
@@ -88,9 +88,10 @@ class PagedKv(KvStore):
 
     # -- allocation -------------------------------------------------------------------------------
     def _needs_copy(self, seq_id: int) -> bool:
-        """True when the block holding the next position is shared or cached (copy before writing)."""
+        """True when the block holding the next position is shared or cached (copy before writing).
+        Blocks past it are never shared: fork shares only blocks holding tokens."""
         n, table = self._len.get(seq_id, 0), self._table.get(seq_id, [])
-        if n % self.block_size == 0 or n // self.block_size >= len(table):
+        if n // self.block_size >= len(table):
             return False
         block = table[n // self.block_size]
         return self.pool.ref[block] > 1 or self.pool.is_cached(block)
@@ -191,6 +192,7 @@ class PagedKv(KvStore):
         """Advance each sequence and key the blocks that became full in the prefix cache."""
         bs = self.block_size
         for c in batch.chunks:
+            assert len(c.token_ids) == c.length, "StepBatch.build records each chunk's token ids"
             self._len[c.seq_id] = c.end_pos
             tokens, keys, table = self._tokens[c.seq_id], self._keys[c.seq_id], self._table[c.seq_id]
             tokens.extend(c.token_ids)
@@ -221,9 +223,12 @@ class PagedKv(KvStore):
         del self._keys[seq_id][n // self.block_size:]
 
     def fork(self, src: int, dst: int) -> None:
+        """Share ``src``'s blocks that hold tokens with ``dst`` (no copy now: the shared partial
+        block is copied when either writes into it, see :meth:`reserve`)."""
         if self._table.get(dst):
             raise ValueError(f"sequence {dst} already holds KV")
-        table = list(self._table.get(src, []))
+        n = self._len.get(src, 0)
+        table = list(self._table.get(src, [])[:-(-n // self.block_size)])
         for block in table:
             self.pool.share(block)
         self._table[dst], self._len[dst] = table, self._len.get(src, 0)

@@ -146,11 +146,12 @@ class KvStore(ABC):
 
     @abstractmethod
     def fork(self, src: int, dst: int) -> None:
-        """Give ``dst`` (holding no KV) a copy of ``src``'s cache; paged storage shares full
-        blocks (reference counts) and copies only the last partial block.
+        """Give ``dst`` (holding no KV) ``src``'s cached tokens. Dense storage copies the buffer;
+        paged storage shares the blocks (reference counts) and copies a shared block only when a
+        sequence writes into it.
 
         Raises:
-            ValueError: ``dst`` already holds KV. InsufficientMemoryError: no room for the copy.
+            ValueError: ``dst`` already holds KV. InsufficientMemoryError: (dense) no room for the copy.
         """
 
     @abstractmethod

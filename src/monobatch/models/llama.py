@@ -40,6 +40,9 @@ def rowwise(tile: int, fn, *xs: torch.Tensor):
     on ``[N, ...]`` tiles only, so every GEMM, reduction and vectorised activation has the same
     shape whatever the batch holds, and a row's result depends on that row alone (a 1-row GEMM
     differs bitwise from the same row inside a larger one; see the ADR). ``tile`` 0 is one call.
+
+    Returns:
+        ``fn``'s output (a tensor or a tuple of tensors), ``T`` rows each.
     """
     T = xs[0].shape[0]
     if tile <= 0 or T == 0:
