@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Sequence
 
 #: The parent key of a sequence's first block.
@@ -49,7 +49,9 @@ class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.ref = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        # A stack: the most recently freed block is reused first (its pages are touched and warm;
+        # a FIFO would walk the whole pool and fault in fresh pages on every request).
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 with a key, oldest first
         self._key: dict[int, tuple[bytes, bytes, tuple[int, ...]]] = {}  # block -> (key, parent, ids)
         self._by_hash: dict[bytes, int] = {}  # key -> block
@@ -79,7 +81,7 @@ class BlockPool:
             MemoryError: no block is free or evictable (callers check :attr:`num_available`).
         """
         if self._free:
-            block = self._free.popleft()
+            block = self._free.pop()
         elif self._evictable:
             block, _ = self._evictable.popitem(last=False)
             self._forget(block)
