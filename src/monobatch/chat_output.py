@@ -67,7 +67,10 @@ class ReasoningSplitter:
         if reasoning_format not in REASONING_FORMATS:
             raise ValueError(f"reasoning_format must be one of {REASONING_FORMATS}, got {reasoning_format!r}")
         self._split = reasoning_format == "separate"
-        self._state = _State.REASONING if self._split and in_reasoning else _State.START if self._split else _State.CONTENT
+        if not self._split:
+            self._state = _State.CONTENT
+        else:
+            self._state = _State.REASONING if in_reasoning else _State.START
         self.has_reasoning = self._state is _State.REASONING
         self._held = ""           # text not yet decided (a possible tag prefix)
         self._strip = self.has_reasoning  # drop whitespace before the next visible character

@@ -71,7 +71,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help=f"KV cache layout: paged (block pool + prefix cache) or dense (default {defaults.KV_STORAGE})")
     e.add_argument("--kv-cache-memory", type=parse_bytes, metavar="BYTES",
                    help=f"paged KV pool size, e.g. 512M or 4G (default: {defaults.KV_CACHE_MEMORY_CPU >> 30} GiB on CPU "
-                        f"or one context if larger; {defaults.KV_CACHE_GPU_FRACTION:.0%} of free memory on CUDA)")
+                        f"or one context if larger; {defaults.KV_CACHE_GPU_FRACTION * 100:.0f}%% of free memory on CUDA)")
     e.add_argument("--max-num-seqs", type=int, default=defaults.MAX_NUM_SEQS,
                    help=f"sequences running at once (default {defaults.MAX_NUM_SEQS})")
     e.add_argument("--max-num-batched-tokens", type=int,

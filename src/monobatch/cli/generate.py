@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 
+from monobatch.chat_output import REASONING_FORMATS, ChatDelta, ReasoningSplitter, prompt_opens_reasoning
 from monobatch.cli.args import add_model_args, add_sampling_args, open_engine, sampling_flags
 from monobatch.engine.params import resolve_sampling
 from monobatch.engine.sequence import Request
@@ -26,6 +27,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-p", "--prompt", help="the prompt (default: read stdin)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     p.add_argument("--system", help="with --chat: a system message before the prompt")
+    p.add_argument("--reasoning-format", choices=REASONING_FORMATS, default="separate",
+                   help="with --chat: separate = a <think> block's text goes to stderr (json: reasoning_content), "
+                        "none = all text is the reply (default separate)")
     p.add_argument("--output-format", choices=("text", "json"), default="text",
                    help="text: stream the completion; json: one object with text, token_ids, finish_reason, usage, timings (ms)")
     add_model_args(p)
@@ -62,9 +66,12 @@ def run(ns: argparse.Namespace) -> int:
     loaded = scheduler.engine.loaded
     params = resolve_sampling(None, flags, loaded.generation_defaults, entry_point="generate")
     tok = loaded.tokenizer
+    splitter = None
     if ns.chat:
         messages = ([{"role": "system", "content": ns.system}] if ns.system else []) + [{"role": "user", "content": prompt}]
-        prompt_ids = tok.encode_chat(messages, add_generation_prompt=True)
+        rendered = tok.apply_chat_template(messages, add_generation_prompt=True)
+        prompt_ids = tok.encode(rendered)
+        splitter = ReasoningSplitter(ns.reasoning_format, prompt_opens_reasoning(rendered))
     else:
         prompt_ids = tok.encode(prompt)
     request = Request("generate-0", prompt_ids, params)
@@ -79,9 +86,10 @@ def run(ns: argparse.Namespace) -> int:
         text.append(out.text)
         logprobs += out.logprobs or []
         if stream and out.text:
-            sys.stdout.write(out.text)
-            sys.stdout.flush()
+            _show(splitter.feed(out.text) if splitter else ChatDelta(content=out.text))
         last = out
+    if stream and splitter:
+        _show(splitter.flush())
     m = last.metrics
     timings = {"load_ms": round(loaded.load_seconds * 1000, 1), "ttft_ms": round(m.ttft_ms, 2),
                "total_ms": round((m.finished_time - m.arrival_time) * 1000, 2),
@@ -100,8 +108,24 @@ def run(ns: argparse.Namespace) -> int:
             "timings": timings,
             "model": loaded.name,
         }
+        if splitter is not None:  # the reply split as the server's chat endpoint splits it
+            parts = splitter.feed(result["text"])
+            parts += splitter.flush()
+            result["content"] = parts.content
+            if splitter.has_reasoning:
+                result["reasoning_content"] = parts.reasoning
         if params.logprobs is not None:
             result["logprobs"] = [{"token_id": t, "logprob": lp, "top_logprobs": [{"token_id": a, "logprob": b} for a, b in top]}
                                   for t, lp, top in logprobs]
         print(json.dumps(result, ensure_ascii=False))
     return 0
+
+
+def _show(parts: ChatDelta) -> None:
+    """Stream a reply piece: reasoning to stderr (it is not the answer), content to stdout."""
+    if parts.reasoning:
+        sys.stderr.write(parts.reasoning)
+        sys.stderr.flush()
+    if parts.content:
+        sys.stdout.write(parts.content)
+        sys.stdout.flush()

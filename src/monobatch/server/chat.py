@@ -15,7 +15,7 @@ from monobatch.errors import InvalidRequestError
 from monobatch.server.client import EngineFailed, ResponseReader
 from monobatch.server.errors import APIError, error_body
 from monobatch.server.generation import (SSE_DONE, SSE_HEADERS, Choice, ClientGone, build_requests, chat_logprobs,
-                                         created, new_id, sse, unless_disconnected, usage)
+                                         created, new_id, sse, streamed, unless_disconnected, usage)
 from monobatch.server.protocol import ChatCompletionRequest
 from monobatch.server.state import ServerState
 from monobatch.tokenizer import Tokenizer
@@ -105,8 +105,10 @@ class _Chat:
                     if self.body.return_token_ids and i == 0:
                         first["prompt_token_ids"] = self.prompt_ids
                     yield sse(self._chunk([first]))
+                pending = [[] for _ in range(n)]  # token ids not sent yet (their text is held back)
                 async for i, out in reader:
                     choices[i].add(out)
+                    pending[i] += out.token_ids
                     parts: ChatDelta = splitters[i].feed(out.text)
                     if out.finished:
                         parts += splitters[i].flush()
@@ -122,7 +124,8 @@ class _Chat:
                            "logprobs": chat_logprobs(self.tok, out.logprobs) if wants_logprobs else None,
                            "finish_reason": out.finish_reason.value if out.finished else None}
                     if self.body.return_token_ids:
-                        row["token_ids"] = out.token_ids
+                        row["token_ids"] = pending[i]
+                    pending[i] = []
                     yield sse(self._chunk([row]))
             if self.body.include_usage:
                 yield sse(self._chunk([], usage(choices, self.body.n)))
@@ -145,7 +148,8 @@ async def create_chat_completion(body: ChatCompletionRequest, http: HttpRequest,
     job = _Chat(chat_id, model, created(), body, tok, prompt_ids,
                 body.reasoning_format or state.settings.reasoning_format, prompt_opens_reasoning(prompt_text))
     if body.stream:
-        return StreamingResponse(job.stream(reader), media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(streamed(job.stream(reader), reader), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
     try:
         choices = await unless_disconnected(http, job.collect(reader))
     except ClientGone:

@@ -86,6 +86,9 @@ class EngineClient:
             self._queues[request_id] = outputs
         try:
             await asyncio.wrap_future(self.engine.add(requests))
+        except asyncio.CancelledError:  # the handler was cancelled: the add may still happen
+            self.abort(ids)
+            raise
         except BaseException:
             for request_id in ids:
                 self._queues.pop(request_id, None)

@@ -14,7 +14,7 @@ from monobatch.errors import InvalidRequestError
 from monobatch.server.client import EngineFailed, ResponseReader
 from monobatch.server.errors import APIError, error_body
 from monobatch.server.generation import (SSE_DONE, SSE_HEADERS, Choice, ClientGone, build_requests,
-                                         completion_logprobs, created, new_id, prompt_logprobs, sse,
+                                         completion_logprobs, created, new_id, prompt_logprobs, sse, streamed,
                                          unless_disconnected, usage)
 from monobatch.server.protocol import CompletionRequest
 from monobatch.server.state import ServerState
@@ -30,6 +30,8 @@ def _prompts(prompt: str | list, tok: Tokenizer) -> tuple[list[list[int]], list[
     if isinstance(prompt[0], str):
         return [tok.encode(p) for p in prompt], list(prompt)
     lists = [prompt] if isinstance(prompt[0], int) else prompt
+    if any(not 0 <= t < tok.vocab_size for ids in lists for t in ids):
+        raise InvalidRequestError(f"prompt: token ids must be in [0, {tok.vocab_size})", param="prompt")
     return [list(ids) for ids in lists], [tok.decode(ids, skip_special_tokens=False) for ids in lists]
 
 
@@ -107,8 +109,10 @@ class _Completion:
                         text, lps = self._echo(c.index)
                         offsets[c.index] = len(text)
                         yield sse(self._chunk([self._choice(c.index, text, lps, None, None)]))
+                pending = [[] for _ in choices]  # token ids not sent yet (their text is held back)
                 async for i, out in reader:
                     choices[i].add(out)
+                    pending[i] += out.token_ids
                     if not (out.text or out.finished or (out.logprobs and self.body.logprobs is not None)):
                         continue
                     logprobs = None
@@ -116,7 +120,8 @@ class _Completion:
                         logprobs = completion_logprobs(self.tok, out.logprobs or [], offsets[i])
                     offsets[i] += len(out.text)
                     reason = out.finish_reason.value if out.finished else None
-                    yield sse(self._chunk([self._choice(i, out.text, logprobs, reason, out.token_ids)]))
+                    yield sse(self._chunk([self._choice(i, out.text, logprobs, reason, pending[i])]))
+                    pending[i] = []
             if self.body.include_usage:
                 yield sse(self._chunk([], usage(choices, self.body.n)))
         except EngineFailed as exc:
@@ -150,7 +155,8 @@ async def create_completion(body: CompletionRequest, http: HttpRequest, state: S
     job = _Completion(completion_id, model, created(), body, tok, prompts, texts,
                       prompt_lps)
     if body.stream:
-        return StreamingResponse(job.stream(reader), media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(streamed(job.stream(reader), reader), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
     try:
         choices = await unless_disconnected(http, job.collect(reader))
     except ClientGone:

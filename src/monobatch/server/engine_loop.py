@@ -5,14 +5,14 @@ requests, abort, run a function on the engine) and read :class:`RowOutput` s fro
 asyncio queue. The thread loops (llama.cpp's ``server_queue.start_loop``):
 
 1. wait for a message when the scheduler is idle, else take whatever is queued without waiting;
-2. apply the messages in order (adds and aborts, calls, stop);
+2. apply the messages in order (adds and aborts, calls, stop), publish the stats;
 3. ``scheduler.step()``;
 4. hand the step's outputs to the event loop in one ``call_soon_threadsafe`` (the router puts
    each on its request's queue);
-5. publish the scheduler's stats for ``/metrics``.
+5. publish the scheduler's stats for ``/metrics`` (so a scrape never waits for a step).
 
 torch releases the GIL inside every kernel, so HTTP, JSON and SSE work runs while the forward
-computes; docs/adr/0002-server.md has the thread-versus-process measurement.
+computes; docs/adr/0003-server.md has the thread-versus-process measurement.
 """
 
 from __future__ import annotations
@@ -119,14 +119,17 @@ class EngineLoop:
     # -- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            for msg in self._take(block=not self.scheduler.has_unfinished()):
+            msgs = self._take(block=not self.scheduler.has_unfinished())
+            for msg in msgs:
                 if isinstance(msg, StopLoop):
                     self._abort_all()
                     return
                 self._apply(msg)
+            if msgs:
+                self.stats = read_stats(self.scheduler)
             if self.scheduler.has_unfinished():
                 self._step()
-            self.stats = read_stats(self.scheduler)
+                self.stats = read_stats(self.scheduler)
 
     def _take(self, block: bool) -> list[Message]:
         """Every queued message; when ``block``, wait for the first."""

@@ -12,8 +12,9 @@ import dataclasses
 import json
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, TypeVar
 
 import torch
 from fastapi import Request as HttpRequest
@@ -23,6 +24,9 @@ from monobatch.engine.finish import RowOutput
 from monobatch.engine.params import SamplingParams
 from monobatch.engine.sequence import Request
 from monobatch.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from monobatch.server.client import ResponseReader
 
 T = TypeVar("T")
 _SEED_MOD = 2**63
@@ -141,6 +145,13 @@ def sse(payload: dict) -> str:
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def streamed(events: AsyncIterator[str], reader: "ResponseReader") -> AsyncIterator[str]:
+    """``events`` for a StreamingResponse, with ``reader`` closed (its sequences aborted) even
+    if the client leaves before the first event: a never-started generator runs no ``finally``."""
+    weakref.finalize(events, reader.close)
+    return events
 
 
 def created() -> int:

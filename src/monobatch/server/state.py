@@ -70,6 +70,7 @@ class ServerState:
         on_fatal: called (on the event loop) with the error when loading fails; the runner
             uses it to stop the server.
         load_error: that error, if any.
+        ready: a threading.Event set once loading has ended (check ``load_error``).
     """
 
     def __init__(self, settings: ServerSettings, load: Callable[[], BatchScheduler]) -> None:
@@ -81,7 +82,7 @@ class ServerState:
         self.on_fatal: Callable[[BaseException], None] | None = None
         self.metrics = ServerMetrics(self._stats)
         self.names: tuple[str, ...] = settings.served_model_names
-        self.ready = threading.Event()  # set once the engine runs (other threads may wait on it)
+        self.ready = threading.Event()  # set once loading ends, either way (any thread may wait)
 
     # -- lifecycle (event loop) ---------------------------------------------------------------
     def start_loading(self) -> None:
@@ -108,6 +109,7 @@ class ServerState:
 
     def _failed(self, exc: BaseException) -> None:
         self.load_error = exc
+        self.ready.set()
         log.error("loading the model failed: %s", exc)
         if self.on_fatal is not None:
             self.on_fatal(exc)

@@ -1,0 +1,209 @@
+"""The HTTP side of ``monobatch run`` and ``chat``: a small OpenAI-compatible chat client.
+
+It posts to ``/v1/chat/completions`` with ``stream: true`` and reads the server-sent events with
+httpx. It holds no decode logic: every character it yields is one the server sent. Any failure
+(nothing listening, a timeout, an error body, a stream cut short) becomes a :class:`ClientError`
+whose message is one line for the user.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import httpx
+
+from monobatch.cli.serve import API_KEY_ENV
+from monobatch.errors import MonobatchError
+
+#: Seconds to wait for a TCP connection (the server is local or should answer at once).
+CONNECT_TIMEOUT = 10.0
+#: Seconds a stream may stay silent before giving up (a long prompt prefills on CPU before the
+#: first byte; Ctrl-C ends the wait sooner).
+READ_TIMEOUT = 600.0
+#: Seconds between ``/health`` polls while a server loads its model.
+HEALTH_POLL = 0.2
+
+
+class ClientError(MonobatchError):
+    """The server could not be reached or refused a request.
+
+    Attributes:
+        status: the HTTP status, when the server answered.
+        code: the error's ``code`` field (``context_length_exceeded``, ...), if any.
+        param: the request field at fault, if any (the CLI names its flag).
+    """
+
+    def __init__(self, message: str, status: int | None = None, code: str | None = None,
+                 param: str | None = None) -> None:
+        super().__init__(" ".join(message.split()))  # one line, whatever the server sent
+        self.status, self.code, self.param = status, code, param
+
+
+@dataclass(slots=True)
+class ChatChunk:
+    """What one SSE event of a chat stream carries (first choice only; ``n`` is always 1 here)."""
+
+    content: str = ""
+    reasoning: str = ""
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+
+
+class ChatClient:
+    """A chat client of one OpenAI-compatible server.
+
+    Args:
+        base_url: ``http://host:port`` (a trailing ``/v1`` is accepted and dropped).
+        api_key: sent as ``Authorization: Bearer KEY`` when given.
+        trust_env: honour proxy environment variables (off for the in-process loopback server).
+    """
+
+    def __init__(self, base_url: str, api_key: str | None = None, trust_env: bool = True) -> None:
+        base = base_url.rstrip("/")
+        self.base_url = base[:-3] if base.endswith("/v1") else base
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        timeout = httpx.Timeout(READ_TIMEOUT, connect=CONNECT_TIMEOUT)
+        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout, trust_env=trust_env)
+        self._has_key = bool(api_key)
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def wait_healthy(self, timeout: float | None = None, on_wait=None) -> None:
+        """Return once ``GET /health`` answers 200; poll while it answers 503 (model loading).
+
+        A server without ``/health`` (another status) is taken as up: the first request tells.
+
+        Args:
+            timeout: seconds to wait for the model to load (None = no limit).
+            on_wait: called once, with no arguments, when the server is still loading.
+
+        Raises:
+            ClientError: nothing listens, or still loading after ``timeout``.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waited = False
+        while True:
+            with self._errors():
+                status = self._http.get("/health").status_code
+            if status != 503:
+                return
+            if not waited and on_wait is not None:
+                on_wait()
+            waited = True
+            if deadline is not None and time.monotonic() > deadline:
+                raise ClientError(f"the server at {self.base_url} is still loading its model after {timeout:g} s")
+            time.sleep(HEALTH_POLL)
+
+    def model_id(self) -> str | None:
+        """The first model ``GET /v1/models`` lists (None when it lists none).
+
+        Raises:
+            ClientError: unreachable, or an error answer (a wrong API key: 401).
+        """
+        with self._errors():
+            r = self._http.get("/v1/models")
+        if r.status_code >= 400:
+            raise self._refusal(r)
+        try:
+            data = r.json().get("data") or []
+            return data[0]["id"] if data else None
+        except (ValueError, AttributeError, KeyError, TypeError):
+            raise ClientError(f"{self.base_url}/v1/models did not answer an OpenAI model list") from None
+
+    def stream_chat(self, body: dict[str, Any]) -> Iterator[ChatChunk]:
+        """POST ``body`` (which must ask for ``stream: true``) and yield its chunks until ``[DONE]``.
+
+        Closing the generator early (Ctrl-C, ``close()``) closes the connection, which makes the
+        server abort the request.
+
+        Raises:
+            ClientError: unreachable, an error answer, an error event, a stream cut short.
+        """
+        with self._errors(), self._http.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code >= 400:
+                r.read()
+                raise self._refusal(r)
+            for line in r.iter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators, ": keep-alive" comments, event names
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                yield _chunk(data)
+            raise ClientError(f"the server at {self.base_url} closed the stream before the reply ended")
+
+    def _refusal(self, r: httpx.Response) -> ClientError:
+        """A ClientError from an error response (OpenAI's ``{"error": {...}}`` or anything else)."""
+        if r.status_code == 401:
+            if self._has_key:
+                return ClientError(f"the server at {self.base_url} refused the API key (HTTP 401)", 401)
+            return ClientError(f"the server at {self.base_url} needs an API key: pass --api-key KEY or set "
+                               f"${API_KEY_ENV}", 401)
+        try:
+            body = r.json()
+        except ValueError:
+            body = None
+        return _error_from_body(body, r.status_code, r.text)
+
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
+        """Turn httpx's transport errors into one-line ClientErrors."""
+        try:
+            yield
+        except httpx.ConnectTimeout:
+            raise ClientError(f"cannot connect to the server at {self.base_url}: timed out") from None
+        except httpx.ConnectError as exc:
+            reason = str(exc).split("] ", 1)[-1] or "connection failed"  # "[Errno 111] Connection refused"
+            raise ClientError(f"cannot connect to the server at {self.base_url}: {reason}") from None
+        except httpx.ReadTimeout:
+            raise ClientError(f"the server at {self.base_url} sent nothing for {READ_TIMEOUT:g} s") from None
+        except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            raise ClientError(f"the connection to {self.base_url} broke: {exc or type(exc).__name__}") from None
+        except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:
+            raise ClientError(f"--server-base: not a usable http(s) URL: {self.base_url!r} ({exc})") from None
+        except httpx.HTTPError as exc:
+            raise ClientError(f"HTTP error talking to {self.base_url}: {exc or type(exc).__name__}") from None
+
+
+def _chunk(data: str) -> ChatChunk:
+    """One ``data:`` payload of a chat stream as a ChatChunk (an error event raises)."""
+    try:
+        payload = json.loads(data)
+    except ValueError:
+        raise ClientError(f"the server sent an event that is not JSON: {data[:80]!r}") from None
+    if not isinstance(payload, dict):
+        raise ClientError(f"the server sent an unexpected event: {data[:80]!r}")
+    if "error" in payload:
+        raise _error_from_body(payload, None)
+    out = ChatChunk(usage=payload.get("usage"))
+    for choice in payload.get("choices") or ():
+        if choice.get("index", 0) != 0:
+            continue
+        delta = choice.get("delta") or {}
+        out.content = delta.get("content") or ""
+        out.reasoning = delta.get("reasoning_content") or ""
+        out.finish_reason = choice.get("finish_reason")
+    return out
+
+
+def _error_from_body(body: Any, status: int | None, text: str = "") -> ClientError:
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        message, code, param = str(error.get("message") or "no message"), error.get("code"), error.get("param")
+    elif isinstance(error, str):  # some servers send {"error": "..."}
+        message, code, param = error, None, None
+    elif isinstance(body, dict) and "detail" in body:  # FastAPI's default shape
+        message, code, param = str(body["detail"]), None, None
+    else:
+        message, code, param = (text.strip()[:200] or "no message"), None, None
+    if status is None:  # an error event in the middle of a stream
+        message = f"the server failed during the reply: {message}"
+    elif status != 400:
+        message = f"the server answered HTTP {status}: {message}"
+    return ClientError(message, status, code, param if isinstance(param, str) else None)

@@ -1,0 +1,95 @@
+"""`monobatch serve`: the OpenAI-compatible HTTP server (vLLM's and llama-server's role).
+
+Listens at once (``GET /health`` answers 503 while the model loads, then 200) and serves
+``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/tokenize``, ``/detokenize``
+and ``/metrics``. Sampling flags set server-wide defaults, below each request's own fields.
+SIGINT/SIGTERM: in-flight requests get --shutdown-timeout seconds, then are aborted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from monobatch.chat_output import REASONING_FORMATS
+from monobatch.cli.args import add_model_args, add_sampling_args, engine_settings, sampling_flags
+from monobatch.errors import InvalidRequestError, MonobatchError
+
+#: Environment variable read when --api-key is not given (keeps the key out of `ps`).
+API_KEY_ENV = "MONOBATCH_API_KEY"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``monobatch serve`` and its flags."""
+    from monobatch.server.runner import SHUTDOWN_TIMEOUT
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the engine", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)")
+    s.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = a free port, printed at start)")
+    s.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="names the API answers to in `model` (default: the model file's name)")
+    s.add_argument("--api-key", help=f"require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize "
+                                     f"(default: ${API_KEY_ENV} if set; /health and /metrics stay open)")
+    s.add_argument("--max-model-len", type=int, help="context length in tokens (vLLM's name for -c/--ctx-size)")
+    s.add_argument("--max-queue", type=int,
+                   help="sequences that may wait beyond --max-num-seqs; more get HTTP 429 (default: no limit)")
+    s.add_argument("--reasoning-format", choices=REASONING_FORMATS, default="separate",
+                   help="separate: <think> text goes to reasoning_content; none: all text is content "
+                        "(default separate)")
+    s.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)")
+    s.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT,
+                   help=f"seconds in-flight requests get to finish on SIGINT/SIGTERM (default {SHUTDOWN_TIMEOUT:g})")
+    add_model_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=run)
+
+
+def check_flags(ns: argparse.Namespace) -> None:
+    """Refuse bad flags before binding a port or loading anything.
+
+    Raises:
+        MonobatchError: a bad value, a missing model, a bad chat template.
+    """
+    from monobatch.engine.params import resolve_sampling
+    from monobatch.loader import resolve_model_path
+    from monobatch.server.runner import settings_from_args
+    from monobatch.tokenizer.chat_template import load_chat_template
+
+    if ns.max_model_len is not None:
+        if ns.ctx_size and ns.ctx_size != ns.max_model_len:
+            raise InvalidRequestError("give --max-model-len or -c/--ctx-size, not both", "max_model_len")
+        if ns.max_model_len < 0:
+            raise InvalidRequestError(f"--max-model-len must be >= 0, got {ns.max_model_len}", "max_model_len")
+        ns.ctx_size = ns.max_model_len
+    if not 0 <= ns.port <= 65535:
+        raise InvalidRequestError(f"--port must be in 0..65535, got {ns.port}", "port")
+    if ns.shutdown_timeout < 0:
+        raise InvalidRequestError("--shutdown-timeout must be >= 0", "shutdown_timeout")
+    ns.api_key = ns.api_key if ns.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    engine_settings(ns)
+    settings_from_args(ns)
+    resolve_sampling(None, sampling_flags(ns), entry_point="chat")
+    resolve_model_path(ns.model)
+    load_chat_template(ns.chat_template, ns.chat_template_file)
+
+
+def run(ns: argparse.Namespace) -> int:
+    """Serve until interrupted; returns the exit code."""
+    check_flags(ns)
+    from monobatch.server.runner import app_from_args, bind, serve_foreground, url_of
+
+    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    app = app_from_args(ns)
+    sock = bind(ns.host, ns.port)
+    print(f"monobatch serve: listening on {url_of(sock)} (loading the model; GET /health answers 200 when ready)",
+          file=sys.stderr, flush=True)
+    state = serve_foreground(app, sock, ns.log_level, ns.shutdown_timeout)
+    error = state.load_error
+    if error is not None:
+        raise error if isinstance(error, MonobatchError) else MonobatchError(f"loading the model failed: {error}")
+    return 0

@@ -1,0 +1,165 @@
+"""Running the app: in the foreground (``monobatch serve``) or on a background thread
+(``monobatch run``/``chat``, tests), from parsed flags or from an already-loaded model.
+
+Both bind the listening socket first (so ``--port 0`` knows its port before the model loads),
+then run uvicorn on it. In the foreground uvicorn handles SIGINT/SIGTERM: it stops accepting,
+lets in-flight requests finish for ``shutdown_timeout`` seconds, cancels the rest (a cancelled
+stream aborts its sequences), then the app's shutdown stops the engine thread and the socket is
+closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import uvicorn
+from fastapi import FastAPI
+
+from monobatch.errors import MonobatchError
+from monobatch.server.app import create_app
+from monobatch.server.state import ServerSettings, ServerState
+
+if TYPE_CHECKING:
+    from monobatch.loader import LoadedModel
+
+#: Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted.
+SHUTDOWN_TIMEOUT = 5.0
+
+
+def settings_from_args(ns: argparse.Namespace) -> ServerSettings:
+    """ServerSettings from parsed flags; flags a command lacks take their defaults."""
+    from monobatch.cli.args import sampling_flags
+
+    flags = sampling_flags(ns)
+    flags.pop("logprobs", None)  # an output option of the request, not a sampling default
+    return ServerSettings(served_model_names=tuple(getattr(ns, "served_model_name", None) or ()),
+                          api_key=getattr(ns, "api_key", None), max_queue=getattr(ns, "max_queue", None),
+                          reasoning_format=getattr(ns, "reasoning_format", None) or "separate",
+                          sampling_flags=flags)
+
+
+def app_from_args(ns: argparse.Namespace, loaded: "LoadedModel | None" = None) -> FastAPI:
+    """The app for parsed ``add_model_args`` (+ sampling and server) flags.
+
+    Args:
+        ns: the flags; the model is loaded from them once the app starts, unless ...
+        loaded: ... an already-loaded model is given (``run``/``chat`` reuse theirs).
+
+    Raises:
+        MonobatchError: a bad server flag (checked now; model flags are checked when loading).
+    """
+    from monobatch.cli.args import open_engine
+
+    return create_app(settings_from_args(ns), lambda: open_engine(ns, loaded))
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0 = a free one).
+
+    Raises:
+        MonobatchError: the address cannot be bound (in use, not local, bad name).
+    """
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as exc:
+        raise MonobatchError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _config(app: FastAPI, log_level: str, shutdown_timeout: float, **kw) -> uvicorn.Config:
+    return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout, lifespan="on", **kw)
+
+
+def url_of(sock: socket.socket) -> str:
+    """``http://host:port`` of a bound socket."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def serve_foreground(app: FastAPI, sock: socket.socket, log_level: str = "info",
+                     shutdown_timeout: float = SHUTDOWN_TIMEOUT) -> ServerState:
+    """Serve until SIGINT/SIGTERM (or until loading the model fails) on the calling (main) thread.
+
+    Returns:
+        The app's state (``load_error`` is set when the model could not be loaded).
+    """
+    server = uvicorn.Server(_config(app, log_level, shutdown_timeout))
+    state: ServerState = app.state.monobatch
+    state.on_fatal = lambda exc: setattr(server, "should_exit", True)
+    server.run(sockets=[sock])
+    sock.close()
+    return state
+
+
+class ServerThread:
+    """The app served by uvicorn on a background thread (no signal handling; call :meth:`stop`).
+
+    Args:
+        app: from :func:`create_app` or :func:`app_from_args`.
+        host / port: where to listen (port 0 = a free port; see :attr:`base_url`).
+        log_level: uvicorn's.
+
+    Example::
+
+        with ServerThread(app_from_args(ns, loaded)) as server:
+            server.wait_ready()
+            httpx.post(server.base_url + "/v1/chat/completions", json=...)
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 shutdown_timeout: float = SHUTDOWN_TIMEOUT) -> None:
+        self.app = app
+        self.sock = bind(host, port)
+        self.base_url = url_of(self.sock)
+        self.server = uvicorn.Server(_config(app, log_level, shutdown_timeout))
+        self.state: ServerState = app.state.monobatch
+        self.state.on_fatal = lambda exc: setattr(self.server, "should_exit", True)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                        name="monobatch-http", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        """Start serving; returns once uvicorn accepts connections (the model may still load)."""
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise MonobatchError("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the model is loaded and the engine runs.
+
+        Raises:
+            MonobatchError: loading failed (the server has stopped) or ``timeout`` passed.
+        """
+        if not self.state.ready.wait(timeout):
+            raise MonobatchError("the model did not load in time")
+        if self.state.load_error is not None:
+            raise self.state.load_error if isinstance(self.state.load_error, MonobatchError) else \
+                MonobatchError(f"loading the model failed: {self.state.load_error}")
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Shut down (in-flight requests get ``shutdown_timeout``), stop the engine, free the port."""
+        self.server.should_exit = True
+        self._thread.join(timeout)
+        self.sock.close()
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+logging.getLogger("monobatch.server").addHandler(logging.NullHandler())

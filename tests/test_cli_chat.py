@@ -1,0 +1,303 @@
+"""`monobatch chat`, driven as a user drives it: through a pty (pexpect), against a separately
+started `monobatch serve` (with an API key) and in-process.
+
+The module's server runs `--deterministic` with its key from $MONOBATCH_API_KEY, so a greedy
+reply is the same bit for bit whatever the prefix cache holds: the REPL's replies are compared with
+the server's own answers to the conversation the REPL should have sent, and the prompt sizes
+its --stats lines report with `/tokenize` of those messages (the history, exactly). The
+conversation logic (/regen, Ctrl-C, refused turns, multi-line input) is also unit-tested with a
+scripted session.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pexpect
+import pytest
+
+from cli_util import STATS_RE, assert_one_line_error, clean, cli_env, monobatch
+from monobatch.cli import chat
+from monobatch.cli.http_client import ClientError
+from monobatch.cli.session import Reply
+from server_util import start_server
+
+KEY = "test-key-6"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+N = 12  # reply length in the pty tests
+DETERMINISTIC = ("-t", "1", "-c", "1024", "--deterministic")
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = start_server(*DETERMINISTIC, env={"MONOBATCH_API_KEY": KEY})
+    yield s
+    s.stop()
+
+
+def server_reply(server, messages: list[dict], max_tokens: int = N) -> str:
+    r = server.post("/v1/chat/completions", {"messages": messages, "temperature": 0, "max_tokens": max_tokens},
+                    headers=AUTH)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def prompt_tokens(server, messages: list[dict]) -> int:
+    r = server.post("/tokenize", {"messages": messages}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    return r.json()["count"]
+
+
+def spawn(*args: str, env: dict | None = None):
+    child = pexpect.spawn(sys.executable, ["-m", "monobatch", "chat", *args], env=env or cli_env(TERM="dumb"),
+                          encoding="utf-8", timeout=120, dimensions=(24, 400))
+    child.expect_exact("/help lists the commands", timeout=240)
+    child.expect_exact(chat.PROMPT)
+    return child
+
+
+def say(child, *lines: str) -> tuple[str, int, int]:
+    """Type ``lines`` (one message), wait for its --stats line and the next prompt; returns the
+    reply as shown and the prompt / generated token counts."""
+    for line in lines:
+        child.sendline(line)
+    child.expect(STATS_RE)
+    prompt, generated = int(child.match.group(1)), int(child.match.group(2))
+    shown = clean(child.before)
+    child.expect_exact(chat.PROMPT)
+    return shown, prompt, generated
+
+
+def assert_said(shown: str, reply: str) -> None:
+    assert reply.strip() and shown.endswith(reply + "\n"), (shown, reply)
+
+
+def test_two_turns_regen_clear_multiline_exit(server):
+    """History across turns, /regen (same history without the last reply), /clear, both
+    multi-line forms, /help, /exit — with --api-key."""
+    child = spawn("--server-base", server.base_url, "--api-key", KEY, "--temperature", "0", "-n", str(N), "--stats")
+    u1, u2 = "Name a colour.", "Name another one."
+    shown, prompt, _ = say(child, u1)
+    a1 = server_reply(server, [{"role": "user", "content": u1}])
+    assert_said(shown, a1)
+    assert prompt == prompt_tokens(server, [{"role": "user", "content": u1}])
+
+    history = [{"role": "user", "content": u1}, {"role": "assistant", "content": a1}, {"role": "user", "content": u2}]
+    shown, prompt, _ = say(child, u2)
+    a2 = server_reply(server, history)
+    assert_said(shown, a2)
+    assert prompt == prompt_tokens(server, history)
+
+    shown, prompt_again, _ = say(child, "/regen")
+    assert_said(shown, a2)  # greedy: the same reply again, from the same history
+    assert prompt_again == prompt
+
+    child.sendline("/clear")
+    child.expect_exact("(conversation cleared)")
+    child.expect_exact(chat.PROMPT)
+    shown, prompt, _ = say(child, u1)
+    assert_said(shown, a1)
+    assert prompt == prompt_tokens(server, [{"role": "user", "content": u1}])
+
+    child.sendline("/clear")
+    child.expect_exact(chat.PROMPT)
+    block = [{"role": "user", "content": "Say hi\nin French."}]
+    shown, prompt, _ = say(child, '"""Say hi', 'in French."""')
+    a_block = server_reply(server, block)
+    assert_said(shown, a_block)
+    assert prompt == prompt_tokens(server, block)
+    child.sendline("/clear")
+    child.expect_exact(chat.PROMPT)
+    shown, prompt, _ = say(child, "Say hi\\", "in French.")
+    assert_said(shown, a_block)
+    assert prompt == prompt_tokens(server, block)
+
+    child.sendline("/help")
+    child.expect_exact("/regen")
+    child.expect_exact(chat.PROMPT)
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_ctrl_c_stops_the_reply_not_the_session(server):
+    """Ctrl-C during a long reply: the stream closes, the server aborts the request (nothing left
+    running, no KV block held), the REPL asks again; Ctrl-C at the prompt too; Ctrl-D ends it.
+    The API key comes from $MONOBATCH_API_KEY."""
+    server.wait_idle(headers=AUTH)
+    before = server.metrics()
+    child = spawn("--server-base", server.base_url, "--temperature", "0", "-n", "400", "--ignore-eos",
+                  env=cli_env(TERM="dumb", MONOBATCH_API_KEY=KEY))
+    child.sendline("Count to one hundred.")
+    deadline = time.monotonic() + 120
+    while server.metrics()["monobatch_generation_tokens_total"] < before["monobatch_generation_tokens_total"] + 4:
+        assert time.monotonic() < deadline, clean(child.before or "")
+        time.sleep(0.1)
+    child.sendintr()
+    child.expect_exact("[interrupted]")
+    child.expect_exact(chat.PROMPT)
+    after = server.wait_idle(timeout=10)
+    assert after["monobatch_generation_tokens_total"] - before["monobatch_generation_tokens_total"] < 400
+    assert after['monobatch_request_success_total{finished_reason="abort"}'] == \
+        before.get('monobatch_request_success_total{finished_reason="abort"}', 0) + 1
+
+    child.send("half a line")
+    child.sendintr()  # at the prompt: the line is dropped, the session goes on
+    child.expect_exact(chat.PROMPT)
+    child.sendline("/help")
+    child.expect_exact("/clear")
+    child.expect_exact(chat.PROMPT)
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_in_process_chat_with_progress_bar(server):
+    """No --server-base: the model loads in the chat process (a progress bar on the terminal)
+    and its greedy reply equals the separately started server's."""
+    child = pexpect.spawn(sys.executable, ["-m", "monobatch", "chat", *DETERMINISTIC, "--temperature", "0", "-n",
+                                           "8", "--stats"], env=cli_env(TERM="dumb"), encoding="utf-8", timeout=240,
+                          dimensions=(24, 120))
+    child.expect_exact("loading weights")
+    child.expect_exact("in this process")
+    child.expect_exact(chat.PROMPT)
+    shown, prompt, generated = say(child, "Hi!")
+    messages = [{"role": "user", "content": "Hi!"}]
+    assert_said(shown, server_reply(server, messages, max_tokens=8))
+    assert prompt == prompt_tokens(server, messages) and generated <= 8
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_piped_chat_and_api_key_errors(server):
+    """stdin not a terminal: one message per line, replies alone on stdout. A missing or wrong
+    key is one line on stderr."""
+    res = monobatch("chat", "--server-base", server.base_url, "--api-key", KEY, "--temperature", "0", "-n", "6",
+                    stdin="Hi!\n/clear\nHello!\n")
+    assert res.returncode == 0 and res.stderr == "(conversation cleared)\n", res.stderr
+    assert res.stdout == "".join(server_reply(server, [{"role": "user", "content": u}], 6) + "\n"
+                                 for u in ("Hi!", "Hello!"))
+    assert_one_line_error(monobatch("chat", "--server-base", server.base_url, stdin="Hi!\n"),
+                          "needs an API key", "--api-key")
+    assert_one_line_error(monobatch("run", "--server-base", server.base_url, "--api-key", "wrong", "Hi!"),
+                          "refused the API key")
+
+
+# -- the conversation logic, with a scripted session -----------------------------------------------------
+class ScriptedSession:
+    """Stands in for Session: each turn plays the next script item (a reply text, or a
+    ``(partial text, exception)`` pair) and records the messages it was sent."""
+
+    def __init__(self, *script) -> None:
+        self.script, self.sent = list(script), []
+
+    def stream_reply(self, messages, reply: Reply, out=None, err=None) -> Reply:
+        self.sent.append([dict(m) for m in messages])
+        item = self.script.pop(0)
+        text, exc = item if isinstance(item, tuple) else (item, None)
+        if text:
+            reply.content.append(text)
+        if exc is not None:
+            raise exc
+        reply.finish_reason, reply.usage = "stop", {"prompt_tokens": 1, "completion_tokens": 1}
+        return reply
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+def test_history_regen_and_clear(capsys):
+    session = ScriptedSession("A1", "A2", "A2b", "A3")
+    convo = chat.Conversation([{"role": "system", "content": "S"}])
+    chat.ask(session, convo, "U1", stats=True)
+    chat.ask(session, convo, "U2", stats=False)
+    chat.regenerate(session, convo, stats=False)
+    assert session.sent[1] == session.sent[2] == [{"role": "system", "content": "S"}, user("U1"), assistant("A1"),
+                                                  user("U2")]
+    assert convo.turns[-1] == assistant("A2b")
+    convo.clear()
+    chat.ask(session, convo, "U3", stats=False)
+    assert session.sent[3] == [{"role": "system", "content": "S"}, user("U3")]
+    out, err = capsys.readouterr()
+    assert out == "\n" * 4  # the scripted session prints nothing itself; each reply ends a line
+    assert err.count("prompt + 1 generated tokens") == 1  # --stats for the first turn only
+
+
+def test_interrupted_and_refused_turns(capsys):
+    session = ScriptedSession(("partial", KeyboardInterrupt()), ("", KeyboardInterrupt()),
+                              ("", ClientError("prompt too long", 400, "context_length_exceeded")),
+                              "fresh", ("", ClientError("gone")))
+    convo = chat.Conversation([])
+    chat.ask(session, convo, "U1", stats=True)  # Ctrl-C after some text: what was shown stays
+    assert convo.turns == [user("U1"), assistant("partial")]
+    chat.ask(session, convo, "U2", stats=True)  # Ctrl-C before any text: the turn is undone
+    chat.ask(session, convo, "U3", stats=True)  # refused: undone, the error on stderr
+    assert convo.turns == [user("U1"), assistant("partial")]
+    chat.regenerate(session, convo, stats=False)
+    assert convo.turns == [user("U1"), assistant("fresh")]
+    chat.regenerate(session, convo, stats=False)  # fails: the old reply comes back
+    assert convo.turns == [user("U1"), assistant("fresh")]
+    err = capsys.readouterr().err
+    assert err.count("[interrupted]") == 2 and "generated tokens" not in err
+    assert "error: prompt too long (/clear starts a new conversation)" in err
+    assert "error: gone" in err
+
+
+def test_regen_with_nothing_to_regenerate(capsys):
+    chat.regenerate(ScriptedSession(), chat.Conversation([]), stats=False)
+    assert "nothing to regenerate" in capsys.readouterr().err
+
+
+def lines(*typed: str):
+    """An input() stand-in that returns ``typed`` then raises EOFError; records the prompts."""
+    queue, prompts = list(typed), []
+
+    def read_line(prompt: str) -> str:
+        prompts.append(prompt)
+        if not queue:
+            raise EOFError
+        return queue.pop(0)
+
+    read_line.prompts = prompts
+    return read_line
+
+
+@pytest.mark.parametrize("typed,message", [
+    (["one line"], "one line"),
+    (["first \\", "second\\", "third"], "first \nsecond\nthird"),
+    (['"""', "a", "", "b", '"""'], "a\n\nb"),
+    (['"""a', 'b"""'], "a\nb"),
+    (['  """inline"""'], "inline"),
+    (['"""', "  indented", 'end """'], "  indented\nend "),
+])
+def test_multi_line_input(typed, message):
+    read_line = lines(*typed)
+    assert chat.read_message(read_line) == message
+    assert read_line.prompts == [chat.PROMPT] + [chat.CONTINUATION] * (len(typed) - 1)
+
+
+@pytest.mark.parametrize("typed", [['"""', "never closed"], ["continued \\"]])
+def test_end_of_input_inside_a_message(typed):
+    with pytest.raises(EOFError):
+        chat.read_message(lines(*typed))
+
+
+def test_repl_commands(capsys):
+    session = ScriptedSession("A1", "A2")
+    convo = chat.Conversation([])
+    assert chat.repl(session, convo, lines("", "/help", "U1", "/bogus", " /not a command", "/exit", "never read"),
+                     stats=False) is False
+    assert session.sent == [[user("U1")], [user("U1"), assistant("A1"), user(" /not a command")]]
+    err = capsys.readouterr().err
+    assert "/regen" in err and "unknown command /bogus" in err
+    assert chat.repl(ScriptedSession(), chat.Conversation([]), lines(), stats=False) is True  # EOF

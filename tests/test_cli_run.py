@@ -1,0 +1,256 @@
+"""`monobatch run`: one chat turn through the server, in-process or with --server-base.
+
+Invariant 1 for this door: greedy `run` prints exactly the server's reply to the same chat
+request and exactly what `generate --chat` prints. The module's server uses dense KV storage (no
+prefix cache), so every request computes its prompt cold, as `run` and `generate` do in their own
+processes. It is started with `-n 5`: a server default that `run` must leave alone unless `-n` is
+given (flags the user did not set are not sent).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from cli_util import STATS_RE, assert_one_line_error, cli_env, monobatch
+from server_util import start_server
+
+QUESTION = "What is the capital of France?"
+GREEDY = ("--temperature", "0", "-n", "24")
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = start_server("-t", "1", "-c", "1024", "--kv-storage", "dense", "-n", "5")
+    yield s
+    s.stop()
+
+
+def chat_reply(server, messages: list[dict], **fields) -> dict:
+    r = server.post("/v1/chat/completions", {"messages": messages, **fields})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stats_of(stderr: str) -> tuple[int, int, str]:
+    """(prompt tokens, generated tokens, finish_reason) of the one --stats line on stderr."""
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, stderr
+    m = STATS_RE.fullmatch(lines[0])
+    assert m, lines[0]
+    return int(m.group(1)), int(m.group(2)), m.group(3)
+
+
+def test_greedy_run_prints_the_server_reply_and_generate_output(server):
+    """In-process `run`, `run --server-base`, the server's own answer and `generate --chat` agree
+    to the character; stdout holds the reply alone, --stats goes to stderr."""
+    py = [sys.executable, "-m", "monobatch"]
+    local = subprocess.Popen([*py, "run", "-t", "1", "--no-progress", "--stats", *GREEDY, QUESTION], text=True,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env())
+    gen = subprocess.Popen([*py, "generate", "--chat", "-t", "1", "--no-progress", *GREEDY, "-p", QUESTION], text=True,
+                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env())
+    remote = monobatch("run", "--server-base", server.base_url, *GREEDY, QUESTION)
+    body = chat_reply(server, [{"role": "user", "content": QUESTION}], temperature=0, max_tokens=24)
+    local_out, local_err = local.communicate(timeout=300)
+    gen_out, gen_err = gen.communicate(timeout=300)
+    assert local.returncode == 0 and gen.returncode == 0 and remote.returncode == 0, (local_err, gen_err, remote.stderr)
+
+    content = body["choices"][0]["message"]["content"]
+    assert content.strip()
+    assert local_out == remote.stdout == content + "\n" == gen_out
+    assert remote.stderr == ""
+    prompt, generated, finish = stats_of(local_err)
+    usage = body["usage"]
+    assert (prompt, generated, finish) == (usage["prompt_tokens"], usage["completion_tokens"],
+                                           body["choices"][0]["finish_reason"])
+
+
+def test_flags_not_given_leave_the_server_defaults(server):
+    """The server runs with -n 5: `run` without -n gets 5 tokens, with -n 7 gets 7 (request >
+    server flag); --system and a prompt on stdin reach the server as messages."""
+    base = ("run", "--server-base", server.base_url, "--temperature", "0", "--ignore-eos", "--stats")
+    res = monobatch(*base, "Tell me a story.")
+    assert res.returncode == 0, res.stderr
+    assert stats_of(res.stderr)[1:] == (5, "length")
+
+    res = monobatch(*base, "-n", "7", "--system", "You are terse.", stdin="Tell me a story.\n")
+    assert res.returncode == 0, res.stderr
+    prompt, generated, finish = stats_of(res.stderr)
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me a story."}]
+    count = server.post("/tokenize", {"messages": messages}).json()["count"]
+    assert (prompt, generated, finish) == (count, 7, "length")
+    assert res.stdout == chat_reply(server, messages, temperature=0, ignore_eos=True, max_tokens=7)[
+        "choices"][0]["message"]["content"] + "\n"
+
+
+def test_only_given_flags_become_request_fields():
+    """Sampling flags map onto request fields the server accepts; unset flags are not sent."""
+    from monobatch.cli.main import build_parser
+    from monobatch.cli.session import Session, check_flags
+    from monobatch.server.protocol import ChatCompletionRequest
+
+    parse = build_parser().parse_args
+    ns = parse(["run", "--server-base", "http://127.0.0.1:1", "hi"])
+    assert check_flags(ns) == {}
+    assert Session(None, None, {}).body([{"role": "user", "content": "hi"}]) == {
+        "messages": [{"role": "user", "content": "hi"}], "stream": True, "stream_options": {"include_usage": True}}
+
+    every = ["-n", "-2", "--temperature", "0.5", "--seed", "3", "--top-k", "4", "--top-p", "0.9", "--min-p", "0.1",
+             "--typical-p", "0.95", "--repeat-penalty", "1.1", "--repeat-last-n", "32", "--presence-penalty", "0.2",
+             "--frequency-penalty", "0.3", "--dry-multiplier", "0.8", "--dry-base", "1.5", "--dry-allowed-length", "3",
+             "--dry-penalty-last-n", "16", "--dry-sequence-breaker", "\n", "--logit-bias", "5=-1.5", "--stop", "END",
+             "--stop", "FIN", "--ignore-eos", "--min-tokens", "2", "--reasoning-format", "none"]
+    fields = check_flags(parse(["run", "--server-base", "http://127.0.0.1:1", *every, "hi"]))
+    assert fields["max_tokens"] == -1 and fields["stop"] == ["END", "FIN"] and fields["logit_bias"] == {5: -1.5}
+    wire = json.loads(json.dumps(Session(None, "m", fields).body([{"role": "user", "content": "hi"}])))
+    request = ChatCompletionRequest.model_validate(wire)  # strict: every field known and well typed
+    sent = request.sampling_request()
+    assert sent["repeat_penalty"] == 1.1 and sent["logit_bias"] == {"5": -1.5} and sent["seed"] == 3
+    assert request.reasoning_format == "none" and request.model == "m"
+    assert set(fields) - {"reasoning_format"} <= set(sent)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--server-base", "localhost:8080", "hi"], ["--server-base", "http://"]),
+    (["--server-base", "http://127.0.0.1:{port}", "-m", "x.gguf", "hi"], ["-m/--model", "--server-base"]),
+    (["--server-base", "http://127.0.0.1:{port}", "--loop-window", "8", "hi"], ["--loop-window", "server setting"]),
+    (["--api-key", "k", "hi"], ["--api-key needs --server-base"]),
+    (["--top-p", "2", "hi"], ["--top-p"]),
+    (["--logprobs", "2", "hi"], ["--logprobs"]),
+    (["-m", "/nowhere/model.gguf", "hi"], ["model not found"]),
+    (["-p", "a", "b"], ["once"]),
+    ([""], ["prompt is empty"]),
+    (["--frobnicate", "hi"], ["unrecognized"]),
+])
+def test_bad_input_is_one_line(args, needles, capsys):
+    """Refused before anything loads or connects (in-process: main() is what a user runs)."""
+    from monobatch.cli.main import main
+
+    port = str(free_port())
+    try:
+        rc = main(["run", *[a.replace("{port}", port) for a in args]])
+    except SystemExit as exc:  # argparse
+        rc = exc.code
+    out, err = capsys.readouterr()
+    assert_one_line_error(subprocess.CompletedProcess(args, rc, out, err), *needles)
+
+
+def test_unreachable_server_is_one_line():
+    assert_one_line_error(monobatch("run", "--server-base", f"http://127.0.0.1:{free_port()}", "hi", timeout=120),
+                          "cannot connect", "Connection refused")
+
+
+def test_server_error_is_one_line(server):
+    """A request the server refuses (400): its message, named by the CLI flag, on one line."""
+    res = monobatch("run", "--server-base", server.base_url, "--logit-bias", "999999=1", "hi")
+    assert_one_line_error(res, "--logit-bias", "vocabulary")
+
+
+@pytest.mark.parametrize("command", ["run", "chat"])
+def test_help(command):
+    res = monobatch(command, "--help", timeout=60)
+    assert res.returncode == 0 and "--server-base" in res.stdout and "--stats" in res.stdout
+
+
+# -- the HTTP client against a scripted server (no model) -------------------------------------------------
+class ScriptedServer(BaseHTTPRequestHandler):
+    """/health answers 503 twice (loading), then 200; the chat endpoint plays the script named by
+    the user's message."""
+
+    health_calls = 0
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _send(self, status: int, body: bytes, kind: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            type(self).health_calls += 1
+            self._send(503 if self.health_calls <= 2 else 200, b"{}")
+        else:
+            self._send(200, json.dumps({"object": "list", "data": [{"id": "scripted"}]}).encode())
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert body["model"] == "scripted" and body["stream"] is True
+        script = body["messages"][-1]["content"]
+        if script == "plain-500":
+            return self._send(500, b"oops", "text/plain")
+        events = {
+            "think": [{"reasoning_content": "hmm "}, {"reasoning_content": "ok"}, {"content": "Yes."}],
+            "error-event": [{"error": {"message": "engine\nfailed"}}],
+            "cut": [{"content": "Par"}],
+        }[script]
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        self.wfile.write(b": keep-alive\n\n")
+        for delta in events:
+            event = delta if "error" in delta else {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+            self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+        if script == "think":
+            usage = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+            self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+        if script != "cut":
+            self.wfile.write(b"data: [DONE]\n\n")
+        self.close_connection = True
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), ScriptedServer)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    httpd.shutdown()
+
+
+def run_main(*args: str) -> int:
+    from monobatch.cli.main import main
+
+    return main(["run", *args])
+
+
+def test_waits_for_a_loading_server_and_splits_reasoning(scripted, capsys):
+    """503 from /health: one waiting line, then the reply; reasoning to stderr, content to stdout."""
+    ScriptedServer.health_calls = 0
+    assert run_main("--server-base", scripted, "--stats", "think") == 0
+    out, err = capsys.readouterr()
+    assert out == "Yes.\n"
+    assert err.count("is loading its model") == 1 and "hmm ok" in err
+    assert "[3 prompt + 4 generated tokens, finish_reason=None, TTFT" in err
+
+
+@pytest.mark.parametrize("script,needle", [
+    ("error-event", "the server failed during the reply: engine failed"),
+    ("plain-500", "the server answered HTTP 500: oops"),
+])
+def test_server_failures_are_one_line(scripted, capsys, script, needle):
+    ScriptedServer.health_calls = 2
+    rc = run_main("--server-base", scripted, script)
+    out, err = capsys.readouterr()
+    assert_one_line_error(subprocess.CompletedProcess([], rc, out, err), needle)
+
+
+def test_stream_cut_short(scripted, capsys):
+    ScriptedServer.health_calls = 2
+    assert run_main("--server-base", scripted, "cut") == 1
+    out, err = capsys.readouterr()
+    assert out == "Par" and err.strip().endswith("closed the stream before the reply ended")

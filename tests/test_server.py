@@ -1,0 +1,367 @@
+"""`monobatch serve` end to end: a real server process on a loopback port, talked to with the
+official `openai` client and httpx.
+
+Protocol shape (F1), degenerate and bad input (E1-E4), chat/completions parity (F2), tokenize,
+metrics, and greedy parity with `monobatch generate`. The server runs `--deterministic`, so a
+request's tokens do not depend on what else is in the batch: tests send their requests
+concurrently to keep the suite fast. Field cases S1, S2, T1, P1, C1, C2 are in
+test_server_cases.py; server options (API key, reasoning, queue limit) in test_server_options.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from server_util import ROOT, Server, shared_server, sse_events
+
+#: Server A: deterministic, small context, room for 40 sequences, one CPU thread.
+MAIN_ARGS = ("-t", "1", "-c", "512", "--max-num-seqs", "40", "--deterministic")
+STORY = "Once upon a time, in a small village"
+QUESTION = "Reply with one word: yes or no?"
+
+
+@pytest.fixture(scope="session")
+def server() -> Server:
+    return shared_server("main", *MAIN_ARGS)
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def completion(server: Server, **body) -> dict:
+    r = server.post("/v1/completions", {"temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def chat(server: Server, content: str = QUESTION, **body) -> dict:
+    r = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": content}], "temperature": 0,
+                                             **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream(server: Server, path: str, body: dict) -> list:
+    with httpx.stream("POST", server.base_url + path, json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return sse_events(r.iter_lines())
+
+
+def assert_error(r: httpx.Response, status: int = 400, param: str | None = None, needle: str = "") -> dict:
+    """An OpenAI-shaped error, sent as JSON (never as SSE)."""
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"] and needle in err["message"], err
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def parallel(fn, args_list):
+    with ThreadPoolExecutor(len(args_list)) as pool:
+        return list(pool.map(lambda a: fn(*a), args_list))
+
+
+# -- endpoints and the openai client --------------------------------------------------------------
+def test_health_models_and_loading(server, client):
+    """/health: 503 (OpenAI-shaped) while the model loaded, then 200; /v1/models names the model."""
+    for r in server.health_while_loading:  # the fixture polled from the moment the port opened
+        assert_error(r, 503)
+    assert server.get("/health").json() == {"status": "ok"}
+    models = client.models.list().data
+    assert len(models) == 1 and models[0].id.startswith("SmolLM2")
+    assert server.get(f"/v1/models/{models[0].id}").json()["id"] == models[0].id
+    assert_error(server.post("/v1/completions", {"model": "gpt-4", "prompt": "hi"}), 404, "model")
+    assert_error(server.get("/v1/nothing-here"), 404)
+
+
+def test_openai_client_completions_and_chat(server, client):
+    """The official client: completions and chat, streamed and not, n=2, usage, logprobs."""
+    model = client.models.list().data[0].id
+    done = client.completions.create(model=model, prompt=STORY, max_tokens=6, temperature=0, logprobs=2)
+    (c,) = done.choices
+    assert c.finish_reason == "length" and done.usage.completion_tokens == 6
+    assert len(c.logprobs.tokens) == 6 and all(len(t) == 2 for t in c.logprobs.top_logprobs)
+    pieces = list(client.completions.create(model=model, prompt=STORY, max_tokens=6, temperature=0, stream=True))
+    assert "".join(p.choices[0].text for p in pieces) == c.text
+
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}],
+                                           max_tokens=8, temperature=0, n=2, logprobs=True, top_logprobs=3)
+    assert [ch.index for ch in reply.choices] == [0, 1]
+    assert reply.choices[0].message.content == reply.choices[1].message.content  # greedy: n copies agree
+    assert reply.usage.completion_tokens == 2 * len(reply.choices[0].logprobs.content)
+    top = reply.choices[0].logprobs.content[0]
+    assert len(top.top_logprobs) == 3 and top.top_logprobs[0].logprob >= top.logprob - 1e-4
+    chunks = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}],
+                                                 max_tokens=8, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == reply.choices[0].message.content
+    assert chunks[-1].usage.prompt_tokens == reply.usage.prompt_tokens
+
+
+def test_n_with_seed_gives_distinct_reproducible_choices(server):
+    """n>1 with a seed: choice j draws with seed + j (choice 0 equals the n=1 request)."""
+    body = {"prompt": STORY, "max_tokens": 8, "temperature": 1.0, "seed": 123, "return_token_ids": True}
+    both = completion(server, n=3, **body)["choices"]
+    one = completion(server, **body)["choices"][0]
+    shifted = completion(server, **{**body, "seed": 124})["choices"][0]
+    assert both[0]["token_ids"] == one["token_ids"] and both[1]["token_ids"] == shifted["token_ids"]
+    assert len({tuple(c["token_ids"]) for c in both}) > 1
+
+
+# -- F1: SSE shape ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_f1_chat_stream_shape(server, include_usage):
+    """F1: role first per choice, finish_reason null until exactly one final chunk per choice,
+    usage only when asked (one chunk, choices [], before [DONE]) equal to the non-streamed usage."""
+    body = {"messages": [{"role": "user", "content": QUESTION}], "temperature": 0, "max_tokens": 6, "n": 2}
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
+    events = stream(server, "/v1/chat/completions", body)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    for i in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        assert mine[0]["delta"]["role"] == "assistant"
+        assert all("role" not in m["delta"] for m in mine[1:])
+        assert [m["finish_reason"] for m in mine[:-1]] == [None] * (len(mine) - 1)
+        assert mine[-1]["finish_reason"] in ("stop", "length")
+    plain = chat(server, max_tokens=6, n=2)
+    if include_usage:
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain["usage"]
+        assert all(c["usage"] is None for c in chunks[:-1])
+    else:
+        assert all("usage" not in c for c in chunks)
+    texts = ["".join(c["choices"][0]["delta"].get("content", "") for c in chunks
+                     if c["choices"] and c["choices"][0]["index"] == i) for i in (0, 1)]
+    assert texts == [ch["message"]["content"] for ch in plain["choices"]]
+
+
+def test_f1_completions_stream_shape(server):
+    """F1 for /v1/completions, with echo: the prompt comes first, usage last, then [DONE]."""
+    events = stream(server, "/v1/completions", {"prompt": STORY, "max_tokens": 5, "temperature": 0, "echo": True,
+                                                "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == []
+    choices = [e["choices"][0] for e in events[:-2]]
+    assert choices[0]["text"] == STORY
+    assert [c["finish_reason"] for c in choices[:-1]] == [None] * (len(choices) - 1)
+    assert choices[-1]["finish_reason"] == "length"
+    plain = completion(server, prompt=STORY, max_tokens=5, echo=True)
+    assert "".join(c["text"] for c in choices) == plain["choices"][0]["text"]
+    assert events[-2]["usage"] == plain["usage"]
+
+
+def test_echo_with_prompt_logprobs(server):
+    """echo + logprobs: prompt tokens first (the first without a logprob), then the generated."""
+    out = completion(server, prompt=STORY, max_tokens=3, echo=True, logprobs=1, return_token_ids=True)
+    c = out["choices"][0]
+    n_prompt = out["usage"]["prompt_tokens"]
+    lp = c["logprobs"]
+    assert len(lp["tokens"]) == n_prompt + 3
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v <= 0 for v in lp["token_logprobs"][1:])
+    assert "".join(lp["tokens"][:n_prompt]) == STORY and c["text"].startswith(STORY)
+    assert lp["text_offset"][n_prompt] == len(STORY)
+
+
+# -- E1: degenerate input ----------------------------------------------------------------------------
+@pytest.mark.parametrize("stream_", [False, True])
+@pytest.mark.parametrize("body", [{"prompt": ""}, {"prompt": []}, {"prompt": [""]}, {"prompt": [[]]}])
+def test_e1_empty_prompts_are_400(server, body, stream_):
+    """E1: empty prompts are a 400 before any SSE byte (the server stays up)."""
+    assert_error(server.post("/v1/completions", {**body, "stream": stream_}), 400, "prompt", "empty")
+
+
+@pytest.mark.parametrize("stream_", [False, True])
+def test_e1_empty_messages_is_400(server, stream_):
+    assert_error(server.post("/v1/chat/completions", {"messages": [], "stream": stream_}), 400, "messages")
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1, 2, 10**9])
+def test_e1_max_tokens_edges(server, max_tokens):
+    """E1: max_tokens 0, 1, 2 and 10**9, streamed and not: completion_tokens <= max_tokens,
+    "length" when the cap hits (0 is a documented empty completion); 10**9 runs to EOS."""
+    body = {"messages": [{"role": "user", "content": QUESTION}], "temperature": 0, "max_tokens": max_tokens}
+    plain, events = chat(server, max_tokens=max_tokens), stream(server, "/v1/chat/completions", body)
+    usage, choice = plain["usage"], plain["choices"][0]
+    assert usage["completion_tokens"] <= max_tokens
+    if max_tokens <= 2:
+        assert choice["finish_reason"] == "length" and usage["completion_tokens"] == max_tokens
+    else:
+        assert choice["finish_reason"] == "stop"
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
+    assert text == choice["message"]["content"] and events[-1] == "[DONE]"
+    assert events[-2]["choices"][0]["finish_reason"] == choice["finish_reason"]
+
+
+# -- E2: context length ------------------------------------------------------------------------------
+@pytest.mark.parametrize("stream_", [False, True])
+def test_e2_prompt_over_the_context(server, stream_):
+    """E2: a prompt over the context is a 400 naming the limit, before any SSE byte; prompt +
+    max_tokens over the context stops with "length" at the context end; no KV block is left."""
+    ids = [28] * 600  # over -c 512
+    assert_error(server.post("/v1/completions", {"prompt": ids, "stream": stream_}), 400, "prompt", "512")
+    near = [28] * 508
+    out = completion(server, prompt=near, max_tokens=50, ignore_eos=True)
+    assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 4
+    server.wait_idle()
+
+
+# -- E3: wrong types ---------------------------------------------------------------------------------
+BAD_BODIES = [
+    ("/v1/chat/completions", {"stream": "false"}, "stream"),
+    ("/v1/chat/completions", {"max_tokens": "10"}, "max_tokens"),
+    ("/v1/chat/completions", {"temperature": "hot"}, "temperature"),
+    ("/v1/chat/completions", {"messages": {}}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ("/v1/chat/completions", {"n": 0}, "n"),
+    ("/v1/chat/completions", {"top_p": 2}, "top_p"),
+    ("/v1/chat/completions", {"temperature": -1}, "temperature"),
+    ("/v1/chat/completions", {"top_k": -5}, "top_k"),
+    ("/v1/chat/completions", {"stop": 7}, "stop"),
+    ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"frobnicate": 1}, "frobnicate"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
+    ("/v1/completions", {"prompt": 7}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 99999999]}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs"),
+]
+
+
+@pytest.mark.parametrize("stream_", [False, True])
+@pytest.mark.parametrize("path,patch,param", BAD_BODIES, ids=[f"{b[2]}-{i}" for i, b in enumerate(BAD_BODIES)])
+def test_e3_wrong_types_are_400(server, path, patch, param, stream_):
+    """E3: each bad field is an OpenAI-shaped 400 naming it, before any SSE byte."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} if "chat" in path else {"max_tokens": 2}
+    body = {**body, "stream": stream_, **patch}
+    assert_error(server.post(path, body), 400, param)
+
+
+@pytest.mark.parametrize("content,ctype", [(b"{not json", "application/json"), (b"", "application/json"),
+                                           (b'{"prompt": "hi"}', "text/plain"), (b"[1, 2]", "application/json")])
+def test_e3_bad_bodies_are_400(server, content, ctype):
+    """E3: a non-JSON body, an empty body, a wrong Content-Type, a non-object: 400."""
+    assert_error(server.post("/v1/completions", content=content, headers={"content-type": ctype}), 400)
+    assert server.get("/health").status_code == 200
+
+
+def test_413_for_an_oversized_body(server):
+    """A body over the limit is refused from its Content-Length, before it is read."""
+    host, port = server.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 999999999\r\n\r\n{")
+        reply = b""
+        while b'"code"' not in reply:
+            data = s.recv(65536)
+            assert data, reply
+            reply += data
+    assert reply.startswith(b"HTTP/1.1 413") and b'"request_too_large"' in reply
+
+
+# -- E4: logit_bias ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bias", [{"49152": 1}, {"999999": 1}, {"-1": 1}, {"abc": 1}, {"5": 1e9}])
+def test_e4_logit_bias_out_of_range(server, bias):
+    """E4: an id equal to the vocab size, beyond it, negative, not a number, a huge bias: 400."""
+    assert_error(server.post("/v1/completions", {"prompt": STORY, "max_tokens": 2, "logit_bias": bias}), 400,
+                 "logit_bias")
+
+
+def test_e4_logit_bias_valid(server):
+    """E4: -100 on the reference's first token removes it; +100 on another forces it each step."""
+    ref = completion(server, prompt=STORY, max_tokens=4, return_token_ids=True)["choices"][0]["token_ids"]
+    forced = 11  # any id other than the reference's tokens
+    assert forced not in ref
+    banned, pushed = parallel(lambda b: completion(server, prompt=STORY, max_tokens=4, return_token_ids=True,
+                                                   logit_bias=b)["choices"][0]["token_ids"],
+                              [({str(ref[0]): -100},), ({str(forced): 100},)])
+    assert banned[0] != ref[0]
+    assert pushed == [forced] * 4
+
+
+# -- F2 and tokenize ------------------------------------------------------------------------------------
+def test_f2_chat_equals_rendered_completion(server):
+    """F2: a chat request and /v1/completions on its rendered prompt give the same token ids;
+    add_generation_prompt ends the prompt with the assistant header."""
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}]
+    tok = server.post("/tokenize", {"messages": msgs}).json()
+    rendered = server.post("/detokenize", {"tokens": tok["tokens"]}).json()["prompt"]
+    assert rendered.endswith("<|im_start|>assistant\n")
+    via_chat = chat(server, max_tokens=6, return_token_ids=True, messages=msgs)
+    via_text = completion(server, prompt=rendered, max_tokens=6, return_token_ids=True)
+    assert via_chat["prompt_token_ids"] == tok["tokens"] == via_text["choices"][0]["prompt_token_ids"]
+    assert via_chat["choices"][0]["token_ids"] == via_text["choices"][0]["token_ids"]
+
+
+def test_tokenize_and_detokenize_shapes(server):
+    """vLLM's shapes (prompt, count, max_model_len, token_strs) and llama.cpp's (content, with_pieces)."""
+    v = server.post("/tokenize", {"prompt": "Hello world", "return_token_strs": True}).json()
+    assert v["count"] == len(v["tokens"]) and v["max_model_len"] == 512 and "".join(v["token_strs"]) == "Hello world"
+    llama = server.post("/tokenize", {"content": "Hello world", "with_pieces": True}).json()
+    assert [p["id"] for p in llama["tokens"]] == v["tokens"]
+    assert "".join(p["piece"] for p in llama["tokens"]) == "Hello world"
+    back = server.post("/detokenize", {"tokens": v["tokens"]}).json()
+    assert back["prompt"] == back["content"] == "Hello world"
+    assert_error(server.post("/tokenize", {"prompt": "a", "content": "b"}), 400, "prompt")
+    assert_error(server.post("/detokenize", {"tokens": [-1]}), 400, "tokens")
+
+
+# -- greedy parity with `monobatch generate` --------------------------------------------------------------
+@pytest.mark.parametrize("chat_mode", [False, True])
+def test_greedy_ids_equal_generate(server, chat_mode):
+    """Invariant 1: the same greedy request gives the same ids through the server as through
+    `monobatch generate`."""
+    args = ["--chat"] if chat_mode else []
+    res = subprocess.run([sys.executable, "-m", "monobatch", "generate", "-p", QUESTION if chat_mode else STORY,
+                          "-n", "10", "--temperature", "0", "--output-format", "json", "-t", "1", "--no-progress",
+                          *args], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert res.returncode == 0, res.stderr
+    ref = json.loads(res.stdout)
+    if chat_mode:
+        out = chat(server, max_tokens=10, return_token_ids=True)["choices"][0]
+        text = out["message"]["content"]
+    else:
+        out = completion(server, prompt=STORY, max_tokens=10, return_token_ids=True)["choices"][0]
+        text = out["text"]
+    assert out["token_ids"] == ref["token_ids"] and text == ref["text"]
+
+
+# -- /metrics ---------------------------------------------------------------------------------------------
+def test_metrics_parse_and_count_what_was_sent(server):
+    """/metrics parses with prometheus_client; token counters and histograms move by exactly
+    what three requests reported in their usage."""
+    server.wait_idle()
+    before = server.metrics()
+    outs = parallel(lambda p: completion(server, prompt=p, max_tokens=3),
+                    [("The sky is",), ("Two plus two is",), ("My favourite colour is",)])
+    after = server.wait_idle()
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    assert delta["monobatch_prompt_tokens_total"] == sum(o["usage"]["prompt_tokens"] for o in outs)
+    assert delta["monobatch_generation_tokens_total"] == sum(o["usage"]["completion_tokens"] for o in outs)
+    for reason in ("stop", "length"):
+        sent = sum(o["choices"][0]["finish_reason"] == reason for o in outs)
+        assert delta.get(f'monobatch_request_success_total{{finished_reason="{reason}"}}', 0) == sent
+    assert delta["monobatch_time_to_first_token_seconds_count"] == 3
+    assert delta["monobatch_e2e_request_latency_seconds_count"] == 3
+    assert delta["monobatch_inter_token_latency_seconds_count"] == sum(o["usage"]["completion_tokens"] - 1 for o in outs)
+    assert after["monobatch_kv_cache_total_blocks"] > 0
