@@ -16,7 +16,7 @@ from monobatch.errors import InvalidRequestError
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``monobatch bench`` and its flags."""
-    from monobatch.loader.dummy import SHAPES
+    from monobatch.models.shapes import SHAPES
 
     p = sub.add_parser("bench", help="measure B=1 prefill/decode speed through the engine", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -14,7 +14,6 @@ import sys
 from monobatch.chat_output import REASONING_FORMATS, ChatDelta, ReasoningSplitter, prompt_opens_reasoning
 from monobatch.cli.args import add_model_args, add_sampling_args, open_engine, sampling_flags
 from monobatch.engine.params import resolve_sampling
-from monobatch.engine.sequence import Request
 from monobatch.errors import InvalidRequestError
 
 
@@ -55,6 +54,8 @@ def read_prompt(ns: argparse.Namespace) -> str:
 
 def run(ns: argparse.Namespace) -> int:
     """Generate one completion; returns the exit code."""
+    from monobatch.engine.sequence import Request  # torch: imported only when generating
+
     if ns.system is not None and not ns.chat:
         raise InvalidRequestError("--system needs --chat (a raw prompt has no system message)", "system")
     prompt = read_prompt(ns)

@@ -16,24 +16,9 @@ from monobatch.errors import InvalidRequestError
 from monobatch.loader import LoadedModel, resolve_device, resolve_dtype
 from monobatch.loader.weights import check_memory, new_model
 from monobatch.models.args import ModelArgs
+from monobatch.models.shapes import SHAPES
 
-#: Named shapes (HF config fields). smollm2-135m is the bundled model's; llama-1b is Llama 3.2
-#: 1B's layout with SmolLM2's vocabulary; llama-8b is Llama 3.1 8B's; tiny is a 2-layer model for
-#: smoke and property tests (milliseconds a step on CPU).
-SHAPES: dict[str, dict] = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, vocab_size=512, max_position_embeddings=256, rope_theta=10000.0,
-                 tie_word_embeddings=True),
-    "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                         intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192,
-                         rope_theta=100000.0, tie_word_embeddings=True),
-    "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                     intermediate_size=8192, vocab_size=49152, max_position_embeddings=16384,
-                     rope_theta=500000.0, tie_word_embeddings=True),
-    "llama-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                     intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192,
-                     rope_theta=500000.0, tie_word_embeddings=False),
-}
+__all__ = ["SHAPES", "dummy_model"]
 
 
 def dummy_model(shape: str, device: str | None = None, dtype: str | None = None, seed: int = 0) -> LoadedModel:
