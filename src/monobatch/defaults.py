@@ -16,6 +16,9 @@ from typing import Any
 PREFILL_CHUNK = 2048
 #: Tokens per sequence a DenseKv buffer grows by (allocation granularity, not a limit).
 DENSE_KV_GROWTH = 256
+#: Prompt tokens per step of a request that asked for prompt logprobs: every position's logits
+#: ([chunk, vocab] float32) are materialised, so its chunk is smaller (256 x 49152 x 4 B = 48 MiB).
+PROMPT_LOGPROBS_CHUNK = 256
 #: Sequences the scheduler runs at once.
 MAX_NUM_SEQS = 64
 #: Paged KV block size in tokens (vLLM, llama.cpp's server use 16 too).

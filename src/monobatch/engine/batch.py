@@ -26,7 +26,8 @@ class Chunk:
 
     ``start`` is the offset in the flat batch, ``pos`` the position (= KV length before this
     step) of its first token, ``length`` its token count, ``token_ids`` its ids on the host (the
-    prefix cache hashes them).
+    prefix cache hashes them). ``all_logits``: every row of the chunk returns logits (prompt
+    logprobs), not only the last.
     """
 
     seq_id: int
@@ -35,6 +36,7 @@ class Chunk:
     length: int
     wants_logits: bool
     token_ids: tuple[int, ...] = ()
+    all_logits: bool = False
 
     @property
     def end_pos(self) -> int:
@@ -77,13 +79,15 @@ class StepBatch:
     @classmethod
     def build(
         cls,
-        chunks: Sequence[tuple[int, Sequence[int], int, bool]],
+        chunks: Sequence[tuple],
         device: torch.device | str = "cpu",
         row_tile: int = 0,
     ) -> "StepBatch":
-        """Build from ``(seq_id, token_ids, first_position, wants_logits)`` per sequence.
+        """Build from ``(seq_id, token_ids, first_position, wants_logits[, all_logits])`` per
+        sequence.
 
-        The logit row of a chunk is its last token. A sequence may appear at most once.
+        The logit row of a chunk is its last token (every token with ``all_logits``). A sequence
+        may appear at most once.
         ``row_tile``: see the class attributes (0 = fast mode).
 
         Raises:
@@ -95,7 +99,8 @@ class StepBatch:
         rows: list[int] = []
         built: list[Chunk] = []
         seen: set[int] = set()
-        for seq_id, ids, pos, wants in chunks:
+        for seq_id, ids, pos, wants, *rest in chunks:
+            every = bool(rest and rest[0])
             if not ids:
                 raise ValueError(f"empty chunk for sequence {seq_id}")
             if pos < 0:
@@ -107,9 +112,11 @@ class StepBatch:
             tokens.extend(ids)
             positions.extend(range(pos, pos + len(ids)))
             seq_ids.extend([seq_id] * len(ids))
-            if wants:
+            if every:
+                rows.extend(range(start, len(tokens)))
+            elif wants:
                 rows.append(len(tokens) - 1)
-            built.append(Chunk(seq_id, start, pos, len(ids), wants, tuple(ids)))
+            built.append(Chunk(seq_id, start, pos, len(ids), wants, tuple(ids), every))
         as_long = dict(dtype=torch.int64, device=device)
         return cls(
             token_ids=torch.tensor(tokens, **as_long),

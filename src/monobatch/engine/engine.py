@@ -13,7 +13,7 @@ import torch
 from monobatch import defaults
 from monobatch.engine.batch import StepBatch
 from monobatch.engine.finish import FinishStep, RowOutput
-from monobatch.engine.sampler import RowSampler
+from monobatch.engine.sampler import RowSampler, token_logprobs
 from monobatch.engine.sequence import Sequence
 from monobatch.errors import InsufficientMemoryError, InvalidRequestError
 from monobatch.kv.dense import DenseKv
@@ -158,6 +158,25 @@ class Engine:
         logits = self.model(batch, scratch)[:, : self.vocab_size]  # no padded columns
         return logits if all_positions else logits[0]
 
+    def _record_prompt_logprobs(self, batch: StepBatch, logits: torch.Tensor,
+                                prompt_rows: dict[int, Sequence]) -> torch.Tensor:
+        """Append the prompt logprobs of ``all_logits`` chunks to their sequences; returns the
+        rows that sample (one per chunk that reaches its sequence's end), in chunk order."""
+        sample, r = [], 0
+        for c in batch.chunks:
+            n = c.length if c.all_logits else int(c.wants_logits)
+            if c.all_logits:
+                seq = prompt_rows[c.seq_id]
+                have = len(seq.prompt_logprobs)  # positions 0..have-1 are recorded (recompute-safe)
+                first, last = max(c.pos, have - 1), min(c.end_pos, len(seq.prompt_ids) - 1)  # rows p predict token p+1
+                if last > first:
+                    seq.prompt_logprobs += token_logprobs(logits[r + first - c.pos:r + last - c.pos, :self.vocab_size],
+                                                          seq.prompt_ids[first + 1:last + 1], seq.prompt_logprobs_k)
+            if c.wants_logits:
+                sample.append(r + n - 1)
+            r += n
+        return logits[sample]
+
     def top2_margin(self, token_ids: list[int]) -> float:
         """The gap between the two largest logits after ``token_ids`` (how near a tie the next
         greedy draw is)."""
@@ -172,17 +191,24 @@ class Engine:
         return logits
 
     @torch.inference_mode()
-    def step(self, batch: StepBatch, rows: list[Sequence]) -> list[RowOutput]:
+    def step(self, batch: StepBatch, rows: list[Sequence],
+             prompt_rows: dict[int, Sequence] | None = None) -> list[RowOutput]:
         """Forward ``batch``, then sample and finish one token for each of ``rows``.
 
         Args:
-            batch: the planned step; its logit rows belong to ``rows``, in order.
+            batch: the planned step; its logit rows belong to ``rows``, in order, except chunks
+                with ``all_logits`` (every row; their last row samples when the chunk ends the
+                sequence's tokens).
             rows: the sequences whose chunk reaches their last token (R of them).
+            prompt_rows: seq id -> sequence for the ``all_logits`` chunks: their prompt logprobs
+                are recorded on the sequence.
 
         Returns:
             One RowOutput per row.
         """
-        logits = self.forward(batch)  # (R, V)
+        logits = self.forward(batch)  # (logit rows, V)
+        if prompt_rows:
+            logits = self._record_prompt_logprobs(batch, logits, prompt_rows)  # (R, V)
         if not rows:
             return []
         masked = self.finisher.ban_early_stops(logits, rows)

@@ -72,6 +72,8 @@ class RowOutput:
         num_prompt_tokens / num_output_tokens: usage so far.
         num_cached_tokens: prompt tokens served by the prefix cache (OpenAI's
             ``usage.prompt_tokens_details.cached_tokens``).
+        prompt_logprobs: on a request's first output, when asked: ``[(token_id, logprob | None,
+            top | None)]`` per prompt token (the first has none; vLLM's shape).
         metrics: timings, on the final output only.
     """
 
@@ -83,6 +85,7 @@ class RowOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]] | None]] | None = None
     metrics: RequestMetrics | None = None
 
     @property
@@ -174,6 +177,8 @@ class FinishStep:
                 reason = FinishReason.STOP
             out = RowOutput(seq.request_id, [token], text, num_prompt_tokens=len(seq.prompt_ids),
                             num_output_tokens=len(seq.output_ids), num_cached_tokens=seq.num_cached_tokens)
+            if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+                out.prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
             if sample.logprobs is not None and seq.params.logprobs is not None:
                 out.logprobs = [(token, sample.logprobs[r], sample.top_logprobs[r] if sample.top_logprobs else [])]
             if reason is not None:

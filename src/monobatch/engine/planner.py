@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from monobatch import defaults
 from monobatch.engine.sequence import Sequence
 from monobatch.kv.store import KvStore
 
@@ -47,5 +48,13 @@ class PrefillPlan:
         return seq.num_computed
 
     def chunk_len(self, seq: Sequence, budget: int) -> int:
-        """Tokens of ``seq`` to compute now, given ``budget`` tokens left in this step."""
-        return max(min(seq.num_uncomputed, self.prefill_chunk, budget), 0)
+        """Tokens of ``seq`` to compute now, given ``budget`` tokens left in this step (a prompt
+        whose logprobs were asked for goes in chunks of at most ``PROMPT_LOGPROBS_CHUNK``)."""
+        chunk = min(self.prefill_chunk, defaults.PROMPT_LOGPROBS_CHUNK) if seq.wants_prompt_logprobs else self.prefill_chunk
+        return max(min(seq.num_uncomputed, chunk, budget), 0)
+
+    @staticmethod
+    def wants_all_logits(seq: Sequence, start: int) -> bool:
+        """True when the chunk starting at ``start`` holds prompt positions whose next-token
+        logprobs are still needed (every row of it then returns logits)."""
+        return seq.wants_prompt_logprobs and start < len(seq.prompt_ids) - 1

@@ -28,6 +28,31 @@ from monobatch.engine import sampler_stages as st
 from monobatch.engine.params import SamplingParams
 
 
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], top_n: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """Each row's logprob of a given token, with the row's top-``top_n`` alternatives — the
+    MODEL's distribution (``log_softmax`` of raw logits), as for generated tokens. Used for
+    prompt logprobs (row i = the logits after prompt token i, ``token_ids[i]`` = prompt token i+1).
+
+    Args:
+        logits: ``[N, V]`` float logits (V = the real vocabulary, no padded columns).
+        token_ids: N token ids.
+        top_n: alternatives per row (0: none).
+
+    Returns:
+        ``[(token_id, logprob, [(alt_id, alt_logprob), ...])]``, N entries.
+    """
+    if not token_ids:
+        return []
+    lp = torch.log_softmax(logits.float(), dim=-1)  # (N, V)
+    chosen = lp.gather(1, torch.tensor(token_ids, device=lp.device)[:, None]).squeeze(1).tolist()
+    if top_n > 0:
+        top = lp.topk(top_n, dim=-1)
+        alts = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+    else:
+        alts = [[] for _ in chosen]
+    return list(zip(token_ids, chosen, alts))
+
+
 @dataclass(slots=True)
 class SampleOutput:
     """What :meth:`RowSampler.sample` returns for R rows.

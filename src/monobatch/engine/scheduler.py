@@ -69,6 +69,10 @@ class BatchScheduler:
         if self._find(request.request_id) is not None:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in flight", "request_id")
         request.params.check_vocab(vocab)
+        if request.prompt_logprobs is not None and not 0 <= request.prompt_logprobs <= 20:
+            raise InvalidRequestError("prompt_logprobs must be between 0 and 20", "prompt_logprobs")
+        if request.prompt_logprobs is not None and request.params.max_tokens == 0:
+            raise InvalidRequestError("prompt_logprobs needs max_tokens >= 1", "max_tokens")
         detok = IncrementalDetokenizer(self.engine.tokenizer, request.prompt_ids, request.params.skip_special_tokens)
         seq = Sequence(request, detok)
         if request.params.max_tokens == 0:
@@ -144,9 +148,9 @@ class BatchScheduler:
             raise
         if planned is None:
             return outputs
-        batch, rows = planned
+        batch, rows, prompt_rows = planned
         try:
-            step_outputs = self.engine.step(batch, rows)
+            step_outputs = self.engine.step(batch, rows, prompt_rows)
         except BaseException:
             # Never leave KV and num_computed disagreeing: the step's sequences end (abort) and
             # free their KV; outputs already due are kept for the next step; the error
@@ -172,7 +176,7 @@ class BatchScheduler:
             yield from self.step()
 
     # -- scheduling -----------------------------------------------------------------------
-    def _schedule(self) -> tuple[StepBatch, list[Sequence]] | None:
+    def _schedule(self) -> tuple[StepBatch, list[Sequence], dict[int, Sequence]] | None:
         """Plan one step (see the module docstring); None when there is nothing to compute."""
         budget = self.plan.token_budget
         scheduled: list[tuple[Sequence, int]] = []
@@ -222,19 +226,22 @@ class BatchScheduler:
         assert budget >= 0 and len(self.running) <= self.config.max_num_seqs, "scheduler invariant broken"
         return self._build(scheduled)
 
-    def _build(self, scheduled: list[tuple[Sequence, int]]) -> tuple[StepBatch, list[Sequence]] | None:
-        """The StepBatch of the planned chunks and the sequences that draw a token."""
+    def _build(self, scheduled: list[tuple[Sequence, int]]) -> tuple[StepBatch, list[Sequence], dict[int, Sequence]] | None:
+        """The StepBatch of the planned chunks, the sequences that draw a token, and the
+        sequences (by seq id) whose chunks return every row's logits for prompt logprobs."""
         if not scheduled:
             return None
         chunks, rows = [], []
         for seq, n in scheduled:
             start = seq.num_computed
             wants = start + n == seq.num_tokens
-            chunks.append((seq.seq_id, seq.token_slice(start, start + n), start, wants))
+            chunks.append((seq.seq_id, seq.token_slice(start, start + n), start, wants,
+                           self.plan.wants_all_logits(seq, start)))
             seq.num_computed += n
             if wants:
                 rows.append(seq)
-        return StepBatch.build(chunks, self.engine.device, self.engine.row_tile), rows
+        prompt_rows = {seq.seq_id: seq for seq, _ in scheduled if seq.wants_prompt_logprobs}
+        return StepBatch.build(chunks, self.engine.device, self.engine.row_tile), rows, prompt_rows
 
     def _find(self, request_id: str) -> Sequence | None:
         for queue in (self.running, self.waiting):

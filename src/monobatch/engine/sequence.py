@@ -25,8 +25,11 @@ class Request:
     """What a client submits: prompt token ids and how to sample them.
 
     ``request_id`` is the client's key for routing outputs (an OpenAI completion id, say).
-    ``bypass_prefix_cache`` computes the whole prompt even when its blocks are cached (a
-    request that needs every prompt position's logits, e.g. echo with logprobs).
+    ``bypass_prefix_cache`` computes the whole prompt even when its blocks are cached.
+    ``prompt_logprobs`` = k asks for each prompt token's logprob given the tokens before it, with
+    the top-k alternatives (0: none), computed inside the normal chunked prefill (implies
+    bypassing the prefix cache: every position's logits are needed); delivered on the request's
+    first output (vLLM's ``prompt_logprobs``).
     """
 
     request_id: str
@@ -34,6 +37,7 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     arrival_time: float = field(default_factory=time.perf_counter)
     bypass_prefix_cache: bool = False
+    prompt_logprobs: int | None = None
 
 
 class SeqStatus(enum.Enum):
@@ -62,6 +66,8 @@ class Sequence:
         num_computed: tokens whose KV is cached (catches up with ``num_tokens``).
         num_cached_tokens: prompt tokens adopted from the prefix cache at the first admission.
         num_admissions: times admitted (1 + preemptions survived).
+        prompt_logprobs: ``[(token_id, logprob | None, top | None)]`` per prompt token so far
+            (entry 0 has no logprob) when the request asked for them, else None.
         sampler: per-sequence sampler state (history, seeded RNG, DRY).
         detok / stop: streaming detokenizer and stop-string matcher.
     """
@@ -80,7 +86,11 @@ class Sequence:
         self.num_computed = 0
         self.num_cached_tokens = 0
         self.num_admissions = 0
-        self.bypass_prefix_cache = request.bypass_prefix_cache
+        self.prompt_logprobs_k = request.prompt_logprobs
+        self.bypass_prefix_cache = request.bypass_prefix_cache or request.prompt_logprobs is not None
+        self.prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]] | None]] | None = (
+            None if request.prompt_logprobs is None else [(self.prompt_ids[0], None, None)])
+        self.prompt_logprobs_sent = False
         self.finish_reason: FinishReason | None = None
         self.arrival_time = request.arrival_time
         self.first_token_time: float | None = None
@@ -101,6 +111,11 @@ class Sequence:
     def is_finished(self) -> bool:
         """True once a finish_reason is set (KV released or about to be)."""
         return self.status is SeqStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """True while prompt positions whose logprobs were asked for are still to be computed."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     def record_token_time(self, now: float) -> None:
         """Timestamp a new token (``time.perf_counter`` seconds): TTFT on the first, ITL after."""
