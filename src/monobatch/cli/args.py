@@ -33,6 +33,31 @@ _SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20,
                "G": 2**30, "GB": 2**30, "GIB": 2**30}
 
 
+def read_prompt(positional: str | None, flag: str | None, hint: str) -> str:
+    """The prompt from a positional argument, ``-p``, or stdin (one trailing newline dropped, as
+    llama.cpp's ``-f`` does: ``echo`` adds one).
+
+    Args:
+        hint: how to pass a prompt, for the error when none is given.
+
+    Raises:
+        InvalidRequestError: no prompt, both forms given, text that is not UTF-8.
+    """
+    if positional is not None and flag is not None:
+        raise InvalidRequestError("give the prompt once: as an argument or with -p/--prompt, not both", "prompt")
+    text = positional if positional is not None else flag
+    if text is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise InvalidRequestError(f"no prompt: {hint}", "prompt")
+        text = sys.stdin.buffer.read().decode("utf-8", errors="surrogateescape")
+        text = text.removesuffix("\n").removesuffix("\r")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequestError("the prompt is not valid UTF-8 text", "prompt") from None
+    return text
+
+
 def parse_bytes(text: str) -> int:
     """``1073741824``, ``512M``, ``1.5G``, ``2GiB`` -> bytes (binary units, as vLLM's
     ``--kv-cache-memory`` and llama.cpp's sizes).

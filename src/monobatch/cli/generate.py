@@ -12,7 +12,7 @@ import json
 import sys
 
 from monobatch.chat_output import REASONING_FORMATS, ChatDelta, ReasoningSplitter, prompt_opens_reasoning
-from monobatch.cli.args import add_model_args, add_sampling_args, open_engine, sampling_flags
+from monobatch.cli.args import add_model_args, add_sampling_args, open_engine, read_prompt, sampling_flags
 from monobatch.engine.params import resolve_sampling
 from monobatch.errors import InvalidRequestError
 
@@ -23,6 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Complete a prompt with the model and stream the text to stdout "
                                    "(diagnostics on stderr). The prompt is sent as is; --chat sends it as "
                                    "a user message through the model's chat template.")
+    p.add_argument("positional_prompt", nargs="?", metavar="PROMPT", help="the prompt (the same as -p)")
     p.add_argument("-p", "--prompt", help="the prompt (default: read stdin)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     p.add_argument("--system", help="with --chat: a system message before the prompt")
@@ -36,29 +37,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def read_prompt(ns: argparse.Namespace) -> str:
-    """``-p`` or stdin. Raises InvalidRequestError when neither gives a prompt."""
-    if ns.prompt is not None:
-        text = ns.prompt
-    elif sys.stdin is None or sys.stdin.isatty():
-        raise InvalidRequestError("no prompt: pass -p/--prompt or pipe text on stdin", "prompt")
-    else:
-        text = sys.stdin.buffer.read().decode("utf-8", errors="surrogateescape")
-        text = text.removesuffix("\n").removesuffix("\r")  # `echo` adds one; llama.cpp strips it too
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidRequestError("the prompt is not valid UTF-8 text", "prompt") from None
-    return text
-
-
 def run(ns: argparse.Namespace) -> int:
     """Generate one completion; returns the exit code."""
     from monobatch.engine.sequence import Request  # torch: imported only when generating
 
     if ns.system is not None and not ns.chat:
         raise InvalidRequestError("--system needs --chat (a raw prompt has no system message)", "system")
-    prompt = read_prompt(ns)
+    prompt = read_prompt(ns.positional_prompt, ns.prompt, 'pass it as an argument or with -p, or pipe it on stdin')
     flags = sampling_flags(ns)
     if flags.get("logprobs") is not None and ns.output_format != "json":
         raise InvalidRequestError("--logprobs needs --output-format json", "logprobs")

@@ -46,9 +46,13 @@ def as_flag(error: MonobatchError, argv: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script and ``python -m monobatch``; returns the exit code."""
-    parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
-    ns = parser.parse_args(argv)
+    try:
+        parser = build_parser()
+        ns = parser.parse_args(argv)
+    except KeyboardInterrupt:  # Ctrl-C while the commands' modules import
+        print("\nmonobatch: interrupted", file=sys.stderr)
+        return 130
     if not getattr(ns, "func", None):
         parser.print_help(sys.stderr)
         return 2

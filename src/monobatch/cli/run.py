@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from monobatch.cli.args import read_prompt
 from monobatch.cli.session import Reply, add_session_args, check_flags, open_session, opening_messages
 from monobatch.errors import InvalidRequestError
 
@@ -26,25 +27,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def read_prompt(ns: argparse.Namespace) -> str:
-    """The positional prompt, ``-p`` or stdin (one trailing newline dropped, as generate does).
+def user_message(ns: argparse.Namespace) -> str:
+    """The positional prompt, ``-p`` or stdin (see :func:`monobatch.cli.args.read_prompt`).
 
     Raises:
         InvalidRequestError: no prompt, both forms given, an empty or non-UTF-8 prompt.
     """
-    if ns.prompt is not None and ns.prompt_flag is not None:
-        raise InvalidRequestError("give the prompt once: as an argument or with -p, not both", "prompt")
-    text = ns.prompt if ns.prompt is not None else ns.prompt_flag
-    if text is None:
-        if sys.stdin is None or sys.stdin.isatty():
-            raise InvalidRequestError('no prompt: pass it as an argument (monobatch run "...") or pipe it on stdin',
-                                      "prompt")
-        text = sys.stdin.buffer.read().decode("utf-8", errors="surrogateescape")
-        text = text.removesuffix("\n").removesuffix("\r")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidRequestError("the prompt is not valid UTF-8 text", "prompt") from None
+    text = read_prompt(ns.prompt, ns.prompt_flag, 'pass it as an argument (monobatch run "...") or pipe it on stdin')
     if not text.strip():
         raise InvalidRequestError("the prompt is empty", "prompt")
     return text
@@ -52,7 +41,7 @@ def read_prompt(ns: argparse.Namespace) -> str:
 
 def run(ns: argparse.Namespace) -> int:
     """Ask once, stream the reply; returns the exit code."""
-    prompt = read_prompt(ns)
+    prompt = user_message(ns)
     fields = check_flags(ns)
     with open_session(ns, fields) as session:
         reply = session.stream_reply(opening_messages(ns) + [{"role": "user", "content": prompt}], Reply())

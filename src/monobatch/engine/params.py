@@ -9,11 +9,27 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from monobatch import defaults
 from monobatch.errors import InvalidRequestError
+
+
+def _token_id_key(key: Any) -> int:
+    """A logit_bias key: an int, or a string of ASCII digits (OpenAI's JSON keys).
+
+    Raises:
+        ValueError: anything else (``"5_0"``, ``" 5"``, ``"٥"``, ``True``).
+    """
+    if isinstance(key, bool):
+        raise ValueError(key)
+    if isinstance(key, numbers.Integral):
+        return int(key)
+    if isinstance(key, str) and re.fullmatch(r"-?[0-9]+", key):
+        return int(key)
+    raise ValueError(key)
 
 
 def _check(ok: bool, param: str, message: str) -> None:
@@ -86,11 +102,13 @@ class SamplingParams:
                and all(isinstance(b, str) and b for b in self.dry_sequence_breakers),
                "dry_sequence_breakers", "must be a list of non-empty strings")
         self.dry_sequence_breakers = tuple(self.dry_sequence_breakers)
-        try:  # OpenAI sends string keys ("50256": -100)
-            self.logit_bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
+        try:  # OpenAI sends string keys ("50256": -100); int() alone would read "5_0" or " 5" too
+            self.logit_bias = {_token_id_key(k): float(v) for k, v in dict(self.logit_bias).items()}
         except (TypeError, ValueError):
             raise InvalidRequestError("logit_bias: keys must be integer token ids and values "
                                       "numbers", param="logit_bias") from None
+        if self.max_tokens == -1:  # llama.cpp's -n -1
+            self.max_tokens = None
         _check(self.max_tokens is None or self.max_tokens >= 0, "max_tokens", "must be >= 0 (or None/-1 for no limit)")
         for name in ("temperature", "top_p", "min_p", "typical_p", "repeat_penalty",
                      "presence_penalty", "frequency_penalty", "dry_multiplier", "dry_base"):
