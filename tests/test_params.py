@@ -14,6 +14,8 @@ from monobatch.errors import InvalidRequestError
     ({"top_p": 2}, "top_p"), ({"top_k": -5}, "top_k"), ({"top_k": 2.5}, "top_k"), ({"stop": 7}, "stop"),
     ({"stop_token_ids": 5}, "stop_token_ids"), ({"logprobs": True}, "logprobs"), ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"5": 1e9}}, "logit_bias"),
+    ({"logit_bias": {"5_0": 1}}, "logit_bias"), ({"logit_bias": {" 5": 1}}, "logit_bias"),
+    ({"logit_bias": {True: 1}}, "logit_bias"), ({"max_tokens": -2}, "max_tokens"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"seed": -1}, "seed"), ({"presence_penalty": 3}, "presence_penalty"),
 ])
 def test_bad_values_are_refused_with_the_field_name(kwargs, field):
@@ -25,6 +27,7 @@ def test_bad_values_are_refused_with_the_field_name(kwargs, field):
 def test_openai_shapes_are_accepted():
     p = SamplingParams(stop="END", logit_bias={"50": -100}, temperature=1, top_p=1)
     assert p.stop == ("END",) and p.logit_bias == {50: -100.0}
+    assert SamplingParams(max_tokens=-1).max_tokens is None  # llama.cpp's -n -1: no limit
 
 
 def test_precedence_request_over_flag_over_model_over_table():
