@@ -3,11 +3,15 @@ through `monobatch serve` (engine thread), plus the IPC a child-process engine w
 
     .venv/bin/python scripts/bench_server.py [--clients 32] [--tokens 64] [--threads 1] [--device cpu]
 
-1. engine-direct: ``BatchScheduler.run`` over C requests (C x T tokens, EOS ignored).
+1. engine-direct: ``BatchScheduler.step`` in a loop over C requests (C x T tokens, EOS ignored).
 2. server: the same C requests as C concurrent SSE clients (httpx, asyncio, this process) against
    a `monobatch serve` subprocess whose engine runs on a thread.
 3. IPC: one step's C RowOutputs through a ``multiprocessing.Queue`` to another process and back
    (pickle + pipe), the per-step toll a child-process engine pays on top of 1.
+
+Both sides report the mean inter-token latency measured the same way — the engine's per-request
+token gaps (``RequestMetrics.itl_ms``), which the server's ITL histogram observes — so the
+comparison is like with like; the direct run also reports its median step time.
 
 Prints one JSON object; the numbers go into docs/adr/0003-server.md.
 """
@@ -20,7 +24,6 @@ import json
 import multiprocessing as mp
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,11 +36,14 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 
 def prompts(n: int) -> list[str]:
+    """``n`` distinct short story openings (no shared prefix beyond a few tokens)."""
     return [f"Story {i}: once upon a time, in a village by the {w}," for i, w in
             zip(range(n), ["sea", "river", "forest", "mountain"] * (n // 4 + 1))]
 
 
 def engine_direct(n: int, tokens: int, threads: int, device: str) -> dict:
+    """``n`` greedy requests of ``tokens`` tokens through ``BatchScheduler.step`` in this process:
+    throughput, median step time, mean inter-token latency."""
     import torch
 
     from monobatch.engine.engine import Engine, EngineConfig
@@ -57,17 +63,21 @@ def engine_direct(n: int, tokens: int, threads: int, device: str) -> dict:
     steps = []
     for r in reqs:
         sched.add_request(r)
-    generated = 0
+    generated, gaps = 0, []
     while sched.has_unfinished():
         t = time.perf_counter()
-        generated += sum(len(o.token_ids) for o in sched.step())
+        outputs = sched.step()
         steps.append(time.perf_counter() - t)
+        generated += sum(len(o.token_ids) for o in outputs)
+        gaps += [g for o in outputs if o.metrics is not None for g in o.metrics.itl_ms]
     wall = time.perf_counter() - start
     return {"wall_s": round(wall, 3), "tok_per_s": round(generated / wall, 1),
-            "median_step_ms": round(statistics.median(steps) * 1000, 2)}
+            "median_step_ms": round(statistics.median(steps) * 1000, 2),
+            "mean_itl_ms": round(statistics.fmean(gaps), 2)}
 
 
 async def _client(client: httpx.AsyncClient, prompt: str, tokens: int) -> int:
+    """One streaming completions request; returns the number of SSE chunks."""
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}
     n = 0
     async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -78,21 +88,26 @@ async def _client(client: httpx.AsyncClient, prompt: str, tokens: int) -> int:
 
 
 def through_server(n: int, tokens: int, threads: int, device: str) -> dict:
+    """The same requests as ``n`` concurrent SSE clients of a `monobatch serve` subprocess:
+    throughput and mean inter-token latency (from its /metrics histogram, warm-up excluded)."""
     from server_util import start_server
 
     server = start_server("-t", str(threads), "-c", "1024", "--max-num-seqs", str(n), "--device", device)
     try:
-        async def run() -> tuple[float, int]:
+        async def run() -> tuple[float, int, dict]:
             async with httpx.AsyncClient(base_url=server.base_url, timeout=600,
                                          limits=httpx.Limits(max_connections=n + 8)) as client:
                 await _client(client, "warm up", 4)
+                before = server.metrics()  # the warm-up request's gaps are not counted
                 start = time.perf_counter()
                 chunks = await asyncio.gather(*(_client(client, p, tokens) for p in prompts(n)))
-                return time.perf_counter() - start, sum(chunks)
+                return time.perf_counter() - start, sum(chunks), before
 
-        wall, chunks = asyncio.run(run())
+        wall, chunks, before = asyncio.run(run())
         m = server.metrics()
-        itl = m["monobatch_inter_token_latency_seconds_sum"] / max(m["monobatch_inter_token_latency_seconds_count"], 1)
+        gaps = m["monobatch_inter_token_latency_seconds_count"] - before["monobatch_inter_token_latency_seconds_count"]
+        itl = (m["monobatch_inter_token_latency_seconds_sum"]
+               - before["monobatch_inter_token_latency_seconds_sum"]) / max(gaps, 1)
     finally:
         server.stop()
     return {"wall_s": round(wall, 3), "tok_per_s": round(n * tokens / wall, 1), "sse_chunks": chunks,
@@ -100,11 +115,14 @@ def through_server(n: int, tokens: int, threads: int, device: str) -> dict:
 
 
 def _echo(inbox, outbox) -> None:
+    """The child process of :func:`ipc_round_trip`: send back whatever arrives, until None."""
     while (item := inbox.get()) is not None:
         outbox.put(item)
 
 
 def ipc_round_trip(n: int, reps: int = 300) -> dict:
+    """One-way time for one step's ``n`` RowOutputs through a multiprocessing.Queue (pickle +
+    pipe), halved from ``reps`` round trips."""
     from monobatch.engine.finish import RowOutput
 
     outputs = [RowOutput(f"cmpl-{'0' * 32}-{i}", [1234], " word", num_prompt_tokens=20, num_output_tokens=5)
@@ -125,6 +143,7 @@ def ipc_round_trip(n: int, reps: int = 300) -> dict:
 
 
 def main() -> None:
+    """Run the three measurements and print them as one JSON object."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)

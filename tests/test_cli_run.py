@@ -107,7 +107,8 @@ def test_only_given_flags_become_request_fields():
              "--dry-penalty-last-n", "16", "--dry-sequence-breaker", "\n", "--logit-bias", "5=-1.5", "--stop", "END",
              "--stop", "FIN", "--ignore-eos", "--min-tokens", "2", "--reasoning-format", "none"]
     fields = check_flags(parse(["run", "--server-base", "http://127.0.0.1:1", *every, "hi"]))
-    assert fields["max_tokens"] == -1 and fields["stop"] == ["END", "FIN"] and fields["logit_bias"] == {5: -1.5}
+    assert "max_tokens" not in fields  # -n -2/-1 (no limit) is the field left out: the HTTP API refuses -1
+    assert fields["stop"] == ["END", "FIN"] and fields["logit_bias"] == {5: -1.5}
     wire = json.loads(json.dumps(Session(None, "m", fields).body([{"role": "user", "content": "hi"}])))
     request = ChatCompletionRequest.model_validate(wire)  # strict: every field known and well typed
     sent = request.sampling_request()

@@ -80,6 +80,7 @@ def parallel(fn, args_list):
 # -- endpoints and the openai client --------------------------------------------------------------
 def test_health_models_and_loading(server, client):
     """/health: 503 (OpenAI-shaped) while the model loaded, then 200; /v1/models names the model."""
+    assert server.health_while_loading, "precondition: the fixture polled /health while the model loaded"
     for r in server.health_while_loading:  # the fixture polled from the moment the port opened
         assert_error(r, 503)
     assert server.get("/health").json() == {"status": "ok"}
@@ -166,17 +167,50 @@ def test_f1_completions_stream_shape(server):
     assert events[-2]["usage"] == plain["usage"]
 
 
+def _streamed_logprobs(events: list) -> tuple[str, dict]:
+    """A streamed completion's text and its logprobs lists joined."""
+    choices = [e["choices"][0] for e in events[:-1] if e["choices"]]
+    joined = {k: [v for c in choices if c["logprobs"] for v in c["logprobs"][k]]
+              for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    return "".join(c["text"] for c in choices), joined
+
+
 def test_echo_with_prompt_logprobs(server):
-    """echo + logprobs: prompt tokens first (the first without a logprob), then the generated."""
-    out = completion(server, prompt=STORY, max_tokens=3, echo=True, logprobs=1, return_token_ids=True)
+    """echo + logprobs: prompt tokens first (the first without a logprob), then the generated;
+    streamed equals non-streamed (text, logprobs, text_offset)."""
+    body = {"prompt": STORY, "max_tokens": 3, "echo": True, "logprobs": 1, "temperature": 0}
+    out, events = parallel(lambda f: f(), [(lambda: completion(server, **body),),
+                                           (lambda: stream(server, "/v1/completions", body),)])
     c = out["choices"][0]
     n_prompt = out["usage"]["prompt_tokens"]
     lp = c["logprobs"]
     assert len(lp["tokens"]) == n_prompt + 3
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    assert all(v <= 0 for v in lp["token_logprobs"][1:])
+    assert all(v <= 0 for v in lp["token_logprobs"][1:]) and all(len(t) == 1 for t in lp["top_logprobs"][1:])
     assert "".join(lp["tokens"][:n_prompt]) == STORY and c["text"].startswith(STORY)
     assert lp["text_offset"][n_prompt] == len(STORY)
+    text, streamed_lp = _streamed_logprobs(events)
+    assert text == c["text"]
+    assert streamed_lp["tokens"] == lp["tokens"] and streamed_lp["text_offset"] == lp["text_offset"]
+    assert streamed_lp["token_logprobs"] == pytest.approx(lp["token_logprobs"][:1] + lp["token_logprobs"][1:])
+
+
+@pytest.mark.parametrize("stream_", [False, True])
+def test_echo_logprobs_with_max_tokens_0_scores_the_prompt(server, stream_):
+    """echo + logprobs + max_tokens 0 (scoring a prompt, as lm-eval-harness does): the prompt
+    and its logprobs, no completion token, finish_reason "length"."""
+    body = {"prompt": STORY, "max_tokens": 0, "echo": True, "logprobs": 0, "temperature": 0}
+    if stream_:
+        events = stream(server, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+        text, lp = _streamed_logprobs(events)
+        finish, used = events[-3]["choices"][0]["finish_reason"], events[-2]["usage"]
+    else:
+        out = completion(server, **body)
+        text, lp, finish, used = (out["choices"][0]["text"], out["choices"][0]["logprobs"],
+                                  out["choices"][0]["finish_reason"], out["usage"])
+    assert text == STORY and "".join(lp["tokens"]) == STORY and finish == "length"
+    assert used["completion_tokens"] == 0 and len(lp["tokens"]) == used["prompt_tokens"]
+    assert lp["token_logprobs"][0] is None and all(v <= 0 for v in lp["token_logprobs"][1:])
 
 
 # -- E1: degenerate input ----------------------------------------------------------------------------
@@ -244,6 +278,9 @@ BAD_BODIES = [
     ("/v1/completions", {"prompt": 7}, "prompt"),
     ("/v1/completions", {"prompt": [1, 99999999]}, "prompt"),
     ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),  # -1 is the CLI's "no limit" only
+    ("/v1/chat/completions", {"max_tokens": -1}, "max_tokens"),
+    ("/v1/chat/completions", {"max_completion_tokens": -1}, "max_completion_tokens"),
 ]
 
 
@@ -278,10 +315,43 @@ def test_413_for_an_oversized_body(server):
     assert reply.startswith(b"HTTP/1.1 413") and b'"request_too_large"' in reply
 
 
+def test_413_for_an_oversized_chunked_body(server):
+    """Case 8: a chunked body (no Content-Length) is counted as it arrives: 413 past the limit."""
+    import threading
+
+    host, port = server.base_url.removeprefix("http://").split(":")
+    frame = b"%x\r\n%s\r\n" % (2**20, b"x" * 2**20)
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n")
+
+        def send_body() -> None:
+            try:
+                for _ in range(40):  # 40 MiB, over the 32 MiB limit; the server stops reading at it
+                    s.sendall(frame)
+                s.sendall(b"0\r\n\r\n")
+            except OSError:
+                pass
+
+        sender = threading.Thread(target=send_body, daemon=True)
+        sender.start()
+        reply = b""
+        while b'"code"' not in reply:
+            data = s.recv(65536)
+            assert data, reply
+            reply += data
+        s.shutdown(socket.SHUT_RDWR)  # unblocks the sender
+        sender.join(30)
+    assert reply.startswith(b"HTTP/1.1 413") and b'"request_too_large"' in reply
+    assert server.get("/health").status_code == 200
+
+
 # -- E4: logit_bias ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("bias", [{"49152": 1}, {"999999": 1}, {"-1": 1}, {"abc": 1}, {"5": 1e9}])
+@pytest.mark.parametrize("bias", [{"49152": 1}, {"999999": 1}, {"-1": 1}, {"abc": 1}, {"5": 1e9}, {"5_0": 1},
+                                  {" 5": 1}, {"\u0665": 1}])
 def test_e4_logit_bias_out_of_range(server, bias):
-    """E4: an id equal to the vocab size, beyond it, negative, not a number, a huge bias: 400."""
+    """E4: an id equal to the vocab size, beyond it, negative, not a number (also what Python's
+    int() would read: "5_0", " 5", an Arabic-Indic digit), a huge bias: 400."""
     assert_error(server.post("/v1/completions", {"prompt": STORY, "max_tokens": 2, "logit_bias": bias}), 400,
                  "logit_bias")
 
@@ -321,8 +391,70 @@ def test_tokenize_and_detokenize_shapes(server):
     assert "".join(p["piece"] for p in llama["tokens"]) == "Hello world"
     back = server.post("/detokenize", {"tokens": v["tokens"]}).json()
     assert back["prompt"] == back["content"] == "Hello world"
-    assert_error(server.post("/tokenize", {"prompt": "a", "content": "b"}), 400, "prompt")
-    assert_error(server.post("/detokenize", {"tokens": [-1]}), 400, "tokens")
+    pieces = server.post("/tokenize", {"content": "😀", "with_pieces": True}).json()["tokens"]
+    assert any(isinstance(p["piece"], list) for p in pieces), "precondition: the emoji is split across tokens"
+    assert b"".join(bytes(p["piece"]) if isinstance(p["piece"], list) else p["piece"].encode()
+                    for p in pieces) == "😀".encode()  # llama.cpp: invalid UTF-8 pieces as byte lists
+
+
+TOKENIZE_ERRORS = [
+    ("/tokenize", {"messages": []}, 400, "messages"),
+    ("/tokenize", {"messages": {}}, 400, "messages"),
+    ("/tokenize", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": False}, 400,
+     "add_special_tokens"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": []}}, 400,
+     "chat_template_kwargs"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": "a", "content": "b"}, 400, "prompt"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {"content": "a", "add_special": True, "add_special_tokens": False}, 400, "add_special"),
+    ("/tokenize", {"prompt": "a", "model": "gpt-4"}, 404, "model"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [99999999]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ("/detokenize", {}, 400, "tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", TOKENIZE_ERRORS,
+                         ids=[f"{p[1:]}-{i}" for i, (p, *_) in enumerate(TOKENIZE_ERRORS)])
+def test_tokenize_and_detokenize_errors(server, path, body, status, param):
+    """Case 2: every client mistake on /tokenize and /detokenize is an OpenAI-shaped 4xx."""
+    assert_error(server.post(path, body), status, param)
+
+
+def test_developer_role_is_the_system_role(server):
+    """OpenAI's `developer` role renders as `system`."""
+    ids = [server.post("/tokenize", {"messages": [{"role": role, "content": "Be brief."},
+                                                  {"role": "user", "content": QUESTION}]}).json()["tokens"]
+           for role in ("developer", "system")]
+    assert ids[0] == ids[1]
+    out = chat(server, max_tokens=2, messages=[{"role": "developer", "content": "Be brief."},
+                                               {"role": "user", "content": QUESTION}])
+    assert out["usage"]["prompt_tokens"] == len(ids[1])
+
+
+# -- limits ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": [[7, 8]] * 40, "n": 100}, "prompt"),
+    ({"prompt": ["a", "b", "c"], "n": 100}, "prompt"),
+])
+def test_too_many_sequences_in_one_request_is_400(server, body, param):
+    """Case 3: prompts x n over the per-request limit (256) is a 400 at once, nothing queued."""
+    assert_error(server.post("/v1/completions", {**body, "max_tokens": 1}), 400, param, "256")
+    assert server.metrics()["monobatch_num_requests_waiting"] == 0
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "word " * 100_000}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "word " * 100_000}]}]}),
+    ("/tokenize", {"prompt": "word " * 100_000}),
+])
+def test_prompt_text_that_cannot_fit_is_refused_before_tokenizing(server, path, body):
+    """Case 4: more characters than the context's tokens can hold is a 400 without tokenizing."""
+    err = assert_error(server.post(path, body), 400, "prompt" if "prompt" in body else "messages", "characters")
+    assert err["code"] == "context_length_exceeded"
 
 
 # -- greedy parity with `monobatch generate` --------------------------------------------------------------

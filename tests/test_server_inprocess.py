@@ -1,9 +1,11 @@
 """The server in-process, as `monobatch run`/`chat` will start it: the app factory over an
-already-loaded model, uvicorn on a background thread, /health 503 while loading, a clean stop."""
+already-loaded model, uvicorn on a background thread, /health 503 while loading, a clean stop,
+and an engine thread that dies under its requests (every one answered with a 503)."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -11,7 +13,8 @@ import pytest
 from helpers import new_scheduler
 from monobatch.errors import ModelNotFoundError
 from monobatch.server import ServerSettings, ServerThread, app_from_args, create_app
-from server_util import free_port_is_bindable
+from monobatch.server.engine_loop import EngineStopped
+from server_util import free_port_is_bindable, sse_events
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -63,3 +66,78 @@ def test_app_from_args_reuses_a_loaded_model(loaded):
         r = httpx.post(server.base_url + "/v1/chat/completions", timeout=60,
                        json={"model": "local", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
         assert r.status_code == 200 and r.json()["model"] == "local"
+
+
+class _Boom(BaseException):
+    """Not an Exception: escapes the engine loop's per-step handler and kills the thread."""
+
+
+def test_engine_thread_death_fails_every_request_with_503(loaded):
+    """Case 7: the engine thread dies with a streamed and a non-streamed request in flight: both
+    end (an error event then [DONE]; a JSON 503), nothing hangs, later requests get a 503 and a
+    message posted to the dead thread fails at once."""
+    boom = threading.Event()
+
+    def load():
+        scheduler = new_scheduler(loaded, max_num_seqs=4)
+        step = scheduler.step
+
+        def failing_step():
+            if boom.is_set():
+                raise _Boom("the device went away")
+            return step()
+
+        scheduler.step = failing_step
+        return scheduler
+
+    body = {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True}
+    plain = {}
+    with ServerThread(create_app(ServerSettings(), load)) as server:
+        server.wait_ready(60)
+        url = server.base_url
+        waiter = threading.Thread(target=lambda: plain.setdefault(
+            "r", httpx.post(url + "/v1/completions", json=body, timeout=60)))
+        waiter.start()
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line)  # the stream is generating
+            deadline = time.monotonic() + 30
+            while server.state.client.num_active < 2:  # the non-streamed one is in flight too
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            boom.set()
+            events = sse_events([first, *lines])
+        waiter.join(60)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_stopped"
+        r = plain["r"]
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped", r.text
+        again = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=30)
+        assert again.status_code == 503 and again.json()["error"]["code"] == "engine_stopped"
+        assert httpx.get(url + "/health", timeout=30).status_code == 503
+        with pytest.raises(EngineStopped):
+            server.state.client.engine.call(lambda s: None).result(5)
+        assert server.state.client.num_active == 0
+
+
+def test_engine_loop_stop_delivers_the_aborts_and_refuses_later_messages(loaded):
+    """Case 7: StopLoop aborts what runs and delivers those outputs (nothing is dropped); a
+    message posted with or after it fails at once instead of waiting forever."""
+    from monobatch.engine.params import SamplingParams
+    from monobatch.engine.sequence import FinishReason, Request
+    from monobatch.server.engine_loop import EngineLoop, StopLoop
+
+    delivered, exited = [], []
+    engine = EngineLoop(new_scheduler(loaded, max_num_seqs=2), delivered.extend, exited.append)
+    engine.start()
+    engine.add([Request("a", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True))]).result(30)
+    engine._post(StopLoop())
+    late_add = engine.add([Request("b", [1, 2], SamplingParams(max_tokens=2))])
+    late_call = engine.call(lambda s: 1)
+    engine._thread.join(30)
+    assert not engine.alive and exited == [None]
+    for future in (late_add, late_call):
+        with pytest.raises(EngineStopped):
+            future.result(5)
+    final = [o for o in delivered if o.request_id == "a" and o.finished]
+    assert [o.finish_reason for o in final] == [FinishReason.ABORT]
+    assert engine.stats["num_running"] == 0 and engine.stats["kv_used_blocks"] == 0

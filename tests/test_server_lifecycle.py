@@ -1,5 +1,6 @@
 """`monobatch serve` as a process: SIGTERM shuts it down cleanly (short requests finish, long
-ones are aborted, the port is released), and bad flags fail at once with one line."""
+ones are aborted and answered with a 503 — an error event in a stream, JSON otherwise — the port
+is released), and bad flags fail at once with one line."""
 
 from __future__ import annotations
 
@@ -22,25 +23,44 @@ def _stream(base_url: str, body: dict, result: dict) -> None:
         result["error"] = exc
 
 
+def _post(base_url: str, body: dict, result: dict) -> None:
+    try:
+        result["response"] = httpx.post(base_url + "/v1/completions", json=body, timeout=60)
+    except httpx.HTTPError as exc:
+        result["error"] = exc
+
+
 def test_sigterm_finishes_short_requests_aborts_long_ones_and_frees_the_port():
+    """Case 5: within --shutdown-timeout a short request finishes; the long ones, streamed and
+    not, are aborted before it ends and answered with an OpenAI-shaped 503; no traceback."""
     server = start_server("-t", "1", "-c", "256", "--shutdown-timeout", "1.5")
     port = int(server.base_url.rsplit(":", 1)[1])
-    short, long_ = {}, {}
-    threads = [threading.Thread(target=_stream, args=(server.base_url, body, out)) for body, out in (
-        ({"prompt": "Hello", "max_tokens": 4, "temperature": 0}, short),
-        ({"prompt": "Hello", "max_tokens": 240, "ignore_eos": True}, long_))]
-    for t in threads:
-        t.start()
+    short, long_, plain = {}, {}, {}
+    long_body = {"prompt": "Hello", "max_tokens": 240, "ignore_eos": True}
+    threads = [threading.Thread(target=_stream, args=(server.base_url, {"prompt": "Hello", "max_tokens": 4,
+                                                                        "temperature": 0}, short)),
+               threading.Thread(target=_stream, args=(server.base_url, long_body, long_)),
+               threading.Thread(target=_post, args=(server.base_url, long_body, plain))]
     deadline = time.monotonic() + 30
-    while server.metrics()["monobatch_num_requests_running"] + server.metrics()["monobatch_num_requests_waiting"] < 2:
-        assert time.monotonic() < deadline
+    for count, t in zip((1, 2, 3), threads[::-1]):  # the long ones first: the short one ends soon
+        t.start()
+        while True:
+            m = server.metrics()
+            if m["monobatch_num_requests_running"] + m["monobatch_num_requests_waiting"] >= count:
+                break
+            assert time.monotonic() < deadline
     rc = server.stop(signal.SIGTERM, timeout=60)
     for t in threads:
         t.join(30)
-    assert rc in (0, -signal.SIGTERM), "".join(server.log)
+    log = "".join(server.log)
+    assert rc in (0, -signal.SIGTERM), log
     assert short["events"][-1] == "[DONE]" and short["events"][-2]["choices"][0]["finish_reason"] == "length"
-    assert "error" in long_ or long_["events"][-1] != "[DONE]"  # cut off after the grace period
-    assert "Traceback" not in "".join(server.log)
+    assert long_["events"][-1] == "[DONE]", long_  # ended in time, with the reason
+    assert long_["events"][-2]["error"]["code"] == "server_shutting_down"
+    r = plain["response"]
+    assert r.status_code == 503 and r.headers["content-type"].startswith("application/json"), r.text
+    assert r.json()["error"]["code"] == "server_shutting_down" and r.json()["error"]["type"] == "service_unavailable_error"
+    assert "Traceback" not in log and "Cancel" not in log, log
     assert free_port_is_bindable(port)
 
 
@@ -50,6 +70,7 @@ def test_sigterm_finishes_short_requests_aborts_long_ones_and_frees_the_port():
     (["-m", "/nonexistent/model.gguf"], "model not found"),
     (["--reasoning-format", "xml"], "reasoning-format"),
     (["--max-model-len", "64", "-c", "128"], "not both"),
+    (["--api-key", "clé"], "ASCII"),
 ])
 def test_bad_flags_fail_before_listening(args, needle):
     assert_one_line_error(monobatch("serve", "--port", "0", *args), needle)

@@ -1,7 +1,8 @@
 """Server options on a second real `monobatch serve`: --api-key, --served-model-name, --max-queue
-(429), a server-level sampling flag, --chat-template-file with a template that opens a
-``<think>`` block (the reasoning split, shared with `generate --chat`) and raises on bad input
-(F2), and dense KV storage for C1.
+(429, and a 400 for what can never fit), a server-level sampling flag, --chat-template-file with a
+template that opens a ``<think>`` block (the reasoning split, shared with `generate --chat`) and
+raises on bad input (F2), dense KV storage for C1, and a small --prefill-chunk for C2 during a
+prefill.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
 
 from server_util import ROOT, Server, shared_server, sse_events
 from test_server import assert_error
+from test_server_cases import _aborts, _delta
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -29,6 +32,8 @@ THINK_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}")
 QUESTION = "Why is the sky blue?"
+#: Prompt tokens per step: a long prompt takes many steps to prefill (C2 during a prefill).
+PREFILL_CHUNK = "16"
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +47,8 @@ def template_file(tmp_path_factory):
 def server(template_file) -> Server:
     return shared_server("options", "-t", "1", "-c", "512", "--kv-storage", "dense", "--deterministic",
                          "--chat-template-file", str(template_file), "--api-key", KEY, "--max-num-seqs", "4",
-                         "--max-queue", "2", "--served-model-name", "smol", "smol-alias", "--temperature", "0")
+                         "--max-queue", "2", "--served-model-name", "smol", "smol-alias", "--temperature", "0",
+                         "--prefill-chunk", PREFILL_CHUNK)
 
 
 def post(server: Server, path: str, body: dict, **kw) -> httpx.Response:
@@ -115,7 +121,8 @@ def test_generate_chat_shares_the_reasoning_split(server, template_file):
     server's reasoning_content for the same greedy request."""
     res = subprocess.run([sys.executable, "-m", "monobatch", "generate", "--chat", "-p", QUESTION, "-n", "12",
                           "--temperature", "0", "--output-format", "json", "-t", "1", "--no-progress", "-c", "512",
-                          "--chat-template-file", str(template_file), "--deterministic", "--kv-storage", "dense"],
+                          "--chat-template-file", str(template_file), "--deterministic", "--kv-storage", "dense",
+                          "--prefill-chunk", PREFILL_CHUNK],
                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
@@ -163,6 +170,38 @@ def test_max_queue_429(server):
         assert err["code"] == "rate_limit_exceeded" and err["type"] == "rate_limit_error"
     server.wait_idle(timeout=30)
     assert chat(server, max_tokens=2)["choices"][0]["finish_reason"] == "length"
+
+
+def test_more_than_the_server_can_ever_hold_is_400_not_429(server):
+    """Case 6: n over --max-num-seqs + --max-queue (4 + 2) can never fit: a 400, not a 429."""
+    err = assert_error(post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                             "max_tokens": 1, "n": 7}), 400, "n", "limit is 6")
+    assert err["type"] == "invalid_request_error"
+    assert chat(server, max_tokens=1, n=6)["usage"]["completion_tokens"] == 6  # the limit itself fits
+
+
+# -- C2 during a prefill ---------------------------------------------------------------------------------------
+def test_c2_disconnect_during_prefill(server):
+    """C2: a client gone while its long prompt is prefilled (16 tokens a step, ~30 steps) frees
+    the sequence at the end of the chunk in flight: it never gets a token."""
+    prompt = " ".join(["word"] * 470)
+    base = server.wait_idle()
+    body = {"prompt": prompt, "max_tokens": 20, "ignore_eos": True, "stream": True, "return_token_ids": True}
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, headers=AUTH, timeout=120) as r:
+        assert r.status_code == 200
+        deadline = time.monotonic() + 30
+        while True:  # admitted: the prefill runs
+            m = server.metrics()
+            assert m["monobatch_generation_tokens_total"] == base["monobatch_generation_tokens_total"], \
+                "precondition: the client leaves before the prefill ends"
+            if m["monobatch_num_requests_running"] >= 1 and m["monobatch_prompt_tokens_total"] > \
+                    base["monobatch_prompt_tokens_total"]:
+                break
+            assert time.monotonic() < deadline
+    after = server.wait_idle(timeout=5)
+    assert _aborts(after) - _aborts(base) == 1
+    assert _delta(after, base, "monobatch_prompt_tokens_total") > 400, "precondition: the long prompt was admitted"
+    assert _delta(after, base, "monobatch_generation_tokens_total") == 0  # aborted mid-prefill
 
 
 # -- C1 on dense storage ----------------------------------------------------------------------------------------

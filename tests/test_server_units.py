@@ -1,5 +1,6 @@
 """Server parts without a server: the reasoning split (chat_output), request validation
-messages, n>1 seeds and usage."""
+messages, n>1 seeds and usage, text offsets, /tokenize's special-token defaults, and the Gate
+middleware (chunked bodies, API key on the docs, CORS) through an ASGI transport."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from pydantic import ValidationError
 from monobatch.chat_output import ReasoningSplitter, prompt_opens_reasoning, split_reasoning
 from monobatch.engine.params import SamplingParams
 from monobatch.server.errors import validation_message
-from monobatch.server.generation import Choice, build_requests, usage
-from monobatch.server.protocol import ChatCompletionRequest, CompletionRequest
+from monobatch.server.generation import Choice, TextOffsets, build_requests, usage
+from monobatch.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 
 
 # -- reasoning split -----------------------------------------------------------------------------------
@@ -68,6 +69,13 @@ def test_prompt_opens_reasoning():
      "not supported"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 1.1,
                              "repeat_penalty": 1.2}, "repeat_penalty", "conflicts"),
+    (CompletionRequest, {"prompt": "x", "max_tokens": -1}, "max_tokens", "greater than or equal to 0"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1},
+     "max_completion_tokens", "greater than or equal to 0"),
+    (TokenizeRequest, {"messages": []}, "messages", "at least 1"),
+    (TokenizeRequest, {"content": "x", "add_special": True, "add_special_tokens": False}, "add_special", "conflicts"),
+    (TokenizeRequest, {"messages": [{"role": "user", "content": "x"}], "add_special_tokens": False},
+     "add_special_tokens", "cannot be false"),
 ])
 def test_validation_messages_name_the_field(model, body, param, needle):
     with pytest.raises(ValidationError) as info:
@@ -84,10 +92,11 @@ def test_nulls_are_absent():
 
 # -- n > 1 and usage ---------------------------------------------------------------------------------------
 def test_choices_get_consecutive_seeds():
-    reqs = build_requests("cmpl-x", [[1, 2], [3]], SamplingParams(seed=7), 2)
+    reqs = build_requests("cmpl-x", [[1, 2], [3]], SamplingParams(seed=7), 2, arrival_time=1.5)
     assert [r.request_id for r in reqs] == ["cmpl-x-0", "cmpl-x-1", "cmpl-x-2", "cmpl-x-3"]
     assert [r.params.seed for r in reqs] == [7, 8, 7, 8]
-    assert all(r.params.seed is None for r in build_requests("c", [[1]], SamplingParams(), 3))
+    assert all(r.arrival_time == 1.5 for r in reqs)  # TTFT and e2e are timed from the HTTP arrival
+    assert all(r.params.seed is None for r in build_requests("c", [[1]], SamplingParams(), 3, arrival_time=0.0))
 
 
 def test_usage_counts_each_prompt_once():
@@ -95,3 +104,108 @@ def test_usage_counts_each_prompt_once():
                for i, (p, o, c) in enumerate([(5, 3, 0), (5, 4, 4), (2, 1, 0), (2, 1, 0)])]
     assert usage(choices, 2) == {"prompt_tokens": 7, "completion_tokens": 9, "total_tokens": 16,
                                  "prompt_tokens_details": {"cached_tokens": 4}}
+
+
+# -- text_offset -------------------------------------------------------------------------------------------
+class _ByteTok:
+    """A tokenizer stand-in whose token i is the bytes ``VOCAB[i]``."""
+
+    VOCAB = [b"a", "😀".encode()[:2], "😀".encode()[2:], b"bc", "é".encode()[:1], "é".encode()[1:]]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.VOCAB[token_id]
+
+
+def test_text_offsets_count_whole_characters_the_same_way_in_pieces():
+    """Case 12: a token's offset is the characters its predecessors completed; a character split
+    across tokens counts once (both halves start at it); fed in pieces (streamed) or at once,
+    the offsets agree."""
+    ids = [0, 1, 2, 3, 4, 5, 0]
+    whole = TextOffsets(_ByteTok(), 5)
+    at_once = [whole.take(t) for t in ids]
+    assert at_once == [5, 6, 6, 7, 9, 9, 10]
+    pieces, streamed = TextOffsets(_ByteTok(), 5), []
+    for chunk in ([0, 1], [2], [3, 4], [5, 0]):
+        streamed += [pieces.take(t) for t in chunk]
+    assert streamed == at_once
+
+
+# -- /tokenize -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("body,expected", [
+    ({"prompt": "x"}, True),  # vLLM's add_special_tokens defaults to true
+    ({"content": "x"}, False),  # llama.cpp's add_special defaults to false
+    ({"content": "x", "add_special_tokens": True}, True),
+    ({"prompt": "x", "add_special": False}, False),
+    ({"content": "x", "add_special": True, "add_special_tokens": True}, True),
+])
+def test_tokenize_special_tokens_follow_the_field_used(body, expected):
+    assert TokenizeRequest.model_validate(body).add_specials is expected
+
+
+# -- the Gate middleware, CORS, docs -----------------------------------------------------------------------------
+def _app(**settings):
+    from monobatch.server import ServerSettings, create_app
+
+    def never():  # the ASGI transport runs no lifespan: the model never loads
+        raise AssertionError("not loaded in these tests")
+
+    return create_app(ServerSettings(**settings), never)
+
+
+def _request(app, method: str, path: str, **kw):
+    import asyncio
+
+    import httpx
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return await client.request(method, path, **kw)
+
+    return asyncio.run(go())
+
+
+def test_chunked_body_over_the_limit_is_413():
+    """Case 8: a body without Content-Length is counted as it arrives: over the limit, a 413."""
+    app = _app(max_body_bytes=1000)
+
+    async def chunks(*parts):  # an async iterable: httpx sends it chunked, with no Content-Length
+        for part in parts:
+            yield part
+
+    r = _request(app, "POST", "/v1/completions", content=chunks(*[b"x" * 300] * 4),
+                 headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = _request(app, "POST", "/v1/completions", content=chunks(b'{"prompt": ', b'"hi"}'),
+                 headers={"content-type": "application/json"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"  # under it: read and routed
+
+
+def test_docs_follow_the_api_key_and_cors_is_opt_in():
+    """Case 15: /docs and /openapi.json need the key when one is set; CORS headers only for
+    --allowed-origins (a preflight is answered without the key)."""
+    locked = _app(api_key="k")
+    for path in ("/docs", "/openapi.json"):
+        assert _request(locked, "GET", path).status_code == 401
+        assert _request(locked, "GET", path, headers={"Authorization": "Bearer k"}).status_code == 200
+    assert _request(_app(), "GET", "/openapi.json").status_code == 200
+    preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    assert "access-control-allow-origin" not in _request(_app(), "OPTIONS", "/v1/completions",
+                                                          headers=preflight).headers
+    cors = _app(api_key="k", allowed_origins=("http://ui.example",))
+    r = _request(cors, "OPTIONS", "/v1/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ui.example"
+    r = _request(cors, "GET", "/v1/models", headers={"Origin": "http://ui.example"})
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "http://ui.example"
+    r = _request(cors, "OPTIONS", "/v1/completions", headers={**preflight, "Origin": "http://evil.example"})
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+
+
+@pytest.mark.parametrize("key", ["clé", "two words", "tab\tkey"])
+def test_api_key_must_be_printable_ascii(key):
+    """Case 16: a key an HTTP header cannot carry as-is is refused at startup."""
+    from monobatch.errors import InvalidRequestError
+    from monobatch.server import ServerSettings
+
+    with pytest.raises(InvalidRequestError, match="ASCII"):
+        ServerSettings(api_key=key)

@@ -35,6 +35,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="names the API answers to in `model` (default: the model file's name)")
     s.add_argument("--api-key", help=f"require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize "
                                      f"(default: ${API_KEY_ENV} if set; /health and /metrics stay open)")
+    s.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN",
+                   help="browser origins allowed to call the API through CORS, e.g. http://localhost:3000 "
+                        "(* = any; default: none, no CORS headers)")
     s.add_argument("--max-model-len", type=int, help="context length in tokens (vLLM's name for -c/--ctx-size)")
     s.add_argument("--max-queue", type=int,
                    help="sequences that may wait beyond --max-num-seqs; more get HTTP 429 (default: no limit)")

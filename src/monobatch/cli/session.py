@@ -68,6 +68,8 @@ def request_fields(ns: argparse.Namespace) -> dict[str, Any]:
     if flags.pop("loop_window", None) is not None and ns.server_base is not None:
         raise InvalidRequestError("--loop-window is a server setting, not a request field: start the server "
                                   "with it", "loop_window")
+    if flags.get("max_tokens") == -1:  # llama.cpp's "no limit" is the CLI's; over HTTP it is leaving the field out
+        del flags["max_tokens"]
     if ns.reasoning_format is not None:
         flags["reasoning_format"] = ns.reasoning_format
     return flags

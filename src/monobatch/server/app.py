@@ -2,72 +2,112 @@
 callers (``run``/``chat``, tests) alike.
 
 Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/tokenize``,
-``/detokenize`` (all behind ``--api-key`` when set), ``/health`` and ``/metrics`` (open).
-Handlers only parse, tokenize, submit and shape: decoding happens on the engine thread.
+``/detokenize`` and the API docs (``/docs``, ``/redoc``, ``/openapi.json``) — all behind
+``--api-key`` when set — and ``/health`` and ``/metrics`` (open). Handlers only parse, tokenize
+(off the event loop), submit and shape: decoding happens on the engine thread.
 """
 
 from __future__ import annotations
 
 import hmac
+import time
 from contextlib import asynccontextmanager
 from typing import Callable
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from monobatch import __version__
 from monobatch.engine.scheduler import BatchScheduler
-from monobatch.errors import InvalidRequestError
 from monobatch.server import chat, completions
-from monobatch.server.chat import render_chat
+from monobatch.server.chat import chat_prompt_ids, message_chars
 from monobatch.server.errors import error_body, install_handlers
-from monobatch.server.generation import created, token_text
+from monobatch.server.generation import check_prompt_chars, created, off_loop
 from monobatch.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from monobatch.server.state import ServerSettings, ServerState
+from monobatch.tokenizer import Tokenizer
 
 #: Path prefixes that need the API key (when one is set).
-_PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+_PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/docs", "/redoc", "/openapi.json")
 
 
 class Gate:
-    """ASGI middleware run before routing: 413 for an oversized body (by Content-Length), 401
-    for a missing or wrong Bearer key on protected paths."""
+    """ASGI middleware run before routing: 401 for a missing or wrong Bearer key on protected
+    paths, 413 for an oversized body — by its Content-Length before reading it, or counted while
+    a chunked body (no Content-Length) arrives. Also stamps the request's arrival time
+    (``request.state.arrival_time``, ``time.perf_counter``: TTFT and e2e latency start there)."""
 
     def __init__(self, app, settings: ServerSettings) -> None:
         self.app = app
         self.settings = settings
+        self._key = None if settings.api_key is None else settings.api_key.encode("ascii")
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            headers = dict(scope.get("headers") or ())
-            refusal = self._refusal(scope["path"], headers)
-            if refusal is not None:
-                await refusal(scope, receive, send)
-                return
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope.setdefault("state", {})["arrival_time"] = time.perf_counter()
+        headers = dict(scope.get("headers") or ())
+        refusal = self._refusal(scope["path"], headers)
+        if refusal is None and b"content-length" not in headers and scope["method"] in ("POST", "PUT", "PATCH"):
+            receive, refusal = await self._read_limited(receive)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
     def _refusal(self, path: str, headers: dict[bytes, bytes]) -> Response | None:
-        key = self.settings.api_key
-        if key is not None and path.startswith(_PROTECTED):
-            scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        if self._key is not None and path.startswith(_PROTECTED):
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
                 return JSONResponse(error_body(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                                                code="invalid_api_key"),
                                     status_code=401, headers={"WWW-Authenticate": "Bearer"})
         length = headers.get(b"content-length", b"0")
         if length.isdigit() and int(length) > self.settings.max_body_bytes:
-            return JSONResponse(error_body(413, f"the request body is {int(length)} bytes; the limit is "
-                                                f"{self.settings.max_body_bytes}", code="request_too_large"),
-                                status_code=413)
+            return self._too_large(f"the request body is {int(length)} bytes")
         return None
+
+    def _too_large(self, what: str) -> Response:
+        return JSONResponse(error_body(413, f"{what}; the limit is {self.settings.max_body_bytes}",
+                                       code="request_too_large"), status_code=413)
+
+    async def _read_limited(self, receive):
+        """Read a body of unknown length up to the limit; returns a ``receive`` that replays it
+        (then the connection's own, for the disconnect), or a 413."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: let the app see it
+                first = message
+                break
+            size += len(message.get("body", b""))
+            if size > self.settings.max_body_bytes:
+                return receive, self._too_large(f"the request body is over {self.settings.max_body_bytes} bytes")
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                first = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return first
+            return await receive()
+
+        return replay, None
 
 
 def create_app(settings: ServerSettings, load: Callable[[], BatchScheduler]) -> FastAPI:
     """Build the server app.
 
     Args:
-        settings: server options (names, API key, queue limit, reasoning format, sampling flags).
+        settings: server options (names, API key, queue limit, reasoning format, sampling flags,
+            CORS origins).
         load: builds the BatchScheduler; called on a background thread once the app starts, so
             the server can listen (``/health`` 503) while the model loads. Pass
             ``lambda: scheduler`` to serve an engine that is already built.
@@ -86,6 +126,9 @@ def create_app(settings: ServerSettings, load: Callable[[], BatchScheduler]) -> 
     app = FastAPI(title="monobatch", version=__version__, lifespan=lifespan)
     app.state.monobatch = state
     app.add_middleware(Gate, settings=settings)
+    if settings.allowed_origins:  # outermost: a preflight (no key) is answered before the Gate
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_credentials=False,
+                           allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
     install_handlers(app)
 
     @app.post("/v1/completions")
@@ -120,32 +163,38 @@ def create_app(settings: ServerSettings, load: Callable[[], BatchScheduler]) -> 
         state.require_client()
         state.check_model(body.model)
         tok = state.tokenizer
-        add_special = body.add_special_tokens if body.add_special_tokens is not None else body.add_special
-        if body.messages is not None:
-            chat_body = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt,
-                                              chat_template_kwargs=body.chat_template_kwargs)
-            _, ids = render_chat(tok, chat_body)  # the ids a chat request would get
+        if body.messages is not None:  # the ids a chat request would get
+            check_prompt_chars(message_chars(body.messages), state.max_prompt_chars, state.max_model_len, "messages")
+            ids = await off_loop(chat_prompt_ids, tok, body.messages, body.add_generation_prompt,
+                                 body.chat_template_kwargs)
         else:
-            text = body.prompt if body.prompt is not None else body.content
-            ids = tok.encode(text, add_special_tokens=True if add_special is None else add_special)
+            text, param = (body.prompt, "prompt") if body.prompt is not None else (body.content, "content")
+            check_prompt_chars(len(text), state.max_prompt_chars, state.max_model_len, param)
+            ids = await off_loop(tok.encode, text, add_special_tokens=body.add_specials)
         out = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
         if body.with_pieces:
-            out["tokens"] = [{"id": t, "piece": token_text(tok, t)} for t in ids]
+            out["tokens"] = [{"id": t, "piece": _piece(tok, t)} for t in ids]
         if body.return_token_strs:
-            out["token_strs"] = [token_text(tok, t) for t in ids]
+            out["token_strs"] = [tok.token_bytes(t).decode("utf-8", errors="replace") for t in ids]
         return out
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         state.require_client()
         state.check_model(body.model)
-        tok = state.tokenizer
-        if any(not 0 <= t < tok.vocab_size for t in body.tokens):
-            raise InvalidRequestError(f"tokens: ids must be in [0, {tok.vocab_size})", "tokens")
-        text = tok.decode(body.tokens, skip_special_tokens=False)
+        text = await off_loop(state.tokenizer.decode, body.tokens, skip_special_tokens=False)
         return {"prompt": text, "content": text}
 
     return app
+
+
+def _piece(tok: Tokenizer, token_id: int) -> str | list[int]:
+    """llama.cpp's ``piece``: the token's text, or its bytes when they are not valid UTF-8 alone."""
+    raw = tok.token_bytes(token_id)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
 
 
 def _model_card(state: ServerState, name: str) -> dict:

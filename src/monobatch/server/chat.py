@@ -4,38 +4,63 @@ reasoning split of :mod:`monobatch.chat_output` and chat-shaped logprobs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from fastapi import Request as HttpRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from monobatch.chat_output import ChatDelta, ReasoningSplitter, prompt_opens_reasoning
 from monobatch.engine.params import resolve_sampling
 from monobatch.errors import InvalidRequestError
 from monobatch.server.client import EngineFailed, ResponseReader
-from monobatch.server.errors import APIError, error_body
-from monobatch.server.generation import (SSE_DONE, SSE_HEADERS, Choice, ClientGone, build_requests, chat_logprobs,
-                                         created, new_id, sse, streamed, unless_disconnected, usage)
+from monobatch.server.errors import error_body
+from monobatch.server.generation import (SSE_DONE, Choice, EventStream, build_requests, chat_logprobs,
+                                         check_prompt_chars, created, new_id, off_loop, respond, sse, usage)
 from monobatch.server.protocol import ChatCompletionRequest
 from monobatch.server.state import ServerState
 from monobatch.tokenizer import Tokenizer
 
 #: Template variables a request's chat_template_kwargs may not replace.
 _RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+#: Prompt tokens decoded to see whether the rendered prompt leaves a ``<think>`` block open.
+_TAIL_TOKENS = 16
 
 
-def render_chat(tok: Tokenizer, body: ChatCompletionRequest) -> tuple[str, list[int]]:
-    """The rendered prompt text and its ids (one BOS at most: case F2).
+def template_messages(messages: list) -> list:
+    """The request's messages as the chat template gets them: OpenAI's ``developer`` role (its
+    newer name for ``system``) becomes ``system``; everything else is the template module's to
+    check. The client's dicts are not modified."""
+    return [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
+            for m in messages]
+
+
+def message_chars(messages: list) -> int:
+    """Characters of the messages' text (string content and text parts), for the cheap length
+    bound checked before the template runs."""
+    total = 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part["text"]) for part in content
+                         if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return total
+
+
+def chat_prompt_ids(tok: Tokenizer, messages: list, add_generation_prompt: bool,
+                    template_kwargs: dict[str, Any] | None) -> list[int]:
+    """The prompt ids of a conversation: :meth:`Tokenizer.encode_chat` (one BOS at most: case
+    F2). Blocking (the template and the tokenizer): run it with :func:`off_loop`.
 
     Raises:
         InvalidRequestError: bad messages, a template's ``raise_exception``, reserved kwargs.
     """
-    kwargs = body.chat_template_kwargs or {}
+    kwargs = template_kwargs or {}
     clash = sorted(_RESERVED_TEMPLATE_VARS & kwargs.keys())
     if clash:
         raise InvalidRequestError(f"chat_template_kwargs: may not set {', '.join(clash)}", "chat_template_kwargs")
-    text = tok.apply_chat_template(body.messages, body.add_generation_prompt, **kwargs)
-    return text, tok.encode(text)
+    return tok.encode_chat(template_messages(messages), add_generation_prompt, **kwargs)
 
 
 @dataclass(slots=True)
@@ -52,6 +77,8 @@ class _Chat:
     in_reasoning: bool
 
     def splitter(self) -> ReasoningSplitter:
+        """A fresh reasoning splitter for one choice (this request's format, and whether the
+        prompt left a ``<think>`` block open)."""
         return ReasoningSplitter(self.reasoning_format, self.in_reasoning)
 
     def _chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
@@ -130,30 +157,29 @@ class _Chat:
             if self.body.include_usage:
                 yield sse(self._chunk([], usage(choices, self.body.n)))
         except EngineFailed as exc:
-            yield sse(error_body(500, str(exc)))
+            yield sse(error_body(exc.status, str(exc), code=exc.code))
         yield SSE_DONE
 
 
 async def create_chat_completion(body: ChatCompletionRequest, http: HttpRequest, state: ServerState) -> Response:
     """Validate, render, submit and answer one chat request (errors before any SSE byte)."""
+    arrival = http.state.arrival_time
     client = state.require_client()
     model = state.check_model(body.model)
     tok = state.tokenizer
+    client.check_size(body.n, "n")
     params = resolve_sampling(body.sampling_request(), state.sampling_flags, state.generation_defaults,
                               entry_point="chat")
-    prompt_text, prompt_ids = render_chat(tok, body)
+    check_prompt_chars(message_chars(body.messages), state.max_prompt_chars, state.max_model_len, "messages")
+    prompt_ids = await off_loop(chat_prompt_ids, tok, body.messages, body.add_generation_prompt,
+                                body.chat_template_kwargs)
+    in_reasoning = prompt_opens_reasoning(tok.decode(prompt_ids[-_TAIL_TOKENS:], skip_special_tokens=False))
     chat_id = new_id("chatcmpl")
-    requests = build_requests(chat_id, [prompt_ids], params, body.n, bypass_prefix_cache=not body.cache_prompt)
+    requests = build_requests(chat_id, [prompt_ids], params, body.n, arrival_time=arrival,
+                              bypass_prefix_cache=not body.cache_prompt)
     reader = await client.submit(requests)
     job = _Chat(chat_id, model, created(), body, tok, prompt_ids,
-                body.reasoning_format or state.settings.reasoning_format, prompt_opens_reasoning(prompt_text))
+                body.reasoning_format or state.settings.reasoning_format, in_reasoning)
     if body.stream:
-        return StreamingResponse(streamed(job.stream(reader), reader), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
-    try:
-        choices = await unless_disconnected(http, job.collect(reader))
-    except ClientGone:
-        return Response(status_code=499)
-    except EngineFailed as exc:
-        raise APIError(500, str(exc)) from exc
-    return JSONResponse(job.response(choices))
+        return EventStream(job.stream(reader), reader)
+    return await respond(http, reader, job.collect(reader), job.response)

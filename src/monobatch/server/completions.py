@@ -1,43 +1,57 @@
 """``POST /v1/completions``: raw prompts (text or token ids), streamed or not, with echo and
-legacy-shaped logprobs."""
+legacy-shaped logprobs (echo + logprobs: the prompt's logprobs come from the engine's prefill,
+``Request.prompt_logprobs``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import Request as HttpRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
+from monobatch.engine.finish import RowOutput
 from monobatch.engine.params import resolve_sampling
+from monobatch.engine.sequence import FinishReason
 from monobatch.errors import InvalidRequestError
 from monobatch.server.client import EngineFailed, ResponseReader
-from monobatch.server.errors import APIError, error_body
-from monobatch.server.generation import (SSE_DONE, SSE_HEADERS, Choice, ClientGone, build_requests,
-                                         completion_logprobs, created, new_id, prompt_logprobs, sse, streamed,
-                                         unless_disconnected, usage)
+from monobatch.server.errors import error_body
+from monobatch.server.generation import (SSE_DONE, Choice, EventStream, TextOffsets, build_requests,
+                                         check_prompt_chars, completion_logprobs, created, new_id, off_loop, respond,
+                                         sse, usage)
 from monobatch.server.protocol import CompletionRequest
 from monobatch.server.state import ServerState
 from monobatch.tokenizer import Tokenizer
 
 
-def _prompts(prompt: str | list, tok: Tokenizer) -> tuple[list[list[int]], list[str]]:
-    """Token ids and text of each prompt (a string, strings, ids, or lists of ids)."""
+def _prompt_list(prompt: str | list) -> list[str] | list[list[int]]:
+    """The request's prompts: strings, or token-id lists (ids are the engine's to check)."""
     if isinstance(prompt, str):
-        prompt = [prompt]
+        return [prompt]
     if not prompt:
         raise InvalidRequestError("prompt: is empty", param="prompt")
-    if isinstance(prompt[0], str):
-        return [tok.encode(p) for p in prompt], list(prompt)
-    lists = [prompt] if isinstance(prompt[0], int) else prompt
-    if any(not 0 <= t < tok.vocab_size for ids in lists for t in ids):
-        raise InvalidRequestError(f"prompt: token ids must be in [0, {tok.vocab_size})", param="prompt")
-    return [list(ids) for ids in lists], [tok.decode(ids, skip_special_tokens=False) for ids in lists]
+    return [prompt] if isinstance(prompt[0], int) else list(prompt)
+
+
+def _encode_all(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
+    """Each prompt's ids (blocking: run with :func:`off_loop`)."""
+    return [tok.encode(t) for t in texts]
+
+
+def _decode_all(tok: Tokenizer, prompts: list[list[int]]) -> list[str]:
+    """Each id prompt's text, for ``echo`` (blocking: run with :func:`off_loop`)."""
+    return [tok.decode(ids, skip_special_tokens=False) for ids in prompts]
 
 
 @dataclass(slots=True)
 class _Completion:
-    """One completions request in flight: what shaping its response needs."""
+    """One completions request in flight: what shaping its response needs.
+
+    ``prompt_texts`` is set with ``echo``. ``scoring`` marks echo + logprobs with
+    ``max_tokens: 0`` (scoring a prompt, as lm-eval-harness does): the engine draws one token to
+    deliver the prompt logprobs, and the client is shown none (vLLM does the same).
+    """
 
     id: str
     model: str
@@ -45,19 +59,21 @@ class _Completion:
     body: CompletionRequest
     tok: Tokenizer
     prompts: list[list[int]]
-    prompt_texts: list[str]
-    prompt_lps: list[list] | None
+    prompt_texts: list[str] | None
+    scoring: bool
 
     def _prompt_of(self, index: int) -> int:
         return index // self.body.n
 
-    def _echo(self, index: int) -> tuple[str, dict | None]:
-        """The echoed prompt text and its logprobs for choice ``index``."""
-        p = self._prompt_of(index)
-        lps = None
-        if self.prompt_lps is not None:
-            lps = completion_logprobs(self.tok, self.prompt_lps[p], 0)
-        return self.prompt_texts[p], lps
+    def _echo_text(self, index: int) -> str:
+        return self.prompt_texts[self._prompt_of(index)] if self.body.echo else ""
+
+    def _shown(self, out: RowOutput) -> RowOutput:
+        """``out`` as the client sees it (the scoring draw hidden)."""
+        if not self.scoring:
+            return out
+        return dataclasses.replace(out, token_ids=[], text="", logprobs=None, num_output_tokens=0,
+                                   finish_reason=FinishReason.LENGTH if out.finished else None)
 
     def _choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None,
                 token_ids: list[int] | None) -> dict:
@@ -73,25 +89,29 @@ class _Completion:
             chunk["usage"] = usage_
         return chunk
 
+    def _prompt_logprobs(self, entries: list | None) -> dict:
+        """The echoed prompt's logprobs (offsets from 0; the first token has none)."""
+        return completion_logprobs(self.tok, entries or [], TextOffsets(self.tok))
+
     async def collect(self, reader: ResponseReader) -> list[Choice]:
         """Read every output of ``reader`` into one Choice per sequence."""
         async with reader:
             choices = [Choice(i) for i in range(len(reader.index))]
             async for i, out in reader:
-                choices[i].add(out)
+                choices[i].add(self._shown(out))
         return choices
 
     def response(self, choices: list[Choice]) -> dict:
         """The non-streamed body."""
         rows = []
         for c in choices:
-            text, logprobs = "".join(c.text), None
-            prefix, echo_lps = self._echo(c.index) if self.body.echo else ("", None)
+            prefix, logprobs = self._echo_text(c.index), None
             if self.body.logprobs is not None:
-                logprobs = completion_logprobs(self.tok, c.logprobs, len(prefix))
-                if echo_lps is not None:
-                    logprobs = {k: echo_lps[k] + logprobs[k] for k in logprobs}
-            row = self._choice(c.index, prefix + text, logprobs, c.finish_reason, c.token_ids)
+                logprobs = completion_logprobs(self.tok, c.logprobs, TextOffsets(self.tok, len(prefix)))
+                if self.body.echo:
+                    echoed = self._prompt_logprobs(c.prompt_logprobs)
+                    logprobs = {k: echoed[k] + logprobs[k] for k in logprobs}
+            row = self._choice(c.index, prefix + "".join(c.text), logprobs, c.finish_reason, c.token_ids)
             if self.body.return_token_ids:
                 row["prompt_token_ids"] = self.prompts[self._prompt_of(c.index)]
             rows.append(row)
@@ -99,68 +119,73 @@ class _Completion:
                 "choices": rows, "usage": usage(choices, self.body.n)}
 
     async def stream(self, reader: ResponseReader) -> AsyncIterator[str]:
-        """The SSE events: echo first, one chunk per output with text, usage, ``[DONE]``."""
+        """The SSE events: the echo first (with logprobs: once the choice's first output brings
+        the prompt's), one chunk per output with text, usage, ``[DONE]``."""
         choices = [Choice(i) for i in range(len(reader.index))]
-        offsets = [0] * len(choices)
+        with_logprobs = self.body.logprobs is not None
+        offsets = [TextOffsets(self.tok, len(self._echo_text(c.index))) for c in choices]
         try:
             async with reader:
-                if self.body.echo:
+                if self.body.echo and not with_logprobs:
                     for c in choices:
-                        text, lps = self._echo(c.index)
-                        offsets[c.index] = len(text)
-                        yield sse(self._chunk([self._choice(c.index, text, lps, None, None)]))
+                        yield sse(self._chunk([self._choice(c.index, self._echo_text(c.index), None, None, None)]))
                 pending = [[] for _ in choices]  # token ids not sent yet (their text is held back)
                 async for i, out in reader:
+                    out = self._shown(out)
                     choices[i].add(out)
+                    if self.body.echo and with_logprobs and out.prompt_logprobs is not None:
+                        echoed = self._prompt_logprobs(out.prompt_logprobs)
+                        yield sse(self._chunk([self._choice(i, self._echo_text(i), echoed, None, None)]))
                     pending[i] += out.token_ids
-                    if not (out.text or out.finished or (out.logprobs and self.body.logprobs is not None)):
+                    if not (out.text or out.finished or (out.logprobs and with_logprobs)):
                         continue
-                    logprobs = None
-                    if self.body.logprobs is not None:
-                        logprobs = completion_logprobs(self.tok, out.logprobs or [], offsets[i])
-                    offsets[i] += len(out.text)
+                    logprobs = completion_logprobs(self.tok, out.logprobs or [], offsets[i]) if with_logprobs else None
                     reason = out.finish_reason.value if out.finished else None
                     yield sse(self._chunk([self._choice(i, out.text, logprobs, reason, pending[i])]))
                     pending[i] = []
             if self.body.include_usage:
                 yield sse(self._chunk([], usage(choices, self.body.n)))
         except EngineFailed as exc:
-            yield sse(error_body(500, str(exc)))
+            yield sse(error_body(exc.status, str(exc), code=exc.code))
         yield SSE_DONE
 
 
 async def create_completion(body: CompletionRequest, http: HttpRequest, state: ServerState) -> Response:
-    """Validate, submit and answer one completions request (errors before any SSE byte)."""
+    """Validate, tokenize, submit and answer one completions request (errors before any SSE byte)."""
+    arrival = http.state.arrival_time
     client = state.require_client()
     model = state.check_model(body.model)
     tok = state.tokenizer
+    given = _prompt_list(body.prompt)
+    client.check_size(len(given) * body.n, "n" if len(given) == 1 else "prompt")
     sampling = body.sampling_request()
     if body.logprobs is not None:
         sampling["logprobs"] = body.logprobs
     params = resolve_sampling(sampling, state.sampling_flags, state.generation_defaults, entry_point="completions")
-    prompts, texts = _prompts(body.prompt, tok)
     want_prompt_lps = body.echo and body.logprobs is not None
+    scoring = want_prompt_lps and params.max_tokens == 0
+    if scoring:
+        params = dataclasses.replace(params, max_tokens=1)
+    texts = None
+    if isinstance(given[0], str):
+        texts = given
+        for text in texts:
+            check_prompt_chars(len(text), state.max_prompt_chars, state.max_model_len, "prompt")
+        prompts = await off_loop(_encode_all, tok, texts)
+    else:
+        prompts = given
     completion_id = new_id("cmpl")
-    requests = build_requests(completion_id, prompts, params, body.n,
-                              bypass_prefix_cache=want_prompt_lps or not body.cache_prompt)
+    requests = build_requests(completion_id, prompts, params, body.n, arrival_time=arrival,
+                              bypass_prefix_cache=not body.cache_prompt,
+                              prompt_logprobs=body.logprobs if want_prompt_lps else None)
     reader = await client.submit(requests)
     try:
-        prompt_lps = None
-        if want_prompt_lps:
-            k = body.logprobs
-            prompt_lps = [await client.call(lambda s, ids=ids: prompt_logprobs(s.engine, ids, k)) for ids in prompts]
+        if body.echo and texts is None:
+            texts = await off_loop(_decode_all, tok, prompts)  # the ids are valid: the engine took them
     except BaseException:
         reader.close()
         raise
-    job = _Completion(completion_id, model, created(), body, tok, prompts, texts,
-                      prompt_lps)
+    job = _Completion(completion_id, model, created(), body, tok, prompts, texts, scoring)
     if body.stream:
-        return StreamingResponse(streamed(job.stream(reader), reader), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
-    try:
-        choices = await unless_disconnected(http, job.collect(reader))
-    except ClientGone:
-        return Response(status_code=499)
-    except EngineFailed as exc:
-        raise APIError(500, str(exc)) from exc
-    return JSONResponse(job.response(choices))
+        return EventStream(job.stream(reader), reader)
+    return await respond(http, reader, job.collect(reader), job.response)

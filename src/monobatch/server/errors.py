@@ -11,6 +11,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from monobatch.errors import ContextLengthError, MonobatchError
@@ -97,6 +98,12 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(list(exc.errors()))
+        return error_response(400, message, param)
+
+    @app.exception_handler(ValidationError)
+    async def _model_error(request: Request, exc: ValidationError) -> JSONResponse:
+        # a model built inside a handler from client input: still the client's 400, never a 500
         message, param = validation_message(list(exc.errors()))
         return error_response(400, message, param)
 

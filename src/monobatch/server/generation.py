@@ -8,21 +8,23 @@ RowOutputs; this module only regroups them per choice.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import dataclasses
 import json
 import time
 import uuid
-import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
 
-import torch
 from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from monobatch.engine.engine import Engine
 from monobatch.engine.finish import RowOutput
 from monobatch.engine.params import SamplingParams
 from monobatch.engine.sequence import Request
+from monobatch.errors import ContextLengthError
+from monobatch.server.client import EngineFailed
+from monobatch.server.errors import APIError
 from monobatch.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -30,8 +32,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 _SEED_MOD = 2**63
-#: Request fields this engine version lacks are left out (see the ADR's list of guards).
-_REQUEST_FIELDS = {f.name for f in dataclasses.fields(Request)}
+#: Room for normalizers when bounding a prompt's characters by the vocabulary's longest token.
+PROMPT_CHARS_SLACK = 2
 
 
 def new_id(prefix: str) -> str:
@@ -39,21 +41,29 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def build_requests(base_id: str, prompts: list[list[int]], params: SamplingParams, n: int,
-                   bypass_prefix_cache: bool = False) -> list[Request]:
+def build_requests(base_id: str, prompts: list[list[int]], params: SamplingParams, n: int, *,
+                   arrival_time: float, bypass_prefix_cache: bool = False,
+                   prompt_logprobs: int | None = None) -> list[Request]:
     """One engine Request per (prompt, choice), choice index ``prompt * n + j``.
 
     With ``n > 1`` and a seed, choice ``j`` draws with ``seed + j``: choices differ, choice 0
     equals the same request with ``n = 1``, and every choice is reproducible. Without a seed each
     choice gets a fresh random one (SamplingParams).
+
+    Args:
+        arrival_time: when the HTTP request arrived (``time.perf_counter``): TTFT and e2e
+            latency are timed from it.
+        bypass_prefix_cache: do not adopt cached prefix blocks (``cache_prompt: false``).
+        prompt_logprobs: ask the engine for prompt logprobs with this many alternatives (every
+            choice asks: each delivers them on its own first output).
     """
     requests = []
-    extra = {"bypass_prefix_cache": True} if bypass_prefix_cache and "bypass_prefix_cache" in _REQUEST_FIELDS else {}
     for p, ids in enumerate(prompts):
         for j in range(n):
             choice_params = params if j == 0 or params.seed is None else \
                 dataclasses.replace(params, seed=(params.seed + j) % _SEED_MOD)
-            requests.append(Request(f"{base_id}-{p * n + j}", ids, choice_params, **extra))
+            requests.append(Request(f"{base_id}-{p * n + j}", ids, choice_params, arrival_time=arrival_time,
+                                    bypass_prefix_cache=bypass_prefix_cache, prompt_logprobs=prompt_logprobs))
     return requests
 
 
@@ -65,6 +75,7 @@ class Choice:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]] | None]] | None = None
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
@@ -75,9 +86,11 @@ class Choice:
         self.text.append(out.text)
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
         self.num_output_tokens = max(self.num_output_tokens, out.num_output_tokens)
-        self.num_cached_tokens = max(self.num_cached_tokens, getattr(out, "num_cached_tokens", 0) or 0)
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason.value
 
@@ -92,6 +105,32 @@ def usage(choices: list[Choice], n: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+# -- prompts -------------------------------------------------------------------------------------
+def max_prompt_chars(tok: Tokenizer, max_model_len: int) -> int:
+    """The most characters a prompt that fits the context can have: every token is at most the
+    vocabulary's longest token (in bytes, and a character is at least one byte), doubled for
+    normalizers. Longer text is refused before tokenizing it (:func:`check_prompt_chars`)."""
+    longest = max(len(tok.token_bytes(t)) for t in range(tok.vocab_size))
+    return max_model_len * max(longest, 1) * PROMPT_CHARS_SLACK
+
+
+def check_prompt_chars(num_chars: int, limit: int, max_model_len: int, param: str) -> None:
+    """Refuse a prompt whose text cannot fit the context, without tokenizing it.
+
+    Raises:
+        ContextLengthError: ``num_chars`` over ``limit`` (see :func:`max_prompt_chars`).
+    """
+    if num_chars > limit:
+        raise ContextLengthError(f"the prompt has {num_chars} characters, more than {max_model_len} tokens (the "
+                                 f"context) can hold", param)
+
+
+async def off_loop(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` on a worker thread (tokenization, chat templates): the event loop
+    keeps serving other clients meanwhile."""
+    return await asyncio.to_thread(fn, *args, **kwargs)
 
 
 # -- logprobs ------------------------------------------------------------------------------------
@@ -109,32 +148,34 @@ def chat_logprobs(tok: Tokenizer, entries: list[tuple[int, float, list[tuple[int
     return {"content": [{**item(t, lp), "top_logprobs": [item(a, b) for a, b in top]} for t, lp, top in entries]}
 
 
+class TextOffsets:
+    """Where each token starts in the text, in characters (legacy completions' ``text_offset``).
+
+    A token starts after the characters its predecessors completed: the bytes of a character
+    split across tokens count once it is complete (both halves of a split emoji start at the
+    emoji), whatever text the engine held back. Streamed and non-streamed responses feed the
+    same tokens through one of these per choice, so they agree.
+    """
+
+    def __init__(self, tok: Tokenizer, start: int = 0) -> None:
+        self._tok = tok
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.pos = start
+
+    def take(self, token_id: int) -> int:
+        """The offset of ``token_id``, the next token; advances past it."""
+        at = self.pos
+        self.pos += len(self._utf8.decode(self._tok.token_bytes(token_id)))
+        return at
+
+
 def completion_logprobs(tok: Tokenizer, entries: list[tuple[int, float | None, list[tuple[int, float]] | None]],
-                        offset: int) -> dict:
-    """Legacy completions' ``logprobs``: parallel lists, ``text_offset`` counted from ``offset``."""
-    tokens, offsets = [], []
-    for t, _, _ in entries:
-        offsets.append(offset)
-        tokens.append(token_text(tok, t))
-        offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                        offsets: TextOffsets) -> dict:
+    """Legacy completions' ``logprobs``: parallel lists; ``text_offset`` from ``offsets``."""
+    return {"tokens": [token_text(tok, t) for t, _, _ in entries],
+            "token_logprobs": [lp for _, lp, _ in entries],
             "top_logprobs": [None if top is None else {token_text(tok, a): b for a, b in top} for _, _, top in entries],
-            "text_offset": offsets}
-
-
-def prompt_logprobs(engine: Engine, ids: list[int], k: int) -> list[tuple[int, float | None, list | None]]:
-    """Logprobs of each prompt token given the ones before it (the first has none), with the
-    top-``k`` alternatives; the model's distribution, as for generated tokens. Engine thread."""
-    logits = engine.prompt_logits(ids, all_positions=True)  # (T, V)
-    lsm = torch.log_softmax(logits.float(), dim=-1)[:-1]  # (T-1, V): row i predicts ids[i+1]
-    target = torch.tensor(ids[1:], device=lsm.device).unsqueeze(1)
-    chosen = lsm.gather(1, target).squeeze(1).tolist()
-    if k > 0 and len(ids) > 1:
-        top = lsm.topk(k, dim=-1)
-        alts = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
-    else:
-        alts = [[] for _ in chosen]
-    return [(ids[0], None, None)] + [(t, lp, a) for t, lp, a in zip(ids[1:], chosen, alts)]
+            "text_offset": [offsets.take(t) for t, _, _ in entries]}
 
 
 # -- transport -----------------------------------------------------------------------------------
@@ -147,11 +188,20 @@ SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def streamed(events: AsyncIterator[str], reader: "ResponseReader") -> AsyncIterator[str]:
-    """``events`` for a StreamingResponse, with ``reader`` closed (its sequences aborted) even
-    if the client leaves before the first event: a never-started generator runs no ``finally``."""
-    weakref.finalize(events, reader.close)
-    return events
+class EventStream(StreamingResponse):
+    """An SSE response whose reader is closed (its unfinished sequences aborted) however the
+    response ends — also when the client leaves before the first event, where a never-started
+    generator would run no ``finally``."""
+
+    def __init__(self, events: AsyncIterator[str], reader: "ResponseReader") -> None:
+        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._reader = reader
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._reader.close()
 
 
 def created() -> int:
@@ -185,3 +235,22 @@ async def unless_disconnected(request: HttpRequest, work: Awaitable[T]) -> T:
         await asyncio.gather(task, return_exceptions=True)
         raise ClientGone()
     return task.result()
+
+
+async def respond(http: HttpRequest, reader: "ResponseReader", collect: Awaitable[list[Choice]],
+                  shape: Callable[[list[Choice]], dict]) -> Response:
+    """The non-streamed answer: ``shape`` of what ``collect`` gathered from ``reader``.
+
+    The reader is closed however this ends (its unfinished sequences aborted): the client went
+    away (no answer; the sequences are aborted), the engine ended the request (EngineFailed: a
+    500, or a 503 while shutting down or after the engine stopped), or this handler was cancelled.
+    """
+    try:
+        choices = await unless_disconnected(http, collect)
+    except ClientGone:
+        return Response(status_code=499)
+    except EngineFailed as exc:
+        raise APIError(exc.status, str(exc), code=exc.code) from exc
+    finally:
+        reader.close()
+    return JSONResponse(shape(choices))

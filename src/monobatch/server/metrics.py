@@ -2,9 +2,12 @@
 
 Gauges and counters the scheduler owns (running/waiting requests, KV usage, prefix-cache queries
 and hits, prompt and generation tokens, preemptions) are read from the engine thread's latest
-published stats by a custom collector, so a scrape never waits for a step. Latency histograms
-(TTFT, inter-token latency, end-to-end) and finished requests per reason are observed on the
-event loop when a request's final output arrives.
+published stats by a custom collector, so a scrape never waits for a step (it shows the state
+after the last step: during a long prefill chunk, one step behind). Latency histograms (TTFT,
+inter-token latency, end-to-end; timed from the HTTP request's arrival) and finished requests
+per reason are observed on the event loop when a request's final output arrives; an aborted
+sequence counts in ``request_success{finished_reason="abort"}`` and TTFT/ITL for the tokens it
+got, not in the end-to-end histogram.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from monobatch.engine.finish import RowOutput
+from monobatch.engine.sequence import FinishReason
 
 PREFIX = "monobatch_"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
@@ -51,7 +55,7 @@ class _EngineCollector:
             return
         for name, (kind, help_text, field) in _ENGINE_METRICS.items():
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-            yield family(PREFIX + name, help_text, value=float(stats.get(field, 0)))
+            yield family(PREFIX + name, help_text, value=float(stats[field]))
 
 
 class ServerMetrics:
@@ -64,11 +68,12 @@ class ServerMetrics:
     def __init__(self, read_stats: Callable[[], dict | None]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(read_stats))
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to first token.",
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "HTTP arrival to first token.",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between two tokens of a request.",
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to the last token.",
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+                             "HTTP arrival to the last token (sequences that were not aborted).",
                              buckets=_LATENCY_BUCKETS + (160.0, 320.0), registry=self.registry)
         self.finished = Counter(PREFIX + "request_success", "Sequences finished, by finish reason.",
                                 ["finished_reason"], registry=self.registry)
@@ -81,8 +86,9 @@ class ServerMetrics:
             return
         if m.first_token_time is not None:
             self.ttft.observe(m.ttft_ms / 1000)
-        self.e2e.observe(max(m.finished_time - m.arrival_time, 0.0))
-        for gap_ms in getattr(m, "itl_ms", None) or ():
+        if out.finish_reason is not FinishReason.ABORT:
+            self.e2e.observe(max(m.finished_time - m.arrival_time, 0.0))
+        for gap_ms in m.itl_ms:
             self.itl.observe(gap_ms / 1000)
 
     def render(self) -> bytes:

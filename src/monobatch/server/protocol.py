@@ -6,7 +6,9 @@ implement is never ignored: the ones OpenAI or vLLM define (``tools``, ``respons
 field a 400 that names it (``extra="forbid"``). A null value counts as absent.
 
 Value ranges are checked once, by :class:`monobatch.engine.params.SamplingParams`; this module
-checks only JSON types and the fields that never reach it (``n``, ``echo``, ``top_logprobs``).
+checks only JSON types, the fields that never reach it (``n``, ``echo``, ``top_logprobs``), and
+where the HTTP API differs from the CLI (``max_tokens`` -1 is the CLI's "no limit", a 400 here
+as in OpenAI and vLLM).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ class SamplingFields(_Body):
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=0)  # -1 (the CLI's no limit) is a 400, as in OpenAI
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
@@ -141,7 +143,7 @@ class ChatCompletionRequest(SamplingFields):
     (roles, text parts); ``max_completion_tokens`` wins over the deprecated ``max_tokens``."""
 
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
@@ -157,6 +159,9 @@ class ChatCompletionRequest(SamplingFields):
         return self
 
     def sampling_request(self) -> dict[str, Any]:
+        """As :meth:`SamplingFields.sampling_request`, with ``max_completion_tokens`` (which
+        wins over ``max_tokens``) and ``logprobs``/``top_logprobs`` as the engine's ``logprobs``
+        (the number of alternatives; 0 = only the chosen token's)."""
         out = super().sampling_request()
         if self.max_completion_tokens is not None:
             out["max_tokens"] = self.max_completion_tokens
@@ -166,13 +171,19 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(_Body):
-    """``POST /tokenize``: vLLM's (``prompt`` or ``messages``) and llama.cpp's (``content``,
-    ``add_special``, ``with_pieces``) shapes."""
+    """``POST /tokenize``: vLLM's (``prompt`` or ``messages``, ``add_special_tokens``,
+    ``return_token_strs``) and llama.cpp's (``content``, ``add_special``, ``with_pieces``) shapes.
+
+    Each special-tokens field keeps its own server's default: ``add_special_tokens`` (vLLM)
+    defaults to true, ``add_special`` (llama.cpp) to false; whichever the client sent decides,
+    both with different values is a 400. With ``messages`` the ids are exactly a chat request's
+    (the template's special tokens, one BOS at most): either field may be true, never false.
+    """
 
     model: str | None = None
     prompt: str | None = None
     content: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: list[dict[str, Any]] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = None
     add_special: bool | None = None
     add_generation_prompt: bool = True
@@ -191,7 +202,23 @@ class TokenizeRequest(_Body):
         if len(given) != 1:
             raise PydanticCustomError("tokenize_input", "prompt: give exactly one of prompt, content or messages",
                                       {"field": "prompt"})
+        if None not in (self.add_special, self.add_special_tokens) and self.add_special != self.add_special_tokens:
+            raise PydanticCustomError("alias", "add_special: conflicts with add_special_tokens (give one)",
+                                      {"field": "add_special"})
+        if self.messages is not None and False in (self.add_special, self.add_special_tokens):
+            name = "add_special" if self.add_special is False else "add_special_tokens"
+            raise PydanticCustomError("chat_special", "{field}: with messages the chat template decides the special "
+                                      "tokens (the ids a chat request gets); it cannot be false", {"field": name})
         return self
+
+    @property
+    def add_specials(self) -> bool:
+        """Whether to add the tokenizer's special tokens (BOS) to ``prompt``/``content``."""
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        if self.add_special is not None:
+            return self.add_special
+        return self.content is None  # vLLM's default for prompt, llama.cpp's for content
 
 
 class DetokenizeRequest(_Body):

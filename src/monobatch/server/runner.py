@@ -2,10 +2,11 @@
 (``monobatch run``/``chat``, tests), from parsed flags or from an already-loaded model.
 
 Both bind the listening socket first (so ``--port 0`` knows its port before the model loads),
-then run uvicorn on it. In the foreground uvicorn handles SIGINT/SIGTERM: it stops accepting,
-lets in-flight requests finish for ``shutdown_timeout`` seconds, cancels the rest (a cancelled
-stream aborts its sequences), then the app's shutdown stops the engine thread and the socket is
-closed.
+then run uvicorn on it. In the foreground uvicorn handles SIGINT/SIGTERM: it stops accepting and
+lets in-flight requests finish for ``shutdown_timeout`` seconds; shortly before that ends the
+engine aborts what is left and those clients get a 503 (:meth:`ServerState.begin_shutdown`),
+so uvicorn has nothing to cancel mid-response; then the app's shutdown stops the engine thread
+and the socket is closed.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def settings_from_args(ns: argparse.Namespace) -> ServerSettings:
     return ServerSettings(served_model_names=tuple(getattr(ns, "served_model_name", None) or ()),
                           api_key=getattr(ns, "api_key", None), max_queue=getattr(ns, "max_queue", None),
                           reasoning_format=getattr(ns, "reasoning_format", None) or "separate",
-                          sampling_flags=flags)
+                          sampling_flags=flags, allowed_origins=tuple(getattr(ns, "allowed_origins", None) or ()))
 
 
 def app_from_args(ns: argparse.Namespace, loaded: "LoadedModel | None" = None) -> FastAPI:
@@ -80,6 +81,20 @@ def _config(app: FastAPI, log_level: str, shutdown_timeout: float, **kw) -> uvic
     return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout, lifespan="on", **kw)
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server; its shutdown first tells the app (:meth:`ServerState.begin_shutdown`)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        state.on_fatal = lambda exc: setattr(self, "should_exit", True)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """Answer the requests in flight before the grace period ends, then uvicorn's shutdown."""
+        self.state.begin_shutdown(self.config.timeout_graceful_shutdown or 0.0)
+        await super().shutdown(sockets)
+
+
 def url_of(sock: socket.socket) -> str:
     """``http://host:port`` of a bound socket."""
     host, port = sock.getsockname()[:2]
@@ -93,9 +108,8 @@ def serve_foreground(app: FastAPI, sock: socket.socket, log_level: str = "info",
     Returns:
         The app's state (``load_error`` is set when the model could not be loaded).
     """
-    server = uvicorn.Server(_config(app, log_level, shutdown_timeout))
     state: ServerState = app.state.monobatch
-    state.on_fatal = lambda exc: setattr(server, "should_exit", True)
+    server = _Server(_config(app, log_level, shutdown_timeout), state)
     server.run(sockets=[sock])
     sock.close()
     return state
@@ -121,9 +135,8 @@ class ServerThread:
         self.app = app
         self.sock = bind(host, port)
         self.base_url = url_of(self.sock)
-        self.server = uvicorn.Server(_config(app, log_level, shutdown_timeout))
         self.state: ServerState = app.state.monobatch
-        self.state.on_fatal = lambda exc: setattr(self.server, "should_exit", True)
+        self.server = _Server(_config(app, log_level, shutdown_timeout), self.state)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                         name="monobatch-http", daemon=True)
 

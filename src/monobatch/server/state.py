@@ -15,8 +15,9 @@ from typing import Any, Callable
 from monobatch.chat_output import REASONING_FORMATS
 from monobatch.engine.scheduler import BatchScheduler
 from monobatch.errors import InvalidRequestError
-from monobatch.server.client import EngineClient
+from monobatch.server.client import EngineClient, EngineFailed
 from monobatch.server.errors import APIError
+from monobatch.server.generation import max_prompt_chars
 from monobatch.server.metrics import ServerMetrics
 
 log = logging.getLogger("monobatch.server")
@@ -38,7 +39,10 @@ class ServerSettings:
         reasoning_format: ``separate`` (``<think>`` text -> ``reasoning_content``) or ``none``.
         sampling_flags: server-level sampling defaults (SamplingParams fields), below the
             request's own fields in precedence.
-        max_body_bytes: larger request bodies get a 413.
+        max_body_bytes: larger request bodies get a 413 (by Content-Length, or counted while a
+            chunked body arrives).
+        allowed_origins: browser origins CORS lets call the API (``*`` = any); empty = no CORS
+            headers (the default).
     """
 
     served_model_names: tuple[str, ...] = ()
@@ -47,9 +51,11 @@ class ServerSettings:
     reasoning_format: str = "separate"
     sampling_flags: dict[str, Any] = field(default_factory=dict)
     max_body_bytes: int = MAX_BODY_BYTES
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.served_model_names = tuple(self.served_model_names)
+        self.allowed_origins = tuple(self.allowed_origins)
         if self.max_queue is not None and self.max_queue < 0:
             raise InvalidRequestError("--max-queue must be >= 0", "max_queue")
         if self.reasoning_format not in REASONING_FORMATS:
@@ -57,6 +63,10 @@ class ServerSettings:
                                       "reasoning_format")
         if self.api_key == "":
             raise InvalidRequestError("--api-key must not be empty", "api_key")
+        if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()
+                                             and " " not in self.api_key):
+            # an HTTP header carries it as bytes: anything else could never match
+            raise InvalidRequestError("--api-key must be printable ASCII without spaces", "api_key")
 
 
 class ServerState:
@@ -83,6 +93,8 @@ class ServerState:
         self.metrics = ServerMetrics(self._stats)
         self.names: tuple[str, ...] = settings.served_model_names
         self.ready = threading.Event()  # set once loading ends, either way (any thread may wait)
+        self.max_prompt_chars = 0  # longer prompt text cannot fit the context (set once loaded)
+        self.closing = False  # SIGINT/SIGTERM received: new requests get a 503
 
     # -- lifecycle (event loop) ---------------------------------------------------------------
     def start_loading(self) -> None:
@@ -92,15 +104,17 @@ class ServerState:
         def work() -> None:
             try:
                 scheduler = self._load()
+                chars = max_prompt_chars(scheduler.engine.tokenizer, scheduler.engine.max_model_len)
             except BaseException as exc:  # noqa: BLE001 - reported to the runner, which exits
                 loop.call_soon_threadsafe(self._failed, exc)
             else:
-                loop.call_soon_threadsafe(self._loaded, scheduler, loop)
+                loop.call_soon_threadsafe(self._loaded, scheduler, chars, loop)
 
         threading.Thread(target=work, name="monobatch-load", daemon=True).start()
 
-    def _loaded(self, scheduler: BatchScheduler, loop: asyncio.AbstractEventLoop) -> None:
+    def _loaded(self, scheduler: BatchScheduler, chars: int, loop: asyncio.AbstractEventLoop) -> None:
         self.scheduler = scheduler
+        self.max_prompt_chars = chars
         self.names = self.names or (scheduler.engine.loaded.name,)
         self.client = EngineClient(scheduler, loop, self.settings.max_queue, self.metrics.observe_final)
         self.client.start()
@@ -114,6 +128,18 @@ class ServerState:
         if self.on_fatal is not None:
             self.on_fatal(exc)
 
+    def begin_shutdown(self, grace: float) -> None:
+        """SIGINT/SIGTERM (event loop): requests in flight get most of ``grace`` seconds to
+        finish; then the engine aborts the rest and their clients get a 503 (code
+        ``server_shutting_down``: a JSON error, or an error event before ``[DONE]``) before
+        uvicorn's grace period ends and it would cancel them mid-response."""
+        self.closing = True
+        if self.client is None:
+            return
+        margin = min(1.0, grace / 2)
+        failure = EngineFailed(503, "the server is shutting down; retry on another server", "server_shutting_down")
+        asyncio.get_running_loop().call_later(grace - margin, self.client.fail_all, failure)
+
     def shutdown(self) -> None:
         """Abort what still runs and stop the engine thread."""
         if self.client is not None:
@@ -121,9 +147,14 @@ class ServerState:
 
     # -- for handlers ---------------------------------------------------------------------------
     def require_client(self) -> EngineClient:
-        """The engine client. Raises APIError 503 while loading or after the engine stopped."""
+        """The engine client. Raises APIError 503 while loading, once shutting down, or after
+        the engine stopped."""
         if self.client is None:
             raise APIError(503, "the model is loading; retry when GET /health answers 200", code="model_loading")
+        if self.closing:
+            raise APIError(503, "the server is shutting down; retry on another server", code="server_shutting_down")
+        if self.client.failure is not None:
+            raise APIError(self.client.failure.status, str(self.client.failure), code=self.client.failure.code)
         if not self.client.engine.alive:
             raise APIError(503, "the engine has stopped", code="engine_stopped")
         return self.client

@@ -211,7 +211,9 @@ class Tokenizer:
         Returns:
             The ids.
         """
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL (encode holds it for the whole call): the server tokenizes
+        # on worker threads, and its event loop keeps serving other clients meanwhile
+        ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_id):
             ids.insert(0, self.bos_id)
         return ids
