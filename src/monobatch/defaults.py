@@ -35,6 +35,10 @@ KV_CACHE_GPU_FRACTION = 0.85
 #: B=1; a smaller one slows prefill (CPU, 2 cores: 8 costs 2.5x per GEMM at both ends).
 DETERMINISTIC_ROW_TILE = {"cpu": 8, "cuda": 32}
 
+# -- server ---------------------------------------------------------------------------------
+#: Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted.
+SERVER_SHUTDOWN_TIMEOUT = 5.0
+
 # -- sampling (the table of the last precedence level) --------------------------------------
 #: Neutral values: a request that names nothing samples the model's own distribution, as
 #: OpenAI's API does (temperature 1, top_p 1) and as vLLM does. Each filter's "off" value.

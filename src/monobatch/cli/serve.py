@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 
+from monobatch import defaults
 from monobatch.chat_output import REASONING_FORMATS
 from monobatch.cli.args import add_model_args, add_sampling_args, engine_settings, sampling_flags
 from monobatch.errors import InvalidRequestError, MonobatchError
@@ -24,7 +25,6 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``monobatch serve`` and its flags."""
-    from monobatch.server.runner import SHUTDOWN_TIMEOUT
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the engine", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -45,8 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="separate: <think> text goes to reasoning_content; none: all text is content "
                         "(default separate)")
     s.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)")
-    s.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT,
-                   help=f"seconds in-flight requests get to finish on SIGINT/SIGTERM (default {SHUTDOWN_TIMEOUT:g})")
+    s.add_argument("--shutdown-timeout", type=float, default=defaults.SERVER_SHUTDOWN_TIMEOUT,
+                   help=f"seconds in-flight requests get to finish on SIGINT/SIGTERM (default {defaults.SERVER_SHUTDOWN_TIMEOUT:g})")
     add_model_args(p)
     add_sampling_args(p)
     p.set_defaults(func=run)

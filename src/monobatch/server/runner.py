@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 from fastapi import FastAPI
 
+from monobatch import defaults
 from monobatch.errors import MonobatchError
 from monobatch.server.app import create_app
 from monobatch.server.state import ServerSettings, ServerState
@@ -28,8 +29,7 @@ from monobatch.server.state import ServerSettings, ServerState
 if TYPE_CHECKING:
     from monobatch.loader import LoadedModel
 
-#: Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted.
-SHUTDOWN_TIMEOUT = 5.0
+SHUTDOWN_TIMEOUT = defaults.SERVER_SHUTDOWN_TIMEOUT
 
 
 def settings_from_args(ns: argparse.Namespace) -> ServerSettings:
