@@ -87,11 +87,11 @@ def test_a_failed_step_leaves_nothing_behind(loaded, monkeypatch):
     real = llm.scheduler.engine.step
     calls = {"n": 0}
 
-    def failing_once(batch, rows):
+    def failing_once(*args):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("simulated device failure")
-        return real(batch, rows)
+        return real(*args)
 
     monkeypatch.setattr(llm.scheduler.engine, "step", failing_once)
     with pytest.raises(RuntimeError, match="simulated"):

@@ -72,7 +72,7 @@ def test_token_budget_is_respected(make_scheduler, prompts):
         sched.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=6, temperature=0.0)))
     sizes = []
     real_step = sched.engine.step
-    sched.engine.step = lambda batch, rows: sizes.append(batch.num_tokens) or real_step(batch, rows)
+    sched.engine.step = lambda batch, *rest: sizes.append(batch.num_tokens) or real_step(batch, *rest)
     while sched.has_unfinished():
         sched.step()
         assert len(sched.running) <= 2
