@@ -174,3 +174,18 @@ def test_failed_step_keeps_outputs_already_due(make_scheduler, loaded, prompts):
         sched.step()
     finals = {o.request_id: o.finish_reason for o in sched.step()}
     assert finals == {"zero": FinishReason.LENGTH, "doomed": FinishReason.ABORT}
+
+
+def test_a_planning_failure_ends_the_running_sequences(make_scheduler, prompts, monkeypatch):
+    """If planning itself raises (a bug), the running sequences end with abort and their KV is
+    freed, so a loop that keeps stepping makes progress instead of failing forever."""
+    sched = make_scheduler()
+    sched.add_request(Request("a", prompts[0], SHORT))
+    sched.step()
+    monkeypatch.setattr(sched, "_schedule", lambda: (_ for _ in ()).throw(RuntimeError("planner bug")))
+    with pytest.raises(RuntimeError, match="planner bug"):
+        sched.step()
+    monkeypatch.undo()
+    outs = [o for o in sched.step() if o.finished]
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("a", FinishReason.ABORT)]
+    assert not sched.has_unfinished() and sched.kv.usage().used_blocks == 0

@@ -144,7 +144,11 @@ class BatchScheduler:
         try:
             planned = self._schedule()
         except BaseException:
+            # A planning failure is a bug; end the running sequences (abort, KV freed) so a client
+            # that keeps stepping makes progress instead of failing the same way forever.
             self._done[:0] = outputs  # outputs already due are not lost
+            for seq in list(self.running):
+                self.abort(seq.request_id)
             raise
         if planned is None:
             return outputs
