@@ -124,11 +124,13 @@ def test_two_turns_regen_clear_multiline_exit(server):
 
 def test_ctrl_c_stops_the_reply_not_the_session(server):
     """Ctrl-C during a long reply: the stream closes, the server aborts the request (nothing left
-    running, no KV block held), the REPL asks again; Ctrl-C at the prompt too; Ctrl-D ends it.
-    The API key comes from $MONOBATCH_API_KEY."""
+    running, no KV block held), the REPL asks again and the next turn streams in full (the session
+    and its HTTP client survive a KeyboardInterrupt mid-read); Ctrl-C at the prompt too; Ctrl-D
+    ends it. The API key comes from $MONOBATCH_API_KEY."""
+    long = 160  # every reply's length (--ignore-eos): the interrupted one stops long before it
     server.wait_idle(headers=AUTH)
     before = server.metrics()
-    child = spawn("--server-base", server.base_url, "--temperature", "0", "-n", "400", "--ignore-eos",
+    child = spawn("--server-base", server.base_url, "--temperature", "0", "-n", str(long), "--ignore-eos", "--stats",
                   env=cli_env(TERM="dumb", MONOBATCH_API_KEY=KEY))
     child.sendline("Count to one hundred.")
     deadline = time.monotonic() + 120
@@ -139,12 +141,18 @@ def test_ctrl_c_stops_the_reply_not_the_session(server):
     child.expect_exact("[interrupted]")
     child.expect_exact(chat.PROMPT)
     after = server.wait_idle(timeout=10)  # long before 400 tokens: the request was aborted
-    assert after["monobatch_generation_tokens_total"] - before["monobatch_generation_tokens_total"] < 400
+    assert after["monobatch_generation_tokens_total"] - before["monobatch_generation_tokens_total"] < long
     aborts = 'monobatch_request_success_total{finished_reason="abort"}'
     deadline = time.monotonic() + 10
     while server.metrics().get(aborts, 0) != before.get(aborts, 0) + 1:
         assert time.monotonic() < deadline, "the reply was not counted as aborted"
         time.sleep(0.1)
+
+    child.sendline("Now count backwards.")  # a real turn after the interrupted one: it streams in full
+    child.expect(STATS_RE, timeout=240)
+    assert (int(child.match.group(2)), child.match.group(3)) == (long, "length")
+    assert "monobatch chat: error" not in clean(child.before)
+    child.expect_exact(chat.PROMPT)
 
     child.send("half a line")
     child.sendintr()  # at the prompt: the line is dropped, the session goes on
@@ -185,6 +193,10 @@ def test_piped_chat_and_api_key_errors(server):
     assert res.returncode == 0 and res.stderr == "(conversation cleared)\n", res.stderr
     assert res.stdout == "".join(server_reply(server, [{"role": "user", "content": u}], 6) + "\n"
                                  for u in ("Hi!", "Hello!"))
+    refused = monobatch("chat", "--server-base", server.base_url, "--api-key", KEY, "--logit-bias", "999999=1",
+                        stdin="Hi!\n/clear\nHello!\n")  # the server refuses every turn (400)
+    assert refused.returncode == 1 and refused.stdout == "", refused
+    assert refused.stderr.count("monobatch chat: error:") == 2 and "vocabulary" in refused.stderr, refused.stderr
     assert_one_line_error(monobatch("chat", "--server-base", server.base_url, stdin="Hi!\n"),
                           "needs an API key", "--api-key")
     assert_one_line_error(monobatch("run", "--server-base", server.base_url, "--api-key", "wrong", "Hi!"),
@@ -254,6 +266,7 @@ def test_interrupted_and_refused_turns(capsys):
     assert err.count("[interrupted]") == 2 and "generated tokens" not in err
     assert "error: prompt too long (/clear starts a new conversation)" in err
     assert "error: gone" in err
+    assert convo.failures == 2  # refused turns are counted (a piped chat exits 1); Ctrl-C is none
 
 
 def test_regen_with_nothing_to_regenerate(capsys):

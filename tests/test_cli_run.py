@@ -9,11 +9,13 @@ given (flags the user did not set are not sent).
 
 from __future__ import annotations
 
+import io
 import json
 import socket
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -101,13 +103,13 @@ def test_only_given_flags_become_request_fields():
     assert Session(None, None, {}).body([{"role": "user", "content": "hi"}]) == {
         "messages": [{"role": "user", "content": "hi"}], "stream": True, "stream_options": {"include_usage": True}}
 
-    every = ["-n", "-2", "--temperature", "0.5", "--seed", "3", "--top-k", "4", "--top-p", "0.9", "--min-p", "0.1",
+    every = ["--temperature", "0.5", "--seed", "3", "--top-k", "4", "--top-p", "0.9", "--min-p", "0.1",
              "--typical-p", "0.95", "--repeat-penalty", "1.1", "--repeat-last-n", "32", "--presence-penalty", "0.2",
              "--frequency-penalty", "0.3", "--dry-multiplier", "0.8", "--dry-base", "1.5", "--dry-allowed-length", "3",
              "--dry-penalty-last-n", "16", "--dry-sequence-breaker", "\n", "--logit-bias", "5=-1.5", "--stop", "END",
              "--stop", "FIN", "--ignore-eos", "--min-tokens", "2", "--reasoning-format", "none"]
     fields = check_flags(parse(["run", "--server-base", "http://127.0.0.1:1", *every, "hi"]))
-    assert "max_tokens" not in fields  # -n -2/-1 (no limit) is the field left out: the HTTP API refuses -1
+    assert "max_tokens" not in fields
     assert fields["stop"] == ["END", "FIN"] and fields["logit_bias"] == {5: -1.5}
     wire = json.loads(json.dumps(Session(None, "m", fields).body([{"role": "user", "content": "hi"}])))
     request = ChatCompletionRequest.model_validate(wire)  # strict: every field known and well typed
@@ -115,6 +117,23 @@ def test_only_given_flags_become_request_fields():
     assert sent["repeat_penalty"] == 1.1 and sent["logit_bias"] == {"5": -1.5} and sent["seed"] == 3
     assert request.reasoning_format == "none" and request.model == "m"
     assert set(fields) - {"reasoning_format"} <= set(sent)
+
+
+@pytest.mark.parametrize("n", ["-1", "-2"])
+def test_no_limit_is_refused_for_a_remote_server_only(n, capsys):
+    """-n -1/-2 (no limit) has no API value: refused with --server-base (not silently dropped, which
+    would apply the remote server's default); in process the field is left out, as before."""
+    from monobatch.cli.main import build_parser, main
+    from monobatch.cli.session import request_fields
+
+    rc = main(["run", "--server-base", f"http://127.0.0.1:{free_port()}", "-n", n, "hi"])
+    out, err = capsys.readouterr()
+    assert_one_line_error(subprocess.CompletedProcess([], rc, out, err),
+                          "-n -1 cannot be sent to a remote server (the API has no 'no limit' value); leave -n out "
+                          "to use the server's default")
+    assert rc == 1
+    assert request_fields(build_parser().parse_args(["run", "-n", n, "--temperature", "0", "hi"])) == {
+        "temperature": 0.0}
 
 
 def free_port() -> int:
@@ -166,11 +185,22 @@ def test_help(command):
 
 
 # -- the HTTP client against a scripted server (no model) -------------------------------------------------
+RAW_STREAMS = {
+    "bad-choice": ['data: {"choices": ["x"]}'],
+    "bad-delta": ['data: {"choices": [{"index": 0, "delta": "x", "finish_reason": null}]}'],
+    "bad-usage": ['data: {"choices": [], "usage": "x"}'],
+    "bad-content": ['data: {"choices": [{"index": 0, "delta": {"content": 5}, "finish_reason": null}]}'],
+    "llama-error": ['data: {"choices": [{"index": 0, "delta": {"content": "Par"}, "finish_reason": null}]}',
+                    'error: {"code": 500, "message": "slot\\nfailed", "type": "server_error"}'],
+}
+
+
 class ScriptedServer(BaseHTTPRequestHandler):
     """/health answers 503 twice (loading), then 200; the chat endpoint plays the script named by
     the user's message."""
 
     health_calls = 0
+    health_error: dict | None = None  # set: /health answers 503 with this OpenAI error body, always
 
     def log_message(self, *args) -> None:
         pass
@@ -185,7 +215,10 @@ class ScriptedServer(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/health":
             type(self).health_calls += 1
-            self._send(503 if self.health_calls <= 2 else 200, b"{}")
+            if self.health_error is not None:
+                self._send(503, json.dumps({"error": self.health_error}).encode())
+            else:
+                self._send(503 if self.health_calls <= 2 else 200, b"{}")
         else:
             self._send(200, json.dumps({"object": "list", "data": [{"id": "scripted"}]}).encode())
 
@@ -195,6 +228,13 @@ class ScriptedServer(BaseHTTPRequestHandler):
         script = body["messages"][-1]["content"]
         if script == "plain-500":
             return self._send(500, b"oops", "text/plain")
+        if script in RAW_STREAMS:  # a non-conforming server: these lines, then the connection closes
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(b"".join(line.encode() + b"\n\n" for line in RAW_STREAMS[script]))
+            self.close_connection = True
+            return
         events = {
             "think": [{"reasoning_content": "hmm "}, {"reasoning_content": "ok"}, {"content": "Yes."}],
             "error-event": [{"error": {"message": "engine\nfailed"}}],
@@ -250,8 +290,65 @@ def test_server_failures_are_one_line(scripted, capsys, script, needle):
     assert_one_line_error(subprocess.CompletedProcess([], rc, out, err), needle)
 
 
+@pytest.mark.parametrize("script", ["bad-choice", "bad-delta", "bad-usage", "bad-content"])
+def test_malformed_chunks_are_one_line(scripted, capsys, script):
+    """Chunks whose choices / delta / usage are not objects: one line, no AttributeError."""
+    ScriptedServer.health_calls = 2
+    rc = run_main("--server-base", scripted, script)
+    out, err = capsys.readouterr()
+    assert_one_line_error(subprocess.CompletedProcess([], rc, out, err), "malformed chat chunk")
+
+
+def test_llama_cpp_error_line(scripted, capsys):
+    """llama.cpp's mid-stream ``error: {...}`` line: the server's message, after the text so far."""
+    ScriptedServer.health_calls = 2
+    assert run_main("--server-base", scripted, "llama-error") == 1
+    out, err = capsys.readouterr()
+    assert out == "Par" and err.strip().endswith("the server failed during the reply: slot failed"), err
+
+
 def test_stream_cut_short(scripted, capsys):
     ScriptedServer.health_calls = 2
     assert run_main("--server-base", scripted, "cut") == 1
     out, err = capsys.readouterr()
     assert out == "Par" and err.strip().endswith("closed the stream before the reply ended")
+
+
+def test_a_server_that_will_not_become_healthy_fails_at_once(scripted, capsys):
+    """/health 503 with a code other than model_loading (engine_stopped): the server's message on
+    one line, at once, not a wait for LOAD_WAIT seconds."""
+    ScriptedServer.health_calls = 0
+    ScriptedServer.health_error = {"message": "the engine has stopped", "type": "server_error", "param": None,
+                                   "code": "engine_stopped"}
+    try:
+        start = time.monotonic()
+        rc = run_main("--server-base", scripted, "think")
+        elapsed = time.monotonic() - start
+    finally:
+        ScriptedServer.health_error = None
+    out, err = capsys.readouterr()
+    assert_one_line_error(subprocess.CompletedProcess([], rc, out, err), "HTTP 503", "the engine has stopped")
+    assert "loading" not in err and ScriptedServer.health_calls == 1 and elapsed < 5
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_reasoning_ends_its_line_on_a_terminal(tty):
+    """--reasoning-format separate: on a terminal, a newline on stderr when the content follows
+    the reasoning text (once); redirected, stderr holds the reasoning text alone."""
+    from monobatch.cli.http_client import ChatChunk
+    from monobatch.cli.session import Reply, Session
+
+    class Client:
+        def stream_chat(self, body):
+            yield from [ChatChunk(reasoning="hmm "), ChatChunk(reasoning="ok"), ChatChunk(content="Yes"),
+                        ChatChunk(content="."), ChatChunk(finish_reason="stop")]
+
+    out, err = io.StringIO(), (_Tty() if tty else io.StringIO())
+    Session(Client(), None, {}).stream_reply([{"role": "user", "content": "hi"}], Reply(), out, err)
+    assert out.getvalue() == "Yes."
+    assert err.getvalue() == ("hmm ok\n" if tty else "hmm ok")

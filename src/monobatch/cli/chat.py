@@ -51,11 +51,15 @@ class Conversation:
 
     Args:
         opening: messages that ``/clear`` keeps (the ``--system`` message).
+
+    Attributes:
+        failures: how many turns the server refused or failed (a piped chat then exits 1).
     """
 
     def __init__(self, opening: list[dict[str, str]]) -> None:
         self.opening = opening
         self.turns: list[dict[str, str]] = []
+        self.failures = 0
 
     def messages(self) -> list[dict[str, str]]:
         """What the next request sends."""
@@ -120,6 +124,7 @@ def answer(session: Session, conversation: Conversation, stats: bool) -> Reply |
     except KeyboardInterrupt:
         reply.interrupted = True
     except ClientError as exc:
+        conversation.failures += 1
         if reply.content:
             sys.stdout.write("\n")
         hint = " (/clear starts a new conversation)" if exc.code == "context_length_exceeded" else ""
@@ -220,6 +225,9 @@ def run(ns: argparse.Namespace) -> int:
             print(f"monobatch chat: {session.model or 'the server model'} ({where}). /help lists the commands; "
                   "Ctrl-C stops a reply; /exit or Ctrl-D quits.", file=sys.stderr, flush=True)
         read_line = _prompted_input if interactive else (lambda prompt: input())  # no prompts when piped
-        if repl(session, Conversation(opening_messages(ns)), read_line, ns.stats) and interactive:
+        conversation = Conversation(opening_messages(ns))
+        if repl(session, conversation, read_line, ns.stats) and interactive:
             print(file=sys.stderr)  # Ctrl-D left the cursor after the prompt
-    return 0
+    # Piped (a script): a refused or failed turn makes the exit status 1, as with run. At a
+    # terminal the user saw each error and the session went on.
+    return 1 if conversation.failures and not interactive else 0

@@ -75,24 +75,31 @@ class ChatClient:
         self._http.close()
 
     def wait_healthy(self, timeout: float | None = None, on_wait=None) -> None:
-        """Return once ``GET /health`` answers 200; poll while it answers 503 (model loading).
+        """Return once ``GET /health`` answers 200; poll while it answers 503 for a model loading.
 
-        A server without ``/health`` (another status) is taken as up: the first request tells.
+        A 503 whose error ``code`` is ``model_loading`` (or a 503 without a JSON error body, as
+        other servers send) means still loading; any other code (``engine_stopped``,
+        ``server_shutting_down``) means it never will be healthy, and raises. A server without
+        ``/health`` (another status) is taken as up: the first request tells.
 
         Args:
             timeout: seconds to wait for the model to load (None = no limit).
             on_wait: called once, with no arguments, when the server is still loading.
 
         Raises:
-            ClientError: nothing listens, or still loading after ``timeout``.
+            ClientError: nothing listens, a 503 that is not loading (the server's message), or
+                still loading after ``timeout``.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         waited = False
         while True:
             with self._errors():
-                status = self._http.get("/health").status_code
-            if status != 503:
+                r = self._http.get("/health")
+            if r.status_code != 503:
                 return
+            code = _error_code(r)
+            if code is not None and code != "model_loading":
+                raise self._refusal(r)
             if not waited and on_wait is not None:
                 on_wait()
             waited = True
@@ -130,6 +137,8 @@ class ChatClient:
                 r.read()
                 raise self._refusal(r)
             for line in r.iter_lines():
+                if line.startswith("error:"):  # llama.cpp's error line in the middle of a stream
+                    raise _error_line(line[6:].strip())
                 if not line.startswith("data:"):
                     continue  # blank separators, ": keep-alive" comments, event names
                 data = line[5:].strip()
@@ -181,15 +190,52 @@ def _chunk(data: str) -> ChatChunk:
         raise ClientError(f"the server sent an unexpected event: {data[:80]!r}")
     if "error" in payload:
         raise _error_from_body(payload, None)
-    out = ChatChunk(usage=payload.get("usage"))
-    for choice in payload.get("choices") or ():
+    usage, choices = payload.get("usage"), payload.get("choices") or []
+    if not isinstance(usage, (dict, type(None))) or not isinstance(choices, list):
+        raise _malformed(data)
+    out = ChatChunk(usage=usage)
+    for choice in choices:
+        if not isinstance(choice, dict):
+            raise _malformed(data)
         if choice.get("index", 0) != 0:
             continue
         delta = choice.get("delta") or {}
-        out.content = delta.get("content") or ""
-        out.reasoning = delta.get("reasoning_content") or ""
-        out.finish_reason = choice.get("finish_reason")
+        if not isinstance(delta, dict):
+            raise _malformed(data)
+        content, reasoning = delta.get("content") or "", delta.get("reasoning_content") or ""
+        finish_reason = choice.get("finish_reason")
+        if not isinstance(content, str) or not isinstance(reasoning, str) \
+                or not isinstance(finish_reason, (str, type(None))):
+            raise _malformed(data)
+        out.content, out.reasoning, out.finish_reason = content, reasoning, finish_reason
     return out
+
+
+def _malformed(data: str) -> ClientError:
+    """A chat chunk whose fields do not have OpenAI's shape."""
+    return ClientError(f"the server sent a malformed chat chunk: {data[:120]!r}")
+
+
+def _error_line(data: str) -> ClientError:
+    """llama.cpp's ``error: {...}`` stream line (the error object, or ``{"error": {...}}``)."""
+    try:
+        payload = json.loads(data)
+    except ValueError:
+        payload = None
+    if isinstance(payload, dict) and "error" not in payload:
+        payload = {"error": payload}
+    return _error_from_body(payload, None, data)
+
+
+def _error_code(r: httpx.Response) -> str | None:
+    """The ``code`` of an OpenAI-shaped error body (None without one: not JSON, no code)."""
+    try:
+        body = r.json()
+    except ValueError:
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else None
 
 
 def _error_from_body(body: Any, status: int | None, text: str = "") -> ClientError:

@@ -68,8 +68,11 @@ def request_fields(ns: argparse.Namespace) -> dict[str, Any]:
     if flags.pop("loop_window", None) is not None and ns.server_base is not None:
         raise InvalidRequestError("--loop-window is a server setting, not a request field: start the server "
                                   "with it", "loop_window")
-    if flags.get("max_tokens") == -1:  # llama.cpp's "no limit" is the CLI's; over HTTP it is leaving the field out
-        del flags["max_tokens"]
+    if flags.get("max_tokens") == -1:  # llama.cpp's "no limit" (-n -1/-2): the API has no such value
+        if ns.server_base is not None:
+            raise InvalidRequestError("-n -1 cannot be sent to a remote server (the API has no 'no limit' value); "
+                                      "leave -n out to use the server's default", "max_tokens")
+        del flags["max_tokens"]  # in process: the field left out (the server here was built from these flags)
     if ns.reasoning_format is not None:
         flags["reasoning_format"] = ns.reasoning_format
     return flags
@@ -169,7 +172,8 @@ class Session:
     def stream_reply(self, messages: list[dict[str, str]], reply: Reply, out: TextIO | None = None,
                      err: TextIO | None = None) -> Reply:
         """Stream the reply to ``messages`` into ``reply``: content to ``out`` (stdout), reasoning
-        to ``err`` (stderr), as it arrives. Ctrl-C (KeyboardInterrupt) propagates with ``reply``
+        to ``err`` (stderr), as it arrives; on a terminal, a newline on ``err`` ends the reasoning
+        text when the content starts (both share the screen). Ctrl-C (KeyboardInterrupt) propagates with ``reply``
         holding what came so far; the connection is closed, so the server aborts the request.
 
         Raises:
@@ -190,6 +194,10 @@ class Session:
                     err.write(chunk.reasoning)
                     err.flush()
                 if chunk.content:
+                    if reply.reasoning and not reply.content and not reply.reasoning[-1].endswith("\n") \
+                            and err.isatty():
+                        err.write("\n")  # the reply starts on its own line, after the reasoning
+                        err.flush()
                     reply.content.append(chunk.content)
                     out.write(chunk.content)
                     out.flush()
