@@ -9,6 +9,7 @@ flags the user set, so the precedence of :func:`resolve_sampling` applies.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 from typing import TYPE_CHECKING, Any
@@ -215,6 +216,7 @@ def open_engine(ns: argparse.Namespace, loaded: "LoadedModel | None" = None) -> 
         template = load_chat_template(ns.chat_template, ns.chat_template_file)
         loaded = load_model(ns.model, ns.device, ns.dtype, chat_template=template, progress=not ns.no_progress)
     engine = Engine(loaded, config)
+    logging.getLogger("monobatch").info("%s", engine.describe())  # serve shows it at start (--log-level info)
     if ns.ctx_size and ns.ctx_size > engine.max_model_len:
         print(f"monobatch: -c {ns.ctx_size} exceeds the model's context; using {engine.max_model_len}", file=sys.stderr)
     return BatchScheduler(engine)
