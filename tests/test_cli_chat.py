@@ -155,6 +155,11 @@ def test_ctrl_c_stops_the_reply_not_the_session(server):
     child.expect_exact(chat.PROMPT)
 
     child.send("half a line")
+    # Wait for readline's echo first: a SIGINT that lands while readline is still handling the
+    # typed keys (not blocked in select) is only acted on at the next key press (CPython's
+    # readline loop), so a ^C sent 50 ms after the keys can wait for ever on a loaded machine.
+    child.expect_exact("half a line")
+    time.sleep(0.2)
     child.sendintr()  # at the prompt: the line is dropped, the session goes on
     child.expect_exact(chat.PROMPT)
     child.sendline("/help")
