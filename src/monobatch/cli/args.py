@@ -105,6 +105,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--deterministic", action="store_true",
                    help="batch-invariant computation: a request's tokens do not depend on the batch, chunking or "
                         "prefix cache (slower; see the ADR)")
+    e.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: run decode steps eagerly (CUDA graphs are used on CUDA with paged KV)")
 
 
 def _logit_bias(text: str) -> tuple[int, float]:
@@ -193,7 +195,7 @@ def engine_settings(ns: argparse.Namespace) -> dict[str, Any]:
         raise InvalidRequestError("--kv-cache-memory sizes the paged pool; it needs --kv-storage paged", "kv_cache_memory")
     return {"max_model_len": ns.ctx_size or None, "prefill_chunk": ns.prefill_chunk, "max_num_seqs": ns.max_num_seqs,
             "max_num_batched_tokens": batched, "kv_storage": ns.kv_storage, "kv_cache_memory": ns.kv_cache_memory,
-            "deterministic": ns.deterministic}
+            "deterministic": ns.deterministic, "cuda_graphs": not getattr(ns, "enforce_eager", False)}
 
 
 def open_engine(ns: argparse.Namespace, loaded: "LoadedModel | None" = None) -> "BatchScheduler":

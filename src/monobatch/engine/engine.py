@@ -12,10 +12,12 @@ import torch
 
 from monobatch import defaults
 from monobatch.engine.batch import StepBatch
+from monobatch.engine.cuda_graphs import DecodeGraphs
 from monobatch.engine.finish import FinishStep, RowOutput
 from monobatch.engine.sampler import RowSampler, token_logprobs
 from monobatch.engine.sequence import Sequence
 from monobatch.errors import InsufficientMemoryError, InvalidRequestError
+from monobatch.kernels.paged_decode import triton_usable
 from monobatch.kv.dense import DenseKv
 from monobatch.kv.paged import PagedKv
 from monobatch.kv.store import KvStore
@@ -39,6 +41,8 @@ class EngineConfig:
         block_size: paged block size in tokens.
         deterministic: batch-invariant computation (see :class:`StepBatch` ``row_tile`` and the
             ADR): a request's logits do not depend on batch, chunking or cache state.
+        cuda_graphs: capture decode-only steps as CUDA graphs (:mod:`monobatch.engine.cuda_graphs`)
+            where possible: CUDA, paged storage, the default mode, the paged-decode kernel usable.
     """
 
     max_model_len: int | None = None
@@ -49,6 +53,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     block_size: int = defaults.BLOCK_SIZE
     deterministic: bool = False
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -100,6 +105,12 @@ class Engine:
         self.vocab_size = min(args.vocab_size, self.tokenizer.vocab_size)
         self.sampler = RowSampler(self.vocab_size)
         self.finisher = FinishStep(self.tokenizer.eog_ids, self.max_model_len)
+        self.graphs = DecodeGraphs(self.model, self.kv, self.config.max_num_seqs) if self._graphs_usable() else None
+
+    def _graphs_usable(self) -> bool:
+        """CUDA graphs for decode steps: on CUDA, paged storage, fast mode, kernel usable."""
+        return (self.config.cuda_graphs and not self.row_tile and isinstance(self.kv, PagedKv)
+                and triton_usable(self.device, self.model.args.head_dim))
 
     @property
     def device(self) -> torch.device:
@@ -109,7 +120,8 @@ class Engine:
     def describe(self) -> str:
         """One line for a start-up log: the KV store, its capacity and the numerics mode."""
         mode = f"deterministic (row tiles of {self.row_tile})" if self.row_tile else "fast (not batch-invariant)"
-        return f"{self.kv.describe()}; context {self.max_model_len} tokens; mode {mode}"
+        graphs = f"; CUDA graphs for decode steps of up to {self.graphs.max_batch} sequences" if self.graphs else ""
+        return f"{self.kv.describe()}; context {self.max_model_len} tokens; mode {mode}{graphs}"
 
     def _make_kv(self) -> KvStore:
         """The KV store the config names; a paged pool is sized from ``kv_cache_memory``.
@@ -184,7 +196,10 @@ class Engine:
         return float(top[0] - top[1])
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
-        """Run ``batch`` through the model, caching its KV. Returns ``[R, V]`` float32 logits."""
+        """Run ``batch`` through the model, caching its KV. Returns ``[R, V]`` float32 logits
+        (a decode-only step replays a CUDA graph when :attr:`graphs` is set)."""
+        if self.graphs is not None and self.graphs.handles(batch):
+            return self.graphs.forward(batch)
         self.kv.prepare(batch)
         logits = self.model(batch, self.kv)
         self.kv.commit(batch)

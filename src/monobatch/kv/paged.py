@@ -12,6 +12,11 @@ sequence's keys arrive as ``[S, n_kv, hd]`` exactly as dense storage hands them 
 :func:`monobatch.kv.attention.attend_chunk`. (A plain torch gather; fused paged-attention
 kernels belong to the GPU work.)
 
+A decode-only step can instead run from static device tensors (:class:`DecodeStep`: slot mapping,
+block tables, lengths) through :func:`monobatch.kernels.paged_decode.paged_decode_attention`,
+which needs no host work — the form a CUDA graph captures (:mod:`monobatch.engine.cuda_graphs`).
+Rows that pad a captured batch write to a scratch block past the pool that no sequence owns.
+
 Blocks are reference-counted (:class:`monobatch.kv.block_pool.BlockPool`): ``fork`` shares every
 block, and a block that is shared or keyed in the prefix cache is copied before a sequence writes
 into it (copy-on-write, done in :meth:`PagedKv.reserve`).
@@ -19,15 +24,44 @@ into it (copy-on-write, done in :meth:`PagedKv.reserve`).
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import NoReturn, Sequence
 
 import torch
 
 from monobatch.engine.batch import StepBatch
 from monobatch.errors import InsufficientMemoryError
+from monobatch.kernels.paged_decode import paged_decode_attention
 from monobatch.kv.attention import attend_chunk
 from monobatch.kv.block_pool import ROOT_HASH, BlockPool, block_hash
 from monobatch.kv.store import KvStore, KvUsage
+
+
+@dataclass(slots=True)
+class DecodeStep:
+    """A decode-only step's attention inputs as device tensors of a fixed batch size B (rows past
+    the real ones are padding).
+
+    Attributes:
+        slot_mapping: ``[B]`` int64, the pool slot each row's new K/V is written to.
+        block_tables: ``[B, nb]`` int32, each row's block ids (``nb`` = blocks of a full context).
+        seq_lens: ``[B]`` int32, keys each row attends to (its new token included).
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+
+    @classmethod
+    def empty(cls, rows: int, blocks: int, device: torch.device | str, pin: bool = False) -> "DecodeStep":
+        """Zeroed tensors for ``rows`` rows of ``blocks`` blocks (``pin``: page-locked host memory)."""
+        kw = dict(device=device, pin_memory=pin)
+        return cls(torch.zeros(rows, dtype=torch.int64, **kw), torch.zeros(rows, blocks, dtype=torch.int32, **kw),
+                   torch.ones(rows, dtype=torch.int32, **kw))
+
+    def rows(self, n: int) -> "DecodeStep":
+        """The first ``n`` rows (views: same memory, so a graph captured on them sees new values)."""
+        return DecodeStep(self.slot_mapping[:n], self.block_tables[:n], self.seq_lens[:n])
 
 
 class PagedKv(KvStore):
@@ -50,7 +84,8 @@ class PagedKv(KvStore):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         try:
-            self.cache = torch.empty(num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim,
+            # one scratch block past the pool: padding rows of a captured decode write there
+            self.cache = torch.empty(num_layers, 2, (num_blocks + 1) * block_size, num_kv_heads, head_dim,
                                      dtype=dtype, device=self.device)
         except RuntimeError as e:
             raise InsufficientMemoryError(
@@ -60,7 +95,10 @@ class PagedKv(KvStore):
         self._len: dict[int, int] = {}
         self._tokens: dict[int, list[int]] = {}  # cached token ids, to key full blocks
         self._keys: dict[int, list[bytes]] = {}  # prefix-cache keys of the sequence's full blocks
-        self._step: tuple[StepBatch, torch.Tensor, torch.Tensor, list[tuple[int, int]]] | None = None
+        self._step: tuple[StepBatch, torch.Tensor, torch.Tensor, list[tuple[int, int]]] | DecodeStep | None = None
+        self.scratch_block = num_blocks  # never allocated: see DecodeStep
+        self.max_blocks_per_seq = -(-max_seq_len // block_size)
+        self.paged_attention_calls = 0  # attend() calls, one per layer per step (`monobatch parity` reads it)
 
     # -- queries --------------------------------------------------------------------------------
     def seq_len(self, seq_id: int) -> int:
@@ -160,10 +198,7 @@ class PagedKv(KvStore):
         for c in batch.chunks:
             self.check_chunk(c)
             if not self.reserve(c.seq_id, c.end_pos):
-                u = self.usage()
-                raise InsufficientMemoryError(
-                    f"the KV pool is full ({u.used_blocks} of {u.total_blocks} blocks in use); "
-                    "raise --kv-cache-memory or run fewer sequences at once")
+                self._pool_full()
             table = torch.tensor(self._table[c.seq_id], dtype=torch.int64)
             slots = (table[:, None] * bs + arange).reshape(-1)[:c.end_pos]  # slot of each position
             write.append(slots[c.pos:])
@@ -175,10 +210,59 @@ class PagedKv(KvStore):
             return
         self._step = (batch, torch.cat(write).to(self.device), torch.cat(gather).to(self.device), spans)
 
+    def prepare_decode(self, batch: StepBatch, host: DecodeStep, device: DecodeStep) -> None:
+        """:meth:`prepare` for a decode-only ``batch`` into static tensors: each row's slot, block
+        table and length go into ``host`` (page-locked), then one copy each into ``device``,
+        which :meth:`attend` then reads. Rows of ``host``/``device`` past the batch's are padding:
+        they write to the scratch block and attend to one key.
+
+        Raises:
+            ValueError: a chunk that is not one token, or a gap / overflow of the context.
+            InsufficientMemoryError: the pool has no free or evictable block left.
+        """
+        bs, n = self.block_size, len(batch.chunks)
+        slots, lens = [], []
+        for i, c in enumerate(batch.chunks):
+            if c.length != 1:
+                raise ValueError("prepare_decode takes one token per sequence")
+            self.check_chunk(c)
+            if not self.reserve(c.seq_id, c.end_pos):
+                self._pool_full()
+            table = self._table[c.seq_id]
+            slots.append(table[c.pos // bs] * bs + c.pos % bs)
+            lens.append(c.end_pos)
+            width = len(table)
+            host.block_tables[i, :width] = torch.as_tensor(table, dtype=torch.int32)
+        pad = host.slot_mapping.shape[0] - n
+        host.slot_mapping.copy_(torch.as_tensor(slots + [self.scratch_block * bs] * pad, dtype=torch.int64))
+        host.seq_lens.copy_(torch.as_tensor(lens + [1] * pad, dtype=torch.int32))
+        if pad:
+            host.block_tables[n:, 0] = self.scratch_block
+        for dst, src in ((device.slot_mapping, host.slot_mapping), (device.block_tables, host.block_tables),
+                         (device.seq_lens, host.seq_lens)):
+            dst.copy_(src, non_blocking=True)
+        self._step = device
+
+    def _pool_full(self) -> NoReturn:
+        u = self.usage()
+        raise InsufficientMemoryError(
+            f"the KV pool is full ({u.used_blocks} of {u.total_blocks} blocks in use); "
+            "raise --kv-cache-memory or run fewer sequences at once")
+
+    def bind_decode(self, step: DecodeStep) -> None:
+        """Make :meth:`attend` read ``step`` as it stands (graph capture and warm-up)."""
+        self._step = step
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        self.paged_attention_calls += 1
+        k_cache, v_cache = self.cache[layer, 0], self.cache[layer, 1]  # (slots, n_kv, hd)
+        if isinstance(self._step, DecodeStep):  # static decode step: no host work (capturable)
+            step = self._step
+            k_cache.index_copy_(0, step.slot_mapping, k)
+            v_cache.index_copy_(0, step.slot_mapping, v)
+            return paged_decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, self.block_size)
         assert self._step is not None and self._step[0] is batch, "prepare(batch) first"
         _, write, gather, spans = self._step
-        k_cache, v_cache = self.cache[layer, 0], self.cache[layer, 1]  # (slots, n_kv, hd)
         k_cache.index_copy_(0, write, k)
         v_cache.index_copy_(0, write, v)
         keys, values = k_cache[gather], v_cache[gather]  # (sum of S, n_kv, hd): every chunk's keys

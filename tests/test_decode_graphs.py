@@ -1,0 +1,123 @@
+"""The CUDA-graph decode path (engine/cuda_graphs.py) and its paged-decode attention kernel.
+
+On CPU the same static-buffer forward runs without capture (``capture=False``), so these tests
+check what a graph replays: padding to a captured size, the scratch block, block tables read on
+the device, and the same tokens and KV as the eager path. The Triton kernel itself is checked
+against the torch reference on CUDA (scripts/gpu_check.sh) and, where Triton is installed, in
+its CPU interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from monobatch.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from monobatch.engine.engine import Engine, EngineConfig
+from monobatch.engine.params import SamplingParams
+from monobatch.engine.scheduler import BatchScheduler
+from monobatch.engine.sequence import Request
+from monobatch.kernels.paged_decode import paged_decode_torch
+from monobatch.kv.attention import attend_chunk
+
+
+
+def test_capture_sizes_cover_every_batch():
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert capture_sizes(5) == [1, 2, 4, 5]
+    assert capture_sizes(1) == [1]
+
+
+def _paged_case(B, n_q, n_kv, hd, bs, lens, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    nb = max(-(-n // bs) for n in lens) + 1
+    blocks = B * nb + 3
+    k = torch.randn(blocks * bs, n_kv, hd, generator=g).to(device, dtype)
+    v = torch.randn(blocks * bs, n_kv, hd, generator=g).to(device, dtype)
+    tables = torch.randperm(blocks, generator=g)[:B * nb].view(B, nb).to(device, torch.int32)
+    q = torch.randn(B, n_q, hd, generator=g).to(device, dtype)
+    return q, k, v, tables, torch.tensor(lens, dtype=torch.int32, device=device)
+
+
+def _oracle(q, k, v, tables, lens, bs):
+    """attend_chunk (the eager path's attention) on each row's keys, gathered by hand."""
+    rows = []
+    for b, n in enumerate(lens.tolist()):
+        slots = (tables[b].long()[:, None] * bs + torch.arange(bs, device=q.device)).reshape(-1)[:n]
+        rows.append(attend_chunk(q[b:b + 1], k[slots], v[slots], n - 1)[0])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("shape", [(3, 32, 8, 64, 16, [1, 37, 600]), (2, 9, 3, 64, 16, [130, 1100])])
+def test_torch_paged_decode_matches_attend_chunk(shape):
+    *dims, lens = shape
+    q, k, v, tables, seq_lens = _paged_case(*dims, lens)
+    out = paged_decode_torch(q, k, v, tables, seq_lens, dims[-1])
+    torch.testing.assert_close(out, _oracle(q, k, v, tables, seq_lens, dims[-1]), rtol=1e-5, atol=1e-5)
+
+
+def test_triton_kernel_in_interpreter():
+    """The split-K kernel against the reference in Triton's CPU interpreter (a subprocess: the
+    interpreter is chosen when Triton is imported)."""
+    pytest.importorskip("triton")
+    code = (
+        "import torch, sys; sys.path.insert(0, 'tests');"
+        "from test_decode_graphs import _paged_case, _oracle;"
+        "from monobatch.kernels.paged_decode import paged_decode_triton;"
+        "case = _paged_case(3, 32, 8, 64, 16, [1, 513, 1100]);"
+        "out = paged_decode_triton(*case, 16);"
+        "torch.testing.assert_close(out, _oracle(*case, 16), rtol=1e-4, atol=1e-4); print('ok')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_kernel_on_cuda(dtype):
+    from monobatch.kernels.paged_decode import paged_decode_triton, triton_usable
+    if not triton_usable(torch.device("cuda"), 64):
+        pytest.skip("Triton not installed")
+    for lens in ([1, 16, 17, 511, 512, 513], [8192], [3000, 1, 9000]):
+        case = _paged_case(len(lens), 32, 8, 64, 16, lens, dtype, "cuda")
+        ref = _oracle(*(t.float() if t.is_floating_point() else t for t in case), 16)
+        torch.testing.assert_close(paged_decode_triton(*case, 16).float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def _run(scheduler, prompts, n=12):
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    reqs = [Request(f"r{i}", p, params, bypass_prefix_cache=True) for i, p in enumerate(prompts)]
+    ids = {r.request_id: [] for r in reqs}
+    for out in scheduler.run(reqs):
+        ids[out.request_id] += out.token_ids
+    return [ids[r.request_id] for r in reqs]
+
+
+def test_static_decode_path_matches_eager(loaded):
+    """Three sequences crossing block boundaries, padded to a batch of 4: the static-buffer
+    decode forward gives the eager path's tokens and writes the same KV (the padding row writes
+    only the scratch block)."""
+    device = torch.device("cpu")
+    prompts = [list(range(100, 100 + n)) for n in (5, 14, 30)]
+    eager = BatchScheduler(Engine(loaded, EngineConfig(max_model_len=256, kv_cache_memory=64 << 20)))
+    static_engine = Engine(loaded, EngineConfig(max_model_len=256, kv_cache_memory=64 << 20))
+    static_engine.graphs = DecodeGraphs(static_engine.model, static_engine.kv, max_batch=4, capture=False)
+    static = BatchScheduler(static_engine)
+    assert static_engine.graphs.padded(3) == 4 and static_engine.kv.device == device
+    assert _run(static, prompts) == _run(eager, prompts)
+    assert static_engine.graphs.replays > 0
+    # Same block allocation order on both sides: the pools hold the same K/V (not the scratch block).
+    used = static_engine.kv.pool.num_blocks * static_engine.kv.block_size
+    torch.testing.assert_close(static_engine.kv.cache[:, :, :used], eager.engine.kv.cache[:, :, :used], rtol=1e-5, atol=1e-5)
+    assert static_engine.kv.usage().used_blocks == 0  # every sequence freed its blocks
+
+
+def test_graphs_only_where_they_apply(loaded):
+    """CPU, dense storage, deterministic mode or --enforce-eager: no graphs (eager steps)."""
+    for cfg in (EngineConfig(max_model_len=64), EngineConfig(max_model_len=64, kv_storage="dense"),
+                EngineConfig(max_model_len=64, deterministic=True), EngineConfig(max_model_len=64, cuda_graphs=False)):
+        assert Engine(loaded, cfg).graphs is None
