@@ -2,7 +2,9 @@
 the test suite does not run): paged = dense at B=1 (greedy ids); under --deterministic, 8 prompts
 alone / as one batch / as one batch with prefill chunks of 5 give identical ids on both storages,
 and a prefix-cache hit equals the cold run; in the default mode, where batched ids differ from
-alone, the first divergent index and the top-2 logit margin there.
+alone, the first divergent index and the top-2 logit margin there. Where CUDA graphs apply
+(CUDA, paged, default mode), graph-replayed decode steps against eager ones, alone and batched.
+``--shape NAME``: random weights of a named shape instead of a checkpoint (no model file needed).
 
     PYTHONPATH=src python3 scripts/check_batching.py --model SmolLM2-135M-Instruct.Q4_1.gguf --device cuda
 """
@@ -11,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 
 from monobatch import LLM, SamplingParams
 from monobatch.engine.engine import Engine
 from monobatch.loader import load_model
+from monobatch.loader.dummy import dummy_model
 
 TEXTS = ["The quick brown fox", "In 1969, the first humans", "import numpy as np\n", "Roses are red,",
          "The three primary colours are", "def fibonacci(n):", "Once upon a time", "The capital of France is"]
@@ -41,15 +45,24 @@ def main() -> None:
     ap.add_argument("--model")
     ap.add_argument("--device", default="auto")
     ap.add_argument("-n", type=int, default=32, help="tokens per request")
+    ap.add_argument("--shape", help="random weights of this shape (monobatch.models.shapes) instead of --model")
     ns = ap.parse_args()
-    loaded = load_model(ns.model, ns.device, None, progress=False)
+    loaded = dummy_model(ns.shape, ns.device) if ns.shape else load_model(ns.model, ns.device, None, progress=False)
     tok = loaded.tokenizer
-    prompts = [tok.encode(t) for t in TEXTS]
+    rng = random.Random(0)
+    if ns.shape:  # a synthetic vocabulary: random ids of the prompts' lengths, a shared 40-token prefix
+        prompts = [[rng.randrange(1, tok.vocab_size) for _ in range(4 + 3 * i)] for i in range(len(TEXTS))]
+        prefix = [rng.randrange(1, tok.vocab_size) for _ in range(40)]
+        a, b = prefix + [11, 12, 13], prefix + [21, 22, 23]
+    else:
+        prompts = [tok.encode(t) for t in TEXTS]
+        a = tok.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a colour."}])
+        b = tok.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a fruit."}])
     greedy = SamplingParams(temperature=0, max_tokens=ns.n)
     report: dict = {"device": str(loaded.model.device), "dtype": str(loaded.model.dtype), "tokens": ns.n}
 
-    def run(storage, det, batch=True, chunk=2048, ps=prompts):
-        llm = LLM(loaded=loaded, kv_storage=storage, deterministic=det, prefill_chunk=chunk)
+    def run(storage, det, batch=True, chunk=2048, ps=prompts, eager=False):
+        llm = LLM(loaded=loaded, kv_storage=storage, deterministic=det, prefill_chunk=chunk, enforce_eager=eager)
         if batch:
             return ids(llm.generate(ps, greedy, use_tqdm=False))
         return [ids(llm.generate([p], greedy, use_tqdm=False))[0] for p in ps]
@@ -57,6 +70,12 @@ def main() -> None:
     dense_b1, paged_b1 = run("dense", False, batch=False), run("paged", False, batch=False)
     report["default_paged_equals_dense_b1"] = dense_b1 == paged_b1
     fast_batch = run("paged", False)
+    if Engine(loaded).graphs is not None:
+        eager_b1, eager_batch = run("paged", False, batch=False, eager=True), run("paged", False, eager=True)
+        report["graphs_b1_equal_eager"] = paged_b1 == eager_b1
+        report["graphs_b1_divergences"] = divergences(Engine(loaded), prompts, eager_b1, paged_b1)
+        report["graphs_batch_equal_eager"] = fast_batch == eager_batch
+        report["graphs_batch_divergences"] = divergences(Engine(loaded), prompts, eager_batch, fast_batch)
     report["default_batch_equals_alone"] = fast_batch == paged_b1
     report["default_batch_divergences"] = divergences(Engine(loaded), prompts, paged_b1, fast_batch)
     ref = run("dense", True, batch=False)
@@ -64,8 +83,6 @@ def main() -> None:
         report[f"deterministic_{storage}_alone_equal"] = run(storage, True, batch=False) == ref
         report[f"deterministic_{storage}_batch_equal"] = run(storage, True) == ref
         report[f"deterministic_{storage}_chunked_batch_equal"] = run(storage, True, chunk=5) == ref
-    a = tok.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a colour."}])
-    b = tok.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a fruit."}])
     for det in (True, False):
         cold = run("paged", det, batch=False, ps=[b])[0]
         llm = LLM(loaded=loaded, deterministic=det)
