@@ -28,7 +28,7 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs have none.
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the install
-    triton = None
+    triton = tl = None
 
 #: Tokens of one split-K partition (one program's share of a sequence's keys).
 PARTITION = 512
@@ -109,6 +109,21 @@ if triton is not None:
         tl.store(o_ptr, out, mask=gmask[:, None])
         tl.store(LSE_PART + b * stride_lb + heads * stride_lh + part, lse, mask=gmask)
 
+    @triton.jit
+    def _merge_kernel(O_PART, LSE_PART, OUT, stride_ob, stride_oh, stride_op, stride_lb, stride_lh,
+                      stride_outb, stride_outh, parts, P_PAD: tl.constexpr, HD: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_p = tl.arange(0, P_PAD)
+        offs_d = tl.arange(0, HD)
+        pmask = offs_p < parts
+        lse = tl.load(LSE_PART + b * stride_lb + h * stride_lh + offs_p, mask=pmask, other=float("-inf"))
+        w = tl.exp(lse - tl.max(lse, 0))  # empty partitions: exp(-inf) = 0
+        o = tl.load(O_PART + b * stride_ob + h * stride_oh + offs_p[:, None] * stride_op + offs_d[None, :],
+                    mask=pmask[:, None], other=0.0)
+        out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+        tl.store(OUT + b * stride_outb + h * stride_outh + offs_d, out.to(OUT.dtype.element_ty))
+
 
 def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -137,9 +152,11 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         1.0 / math.sqrt(hd), G=g, G_PAD=max(16, triton.next_power_of_2(g)), HD=hd, BS=block_size,
         PART=PARTITION, BN=BLOCK_N)
     # Merge the partitions by their log-sum-exp: weights exp(lse_p - max lse) (0 for empty ones).
-    weights = torch.exp(lse - lse.amax(dim=-1, keepdim=True))  # (B, n_q, parts)
-    out = (o_part * weights[..., None]).sum(dim=2) / weights.sum(dim=-1)[..., None]
-    return out.to(q.dtype)
+    out = torch.empty_like(q)
+    _merge_kernel[(B, n_q)](o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+                            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), parts,
+                            P_PAD=triton.next_power_of_2(parts), HD=hd)
+    return out
 
 
 def triton_usable(device: torch.device, head_dim: int) -> bool:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from monobatch.engine.batch import StepBatch
+from monobatch.kernels import fused
 from monobatch.kv.store import KvStore
 from monobatch.models.args import ModelArgs
 from monobatch.models.rope import RotaryEmbedding, apply_rope, rope_inv_freq
@@ -83,7 +84,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[..., dim]`` -> same shape and dtype."""
+        """x ``[..., dim]`` -> same shape and dtype (one fused kernel on CUDA: :mod:`monobatch.kernels.fused`)."""
+        if fused.enabled(x):
+            return fused.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -127,7 +130,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, D]`` -> ``[T, D]``."""
-        gate, up = self.gate_up_proj(x).split(self.ffn, dim=-1)  # (T, F) each
+        gate_up = self.gate_up_proj(x)  # (T, 2F)
+        if fused.enabled(gate_up):
+            return self.down_proj(fused.silu_mul(gate_up))
+        gate, up = gate_up.split(self.ffn, dim=-1)  # (T, F) each
         return self.down_proj(F.silu(gate) * up)
 
 

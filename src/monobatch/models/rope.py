@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from monobatch.errors import UnsupportedModelError
+from monobatch.kernels import fused
 
 
 def _yarn(inv_freq: torch.Tensor, dim: int, base: float, cfg: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
@@ -112,7 +113,10 @@ class RotaryEmbedding:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, heads, head_dim]`` by cos/sin ``[T, head_dim]`` (HF rotate_half layout)."""
+    """Rotate ``x`` ``[T, heads, head_dim]`` by cos/sin ``[T, head_dim]`` (HF rotate_half layout;
+    one fused kernel on CUDA: :mod:`monobatch.kernels.fused`)."""
+    if fused.enabled(x):
+        return fused.rope(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]

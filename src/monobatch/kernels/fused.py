@@ -1,0 +1,115 @@
+"""Fused element-wise kernels for CUDA (Triton): RMSNorm, rotary embedding, SiLU-gated product.
+
+Each replaces a chain of small torch ops (RMSNorm is eight kernels in eager torch, RoPE five per
+tensor) with one kernel; at B=1 a decode step is hundreds of such launches, so on the GPU their
+count, not their arithmetic, sets the time. Each kernel computes one row (one token, or one token
+and head) alone, in a fixed order, so results do not depend on the batch (deterministic mode
+keeps its guarantee). The torch versions in :mod:`monobatch.models` stay the reference and the
+CPU path; :func:`enabled` says whether a tensor takes the fused path.
+
+``MONOBATCH_FUSED_KERNELS=0`` turns them off (A/B measurements, or a Triton problem).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from monobatch.kernels.paged_decode import triton, tl
+
+_ON = os.environ.get("MONOBATCH_FUSED_KERNELS", "1") != "0"
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """True when ``x`` takes the fused path: on CUDA, Triton present, not switched off."""
+    return _ON and triton is not None and x.is_cuda
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(X, W, Y, stride_x, stride_y, n, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+        x32 = x.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / n + eps)
+        w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+        y = w * (x32 * inv).to(x.dtype).to(tl.float32)  # as the reference: normalise in fp32, cast, scale
+        tl.store(Y + row * stride_y + offs, y.to(x.dtype), mask=mask)
+
+    @triton.jit
+    def _rope_kernel(X, COS, SIN, Y, stride_xt, stride_xh, stride_ct, stride_yt, stride_yh,
+                     HALF: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < HALF
+        base = X + t * stride_xt + h * stride_xh
+        x1 = tl.load(base + offs, mask=mask, other=0.0)
+        dtype = x1.dtype
+        x1 = x1.to(tl.float32)
+        x2 = tl.load(base + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        c1 = tl.load(COS + t * stride_ct + offs, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(COS + t * stride_ct + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(SIN + t * stride_ct + offs, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(SIN + t * stride_ct + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        out = Y + t * stride_yt + h * stride_yh
+        # x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1); fp32, rounded once
+        tl.store(out + offs, (x1 * c1 - x2 * s1).to(dtype), mask=mask)
+        tl.store(out + HALF + offs, (x2 * c2 + x1 * s2).to(dtype), mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(GU, Y, stride_g, stride_y, F, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = col < F
+        g = tl.load(GU + row * stride_g + col, mask=mask, other=0.0)
+        u = tl.load(GU + row * stride_g + F + col, mask=mask, other=0.0).to(tl.float32)
+        g32 = g.to(tl.float32)
+        act = (g32 / (1.0 + tl.exp(-g32))).to(g.dtype).to(tl.float32)  # silu in fp32, rounded like torch's
+        tl.store(Y + row * stride_y + col, (act * u).to(g.dtype), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019) of ``x`` ``[..., D]`` with ``weight`` ``[D]``: one program
+    per row; same shape and dtype as ``x``. Reference: :class:`monobatch.models.llama.RMSNorm`."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, x2.stride(0), y.stride(0), shape[-1], eps,
+                                         BLOCK=triton.next_power_of_2(shape[-1]))
+    return y.view(shape)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (Su et al. 2021, HF rotate_half layout) of ``x`` ``[T, heads, hd]`` by
+    ``cos``/``sin`` ``[T, hd]``: a new tensor. Reference: :func:`monobatch.models.rope.apply_rope`."""
+    T, H, hd = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    y = torch.empty((T, H, hd), dtype=x.dtype, device=x.device)
+    if T:
+        _rope_kernel[(T, H)](x, cos, sin, y, x.stride(0), x.stride(1), cos.stride(0), y.stride(0), y.stride(1),
+                             HALF=hd // 2, BLOCK=triton.next_power_of_2(hd // 2))
+    return y
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate (Shazeer 2020): ``silu(gate) * up`` for ``gate_up`` = cat(gate, up) ``[T, 2F]``
+    -> ``[T, F]``. Reference: :class:`monobatch.models.llama.MLP`."""
+    T, F2 = gate_up.shape
+    F = F2 // 2
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    y = torch.empty((T, F), dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    if T:
+        _silu_mul_kernel[(T, triton.cdiv(F, block))](gate_up, y, gate_up.stride(0), y.stride(0), F, BLOCK=block)
+    return y

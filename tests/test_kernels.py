@@ -1,0 +1,74 @@
+"""The fused CUDA kernels (kernels/fused.py) against their torch references: on CUDA in bf16
+(scripts/gpu_check.sh runs these), and in Triton's CPU interpreter in fp32 where Triton is
+installed (the interpreter's bf16 arithmetic is not faithful)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from monobatch.models.llama import RMSNorm
+from monobatch.models.rope import apply_rope
+
+
+def _cases(dtype, device):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 576, generator=g)
+    w = torch.randn(576, generator=g)
+    q = torch.randn(7, 9, 64, generator=g)
+    angles = torch.randn(7, 32, generator=g) * 7
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    gu = torch.randn(7, 2 * 1536, generator=g)
+    return [t.to(device, dtype) for t in (x, w, q, cos, sin, gu)]
+
+
+def check(dtype=torch.float32, device="cpu", tol=1e-5):
+    """Every fused kernel against its reference (callable in a subprocess)."""
+    from monobatch.kernels import fused
+    x, w, q, cos, sin, gu = _cases(dtype, device)
+    norm = RMSNorm(576, 1e-5).to(device)
+    norm.weight.data = w
+    ref_norm = fused._ON
+    try:
+        fused._ON = False  # the torch references
+        want = (norm(x), apply_rope(q, cos, sin), F.silu(gu[:, :1536]) * gu[:, 1536:])
+    finally:
+        fused._ON = ref_norm
+    got = (fused.rms_norm(x, w, 1e-5), fused.rope(q, cos, sin), fused.silu_mul(gu))
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+    # strided input (a view of a packed projection) and an empty batch
+    qkv = torch.cat([q.flatten(1), q.flatten(1)], -1)[:, :q.numel() // 7].view(7, 9, 64)
+    torch.testing.assert_close(fused.rope(qkv, cos, sin).float(), want[1].float(), rtol=tol, atol=tol)
+    assert fused.rms_norm(x[:0], w, 1e-5).shape == (0, 576)
+    return "ok"
+
+
+def test_fused_kernels_in_interpreter():
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the CUDA test runs instead")
+    code = "import sys; sys.path.insert(0, 'tests'); from test_kernels import check; print(check())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+def test_fused_kernels_on_cuda():
+    from monobatch.kernels.paged_decode import triton
+    if triton is None:
+        pytest.skip("Triton not installed")
+    check(torch.float32, "cuda", 1e-5)
+    check(torch.bfloat16, "cuda", 3e-2)
+
+
+def test_fused_path_is_cuda_only():
+    from monobatch.kernels import fused
+    assert not fused.enabled(torch.zeros(2))
