@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,driver_version,utilization.gpu,memory.used --format=
 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_decode_graphs.py \
     -k "cuda or sizes or torch_paged" > "$OUT/kernel_tests.txt" 2>&1
 B="monobatch bench --dummy-weights --device cuda -n 128 -r 3 --path engine,server --json"
-timeout 200 python3 scripts/bench_rounds.py --rounds 3 --timeout 60 --settle 5 --allow-busy --json "$OUT/rounds.json" \
+timeout -s INT 200 python3 scripts/bench_rounds.py --rounds 3 --timeout 60 --settle 5 --allow-busy --json "$OUT/rounds.json" \
     --arm llama1b="$B --shape llama-1b -p 256,8064" \
     --arm smollm2="$B --shape smollm2-135m -p 256,8064" \
     --arm llama1b_unfused="MONOBATCH_FUSED_KERNELS=0 $B --shape llama-1b -p 256" > "$OUT/rounds.txt" 2>&1
