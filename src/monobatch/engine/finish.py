@@ -23,6 +23,10 @@ class RequestMetrics:
 
     TTFT = first token - arrival; decode rate = (tokens - 1) / (finish - first token); ITL =
     the gaps between consecutive tokens (ms), TPOT their mean.
+
+    The prefill partition (``num_cached_tokens`` prompt tokens adopted from the prefix cache,
+    then ``prefill_chunks``, the ``(start, end)`` chunks computed) and the batch evidence
+    (``max_batch_seqs``, ``shared_steps``) are :class:`Sequence`'s, copied at the finish.
     """
 
     arrival_time: float
@@ -32,6 +36,9 @@ class RequestMetrics:
     num_output_tokens: int
     itl_ms: list[float] = field(default_factory=list)
     num_cached_tokens: int = 0
+    prefill_chunks: list[tuple[int, int]] = field(default_factory=list)
+    max_batch_seqs: int = 0
+    shared_steps: int = 0
 
     @property
     def ttft_ms(self) -> float:
@@ -55,7 +62,8 @@ class RequestMetrics:
     def of(cls, seq: Sequence) -> "RequestMetrics":
         """The metrics of ``seq``, finishing now."""
         return cls(seq.arrival_time, seq.first_token_time, time.perf_counter(),
-                   len(seq.prompt_ids), len(seq.output_ids), list(seq.itl_ms), seq.num_cached_tokens)
+                   len(seq.prompt_ids), len(seq.output_ids), list(seq.itl_ms), seq.num_cached_tokens,
+                   list(seq.prefill_chunks), seq.max_batch_seqs, seq.shared_steps)
 
 
 @dataclass(slots=True)

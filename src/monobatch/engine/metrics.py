@@ -26,6 +26,8 @@ class SchedulerStats:
             each) / tokens generated (counters).
         num_preemptions: sequences preempted (recompute) for lack of KV blocks (counter).
         num_requests_finished: requests that ended, any finish_reason (counter).
+        paged_attention_calls: attention calls served by paged KV storage, one per layer per
+            step (counter; 0 on dense storage): ``monobatch parity``'s proof that paged attention ran.
     """
 
     num_running: int = 0
@@ -40,6 +42,7 @@ class SchedulerStats:
     generation_tokens_total: int = 0
     num_preemptions: int = 0
     num_requests_finished: int = 0
+    paged_attention_calls: int = 0
 
     @property
     def kv_usage(self) -> float:

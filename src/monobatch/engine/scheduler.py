@@ -13,12 +13,18 @@ running sequence's ``num_computed`` catches up with its ``num_tokens``. A step:
 3. ``Engine.step``: forward + sample + finish; a chunk that reaches its sequence's last token
    asks for logits, and that sequence draws one token. Finished sequences release their KV
    (their full blocks stay in the prefix cache) in the same step.
+
+Finish observers (:meth:`BatchScheduler.add_finish_observer`) see every sequence that ends — its
+prompt and generated ids and its :class:`RequestMetrics` — on the thread that drives the loop;
+``monobatch parity`` uses them to read what a server generated without going through HTTP.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
-from typing import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
 
 from monobatch.engine.batch import StepBatch
 from monobatch.engine.engine import Engine
@@ -28,6 +34,26 @@ from monobatch.engine.planner import PrefillPlan
 from monobatch.engine.sequence import FinishReason, Request, Sequence, SeqStatus
 from monobatch.errors import ContextLengthError, InvalidRequestError
 from monobatch.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("monobatch")
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRequest:
+    """What a finish observer gets for each sequence that ends (copies: safe to keep).
+
+    Attributes:
+        request_id: the client's key.
+        prompt_ids / output_ids: the prompt and every generated token id.
+        finish_reason: ``stop`` | ``length`` | ``loop`` | ``abort``.
+        metrics: timings, prompt tokens adopted from the prefix cache, the prefill partition.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: FinishReason
+    metrics: RequestMetrics
 
 
 class BatchScheduler:
@@ -46,6 +72,24 @@ class BatchScheduler:
         self.running: list[Sequence] = []
         self._done: list[RowOutput] = []  # outputs produced outside a forward (max_tokens 0, abort)
         self._stats = SchedulerStats()
+        self._finish_observers: list[Callable[[FinishedRequest], None]] = []
+
+    def add_finish_observer(self, fn: Callable[[FinishedRequest], None]) -> None:
+        """Call ``fn(FinishedRequest)`` for every sequence that ends from now on (any
+        finish_reason), on the thread that drives the loop, before the step returns its outputs.
+        ``fn`` must be quick and must not block; an exception it raises is logged and ignored."""
+        self._finish_observers.append(fn)
+
+    def _notify_finished(self, seq: Sequence) -> None:
+        if not self._finish_observers:
+            return
+        record = FinishedRequest(seq.request_id, list(seq.prompt_ids), list(seq.output_ids), seq.finish_reason,
+                                 RequestMetrics.of(seq))
+        for fn in self._finish_observers:
+            try:
+                fn(record)
+            except Exception:  # noqa: BLE001 - an observer never breaks the loop
+                log.exception("a finish observer failed")
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -81,6 +125,7 @@ class BatchScheduler:
             self._done.append(RowOutput(seq.request_id, finish_reason=FinishReason.LENGTH, num_prompt_tokens=n,
                                         metrics=RequestMetrics.of(seq)))
             self._stats.num_requests_finished += 1
+            self._notify_finished(seq)
             return
         self.waiting.append(seq)
 
@@ -97,6 +142,7 @@ class BatchScheduler:
                                     num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids),
                                     num_cached_tokens=seq.num_cached_tokens, metrics=RequestMetrics.of(seq)))
         self._stats.num_requests_finished += 1
+        self._notify_finished(seq)
         return True
 
     def preempt(self, request_id: str) -> bool:
@@ -134,7 +180,8 @@ class BatchScheduler:
         return SchedulerStats(len(self.running), len(self.waiting), usage.used_blocks, usage.total_blocks,
                               usage.cached_blocks, usage.used_bytes, s.prefix_cache_queries, s.prefix_cache_hits,
                               s.prompt_tokens_total, s.generation_tokens_total, s.num_preemptions,
-                              s.num_requests_finished)
+                              s.num_requests_finished,
+                              paged_attention_calls=getattr(self.kv, "paged_attention_calls", 0))
 
     # -- the loop -------------------------------------------------------------------------
     def step(self) -> list[RowOutput]:
@@ -170,6 +217,7 @@ class BatchScheduler:
             self.running.remove(seq)
             self.kv.free(seq.seq_id)
             self._stats.num_requests_finished += 1
+            self._notify_finished(seq)
         return outputs + step_outputs
 
     def run(self, requests: Iterable[Request] = ()) -> Iterator[RowOutput]:
@@ -239,6 +287,10 @@ class BatchScheduler:
         for seq, n in scheduled:
             start = seq.num_computed
             wants = start + n == seq.num_tokens
+            if n > 1 or start < len(seq.prompt_ids):  # the prefill partition (decodes are not recorded)
+                seq.prefill_chunks.append((start, start + n))
+            seq.max_batch_seqs = max(seq.max_batch_seqs, len(scheduled))
+            seq.shared_steps += len(scheduled) > 1
             chunks.append((seq.seq_id, seq.token_slice(start, start + n), start, wants,
                            self.plan.wants_all_logits(seq, start)))
             seq.num_computed += n

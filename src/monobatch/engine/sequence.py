@@ -66,6 +66,11 @@ class Sequence:
         num_computed: tokens whose KV is cached (catches up with ``num_tokens``).
         num_cached_tokens: prompt tokens adopted from the prefix cache at the first admission.
         num_admissions: times admitted (1 + preemptions survived).
+        prefill_chunks: the prefill partition: ``(start, end)`` token positions of every chunk
+            computed for the sequence except one-token decodes (a preempted sequence's recompute
+            appears too); the cached prefix ``[0, num_cached_tokens)`` is not computed.
+        max_batch_seqs / shared_steps: most sequences in one step this sequence was part of /
+            steps it shared with at least one other sequence (batch-transparency evidence).
         prompt_logprobs: ``[(token_id, logprob | None, top | None)]`` per prompt token so far
             (entry 0 has no logprob) when the request asked for them, else None.
         sampler: per-sequence sampler state (history, seeded RNG, DRY).
@@ -86,6 +91,9 @@ class Sequence:
         self.num_computed = 0
         self.num_cached_tokens = 0
         self.num_admissions = 0
+        self.prefill_chunks: list[tuple[int, int]] = []
+        self.max_batch_seqs = 0
+        self.shared_steps = 0
         self.prompt_logprobs_k = request.prompt_logprobs
         self.bypass_prefix_cache = request.bypass_prefix_cache or request.prompt_logprobs is not None
         self.prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]] | None]] | None = (

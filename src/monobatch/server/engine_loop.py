@@ -243,7 +243,7 @@ def _refuse(msg: Message) -> None:
 #: The stats ``/metrics`` shows (:class:`monobatch.engine.metrics.SchedulerStats` fields).
 STAT_FIELDS = ("num_running", "num_waiting", "kv_usage", "kv_used_blocks", "kv_total_blocks", "kv_cached_blocks",
                "kv_used_bytes", "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens_total",
-               "generation_tokens_total", "num_preemptions", "num_requests_finished")
+               "generation_tokens_total", "num_preemptions", "num_requests_finished", "paged_attention_calls")
 
 
 def read_stats(scheduler: BatchScheduler) -> dict[str, Any]:

@@ -40,6 +40,8 @@ _ENGINE_METRICS = {
     "generation_tokens": ("counter", "Generated tokens.", "generation_tokens_total"),
     "num_preemptions": ("counter", "Sequences preempted (recomputed later).", "num_preemptions"),
     "num_requests_finished": ("counter", "Sequences that ended, any finish reason.", "num_requests_finished"),
+    "paged_attention_calls": ("counter", "Attention calls on paged KV storage (one per layer per step; 0 on dense).",
+                              "paged_attention_calls"),
 }
 
 
