@@ -1,55 +1,119 @@
-"""`monobatch bench`: engine-direct B=1 prefill and decode speed, TTFT, load time and peak RSS;
-with ``-b N``, N concurrent requests against the same N run one after another.
+"""`monobatch bench`: prefill/decode speed and TTFT through the engine, the in-process server
+(its engine thread and router) or HTTP; batched throughput as llama.cpp's llama-batched-bench.
 
-On the bundled model by default, or random weights of a named shape with
-``--dummy-weights --shape NAME`` (no download). ``--json`` prints one JSON object.
+Prompts are synthesized text cut to the exact token count, generation is greedy with EOS
+ignored, and the prefix cache is bypassed. Every path x prompt length x batch size is measured
+(one warm-up, then --runs timed runs, medians). On the bundled model by default, or random
+weights of a named shape with ``--dummy-weights --shape NAME`` (no download).
+
+  monobatch bench -p 256,8064 -n 128
+  monobatch bench --path engine,server,http -p 256
+  monobatch bench --dummy-weights --shape llama-1b --device cuda --batch-size 1,8,32,64,128 --json
+
+``--json`` prints one JSON object per line, one per configuration (``label`` names it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from typing import Callable
 
+from monobatch import defaults
 from monobatch.cli.args import add_model_args, engine_settings
 from monobatch.errors import InvalidRequestError
+
+#: The paths, in the order they run (monobatch.bench.DRIVERS' keys, named here so that building
+#: the parser imports no torch).
+PATHS = ("engine", "server", "http")
+
+
+def _int_list(flag: str) -> Callable[[str], tuple[int, ...]]:
+    """An argparse type: a comma list of positive ints (duplicates dropped)."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(v) for v in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma list of integers such as 1,8,32, "
+                                             f"got {text!r}") from None
+        if any(v < 1 for v in values):
+            raise argparse.ArgumentTypeError(f"every {flag} value must be >= 1, got {text!r}")
+        return tuple(dict.fromkeys(values))
+
+    return parse
+
+
+def _paths(text: str) -> tuple[str, ...]:
+    """An argparse type: a comma list of path names, returned in :data:`PATHS` order."""
+    names = tuple(dict.fromkeys(v.strip() for v in text.split(",")))
+    unknown = [n for n in names if n not in PATHS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown path {unknown[0]!r} (expected a comma list of {', '.join(PATHS)})")
+    return tuple(p for p in PATHS if p in names)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``monobatch bench`` and its flags."""
     from monobatch.models.shapes import SHAPES
 
-    p = sub.add_parser("bench", help="measure B=1 prefill/decode speed through the engine", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-p", "--prompt-tokens", type=int, default=256, help="prompt length in tokens (default 256)")
+    p = sub.add_parser("bench", help="measure prefill/decode speed (engine, in-process server, HTTP; batched)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-p", "--prompt-tokens", type=_int_list("--prompt-tokens"), default=(256,), metavar="N[,N...]",
+                   help="prompt lengths in tokens, a comma list (default 256)")
     p.add_argument("-n", "--gen-tokens", type=int, default=128, help="generated tokens, EOS ignored (default 128)")
     p.add_argument("-r", "--runs", type=int, default=3, help="timed runs after one warm-up (default 3)")
+    p.add_argument("--path", type=_paths, default=("engine",), metavar="PATH[,PATH...]",
+                   help="engine (the scheduler directly), server (the server's engine thread and router, in "
+                        "process, no HTTP), http (streaming /v1/completions on 127.0.0.1); default engine")
+    p.add_argument("--batch-size", type=_int_list("--batch-size"), default=(1,), metavar="B[,B...]",
+                   help="sequences submitted together, a comma list: 1 = B=1 TTFT/prefill/decode, more = "
+                        "llama-batched-bench PP/TG (default 1)")
     p.add_argument("-b", "--concurrency", type=int, default=0,
                    help="also run N requests at once and the same N one after another (default 0: skip)")
     p.add_argument("--dummy-weights", action="store_true", help="random weights of --shape instead of a checkpoint")
     p.add_argument("--shape", help=f"with --dummy-weights: {', '.join(SHAPES)} (default smollm2-135m)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true", help="print one JSON object per line, one per configuration")
     add_model_args(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, max_num_seqs=None)  # None: max(the default, the largest --batch-size)
 
 
 def run(ns: argparse.Namespace) -> int:
-    """Load, warm up, time, print. Returns the exit code."""
-    from monobatch.bench import bench
+    """Check the flags, load, measure, print each result as it comes. Returns the exit code."""
+    for name, low in (("gen_tokens", 2), ("runs", 1)):
+        if getattr(ns, name) < low:
+            raise InvalidRequestError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(ns, name)}", name)
+    if ns.concurrency < 0:
+        raise InvalidRequestError(f"--concurrency must be >= 0, got {ns.concurrency}", "concurrency")
+    if ns.shape is not None and not ns.dummy_weights:
+        raise InvalidRequestError("--shape needs --dummy-weights (a checkpoint has its own shape)", "shape")
+    if ns.max_num_seqs is None:
+        ns.max_num_seqs = max(defaults.MAX_NUM_SEQS, *ns.batch_size)
+    engine_settings(ns)  # refuse bad flags before building weights
+
+    from monobatch.bench import TABLE_HEADER, BenchPlan, Setup, run_bench
     from monobatch.cli.args import open_engine
     from monobatch.loader.dummy import dummy_model
 
-    for name in ("prompt_tokens", "gen_tokens", "runs"):
-        if getattr(ns, name) < 1:
-            raise InvalidRequestError(f"--{name.replace('_', '-')} must be >= 1", name)
-    if ns.shape is not None and not ns.dummy_weights:
-        raise InvalidRequestError("--shape needs --dummy-weights (a checkpoint has its own shape)", "shape")
-    engine_settings(ns)  # refuse bad flags before building weights
-    scheduler = open_engine(ns, dummy_model(ns.shape or "smollm2-135m", ns.device, ns.dtype) if ns.dummy_weights else None)
-    need = ns.prompt_tokens + ns.gen_tokens
-    if need > scheduler.engine.max_model_len:
-        raise InvalidRequestError(f"prompt + generated tokens ({need}) exceed the context ({scheduler.engine.max_model_len})")
-    if ns.concurrency < 0:
-        raise InvalidRequestError("--concurrency must be >= 0", "concurrency")
-    result = bench(scheduler, ns.prompt_tokens, ns.gen_tokens, ns.runs, concurrency=ns.concurrency)
-    print(json.dumps(result.to_dict()) if ns.json else result.table())
+    plan = BenchPlan(paths=ns.path, prompt_tokens=ns.prompt_tokens, gen_tokens=ns.gen_tokens,
+                     batch_sizes=ns.batch_size, runs=ns.runs, concurrency=ns.concurrency)
+    loaded = dummy_model(ns.shape or "smollm2-135m", ns.device, ns.dtype) if ns.dummy_weights else None
+    scheduler = open_engine(ns, loaded)
+    plan.check(scheduler)
+    if not ns.json:
+        print(Setup.of(scheduler).header())
+        print(f"prompt {'/'.join(map(str, plan.prompt_tokens))} + gen {plan.gen_tokens} tokens (synthesized text, "
+              f"prefix cache bypassed, greedy, EOS ignored); median of {plan.runs} runs after 1 warm-up")
+        print(TABLE_HEADER, flush=True)
+
+    def emit(row) -> None:
+        print(json.dumps(row.to_dict()) if ns.json else row.table_line(), flush=True)
+        if row.samples.get("preemptions"):
+            print(f"monobatch bench: warning: {row.label}: {row.samples['preemptions']} preemptions (KV pool too "
+                  "small for the batch; raise --kv-cache-memory)", file=sys.stderr)
+
+    rows = run_bench(scheduler, plan, emit)
+    if not ns.json:
+        print(f"peak RSS {rows[-1].peak_rss_mb:.0f} MB")
     return 0
