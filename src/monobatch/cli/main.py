@@ -15,16 +15,18 @@ from monobatch.errors import MonobatchError
 
 def build_parser() -> OneLineParser:
     """The ``monobatch`` parser with one subcommand per command module."""
-    from monobatch.cli import bench, chat, generate, run, serve
+    from monobatch.cli import bench, bench_serve, chat, generate, parity, run, serve
 
     parser = OneLineParser(prog="monobatch", description="One batch-native LLM inference engine.")
     parser.add_argument("--version", action="version", version=f"monobatch {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     generate.add_parser(sub)
     bench.add_parser(sub)
+    bench_serve.add_parser(sub)
     serve.add_parser(sub)
     run.add_parser(sub)
     chat.add_parser(sub)
+    parity.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,122 @@
+"""`monobatch bench-serve` against a real `monobatch serve` process (the bundled model), plus its
+pure parts (arrival times, percentiles)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import socket
+
+import pytest
+
+from cli_util import assert_one_line_error, monobatch
+from server_util import Server, shared_server
+from test_server import MAIN_ARGS
+
+LATENCIES = ("ttft", "tpot", "itl", "e2el")
+
+
+@pytest.fixture(scope="module")
+def server() -> Server:
+    return shared_server("main", *MAIN_ARGS)  # the same server as test_server.py's
+
+
+def bench_serve(server: Server, *args: str):
+    res = monobatch("bench-serve", "--base-url", server.base_url, *args, timeout=120)
+    assert "Traceback" not in res.stderr, res.stderr
+    return res
+
+
+def test_json_result(server):
+    res = bench_serve(server, "--num-prompts", "6", "--input-len", "24", "--output-len", "6", "--request-rate", "30",
+                      "--max-concurrency", "3", "--seed", "1", "--label", "t", "--json")
+    assert res.returncode == 0, res.stderr
+    assert len(res.stdout.splitlines()) == 1  # one JSON line: usable as a bench_rounds arm
+    out = json.loads(res.stdout)
+    assert out["label"] == "t" and out["endpoint"] == "/v1/completions" and out["model"]
+    assert (out["num_prompts"], out["input_len"], out["output_len"]) == (6, 24, 6)
+    assert (out["request_rate"], out["max_concurrency"], out["seed"]) == (30, 3, 1)
+    assert (out["completed"], out["failed"], out["first_error"]) == (6, 0, None)
+    assert out["total_output_tokens"] == 6 * 6 and out["usage_from_server"] is True
+    assert 6 * 24 * 0.7 <= out["total_input_tokens"] <= 6 * 24 * 1.3  # --input-len is approximate
+    assert out["duration_s"] > 0
+    assert out["request_throughput"] == pytest.approx(6 / out["duration_s"], rel=1e-2)
+    assert out["output_throughput"] == pytest.approx(36 / out["duration_s"], rel=1e-2)
+    assert out["total_token_throughput"] == pytest.approx(
+        (out["total_input_tokens"] + 36) / out["duration_s"], rel=1e-2)
+    for name in LATENCIES:
+        mean, median, p90, p99 = (out[f"{k}_{name}_ms"] for k in ("mean", "median", "p90", "p99"))
+        assert 0 < median <= p90 <= p99, (name, out)
+        assert 0 < mean <= p99 and out[f"std_{name}_ms"] >= 0
+    assert out["mean_ttft_ms"] < out["mean_e2el_ms"]
+    assert out["p99_e2el_ms"] <= out["duration_s"] * 1000
+    # 6 requests x 5 gaps: the TPOT of each is its mean ITL
+    assert out["mean_tpot_ms"] == pytest.approx(out["mean_itl_ms"], rel=0.25)
+    assert len([ln for ln in res.stderr.splitlines() if ln.strip()]) == 1  # the start line
+
+
+def test_concurrency_cap_and_chat_table(server):
+    """--max-concurrency 1 runs the requests one after another (the duration is the sum of their
+    latencies); the table has vLLM's rows."""
+    res = bench_serve(server, "--num-prompts", "3", "--input-len", "8", "--output-len", "3", "--max-concurrency", "1",
+                      "--endpoint", "chat", "--num-warmups", "1", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["endpoint"] == "/v1/chat/completions" and out["completed"] == 3 and out["total_output_tokens"] == 9
+    assert out["duration_s"] * 1000 >= 0.95 * 3 * out["mean_e2el_ms"]
+    res = bench_serve(server, "--num-prompts", "2", "--input-len", "8", "--output-len", "2")
+    assert res.returncode == 0, res.stderr
+    for row in ("Successful requests:", "Failed requests:", "Benchmark duration (s):", "Request throughput (req/s):",
+                "Output token throughput (tok/s):", "Total token throughput (tok/s):", "Median TTFT (ms):",
+                "P99 TPOT (ms):", "P90 ITL (ms):", "Mean E2EL (ms):"):
+        assert row in res.stdout, res.stdout
+
+
+def test_failed_requests_are_counted(server):
+    """A 4xx is a failed request with its message, not a traceback; none succeeding is exit 1."""
+    res = bench_serve(server, "--num-prompts", "3", "--input-len", "8", "--output-len", "2", "--model", "nope",
+                      "--json")
+    assert res.returncode == 1
+    out = json.loads(res.stdout)
+    assert (out["completed"], out["failed"]) == (0, 3)
+    assert out["first_error"].startswith("HTTP 404") and "nope" in out["first_error"]
+    assert out["median_ttft_ms"] is None and out["errors"] == [{"message": out["first_error"], "count": 3}]
+    assert res.stderr.splitlines()[-1].startswith("monobatch bench-serve: error: all 3 requests failed")
+
+
+def test_unreachable_server_is_one_line():
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res = monobatch("bench-serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "2", timeout=60)
+    assert res.returncode == 1
+    assert_one_line_error(res, "cannot connect", str(port))
+
+
+def test_bad_flags_are_refused():
+    res = monobatch("bench-serve", "--request-rate", "0", timeout=60)
+    assert res.returncode == 2 and "--request-rate" in res.stderr and "Traceback" not in res.stderr
+    res = monobatch("bench-serve", "--num-prompts", "0", "--base-url", "http://127.0.0.1:9", timeout=60)
+    assert_one_line_error(res, "--num-prompts")
+
+
+def test_arrivals_and_percentiles():
+    from monobatch.bench_serve import arrival_times, percentile, synthesize_prompts
+
+    assert arrival_times(4, math.inf, 1.0, random.Random(0)) == [0.0] * 4
+    times = arrival_times(4000, 10.0, 1.0, random.Random(0))
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert times[0] == 0 and all(g >= 0 for g in gaps)
+    assert sum(gaps) / len(gaps) == pytest.approx(0.1, rel=0.08)  # Poisson: exponential gaps of mean 1/rate
+    cv = (sum((g - 0.1) ** 2 for g in gaps) / len(gaps)) ** 0.5 / 0.1
+    assert cv == pytest.approx(1.0, rel=0.1)
+    steady = arrival_times(4000, 10.0, 50.0, random.Random(0))  # burstiness > 1: steadier arrivals
+    sgaps = [b - a for a, b in zip(steady, steady[1:])]
+    assert max(sgaps) < max(gaps)
+    assert percentile([1.0], 99) == 1.0
+    assert percentile([1, 2, 3, 4, 5], 50) == 3 and percentile([1, 2, 3, 4, 5], 90) == pytest.approx(4.6)
+    assert percentile([10, 0], 99) == pytest.approx(9.9)
+    a, b = synthesize_prompts(2, 50, 3, 1.0)
+    assert a != b and len(a.split()) == 50 and synthesize_prompts(2, 50, 3, 1.0) == [a, b]
+    assert len(synthesize_prompts(1, 50, 3, 1.25)[0].split()) == 40
