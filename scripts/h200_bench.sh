@@ -12,7 +12,7 @@ python3 -c "import gguf, fastapi, uvicorn" 2>/dev/null || python3 -m pip install
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests
 nvidia-smi --query-gpu=name,driver_version,utilization.gpu,memory.used --format=csv > "$OUT/gpu.txt"
 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_decode_graphs.py \
-    -k "cuda or sizes or torch_paged" > "$OUT/kernel_tests.txt" 2>&1
+    -k "cuda or sizes or torch_paged or captured" > "$OUT/kernel_tests.txt" 2>&1
 B="monobatch bench --dummy-weights --device cuda -n 128 -r 3 --path engine,server --json"
 timeout -s INT 200 python3 scripts/bench_rounds.py --rounds 3 --timeout 60 --settle 5 --allow-busy --json "$OUT/rounds.json" \
     --arm llama1b="$B --shape llama-1b -p 256,8064" \

@@ -8,7 +8,12 @@ Its inputs are copied into static buffers — token ids, positions, and the page
 replays the same forward code the eager path runs; only attention differs: it reads the pool
 through the block tables in a kernel (:mod:`monobatch.kernels.paged_decode`) instead of a
 host-planned gather. Padding rows write their K/V to a scratch block and their logits are
-dropped. Graphs are captured lazily, on a size's first use.
+dropped. Graphs are captured lazily, on a size's first use; a size whose capture fails (out of
+memory, a kernel that does not build) is logged once and runs the same static-buffer forward
+eagerly from then on.
+
+The page-locked host buffers are rewritten each step while the previous step's copies from them
+may still be queued: an event recorded after the copies is waited on before the next rewrite.
 
 Used on CUDA with paged storage in the default (fast) mode, when the paged-decode kernel is
 usable; ``EngineConfig.cuda_graphs=False`` (``--enforce-eager``) turns it off. The same class
@@ -17,11 +22,15 @@ runs eagerly (``capture=False``) so CPU tests check the static-buffer path bit f
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from monobatch.engine.batch import StepBatch
 from monobatch.kv.paged import DecodeStep, PagedKv
 from monobatch.models.llama import LlamaModel
+
+log = logging.getLogger(__name__)
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -54,8 +63,9 @@ class DecodeGraphs:
         self.step = DecodeStep.empty(n, blocks, device)
         self.host = DecodeStep.empty(n, blocks, "cpu", pin=device.type == "cuda")
         self.host_ids = torch.zeros(2, n, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}  # None: capture failed
         self.pool = None  # the graphs' shared memory pool (torch.cuda.graph_pool_handle)
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None  # host buffers free again
         self.replays = 0
 
     def handles(self, batch: StepBatch) -> bool:
@@ -71,9 +81,20 @@ class DecodeGraphs:
         return StepBatch(token_ids=self.token_ids[:size], positions=self.positions[:size],
                          seq_ids=torch.zeros(size, dtype=torch.int64), logit_rows=self.logit_rows[:size], chunks=())
 
-    def _graph(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _graph(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
         """Capture the forward at ``size`` rows (after two warm-up runs on a side stream, which
-        also settle lazy initialisation such as cuBLAS workspaces and Triton compilation)."""
+        also settle lazy initialisation such as cuBLAS workspaces and Triton compilation).
+        Returns None, logging why, when the capture fails."""
+        calls = self.kv.paged_attention_calls  # warm-up and capture are not steps
+        try:
+            return self._capture(size)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+            log.warning("CUDA graph capture at batch size %d failed (%s); that size runs eagerly", size, e)
+            return None
+        finally:
+            self.kv.paged_attention_calls = calls
+
+    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         batch = self._static_batch(size)
         step = self.step.rows(size)
         # Warm-up and capture run on padding only: every row writes the scratch block.
@@ -107,6 +128,8 @@ class DecodeGraphs:
         """
         n = len(batch.chunks)
         size = self.padded(n)
+        if self.copied is not None:
+            self.copied.synchronize()  # the last step's copies from the host buffers are done
         ids = self.host_ids[:, :size]
         ids.zero_()
         ids[0, :n] = torch.as_tensor([c.token_ids[0] for c in batch.chunks])
@@ -114,13 +137,16 @@ class DecodeGraphs:
         self.kv.prepare_decode(batch, self.host.rows(size), self.step.rows(size))
         self.token_ids[:size].copy_(ids[0], non_blocking=True)
         self.positions[:size].copy_(ids[1], non_blocking=True)
-        if not self.capture:
+        if self.copied is not None:
+            self.copied.record()
+        if self.capture and size not in self.graphs:
+            self.graphs[size] = self._graph(size)
+            self.kv.prepare_decode(batch, self.host.rows(size), self.step.rows(size))  # capture clobbered them
+        captured = self.graphs.get(size) if self.capture else None
+        if captured is None:
             logits = self.model(self._static_batch(size), self.kv)
         else:
-            if size not in self.graphs:
-                self.graphs[size] = self._graph(size)
-                self.kv.prepare_decode(batch, self.host.rows(size), self.step.rows(size))  # capture clobbered them
-            graph, logits = self.graphs[size]
+            graph, logits = captured
             graph.replay()
             self.kv.paged_attention_calls += len(self.model.layers)  # the replay's attend calls
         self.kv.commit(batch)

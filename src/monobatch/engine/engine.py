@@ -6,6 +6,7 @@ loop that drives it is :class:`monobatch.engine.scheduler.BatchScheduler`.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -167,7 +168,8 @@ class Engine:
         if all_positions:
             batch.logit_rows = torch.arange(len(token_ids), device=self.device)
         scratch.prepare(batch)
-        logits = self.model(batch, scratch)[:, : self.vocab_size]  # no padded columns
+        with self._on_device():
+            logits = self.model(batch, scratch)[:, : self.vocab_size]  # no padded columns
         return logits if all_positions else logits[0]
 
     def _record_prompt_logprobs(self, batch: StepBatch, logits: torch.Tensor,
@@ -198,12 +200,18 @@ class Engine:
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Run ``batch`` through the model, caching its KV. Returns ``[R, V]`` float32 logits
         (a decode-only step replays a CUDA graph when :attr:`graphs` is set)."""
-        if self.graphs is not None and self.graphs.handles(batch):
-            return self.graphs.forward(batch)
-        self.kv.prepare(batch)
-        logits = self.model(batch, self.kv)
-        self.kv.commit(batch)
-        return logits
+        with self._on_device():
+            if self.graphs is not None and self.graphs.handles(batch):
+                return self.graphs.forward(batch)
+            self.kv.prepare(batch)
+            logits = self.model(batch, self.kv)
+            self.kv.commit(batch)
+            return logits
+
+    def _on_device(self):
+        """Make the model's GPU the current CUDA device (Triton kernels, streams and graph
+        capture use the current device, which need not be the tensors')."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     @torch.inference_mode()
     def step(self, batch: StepBatch, rows: list[Sequence],

@@ -181,7 +181,7 @@ class BatchScheduler:
                               usage.cached_blocks, usage.used_bytes, s.prefix_cache_queries, s.prefix_cache_hits,
                               s.prompt_tokens_total, s.generation_tokens_total, s.num_preemptions,
                               s.num_requests_finished,
-                              paged_attention_calls=getattr(self.kv, "paged_attention_calls", 0))
+                              paged_attention_calls=self.kv.paged_attention_calls)
 
     # -- the loop -------------------------------------------------------------------------
     def step(self) -> list[RowOutput]:

@@ -71,7 +71,7 @@ if triton is not None:
                           stride_qb, stride_qh, stride_ks, stride_kh, stride_tb,
                           stride_ob, stride_oh, stride_op, stride_lb, stride_lh,
                           scale, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
-                          PART: tl.constexpr, BN: tl.constexpr):
+                          PART: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         part = tl.program_id(2)
@@ -93,30 +93,37 @@ if triton is not None:
             slots = blk * BS + offs_n % BS
             kv_off = slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
             k = tl.load(K + kv_off, mask=nmask[:, None], other=0.0)  # (BN, HD)
-            s = tl.dot(q, tl.trans(k)) * scale  # (G_PAD, BN) float32
+            if IEEE:  # float32 inputs: full-precision products, as the eager path (not TF32)
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (G_PAD, BN) float32
+            else:
+                s = tl.dot(q, tl.trans(k)) * scale
             s = tl.where(nmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
             l_sum = l_sum * alpha + tl.sum(p, 1)
             v = tl.load(V + kv_off, mask=nmask[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
         has = l_sum > 0
         out = acc / tl.where(has, l_sum, 1.0)[:, None]
         lse = tl.where(has, m + tl.log(tl.where(has, l_sum, 1.0)), float("-inf"))
+        used = gmask & ((offs_g * 0 + start) < seq_len)  # partitions past the length store nothing (the merge skips them)
         o_ptr = O_PART + b * stride_ob + heads[:, None] * stride_oh + part * stride_op + offs_d[None, :]
-        tl.store(o_ptr, out, mask=gmask[:, None])
-        tl.store(LSE_PART + b * stride_lb + heads * stride_lh + part, lse, mask=gmask)
+        tl.store(o_ptr, out, mask=used[:, None])
+        tl.store(LSE_PART + b * stride_lb + heads * stride_lh + part, lse, mask=used)
 
     @triton.jit
-    def _merge_kernel(O_PART, LSE_PART, OUT, stride_ob, stride_oh, stride_op, stride_lb, stride_lh,
-                      stride_outb, stride_outh, parts, P_PAD: tl.constexpr, HD: tl.constexpr):
+    def _merge_kernel(O_PART, LSE_PART, LENS, OUT, stride_ob, stride_oh, stride_op, stride_lb, stride_lh,
+                      stride_outb, stride_outh, P_PAD: tl.constexpr, HD: tl.constexpr, PART: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         offs_p = tl.arange(0, P_PAD)
         offs_d = tl.arange(0, HD)
-        pmask = offs_p < parts
+        pmask = offs_p < tl.cdiv(tl.load(LENS + b), PART)  # only the partitions holding keys
         lse = tl.load(LSE_PART + b * stride_lb + h * stride_lh + offs_p, mask=pmask, other=float("-inf"))
         w = tl.exp(lse - tl.max(lse, 0))  # empty partitions: exp(-inf) = 0
         o = tl.load(O_PART + b * stride_ob + h * stride_oh + offs_p[:, None] * stride_op + offs_d[None, :],
@@ -130,7 +137,9 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """Split-K paged decode attention in Triton; same contract as :func:`paged_decode_torch`.
 
     The number of partitions follows the table width (``nb * block_size / PARTITION``), so it
-    is fixed for a captured graph; partitions past a sequence's length exit at once.
+    is fixed for a captured graph; partitions past a sequence's length compute and store
+    nothing, and the merge reads only ``ceil(len / PARTITION)`` of them, so the work follows the
+    real lengths. float32 inputs use IEEE (not TF32) products.
 
     Raises:
         RuntimeError: Triton is not installed, or head_dim is not a power of two.
@@ -150,12 +159,12 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         1.0 / math.sqrt(hd), G=g, G_PAD=max(16, triton.next_power_of_2(g)), HD=hd, BS=block_size,
-        PART=PARTITION, BN=BLOCK_N)
+        PART=PARTITION, BN=BLOCK_N, IEEE=q.dtype == torch.float32)
     # Merge the partitions by their log-sum-exp: weights exp(lse_p - max lse) (0 for empty ones).
     out = torch.empty_like(q)
-    _merge_kernel[(B, n_q)](o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2),
-                            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), parts,
-                            P_PAD=triton.next_power_of_2(parts), HD=hd)
+    _merge_kernel[(B, n_q)](o_part, lse, seq_lens, out, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+                            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+                            P_PAD=triton.next_power_of_2(parts), HD=hd, PART=PARTITION)
     return out
 
 

@@ -9,8 +9,7 @@ Layout (``bs`` = block size, tokens)::
 A step writes its tokens' K/V with one ``index_copy_`` per layer (slot mapping built once per
 step in :meth:`PagedKv.prepare`) and reads each sequence's keys with one gather, so a
 sequence's keys arrive as ``[S, n_kv, hd]`` exactly as dense storage hands them to
-:func:`monobatch.kv.attention.attend_chunk`. (A plain torch gather; fused paged-attention
-kernels belong to the GPU work.)
+:func:`monobatch.kv.attention.attend_chunk` (a plain torch gather).
 
 A decode-only step can instead run from static device tensors (:class:`DecodeStep`: slot mapping,
 block tables, lengths) through :func:`monobatch.kernels.paged_decode.paged_decode_attention`,

@@ -58,6 +58,9 @@ class KvStore(ABC):
     #: Tokens per block; None for storages without blocks (no prefix cache).
     block_size: int | None = None
 
+    #: attend() calls that read paged storage (one per layer per step); 0 for dense storage.
+    paged_attention_calls: int = 0
+
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.num_layers = num_layers
