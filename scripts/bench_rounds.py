@@ -63,7 +63,8 @@ gate checks and the statistics.
 ``--baseline FILE`` (an earlier ``--json``): for each (arm, label, metric) in both (the null arm
 aside), a **regression** is a median worse than the baseline's by more than the null arm's
 spread for that (label, metric) + 1 %. Worse is higher for metrics whose names end in ``_ms`` or
-``_s`` (not ``tok_s``) — times — and lower for the rest (rates). Any regression: exit 1.
+``_s`` (not ``tok_s``) — times —, in ``_mb`` — memory, ``peak_rss_mb`` — and for ``failed`` and
+``errors``; lower for the rest (rates, speedups). Any regression: exit 1.
 
 Exit codes: 0 ok, 1 a regression against --baseline, 2 bad flags, 3 busy host, 4 an arm failed
 in every run, 130 Ctrl-C (the report and --json still cover the runs done).
@@ -345,9 +346,19 @@ def host_info() -> dict[str, Any]:
 
 # -- statistics ------------------------------------------------------------------------------------------
 
+#: Metrics that are better lower whatever their names end in: bench-serve's failed requests.
+LOWER_IS_BETTER_NAMES = ("failed", "errors")
+#: Name endings of metrics that are better lower: times (ms, s) and memory (MB).
+LOWER_IS_BETTER_SUFFIXES = ("_ms", "_s", "_mb")
+
+
 def lower_is_better(metric: str) -> bool:
-    """Times (``*_ms``, ``*_s`` but not ``*tok_s``) are better lower; everything else higher."""
-    return (metric.endswith("_ms") or metric.endswith("_s")) and not metric.endswith("tok_s")
+    """Times (``*_ms``, ``*_s`` but not the rates ``*tok_s``), memory (``*_mb``: ``peak_rss_mb``)
+    and failures (``failed``, ``errors``) are better lower; everything else (rates, speedups,
+    completed requests) higher."""
+    if metric in LOWER_IS_BETTER_NAMES:
+        return True
+    return metric.endswith(LOWER_IS_BETTER_SUFFIXES) and not metric.endswith("tok_s")
 
 
 def summarize(runs: list[Run], arm_names: list[str], patterns: list[str] | None) -> tuple[list[dict], dict]:
@@ -406,7 +417,9 @@ def null_summary(rows: list[dict]) -> dict[str, Any] | None:
 
 def compare(rows: list[dict], baseline: dict[str, Any]) -> list[dict]:
     """Each (arm, label, metric) of ``rows`` (null arm aside) also in ``baseline``'s stats: the
-    change and whether it is a regression (worse by more than the null arm's spread + 1 %)."""
+    change and whether it is a regression (worse by more than the null arm's spread + 1 %). A
+    baseline median of 0 (bench-serve's ``failed`` in a clean run) is measured against 1, so
+    0 -> 3 failed requests is a change of +300 %."""
     base = {(r["arm"], r["label"], r["metric"]): r for r in baseline.get("stats", [])}
     null_spread = {(r["label"], r["metric"]): r["spread_pct"] for r in rows if r["arm"] == NULL_ARM}
     out = []
@@ -414,9 +427,9 @@ def compare(rows: list[dict], baseline: dict[str, Any]) -> list[dict]:
         if r["arm"] == NULL_ARM:
             continue
         b = base.get((r["arm"], r["label"], r["metric"]))
-        if b is None or not b.get("median"):
+        if b is None or b.get("median") is None:
             continue
-        change = (r["median"] - b["median"]) / abs(b["median"]) * 100
+        change = (r["median"] - b["median"]) / (abs(b["median"]) or 1.0) * 100
         worse = change if lower_is_better(r["metric"]) else -change
         tolerance = (null_spread.get((r["label"], r["metric"])) or 0.0) + 1.0
         out.append({"arm": r["arm"], "label": r["label"], "metric": r["metric"], "baseline_median": b["median"],

@@ -166,3 +166,19 @@ def test_trace_check_refuses_a_short_or_stopped_sequence():
     Trace(0.0, [1.0, 2.0], "length").check(2)
     with pytest.raises(MonobatchError, match="finish_reason=stop after 1 of 2"):
         Trace(0.0, [1.0], "stop").check(2)
+
+
+def test_concurrency_mode_checks_every_trace(monkeypatch):
+    """concurrent_vs_sequential refuses a run that ended early, as the other modes do."""
+    import monobatch.bench as bench
+
+    class EndsEarly:
+        def __init__(self, scheduler) -> None:
+            pass
+
+        def run(self, prompts, gen_tokens):
+            return [Trace(0.0, [1.0], "stop") for _ in prompts]
+
+    monkeypatch.setattr(bench, "EngineDriver", EndsEarly)
+    with pytest.raises(MonobatchError, match="finish_reason=stop after 1 of 3"):
+        bench.concurrent_vs_sequential(None, None, [[1, 2], [3, 4]], 3)

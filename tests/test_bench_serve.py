@@ -80,7 +80,8 @@ def test_failed_requests_are_counted(server):
     assert res.returncode == 1
     out = json.loads(res.stdout)
     assert (out["completed"], out["failed"]) == (0, 3)
-    assert out["first_error"].startswith("HTTP 404") and "nope" in out["first_error"]
+    # the message of monobatch.cli.http_client (the one error formatter of the HTTP clients)
+    assert out["first_error"].startswith("the server answered HTTP 404:") and "nope" in out["first_error"]
     assert out["median_ttft_ms"] is None and out["errors"] == [{"message": out["first_error"], "count": 3}]
     assert res.stderr.splitlines()[-1].startswith("monobatch bench-serve: error: all 3 requests failed")
 
@@ -120,3 +121,50 @@ def test_arrivals_and_percentiles():
     a, b = synthesize_prompts(2, 50, 3, 1.0)
     assert a != b and len(a.split()) == 50 and synthesize_prompts(2, 50, 3, 1.0) == [a, b]
     assert len(synthesize_prompts(1, 50, 3, 1.25)[0].split()) == 40
+    # the one synthesizer (monobatch.synth), as monobatch bench's prompts: sentences of its word list
+    from monobatch.synth import synth_text
+
+    rng = random.Random(3)
+    assert [synth_text(rng, 50), synth_text(rng, 50)] == [a, b] and a[0].isupper() and "." in a
+
+
+def test_stream_events_ok_error_and_cut_short():
+    """send_request reads the stream with the HTTP clients' one SSE parser: text events timed,
+    usage taken from the server, an error event / llama.cpp error line / missing [DONE] a failure."""
+    import asyncio
+
+    import httpx
+
+    from monobatch.bench_serve import ServeBenchConfig, request_body, send_request
+
+    text = 'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+    usage = 'data: {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}\n\n'
+    streams = {
+        "ok": [": keep-alive\n\n", text, text, usage, "data: [DONE]\n\n"],
+        "error-event": [text, 'data: {"error": {"message": "engine failed"}}\n\n'],
+        "llama-error": [text, 'error: {"message": "slot failed"}\n\n'],
+        "cut": [text],
+        "http-500": None,
+    }
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        lines = streams[json.loads(request.content)["prompt"]]
+        if lines is None:
+            return httpx.Response(500, text="oops")
+        return httpx.Response(200, content="".join(lines).encode(), headers={"content-type": "text/event-stream"})
+
+    cfg = ServeBenchConfig(base_url="http://bench.test")
+
+    async def send_all() -> dict:
+        async with httpx.AsyncClient(base_url=cfg.root, transport=httpx.MockTransport(handler)) as http:
+            return {name: await send_request(http, cfg, request_body(cfg, "m", name, 2)) for name in streams}
+
+    got = asyncio.run(send_all())
+    ok = got["ok"]
+    assert ok.ok and (ok.output_tokens, ok.prompt_tokens, ok.usage_from_server) == (2, 5, True)
+    assert 0 < ok.ttft <= ok.latency and len(ok.itl) == 1
+    assert not any(got[k].ok for k in ("error-event", "llama-error", "cut", "http-500"))
+    assert got["error-event"].error == "the server failed during the reply: engine failed"
+    assert got["llama-error"].error == "the server failed during the reply: slot failed"
+    assert got["cut"].error == "the server at http://bench.test closed the stream before the reply ended"
+    assert got["http-500"].error == "the server answered HTTP 500: oops"

@@ -170,6 +170,8 @@ def test_report_exit_codes_and_divergence_line(parity_runs):
     (["-n", "0"], "--max-tokens"),
     (["-m", "/nowhere/model.gguf"], "model not found"),
     (["--batch-prefill-chunk", "-1"], "--batch-prefill-chunk"),
+    # the reference refuses the prompt (longer than the context): one line, no report of failed doors
+    (["-t", "1", "-c", "32", "-n", "4", "--no-progress"], "the context is 32 tokens"),
 ])
 def test_bad_flags_exit_2_with_one_line(args, needle):
     res = monobatch("parity", *args, timeout=120)

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import random
 import resource
 import statistics
@@ -55,53 +54,12 @@ from monobatch.engine.params import SamplingParams
 from monobatch.engine.scheduler import BatchScheduler
 from monobatch.engine.sequence import FinishReason, Request
 from monobatch.errors import InvalidRequestError, MonobatchError
+from monobatch.synth import synth_words
 
 _ids = itertools.count()
 
 
 # -- prompts ------------------------------------------------------------------------------------
-_DET = ("the", "a", "every", "this", "that", "one", "our", "their", "some", "no")
-_ADJ = ("quiet", "early", "small", "bright", "old", "careful", "distant", "green", "heavy", "simple", "narrow",
-        "warm", "local", "final", "broken", "useful", "strange", "open", "patient", "silver", "common", "rapid")
-_NOUN = ("river", "village", "teacher", "machine", "garden", "letter", "window", "engineer", "market", "storm",
-         "library", "road", "farmer", "question", "bridge", "morning", "report", "kitchen", "island", "signal",
-         "student", "harbor", "engine", "forest", "council", "painter", "museum", "valley", "record", "train")
-_VERB = ("found", "carried", "watched", "built", "opened", "followed", "described", "repaired", "crossed",
-         "measured", "remembered", "painted", "moved", "answered", "checked", "shared", "lifted", "studied")
-_PREP = ("near", "behind", "across", "under", "beside", "after", "before", "through", "inside", "along")
-_CONJ = ("When", "Because", "Although", "After", "Before", "While", "Since", "Until")
-
-
-def _phrase(rng: random.Random) -> list[str]:
-    words = [rng.choice(_DET)]
-    if rng.random() < 0.6:
-        words.append(rng.choice(_ADJ))
-    return words + [rng.choice(_NOUN)]
-
-
-def _clause(rng: random.Random) -> list[str]:
-    words = _phrase(rng) + [rng.choice(_VERB)] + _phrase(rng)
-    if rng.random() < 0.5:
-        words += [rng.choice(_PREP)] + _phrase(rng)
-    return words
-
-
-def synth_words(rng: random.Random, num_sentences: int) -> list[str]:
-    """``num_sentences`` plausible English sentences as words (punctuation attached)."""
-    words: list[str] = []
-    for _ in range(num_sentences):
-        if rng.random() < 0.3:
-            sentence = [rng.choice(_CONJ).lower()] + _clause(rng)
-            sentence[-1] += ","
-            sentence += _clause(rng)
-        else:
-            sentence = _clause(rng)
-        sentence[0] = sentence[0].capitalize()
-        sentence[-1] += "."
-        words += sentence
-    return words
-
-
 def _word_level(tokenizer) -> bool:
     """True for :meth:`Tokenizer.synthetic` 's vocabulary (``<0>`` .. ``<V-1>``, random weights),
     which knows no English word: every word would be its unknown token."""
@@ -308,22 +266,21 @@ class HttpDriver:
         return traces
 
     async def _stream(self, prompt: list[int], gen_tokens: int, trace: Trace) -> None:
+        from monobatch.cli.http_client import aiter_sse, refusal, transport_errors
+
         body = {"prompt": prompt, "max_tokens": gen_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
                 "cache_prompt": False, "return_token_ids": True, "repeat_penalty": 1.0, "presence_penalty": 0.0,
                 "frequency_penalty": 0.0, "dry_multiplier": 0.0}
-        async with self.http.stream("POST", "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                await resp.aread()
-                raise MonobatchError(f"the bench server answered {resp.status_code}: {resp.text[:200]}")
-            async for line in resp.aiter_lines():
-                now = time.perf_counter()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[len("data: "):])
-                if "error" in event:
-                    raise MonobatchError(f"the bench server failed: {event['error'].get('message')}")
-                for choice in event["choices"]:
-                    trace.add(now, len(choice.get("token_ids") or ()), choice.get("finish_reason"))
+        base = self.server.base_url
+        with transport_errors(base):
+            async with self.http.stream("POST", "/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    await resp.aread()
+                    raise refusal(resp, base, False)
+                async for event in aiter_sse(resp, base):
+                    now = time.perf_counter()
+                    for choice in event.get("choices") or ():
+                        trace.add(now, len(choice.get("token_ids") or ()), choice.get("finish_reason"))
 
     def preemptions(self) -> int:
         return self.server.state.client.engine.stats["num_preemptions"]
@@ -542,15 +499,21 @@ def concurrent_vs_sequential(scheduler: BatchScheduler, setup: Setup, prompts: l
     Returns:
         A ``concurrency`` row: ``concurrent_s`` / ``sequential_s`` (wall seconds), generated
         tokens/s of each, ``speedup`` (sequential time / concurrent time).
+
+    Raises:
+        MonobatchError: a request did not end with ``length`` after exactly ``gen_tokens``
+            tokens (as :func:`measure`, via :meth:`Trace.check`).
     """
     driver = EngineDriver(scheduler)
     start = time.perf_counter()
-    driver.run(prompts, gen_tokens)
+    traces = driver.run(prompts, gen_tokens)
     concurrent = time.perf_counter() - start
     start = time.perf_counter()
     for p in prompts:
-        driver.run([p], gen_tokens)
+        traces += driver.run([p], gen_tokens)
     sequential = time.perf_counter() - start
+    for t in traces:
+        t.check(gen_tokens)
     total = len(prompts) * gen_tokens
     metrics = {"concurrent_s": round(concurrent, 3), "sequential_s": round(sequential, 3),
                "concurrent_tok_s": round(total / concurrent, 1), "sequential_tok_s": round(total / sequential, 1),

@@ -27,10 +27,10 @@ Definitions (vLLM's):
   ``stream_options: {include_usage: true}``), never a count of events; only when a server sends no
   usage are events counted (the result says so: ``usage_from_server: false``).
 
-Prompts: random words of a fixed English word list (seeded by ``--seed``), so no two prompts share
-a prefix the prefix cache could reuse. Their length in words comes from one ``POST /tokenize`` of a
-sample (the tokens one word costs on this model; 1.3 when the server has no ``/tokenize``), so
-``--input-len`` is approximate; ``total_input_tokens`` is the server's count (``usage``). With
+Prompts: random English-like sentences (:mod:`monobatch.synth`, seeded by ``--seed``), so no two
+prompts share a prefix the prefix cache could reuse. Their length in words comes from one
+``POST /tokenize`` of a sample (the tokens one word costs on this model; 1.3 when the server has
+no ``/tokenize``), so ``--input-len`` is approximate; ``total_input_tokens`` is the server's count (``usage``). With
 ``--endpoint chat`` the text is one user message, and the chat template adds its tokens.
 
 A request that fails (cannot connect, an HTTP error status, an error event, a stream cut short) is
@@ -47,7 +47,6 @@ same for ``tpot``, ``itl`` and ``e2el``; the duration is ``duration_s``), so
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import random
 import statistics
@@ -59,27 +58,15 @@ from typing import Any
 
 import httpx
 
+from monobatch.cli.http_client import (CONNECT_TIMEOUT, ChatClient, ClientError, aiter_sse, auth_headers, base_root,
+                                       refusal, transport_errors)
 from monobatch.errors import MonobatchError
+from monobatch.synth import synth_text
 
-#: Seconds to wait for a TCP connection.
-CONNECT_TIMEOUT = 10.0
 #: Percentiles reported for every latency (besides mean and median).
 PERCENTILES = (90, 99)
 #: Tokens per word assumed when the server cannot tokenize a sample.
 FALLBACK_TOKENS_PER_WORD = 1.3
-#: The prompt vocabulary: common English words (most are one token with a leading space).
-WORDS = (
-    "time year people way day man thing woman life child world school state family student group country "
-    "problem hand part place case week company system program question work government number night point "
-    "home water room mother area money story fact month lot right study book eye job word business issue "
-    "side kind head house service friend father power hour game line end member law car city community name "
-    "president team minute idea kid body information back parent face others level office door health person "
-    "art war history party result change morning reason research girl guy moment air teacher force education "
-    "river forest mountain garden window table letter music market river bridge light sound paper voice "
-    "open bring small large early young important few public bad same able good new first last long great "
-    "little own other old right big high different next local social whole free true full strong clear"
-).split()
-
 
 class BenchServeError(MonobatchError):
     """The benchmark could not run (server unreachable, no model, bad settings): one line for the user."""
@@ -107,15 +94,14 @@ class ServeBenchConfig:
     @property
     def root(self) -> str:
         """The base URL without a trailing ``/`` or ``/v1``."""
-        base = self.base_url.rstrip("/")
-        return base[:-3] if base.endswith("/v1") else base
+        return base_root(self.base_url)
 
     @property
     def path(self) -> str:
         return "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
 
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return auth_headers(self.api_key)
 
 
 @dataclass
@@ -135,10 +121,11 @@ class RequestResult:
 # -- prompts and arrivals -----------------------------------------------------------------------------
 
 def synthesize_prompts(n: int, input_len: int, seed: int, tokens_per_word: float) -> list[str]:
-    """``n`` texts of random words, each about ``input_len`` tokens long."""
+    """``n`` texts of synthesized English (:func:`monobatch.synth.synth_text`, seeded), each
+    about ``input_len`` tokens long (``input_len / tokens_per_word`` words)."""
     rng = random.Random(seed)
     words = max(1, round(input_len / tokens_per_word))
-    return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(n)]
+    return [synth_text(rng, words) for _ in range(n)]
 
 
 def arrival_times(n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
@@ -262,42 +249,6 @@ def table(res: dict[str, Any]) -> str:
 
 # -- HTTP ----------------------------------------------------------------------------------------------
 
-def _one_line(text: str, limit: int = 300) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _error_message(status: int | None, body_text: str) -> str:
-    """``HTTP 400: message`` from an OpenAI-shaped error body (or the raw text)."""
-    try:
-        body = json.loads(body_text)
-    except ValueError:
-        body = None
-    error = body.get("error") if isinstance(body, dict) else None
-    if isinstance(error, dict):
-        message = str(error.get("message") or "no message")
-    elif isinstance(error, str):
-        message = error
-    elif isinstance(body, dict) and "detail" in body:
-        message = str(body["detail"])
-    else:
-        message = body_text.strip() or "no message"
-    return _one_line(f"HTTP {status}: {message}" if status is not None else f"error event: {message}")
-
-
-def _transport_error(exc: Exception, url: str) -> str:
-    """One line for an httpx transport error."""
-    if isinstance(exc, httpx.ConnectTimeout):
-        return f"cannot connect to {url}: timed out"
-    if isinstance(exc, httpx.ConnectError):
-        return _one_line(f"cannot connect to {url}: {str(exc).split('] ', 1)[-1] or 'connection failed'}")
-    if isinstance(exc, httpx.ReadTimeout):
-        return f"{url} sent nothing for the read timeout"
-    if isinstance(exc, (httpx.UnsupportedProtocol, httpx.InvalidURL)):
-        return _one_line(f"--base-url: not a usable http(s) URL: {url!r} ({exc})")
-    return _one_line(f"{type(exc).__name__} talking to {url}: {exc}")
-
-
 def preflight(cfg: ServeBenchConfig) -> tuple[str, float]:
     """The model name (``--model`` or the first of ``GET /v1/models``) and the tokens one prompt
     word costs (one ``POST /tokenize`` of a sample; a fallback when the server has none).
@@ -305,38 +256,19 @@ def preflight(cfg: ServeBenchConfig) -> tuple[str, float]:
     Raises:
         BenchServeError: unreachable, refused (401...), no model listed.
     """
-    url = cfg.root
+    client = ChatClient(cfg.root, cfg.api_key, read_timeout=cfg.timeout, url_flag="--base-url")
     try:
-        with httpx.Client(base_url=url, headers=cfg.headers(),
-                          timeout=httpx.Timeout(cfg.timeout, connect=CONNECT_TIMEOUT)) as http:
-            r = http.get("/v1/models")
-            if r.status_code == 401:
-                raise BenchServeError(f"the server at {url} refused the API key (HTTP 401)" if cfg.api_key else
-                                      f"the server at {url} needs an API key: pass --api-key KEY or set "
-                                      f"$MONOBATCH_API_KEY")
-            if r.status_code >= 400:
-                raise BenchServeError(f"{url}/v1/models: {_error_message(r.status_code, r.text)}")
-            model = cfg.model
-            if model is None:
-                try:
-                    data = r.json().get("data") or []
-                    model = data[0]["id"] if data else None
-                except (ValueError, AttributeError, KeyError, TypeError, IndexError):
-                    raise BenchServeError(f"{url}/v1/models did not answer an OpenAI model list") from None
-                if not model:
-                    raise BenchServeError(f"{url}/v1/models lists no model; pass --model NAME")
-            sample = synthesize_prompts(1, 400, cfg.seed + 7919, 1.0)[0]
-            tokens_per_word = FALLBACK_TOKENS_PER_WORD
-            try:
-                t = http.post("/tokenize", json={"model": model, "prompt": sample, "add_special_tokens": False})
-                count = t.json().get("count") if t.status_code == 200 else None
-                if isinstance(count, int) and count > 0:
-                    tokens_per_word = count / len(sample.split())
-            except (httpx.HTTPError, ValueError, AttributeError):
-                pass
-    except httpx.HTTPError as exc:
-        raise BenchServeError(_transport_error(exc, url)) from None
-    return model, tokens_per_word
+        listed = client.model_id()  # asked even with --model: is the server there, does it take the key
+        model = cfg.model or listed
+        if not model:
+            raise BenchServeError(f"{cfg.root}/v1/models lists no model; pass --model NAME")
+        sample = synthesize_prompts(1, 400, cfg.seed + 7919, 1.0)[0]
+        count = client.count_tokens(model, sample)
+    except ClientError as exc:
+        raise BenchServeError(str(exc)) from None
+    finally:
+        client.close()
+    return model, count / len(sample.split()) if count else FALLBACK_TOKENS_PER_WORD
 
 
 def request_body(cfg: ServeBenchConfig, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
@@ -367,51 +299,29 @@ async def send_request(http: httpx.AsyncClient, cfg: ServeBenchConfig, body: dic
     start = time.perf_counter()
     last = start
     try:
-        async with http.stream("POST", cfg.path, json=body) as r:
-            if r.status_code >= 400:
-                res.error = _error_message(r.status_code, (await r.aread()).decode("utf-8", "replace"))
-                return res
-            done = False
-            async for line in r.aiter_lines():
-                if line.startswith("error:"):  # llama.cpp's error line
-                    res.error = _error_message(None, line[6:].strip())
-                    return res
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                now = time.perf_counter()
-                try:
-                    payload = json.loads(data)
-                except ValueError:
-                    res.error = _one_line(f"an event that is not JSON: {data[:80]!r}")
-                    return res
-                if not isinstance(payload, dict):
-                    continue
-                if "error" in payload:
-                    res.error = _error_message(None, data)
-                    return res
-                usage = payload.get("usage")
-                if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-                    res.output_tokens = usage["completion_tokens"]
-                    res.prompt_tokens = usage.get("prompt_tokens") or 0
-                    res.usage_from_server = True
-                choices = payload.get("choices") or []
-                if any(isinstance(c, dict) and _carries_text(c, chat) for c in choices):
-                    if events == 0:
-                        res.ttft = now - start
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-                    events += 1
-            end = time.perf_counter()
-    except httpx.HTTPError as exc:
-        res.error = _transport_error(exc, cfg.root)
-        return res
-    if not done:
-        res.error = "the stream ended before [DONE]"
+        with transport_errors(cfg.root, cfg.timeout, "--base-url"):
+            async with http.stream("POST", cfg.path, json=body) as r:
+                if r.status_code >= 400:
+                    await r.aread()
+                    raise refusal(r, cfg.root, bool(cfg.api_key))
+                async for payload in aiter_sse(r, cfg.root):
+                    now = time.perf_counter()
+                    usage = payload.get("usage")
+                    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                        res.output_tokens = usage["completion_tokens"]
+                        res.prompt_tokens = usage.get("prompt_tokens") or 0
+                        res.usage_from_server = True
+                    choices = payload.get("choices") or []
+                    if any(isinstance(c, dict) and _carries_text(c, chat) for c in choices):
+                        if events == 0:
+                            res.ttft = now - start
+                        else:
+                            res.itl.append(now - last)
+                        last = now
+                        events += 1
+        end = time.perf_counter()
+    except ClientError as exc:
+        res.error = str(exc)
         return res
     if events == 0 and body.get("max_tokens", body.get("max_completion_tokens")):
         res.error = "the stream carried no generated text"

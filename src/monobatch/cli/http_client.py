@@ -4,6 +4,11 @@ It posts to ``/v1/chat/completions`` with ``stream: true`` and reads the server-
 httpx. It holds no decode logic: every character it yields is one the server sent. Any failure
 (nothing listening, a timeout, an error body, a stream cut short) becomes a :class:`ClientError`
 whose message is one line for the user.
+
+The pieces other HTTP clients of an OpenAI-compatible server share (``monobatch bench``'s http
+path, ``monobatch bench-serve``) are public here: :func:`transport_errors` (httpx's errors as
+one line), :func:`refusal` and :func:`error_from_body` (an error answer as one line),
+:func:`sse_data` (one line of an event stream) and :func:`aiter_sse` (an httpx stream's events).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import json
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 import httpx
 
@@ -60,15 +65,18 @@ class ChatClient:
         base_url: ``http://host:port`` (a trailing ``/v1`` is accepted and dropped).
         api_key: sent as ``Authorization: Bearer KEY`` when given.
         trust_env: honour proxy environment variables (off for the in-process loopback server).
+        read_timeout: seconds a response may stay silent.
+        url_flag: the flag that gave ``base_url``, named when it is not a usable URL.
     """
 
-    def __init__(self, base_url: str, api_key: str | None = None, trust_env: bool = True) -> None:
-        base = base_url.rstrip("/")
-        self.base_url = base[:-3] if base.endswith("/v1") else base
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        timeout = httpx.Timeout(READ_TIMEOUT, connect=CONNECT_TIMEOUT)
-        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout, trust_env=trust_env)
+    def __init__(self, base_url: str, api_key: str | None = None, trust_env: bool = True,
+                 read_timeout: float = READ_TIMEOUT, url_flag: str = "--server-base") -> None:
+        self.base_url = base_root(base_url)
+        timeout = httpx.Timeout(read_timeout, connect=CONNECT_TIMEOUT)
+        self._http = httpx.Client(base_url=self.base_url, headers=auth_headers(api_key), timeout=timeout,
+                                  trust_env=trust_env)
         self._has_key = bool(api_key)
+        self._read_timeout, self._url_flag = read_timeout, url_flag
 
     def close(self) -> None:
         """Close the connection pool."""
@@ -123,6 +131,16 @@ class ChatClient:
         except (ValueError, AttributeError, KeyError, TypeError):
             raise ClientError(f"{self.base_url}/v1/models did not answer an OpenAI model list") from None
 
+    def count_tokens(self, model: str, text: str) -> int | None:
+        """Tokens ``text`` makes on the server (``POST /tokenize``, as llama-server, vLLM and
+        monobatch answer it; no special tokens); None when the server cannot tell."""
+        try:
+            r = self._http.post("/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False})
+            count = r.json().get("count") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return count if isinstance(count, int) and count > 0 else None
+
     def stream_chat(self, body: dict[str, Any]) -> Iterator[ChatChunk]:
         """POST ``body`` (which must ask for ``stream: true``) and yield its chunks until ``[DONE]``.
 
@@ -137,51 +155,97 @@ class ChatClient:
                 r.read()
                 raise self._refusal(r)
             for line in r.iter_lines():
-                if line.startswith("error:"):  # llama.cpp's error line in the middle of a stream
-                    raise _error_line(line[6:].strip())
-                if not line.startswith("data:"):
-                    continue  # blank separators, ": keep-alive" comments, event names
-                data = line[5:].strip()
-                if data == "[DONE]":
+                payload = sse_data(line)
+                if payload is SSE_DONE:
                     return
-                yield _chunk(data)
-            raise ClientError(f"the server at {self.base_url} closed the stream before the reply ended")
+                if payload is not None:
+                    yield _chunk(payload)
+            raise stream_cut_short(self.base_url)
 
     def _refusal(self, r: httpx.Response) -> ClientError:
-        """A ClientError from an error response (OpenAI's ``{"error": {...}}`` or anything else)."""
-        if r.status_code == 401:
-            if self._has_key:
-                return ClientError(f"the server at {self.base_url} refused the API key (HTTP 401)", 401)
-            return ClientError(f"the server at {self.base_url} needs an API key: pass --api-key KEY or set "
-                               f"${API_KEY_ENV}", 401)
-        try:
-            body = r.json()
-        except ValueError:
-            body = None
-        return _error_from_body(body, r.status_code, r.text)
+        """:func:`refusal` of an error response from this server."""
+        return refusal(r, self.base_url, self._has_key)
 
-    @contextmanager
-    def _errors(self) -> Iterator[None]:
-        """Turn httpx's transport errors into one-line ClientErrors."""
-        try:
-            yield
-        except httpx.ConnectTimeout:
-            raise ClientError(f"cannot connect to the server at {self.base_url}: timed out") from None
-        except httpx.ConnectError as exc:
-            reason = str(exc).split("] ", 1)[-1] or "connection failed"  # "[Errno 111] Connection refused"
-            raise ClientError(f"cannot connect to the server at {self.base_url}: {reason}") from None
-        except httpx.ReadTimeout:
-            raise ClientError(f"the server at {self.base_url} sent nothing for {READ_TIMEOUT:g} s") from None
-        except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
-            raise ClientError(f"the connection to {self.base_url} broke: {exc or type(exc).__name__}") from None
-        except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:
-            raise ClientError(f"--server-base: not a usable http(s) URL: {self.base_url!r} ({exc})") from None
-        except httpx.HTTPError as exc:
-            raise ClientError(f"HTTP error talking to {self.base_url}: {exc or type(exc).__name__}") from None
+    def _errors(self):
+        """:func:`transport_errors` for this server."""
+        return transport_errors(self.base_url, self._read_timeout, self._url_flag)
 
 
-def _chunk(data: str) -> ChatChunk:
-    """One ``data:`` payload of a chat stream as a ChatChunk (an error event raises)."""
+def base_root(base_url: str) -> str:
+    """``base_url`` without a trailing ``/`` or ``/v1``."""
+    base = base_url.rstrip("/")
+    return base[:-3] if base.endswith("/v1") else base
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """``Authorization: Bearer KEY`` when a key is given."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+@contextmanager
+def transport_errors(base_url: str, read_timeout: float = READ_TIMEOUT,
+                     url_flag: str = "--server-base") -> Iterator[None]:
+    """Turn httpx's transport errors inside the block into one-line ClientErrors.
+
+    Args:
+        base_url: the server, as the messages name it.
+        read_timeout: the read timeout in use (named when it expires).
+        url_flag: the flag that gave ``base_url`` (named when it is not a usable URL).
+    """
+    try:
+        yield
+    except httpx.ConnectTimeout:
+        raise ClientError(f"cannot connect to the server at {base_url}: timed out") from None
+    except httpx.ConnectError as exc:
+        reason = str(exc).split("] ", 1)[-1] or "connection failed"  # "[Errno 111] Connection refused"
+        raise ClientError(f"cannot connect to the server at {base_url}: {reason}") from None
+    except httpx.ReadTimeout:
+        raise ClientError(f"the server at {base_url} sent nothing for {read_timeout:g} s") from None
+    except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+        raise ClientError(f"the connection to {base_url} broke: {exc or type(exc).__name__}") from None
+    except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:
+        raise ClientError(f"{url_flag}: not a usable http(s) URL: {base_url!r} ({exc})") from None
+    except httpx.HTTPError as exc:
+        raise ClientError(f"HTTP error talking to {base_url}: {exc or type(exc).__name__}") from None
+
+
+def refusal(r: httpx.Response, base_url: str, has_key: bool) -> ClientError:
+    """A ClientError from an error response (OpenAI's ``{"error": {...}}`` or anything else; a
+    401 says whether a key was sent). The body must have been read."""
+    if r.status_code == 401:
+        if has_key:
+            return ClientError(f"the server at {base_url} refused the API key (HTTP 401)", 401)
+        return ClientError(f"the server at {base_url} needs an API key: pass --api-key KEY or set "
+                           f"${API_KEY_ENV}", 401)
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    return error_from_body(body, r.status_code, r.text)
+
+
+#: What :func:`sse_data` returns for ``data: [DONE]``, the end of an OpenAI stream.
+SSE_DONE: Any = object()
+
+
+def sse_data(line: str) -> dict[str, Any] | None:
+    """One line of an OpenAI-compatible event stream.
+
+    Returns:
+        The JSON object of a ``data:`` line; :data:`SSE_DONE` for ``data: [DONE]``; None for a
+        line that carries no data (blank separators, ``: keep-alive`` comments, event names).
+
+    Raises:
+        ClientError: an error event (``data: {"error": ...}``, or llama.cpp's ``error: {...}``
+            line), or data that is not a JSON object.
+    """
+    if line.startswith("error:"):  # llama.cpp's error line in the middle of a stream
+        raise _error_line(line[6:].strip())
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return SSE_DONE
     try:
         payload = json.loads(data)
     except ValueError:
@@ -189,7 +253,33 @@ def _chunk(data: str) -> ChatChunk:
     if not isinstance(payload, dict):
         raise ClientError(f"the server sent an unexpected event: {data[:80]!r}")
     if "error" in payload:
-        raise _error_from_body(payload, None)
+        raise error_from_body(payload, None)
+    return payload
+
+
+async def aiter_sse(response: httpx.Response, base_url: str) -> AsyncIterator[dict[str, Any]]:
+    """The events (:func:`sse_data`'s objects) of a streamed httpx response, until ``[DONE]``.
+
+    Raises:
+        ClientError: an error event, a malformed one, or the stream ending before ``[DONE]``.
+    """
+    async for line in response.aiter_lines():
+        payload = sse_data(line)
+        if payload is SSE_DONE:
+            return
+        if payload is not None:
+            yield payload
+    raise stream_cut_short(base_url)
+
+
+def stream_cut_short(base_url: str) -> ClientError:
+    """The stream ended without ``[DONE]``."""
+    return ClientError(f"the server at {base_url} closed the stream before the reply ended")
+
+
+def _chunk(payload: dict[str, Any]) -> ChatChunk:
+    """One event of a chat stream as a ChatChunk."""
+    data = json.dumps(payload)
     usage, choices = payload.get("usage"), payload.get("choices") or []
     if not isinstance(usage, (dict, type(None))) or not isinstance(choices, list):
         raise _malformed(data)
@@ -224,7 +314,7 @@ def _error_line(data: str) -> ClientError:
         payload = None
     if isinstance(payload, dict) and "error" not in payload:
         payload = {"error": payload}
-    return _error_from_body(payload, None, data)
+    return error_from_body(payload, None, data)
 
 
 def _error_code(r: httpx.Response) -> str | None:
@@ -238,7 +328,10 @@ def _error_code(r: httpx.Response) -> str | None:
     return code if isinstance(code, str) else None
 
 
-def _error_from_body(body: Any, status: int | None, text: str = "") -> ClientError:
+def error_from_body(body: Any, status: int | None, text: str = "") -> ClientError:
+    """A one-line ClientError from an error answer's body (OpenAI's ``{"error": {...}}``, a
+    string error, FastAPI's ``detail``, or ``text`` as sent); ``status`` None: an error event in
+    the middle of a stream."""
     error = body.get("error") if isinstance(body, dict) else None
     if isinstance(error, dict):
         message, code, param = str(error.get("message") or "no message"), error.get("code"), error.get("param")
