@@ -541,6 +541,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--rounds must be >= 1")
     if not a.timeout > 0:
         ap.error("--timeout must be > 0")
+    if a.json:  # an unwritable report path is found now, not after the rounds
+        out = Path(a.json)
+        if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+            ap.error(f"--json {a.json}: cannot write there (missing folder, a folder, or no permission)")
     baseline = None
     if a.baseline:
         try:

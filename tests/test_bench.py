@@ -105,6 +105,7 @@ def test_table_output():
     (("-r", "0"), "--runs must be >= 1"),
     (("--batch-size", "9", "--max-num-seqs", "8", "-p", "8"), "more than --max-num-seqs"),
     (("--batch-size", "2", "-p", "200", "-n", "50", "--kv-cache-memory", "160K"), "raise --kv-cache-memory"),
+    (("--kv-cache-memory", "100000G"), "cannot allocate the KV pool"),  # more than the host: no MemoryError traceback
 ])
 def test_bad_input_is_one_line(args, needle):
     assert_one_line_error(monobatch(*TINY, *args), needle)

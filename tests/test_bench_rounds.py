@@ -226,3 +226,9 @@ def test_units():
     for bad in ("nocommand", "=x", "null=monobatch bench"):
         with pytest.raises(ValueError):
             mod.parse_arm(bad)
+
+
+def test_unwritable_json_is_refused_before_the_rounds(arm, tmp_path):
+    res = rounds("--arm", arm("a"), "--json", str(tmp_path / "missing" / "r.json"), *QUIET)
+    assert res.returncode == 2 and "--json" in res.stderr.splitlines()[-1] and "Traceback" not in res.stderr
+    assert not arm.log.exists()  # no arm ran

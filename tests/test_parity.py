@@ -170,6 +170,7 @@ def test_report_exit_codes_and_divergence_line(parity_runs):
     (["-n", "0"], "--max-tokens"),
     (["-m", "/nowhere/model.gguf"], "model not found"),
     (["--batch-prefill-chunk", "-1"], "--batch-prefill-chunk"),
+    (["--json", "/nonexistent-dir/report.json"], "does not exist"),  # refused before any door runs
     # the reference refuses the prompt (longer than the context): one line, no report of failed doors
     (["-t", "1", "-c", "32", "-n", "4", "--no-progress"], "the context is 32 tokens"),
 ])

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from monobatch import defaults
@@ -222,3 +224,20 @@ def open_engine(ns: argparse.Namespace, loaded: "LoadedModel | None" = None) -> 
     if ns.ctx_size and ns.ctx_size > engine.max_model_len:
         print(f"monobatch: -c {ns.ctx_size} exceeds the model's context; using {engine.max_model_len}", file=sys.stderr)
     return BatchScheduler(engine)
+
+
+def check_writable(path: str, flag: str) -> None:
+    """Refuse an output file that cannot be written (a missing folder, a folder given as the
+    file, no permission) before any work is done.
+
+    Raises:
+        InvalidRequestError: naming ``flag`` and why.
+    """
+    target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise InvalidRequestError(f"{flag} {path}: is a folder, not a file", flag.lstrip("-"))
+    if not folder.is_dir():
+        raise InvalidRequestError(f"{flag} {path}: the folder {folder} does not exist", flag.lstrip("-"))
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise InvalidRequestError(f"{flag} {path}: not writable", flag.lstrip("-"))

@@ -21,7 +21,7 @@ import argparse
 import sys
 import traceback
 
-from monobatch.cli.args import add_model_args, engine_settings
+from monobatch.cli.args import add_model_args, check_writable, engine_settings
 from monobatch.errors import InvalidRequestError, MonobatchError
 
 #: Config names (kept here too so building the parser imports nothing heavy).
@@ -98,6 +98,8 @@ def run(ns: argparse.Namespace) -> int:
 
 def _run(ns: argparse.Namespace) -> int:
     configs = check_flags(ns)
+    if ns.json not in (None, "-"):
+        check_writable(ns.json, "--json")  # before minutes of doors, not after
     import torch
 
     from monobatch.engine.engine import EngineConfig
@@ -115,8 +117,11 @@ def _run(ns: argparse.Namespace) -> int:
                         max_tokens=ns.max_tokens, batch_prefill_chunk=ns.batch_prefill_chunk,
                         progress=(lambda line: print(f"monobatch parity: {line}...", file=sys.stderr, flush=True))
                         if tty else None)
-    if ns.json is not None:
-        write_json(report, ns.json)
     if ns.json != "-":
         print(report.text(), flush=True)
+    if ns.json is not None:
+        try:
+            write_json(report, ns.json)
+        except OSError as e:
+            raise InvalidRequestError(f"--json {ns.json}: cannot write the report: {e.strerror or e}", "json") from e
     return report.exit_code(ns.expect_identical)

@@ -81,12 +81,12 @@ class PagedKv(KvStore):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
         try:
+            self.pool = BlockPool(num_blocks)
             # one scratch block past the pool: padding rows of a captured decode write there
             self.cache = torch.empty(num_layers, 2, (num_blocks + 1) * block_size, num_kv_heads, head_dim,
                                      dtype=dtype, device=self.device)
-        except RuntimeError as e:
+        except (RuntimeError, MemoryError) as e:  # MemoryError: the host cannot hold the block lists
             raise InsufficientMemoryError(
                 f"cannot allocate the KV pool ({num_blocks} blocks, "
                 f"{num_blocks * block_size * self.bytes_per_token / 2**20:.0f} MiB); lower --kv-cache-memory") from e
