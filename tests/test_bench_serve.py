@@ -168,3 +168,30 @@ def test_stream_events_ok_error_and_cut_short():
     assert got["llama-error"].error == "the server failed during the reply: slot failed"
     assert got["cut"].error == "the server at http://bench.test closed the stream before the reply ended"
     assert got["http-500"].error == "the server answered HTTP 500: oops"
+
+
+def test_silent_server_read_timeout_names_the_seconds():
+    """A server that accepts connections but never answers (a listening socket nobody reads):
+    the error says how long it waited, both before the run (the CLI) and per request."""
+    import asyncio
+
+    import httpx
+
+    from monobatch.bench_serve import ServeBenchConfig, request_body, send_request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)  # the kernel completes connections; nothing ever answers
+        base = f"http://127.0.0.1:{s.getsockname()[1]}"
+        res = monobatch("bench-serve", "--base-url", base, "--timeout", "1.5", "--num-prompts", "1", timeout=60)
+        assert res.returncode == 1
+        assert_one_line_error(res, f"the server at {base} sent nothing for 1.5 s")
+
+        cfg = ServeBenchConfig(base_url=base, timeout=0.5)
+
+        async def one():
+            async with httpx.AsyncClient(base_url=cfg.root, timeout=httpx.Timeout(cfg.timeout, connect=5)) as http:
+                return await send_request(http, cfg, request_body(cfg, "m", "hi", 2))
+
+        got = asyncio.run(one())
+    assert not got.ok and got.error == f"the server at {base} sent nothing for 0.5 s"

@@ -93,6 +93,20 @@ def test_template_errors_are_invalid_requests():
         {"role": "tool", "content": "42", "tool_call_id": "a"}]
 
 
+def test_bad_role_error_lists_every_accepted_role(smollm_tokenizer):
+    """The list names `developer` too (OpenAI's newer `system`, which the template gets as
+    `system`), in every client of the template, not only the server."""
+    with pytest.raises(InvalidRequestError) as raised:
+        smollm_tokenizer.encode_chat([{"role": "wizard", "content": "hi"}])
+    assert str(raised.value) == ("messages[0].role must be one of ['assistant', 'developer', 'system', 'tool', "
+                                 "'user'], got 'wizard'")
+    assert normalize_messages([{"role": "developer", "content": "Be brief."}]) == [
+        {"role": "system", "content": "Be brief."}]
+    as_developer = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    as_system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert smollm_tokenizer.apply_chat_template(as_developer) == smollm_tokenizer.apply_chat_template(as_system)
+
+
 def test_no_chat_template(tmp_path):
     tok = Tokenizer.from_gguf(gguf.GGUFReader(write_bpe_gguf(tmp_path / "v.gguf", "gpt-2")))
     assert tok.chat_template is None

@@ -49,6 +49,51 @@ def test_out_of_range_values(args, needle):
     assert_one_line_error(res, needle)
 
 
+@pytest.mark.parametrize("command", ["run", "generate", "parity", "chat", "serve", "bench", "bench-serve"])
+def test_unknown_flag_names_the_command(command):
+    """argparse alone would say `monobatch: error: unrecognized arguments` (the command lost).
+    `hi` is the prompt of run and generate; the other commands take no positional argument."""
+    res = monobatch(command, "--bogus", "hi", timeout=60)
+    leftovers = "--bogus" if command in ("run", "generate") else "--bogus hi"
+    assert res.returncode == 2, res
+    assert res.stderr == f"monobatch {command}: error: unrecognized arguments: {leftovers} (see --help)\n", res.stderr
+    assert res.stdout == ""
+
+
+def test_unknown_flag_without_a_command():
+    res = monobatch("--bogus", timeout=60)
+    assert res.returncode == 2 and res.stderr == "monobatch: error: unrecognized arguments: --bogus (see --help)\n"
+
+
+@pytest.mark.parametrize("command", ["generate", "run", "serve", "bench", "parity"])
+@pytest.mark.parametrize("args,needle", [(["--device", "tpu"], "argument --device: unknown device 'tpu'"),
+                                         (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'")])
+def test_bad_device_or_dtype_is_a_flag_error(command, args, needle):
+    """docs/cli.md: a bad choice is a flag error, exit 2, refused before anything loads."""
+    res = monobatch(command, *args, timeout=60)
+    assert res.returncode == 2, res
+    assert_one_line_error(res, f"monobatch {command}: error: {needle}", "(see --help)")
+
+
+def test_reasoning_format_needs_chat():
+    """Like --system: a raw completion has no reasoning split, so the flag would do nothing."""
+    res = monobatch("generate", "-p", "x", "--reasoning-format", "none", timeout=60)
+    assert res.returncode == 1
+    assert_one_line_error(res, "monobatch generate: error: --reasoning-format needs --chat")
+
+
+@pytest.mark.parametrize("config,needles", [
+    ({"model_type": "llama", "hidden_size": "x"}, ["config.json: hidden_size must be an integer >= 1", '"x"']),
+    ({}, ["config.json is incomplete", "no model_type"]),
+    ([1, 2], ["config.json: expected a JSON object"]),
+])
+def test_malformed_hf_config_is_one_line(tmp_path, config, needles):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    res = monobatch("generate", "-p", "hi", "--no-progress", "-m", str(tmp_path), timeout=120)
+    assert res.returncode == 1
+    assert_one_line_error(res, "monobatch generate: error:", *needles)
+
+
 def test_errors_stay_one_line_with_progress_enabled():
     """Without --no-progress the bar is off when stderr is not a terminal: the error is alone."""
     assert_one_line_error(monobatch("generate", "-p", ""), "prompt is empty")
@@ -166,3 +211,12 @@ def test_bench_shape_needs_dummy_weights():
 
 def test_bench_unknown_shape():
     assert_one_line_error(monobatch("bench", "--dummy-weights", "--shape", "gpt-5"), "unknown shape")
+
+
+def test_ctx_size_cap_note_names_the_command():
+    """-c above the model's context is capped, with a note prefixed like every other line."""
+    ctx = 8192  # the bundled model's (test_loader checks it)
+    res = monobatch("generate", "-p", "Hi", "-n", "1", "--temperature", "0", "-c", str(ctx * 4), "--no-progress",
+                    "-t", "1")
+    assert res.returncode == 0, res.stderr
+    assert f"monobatch generate: -c {ctx * 4} exceeds the model's context; using {ctx}\n" in res.stderr, res.stderr

@@ -307,10 +307,26 @@ def test_multi_line_input(typed, message):
     assert read_line.prompts == [chat.PROMPT] + [chat.CONTINUATION] * (len(typed) - 1)
 
 
-@pytest.mark.parametrize("typed", [['"""', "never closed"], ["continued \\"]])
-def test_end_of_input_inside_a_message(typed):
-    with pytest.raises(EOFError):
+@pytest.mark.parametrize("typed", [['"""', "never closed"], ['"""never closed'], ["continued \\"],
+                                   ["first \\", "second \\"]])
+def test_end_of_input_inside_a_message(typed, capsys):
+    """The partial message is not sent: one line on stderr, and the turn counts as failed (a
+    piped chat exits 1)."""
+    with pytest.raises(chat.UnfinishedMessage):
         chat.read_message(lines(*typed))
+    session, convo = ScriptedSession(), chat.Conversation([])
+    assert chat.repl(session, convo, lines(*typed), stats=False) is True
+    assert session.sent == [] and convo.failures == 1
+    assert capsys.readouterr().err == "monobatch chat: the input ended inside a message; it was not sent\n"
+
+
+def test_piped_chat_ending_inside_a_message_exits_1(server):
+    """A real piped chat against the module's server: the unsent message is one line on stderr,
+    nothing on stdout, exit 1 (no request is made, so nothing is generated)."""
+    for stdin in ('"""\nnever closed\n', "continued \\\n"):
+        res = monobatch("chat", "--server-base", server.base_url, "--api-key", KEY, stdin=stdin)
+        assert res.returncode == 1, res
+        assert_one_line_error(res, "monobatch chat: the input ended inside a message; it was not sent")
 
 
 def test_repl_commands(capsys):

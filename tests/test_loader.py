@@ -86,3 +86,47 @@ def test_hf_config_defaults_follow_hf():
     m = ModelArgs.from_dict({"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 4,
                              "max_position_embeddings": 32768, "sliding_window": 4096})
     assert m.max_position_embeddings == 4096
+
+
+@pytest.mark.parametrize("config,needle", [
+    ({"model_type": "llama", "hidden_size": "x"}, 'hidden_size must be an integer >= 1, got "x"'),
+    ({"model_type": "llama", "num_attention_heads": 0}, "num_attention_heads must be an integer >= 1, got 0"),
+    ({"model_type": "llama", "num_key_value_heads": 2.5}, "num_key_value_heads must be an integer >= 1"),
+    ({"model_type": "llama", "rms_norm_eps": "small"}, "rms_norm_eps must be a number > 0"),
+    ({"model_type": "llama", "tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
+    ({"model_type": 3}, "model_type must be a string"),
+    ({"model_type": "llama", "rope_scaling": "linear"}, "rope_scaling must be an object or null"),
+    ({"model_type": "llama", "sliding_window": "x"}, "sliding_window must be an integer or null"),
+    ({"model_type": "llama", "rope_parameters": [1]}, "rope_parameters must be an object or null"),
+    ({}, "is incomplete: it has no model_type (the file is an empty object)"),
+    ({"hidden_size": 64}, "is incomplete: it has no model_type"),
+    ([], "expected a JSON object, got list"),
+    ("llama", "expected a JSON object, got str"),
+])
+def test_malformed_configs_name_the_field(tmp_path, config, needle):
+    """A config.json that exists but is empty or holds a value of the wrong type: a clear
+    UnsupportedModelError naming the file and the field, not "no config.json" or a TypeError."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError) as info:
+        hf_dir.model_args(tmp_path)
+    assert str(info.value).startswith(str(tmp_path / "config.json")) and needle in str(info.value), str(info.value)
+
+
+def test_null_optional_fields_are_accepted(tmp_path):
+    """HF writes null for an unset head_dim / num_key_value_heads / rope_scaling: not malformed."""
+    config = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": None,
+              "head_dim": None, "rope_scaling": None, "sliding_window": None, "rope_theta": 10000,
+              "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 256, "tie_word_embeddings": True}
+    hf_dir.check_config_types(config, tmp_path / "config.json")
+    a = ModelArgs.from_dict(config)
+    assert (a.num_key_value_heads, a.head_dim) == (4, 16)
+
+
+def test_sliding_window_without_max_position_embeddings():
+    """A Mistral-style config with a window but no max_position_embeddings: the default context
+    (8192) is compared with the window, and the context is capped there."""
+    from monobatch.models.args import ModelArgs
+    args = ModelArgs.from_dict({"model_type": "mistral", "hidden_size": 64, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100,
+                                "sliding_window": 4096})
+    assert args.max_position_embeddings == 4096

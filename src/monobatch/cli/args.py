@@ -12,6 +12,7 @@ import argparse
 import logging
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -80,13 +81,26 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+#: ``--dtype`` values (the loader's DTYPES and ``auto``; kept here so the parser imports no torch).
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _device(text: str) -> str:
+    """``--device``: ``auto``, ``cpu`` or ``cuda[:N]`` (checked at parse time: exit 2; whether a
+    GPU is there is checked at load)."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", text.strip().lower()):
+        raise argparse.ArgumentTypeError(f"unknown device {text!r} (use auto, cpu, cuda or cuda:N)")
+    return text.strip()
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """--model, --device, --dtype, -c, -t, --prefill-chunk, --chat-template[-file], and the
     engine's KV and batching settings."""
     g = p.add_argument_group("model")
     g.add_argument("-m", "--model", help="a .gguf file or a Hugging Face folder (default: the bundled SmolLM2-135M-Instruct Q4_1)")
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (default: auto)")
-    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on CUDA)")
+    g.add_argument("--device", default="auto", type=_device, help="auto | cpu | cuda[:N] (default: auto)")
+    g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="auto | float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on CUDA)")
     g.add_argument("-c", "--ctx-size", type=int, default=0, help="context length in tokens (0 = the model's)")
     g.add_argument("-t", "--threads", type=int, default=-1, help="CPU threads (-1 = torch's default)")
     g.add_argument("--prefill-chunk", type=int, default=defaults.PREFILL_CHUNK,
@@ -222,7 +236,8 @@ def open_engine(ns: argparse.Namespace, loaded: "LoadedModel | None" = None) -> 
     engine = Engine(loaded, config)
     logging.getLogger("monobatch").info("%s", engine.describe())  # serve shows it at start (--log-level info)
     if ns.ctx_size and ns.ctx_size > engine.max_model_len:
-        print(f"monobatch: -c {ns.ctx_size} exceeds the model's context; using {engine.max_model_len}", file=sys.stderr)
+        prog = f"monobatch {ns.command}" if getattr(ns, "command", None) else "monobatch"
+        print(f"{prog}: -c {ns.ctx_size} exceeds the model's context; using {engine.max_model_len}", file=sys.stderr)
     return BatchScheduler(engine)
 
 

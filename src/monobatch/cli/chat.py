@@ -80,6 +80,11 @@ class Conversation:
         return None
 
 
+class UnfinishedMessage(EOFError):
+    """The input ended inside a multi-line message (an open triple-quote block, or a last line
+    ending in a backslash): the partial message is not sent."""
+
+
 def read_message(read_line: Callable[[str], str]) -> str:
     """One message from the user, over several lines when asked.
 
@@ -91,16 +96,24 @@ def read_message(read_line: Callable[[str], str]) -> str:
             EOFError at the end of input.
 
     Raises:
-        EOFError: the input ended (inside a message too: the partial message is dropped).
+        EOFError: the input ended before a message began.
+        UnfinishedMessage: the input ended inside a message (an EOFError too).
     """
     first = read_line(PROMPT)
+
+    def more() -> str:
+        try:
+            return read_line(CONTINUATION)
+        except EOFError:
+            raise UnfinishedMessage from None
+
     if first.lstrip().startswith(BLOCK):
         rest = first.lstrip()[len(BLOCK):]
         if rest.rstrip().endswith(BLOCK):  # """all on one line"""
             return rest.rstrip()[:-len(BLOCK)]
         lines = [rest] if rest.strip() else []
         while True:
-            line = read_line(CONTINUATION)
+            line = more()
             if line.rstrip().endswith(BLOCK):
                 tail = line.rstrip()[:-len(BLOCK)]
                 return "\n".join(lines + ([tail] if tail.strip() else []))
@@ -108,7 +121,7 @@ def read_message(read_line: Callable[[str], str]) -> str:
     lines, line = [], first
     while line.endswith("\\"):
         lines.append(line[:-1])
-        line = read_line(CONTINUATION)
+        line = more()
     return "\n".join(lines + [line])
 
 
@@ -193,6 +206,10 @@ def repl(session: Session, conversation: Conversation, read_line: Callable[[str]
         except KeyboardInterrupt:  # Ctrl-C at the prompt: drop the line, ask again
             print(file=sys.stderr, flush=True)
             continue
+        except UnfinishedMessage:  # not sent: a piped chat exits 1, as for a failed turn
+            print("monobatch chat: the input ended inside a message; it was not sent", file=sys.stderr, flush=True)
+            conversation.failures += 1
+            return True
         except EOFError:
             return True
         if not text.strip():

@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-p", "--prompt", help="the prompt (default: read stdin)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     p.add_argument("--system", help="with --chat: a system message before the prompt")
-    p.add_argument("--reasoning-format", choices=REASONING_FORMATS, default="separate",
+    p.add_argument("--reasoning-format", choices=REASONING_FORMATS,
                    help="with --chat: separate = a <think> block's text goes to stderr (json: reasoning_content), "
                         "none = all text is the reply (default separate)")
     p.add_argument("--output-format", choices=("text", "json"), default="text",
@@ -43,6 +43,9 @@ def run(ns: argparse.Namespace) -> int:
 
     if ns.system is not None and not ns.chat:
         raise InvalidRequestError("--system needs --chat (a raw prompt has no system message)", "system")
+    if ns.reasoning_format is not None and not ns.chat:
+        raise InvalidRequestError("--reasoning-format needs --chat (a raw completion is not split into reasoning "
+                                  "and reply)", "reasoning_format")
     prompt = read_prompt(ns.positional_prompt, ns.prompt, 'pass it as an argument or with -p, or pipe it on stdin')
     flags = sampling_flags(ns)
     if flags.get("logprobs") is not None and ns.output_format != "json":
@@ -57,7 +60,7 @@ def run(ns: argparse.Namespace) -> int:
         messages = ([{"role": "system", "content": ns.system}] if ns.system else []) + [{"role": "user", "content": prompt}]
         rendered = tok.apply_chat_template(messages, add_generation_prompt=True)
         prompt_ids = tok.encode(rendered)
-        splitter = ReasoningSplitter(ns.reasoning_format, prompt_opens_reasoning(rendered))
+        splitter = ReasoningSplitter(ns.reasoning_format or "separate", prompt_opens_reasoning(rendered))
     else:
         prompt_ids = tok.encode(prompt)
     request = Request("generate-0", prompt_ids, params)

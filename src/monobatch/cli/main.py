@@ -51,10 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         parser = build_parser()
-        ns = parser.parse_args(argv)
+        ns, extras = parser.parse_known_args(argv)
     except KeyboardInterrupt:  # Ctrl-C while the commands' modules import
         print("\nmonobatch: interrupted", file=sys.stderr)
         return 130
+    if extras:  # argparse would name only `monobatch`; name the command the flag was given to
+        prog = f"monobatch {ns.command}" if getattr(ns, "command", None) else "monobatch"
+        print(f"{prog}: error: unrecognized arguments: {' '.join(extras)} (see --help)", file=sys.stderr)
+        return 2
     if not getattr(ns, "func", None):
         parser.print_help(sys.stderr)
         return 2

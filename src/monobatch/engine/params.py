@@ -114,7 +114,7 @@ class SamplingParams:
                      "presence_penalty", "frequency_penalty", "dry_multiplier", "dry_base"):
             _check(math.isfinite(getattr(self, name)), name, "must be a finite number")
         _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
-        _check(self.top_k >= -1, "top_k", f"must be >= 0 (0 or -1 disables), got {self.top_k}")
+        _check(self.top_k >= -1, "top_k", f"must be >= -1 (0 or -1 disables), got {self.top_k}")
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
         _check(0 < self.typical_p <= 1, "typical_p", f"must be in (0, 1], got {self.typical_p}")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -37,22 +39,76 @@ def model_args(folder: Path) -> ModelArgs:
     """ModelArgs from ``config.json``.
 
     Raises:
-        ModelNotFoundError: no config.json. UnsupportedModelError: an unsupported architecture.
+        ModelNotFoundError: no config.json. UnsupportedModelError: an unsupported architecture, a
+            config without model_type, a field of the wrong type.
     """
-    config = read_json(folder / "config.json")
-    if not config:
+    path = folder / "config.json"
+    if not path.is_file():
         raise ModelNotFoundError(f"{folder}: no config.json (expected a Hugging Face model folder or a .gguf file)")
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise UnsupportedModelError(f"{path}: expected a JSON object, got {type(config).__name__}")
     if "model_type" not in config:
-        raise UnsupportedModelError(f"{folder}/config.json has no model_type")
-    args = ModelArgs.from_dict(config)
+        raise UnsupportedModelError(f"{path} is incomplete: it has no model_type"
+                                    + (" (the file is an empty object)" if not config else ""))
+    check_config_types(config, path)
+    try:
+        args = ModelArgs.from_dict(config)
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:  # a value of a shape no check foresaw
+        raise UnsupportedModelError(f"{path}: malformed config ({type(e).__name__}: {e})") from None
     if not args.tie_word_embeddings and "lm_head.weight" not in _tensor_files(folder):
         args.tie_word_embeddings = True  # some exports drop the duplicate head
     return args
 
 
+#: ModelArgs fields that may be null in config.json (``from_dict`` fills them in).
+_NULLABLE = {"head_dim", "num_key_value_heads", "rope_scaling"}
+#: Integer fields that may be 0 (``head_dim`` 0 = hidden_size // num_attention_heads).
+_MAY_BE_ZERO = {"head_dim"}
+
+
+def check_config_types(config: dict[str, Any], path: Path) -> None:
+    """Refuse a config.json value of the wrong type or range for a field the forward reads,
+    naming the field (``"hidden_size": "x"`` would otherwise fail deep inside the model).
+
+    Raises:
+        UnsupportedModelError: ``PATH: FIELD must be ..., got VALUE``.
+    """
+    for f in dataclasses.fields(ModelArgs):
+        if f.name == "extra" or f.name not in config:
+            continue
+        value = config[f.name]
+        if value is None and f.name in _NULLABLE:
+            continue
+        kind = type(f.default) if f.default is not None else dict  # rope_scaling: a dict or null
+        if kind is bool:
+            ok, want = isinstance(value, bool), "true or false"
+        elif kind is int:
+            low = 0 if f.name in _MAY_BE_ZERO else 1
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+            want = f"an integer >= {low}"
+        elif kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+            want = "a number > 0"
+        elif kind is str:
+            ok, want = isinstance(value, str), "a string"
+        else:
+            ok, want = isinstance(value, dict), "an object or null"
+        if not ok:
+            raise UnsupportedModelError(f"{path}: {f.name} must be {want}, got {json.dumps(value)[:60]}")
+    for name, ok_type, want in (("rope_parameters", dict, "an object or null"),
+                                ("sliding_window", int, "an integer or null"),
+                                ("use_sliding_window", bool, "true or false")):
+        value = config.get(name)
+        if value is not None and (not isinstance(value, ok_type) or (ok_type is int and isinstance(value, bool))):
+            raise UnsupportedModelError(f"{path}: {name} must be {want}, got {json.dumps(value)[:60]}")
+
+
 def generation_defaults(folder: Path) -> dict[str, Any]:
     """Sampling defaults from ``generation_config.json`` as SamplingParams fields."""
     cfg = read_json(folder / "generation_config.json")
+    if not isinstance(cfg, dict):
+        raise UnsupportedModelError(f"{folder}/generation_config.json: expected a JSON object")
     return {ours: cfg[key] for key, ours in _GENERATION_KEYS.items() if cfg.get(key) is not None}
 
 
@@ -63,6 +119,9 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
         ModelNotFoundError: no safetensors file in the folder.
     """
     index = read_json(folder / "model.safetensors.index.json")
+    if not isinstance(index, dict) or not isinstance(index.get("weight_map") or {}, dict):
+        raise UnsupportedModelError(f"{folder}/model.safetensors.index.json: expected an object with a "
+                                    "weight_map object")
     if index.get("weight_map"):
         return {name: folder / file for name, file in index["weight_map"].items()}
     files = sorted(folder.glob("*.safetensors"))

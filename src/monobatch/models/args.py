@@ -79,7 +79,8 @@ class ModelArgs:
             kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]  # HF: no GQA
         window = config.get("sliding_window")
         uses_window = config.get("use_sliding_window", config.get("model_type") not in ("qwen2", "qwen3"))  # HF defaults
-        context = kwargs.get("max_position_embeddings", cls.max_position_embeddings)
+        default_context = next(f.default for f in dataclasses.fields(cls) if f.name == "max_position_embeddings")
+        context = kwargs.get("max_position_embeddings", default_context)  # (a slots class has no class attribute)
         if window and uses_window and window < context:
             if kwargs.get("rope_scaling") and not kwargs["rope_scaling"].get("original_max_position_embeddings"):
                 kwargs["rope_scaling"] = {**kwargs["rope_scaling"], "original_max_position_embeddings": context}

@@ -26,8 +26,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from monobatch.errors import InvalidRequestError
 
-#: Roles a message may have (OpenAI chat roles minus the deprecated ``function``).
-ROLES = frozenset({"system", "user", "assistant", "tool"})
+#: Roles a message may have (OpenAI chat roles minus the deprecated ``function``); ``developer``
+#: (OpenAI's newer name for ``system``) reaches the template as ``system``.
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
 class TemplateRaised(jinja2.TemplateError):
@@ -116,10 +117,11 @@ class ChatTemplate:
 def normalize_messages(messages: Any) -> list[dict]:
     """Check OpenAI-style chat messages and put them in the shape templates expect.
 
-    Each message is a dict with ``role`` in :data:`ROLES`. ``content`` is a string or a list of
-    ``{"type": "text", "text": ...}`` parts, joined with ``"\\n"`` (as vLLM and llama.cpp's server
-    do for text-only templates). An assistant message with ``tool_calls`` may have no content.
-    Keys whose value is None are dropped (HF does the same: templates test for a key's presence).
+    Each message is a dict with ``role`` in :data:`ROLES` (``developer`` becomes ``system``).
+    ``content`` is a string or a list of ``{"type": "text", "text": ...}`` parts, joined with
+    ``"\\n"`` (as vLLM and llama.cpp's server do for text-only templates). An assistant message
+    with ``tool_calls`` may have no content. Keys whose value is None are dropped (HF does the
+    same: templates test for a key's presence).
     Other keys (``name``, ``tool_calls``, ``tool_call_id``, ...) pass through unchanged.
 
     Args:
@@ -143,6 +145,8 @@ def normalize_messages(messages: Any) -> list[dict]:
             raise InvalidRequestError(f"messages[{i}].role must be one of {sorted(ROLES)}, got {role!r}",
                                       param="messages")
         clean = {key: value for key, value in message.items() if value is not None}
+        if role == "developer":
+            clean["role"] = "system"
         content = message.get("content")
         if content is None:
             if not (role == "assistant" and message.get("tool_calls")):
