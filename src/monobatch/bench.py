@@ -287,6 +287,7 @@ class HttpDriver:
 
     def close(self) -> None:
         self.loop.run_until_complete(self.http.aclose())
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())  # finalize httpx's stream generators here
         self.loop.close()
         self.server.stop()
 

@@ -13,6 +13,8 @@ one line), :func:`refusal` and :func:`error_from_body` (an error answer as one l
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import time
 from contextlib import contextmanager
@@ -263,12 +265,13 @@ async def aiter_sse(response: httpx.Response, base_url: str) -> AsyncIterator[di
     Raises:
         ClientError: an error event, a malformed one, or the stream ending before ``[DONE]``.
     """
-    async for line in response.aiter_lines():
-        payload = sse_data(line)
-        if payload is SSE_DONE:
-            return
-        if payload is not None:
-            yield payload
+    async with contextlib.aclosing(response.aiter_lines()) as lines:  # closed at [DONE] too, not left to GC
+        async for line in lines:
+            payload = sse_data(line)
+            if payload is SSE_DONE:
+                return
+            if payload is not None:
+                yield payload
     raise stream_cut_short(base_url)
 
 
