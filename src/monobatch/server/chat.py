@@ -12,10 +12,9 @@ from fastapi.responses import Response
 from monobatch.chat_output import ChatDelta, ReasoningSplitter, prompt_opens_reasoning
 from monobatch.engine.params import resolve_sampling
 from monobatch.errors import InvalidRequestError
-from monobatch.server.client import EngineFailed, ResponseReader
-from monobatch.server.errors import error_body
-from monobatch.server.generation import (SSE_DONE, Choice, EventStream, build_requests, chat_logprobs,
-                                         check_prompt_chars, created, new_id, off_loop, respond, sse, usage)
+from monobatch.server.client import ResponseReader
+from monobatch.server.generation import (Choice, EventStream, build_requests, chat_logprobs, check_prompt_chars,
+                                         created, new_id, off_loop, respond, sse, stream_frame, usage)
 from monobatch.server.protocol import ChatCompletionRequest
 from monobatch.server.state import ServerState
 from monobatch.tokenizer import Tokenizer
@@ -118,47 +117,46 @@ class _Chat:
             out["prompt_token_ids"] = self.prompt_ids
         return out
 
-    async def stream(self, reader: ResponseReader) -> AsyncIterator[str]:
+    def stream(self, reader: ResponseReader) -> AsyncIterator[str]:
         """The SSE events: the role first per choice, one chunk per output with text, a final
-        chunk per choice with its finish_reason, usage, ``[DONE]`` (case F1)."""
-        n = len(reader.index)
-        choices = [Choice(i) for i in range(n)]
+        chunk per choice with its finish_reason, usage, ``[DONE]`` (case F1; the frame is
+        :func:`stream_frame`)."""
+        choices = [Choice(i) for i in range(len(reader.index))]
+        return stream_frame(reader, self._events(reader, choices), choices, self.body.n, self.body.include_usage,
+                            self._chunk)
+
+    async def _events(self, reader: ResponseReader, choices: list[Choice]) -> AsyncIterator[str]:
+        """The body of :meth:`stream`: role chunks, then one chunk per output worth sending."""
+        n = len(choices)
         splitters = [self.splitter() for _ in range(n)]
-        try:
-            async with reader:
-                for i in range(n):
-                    first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}
-                    if self.body.return_token_ids and i == 0:
-                        first["prompt_token_ids"] = self.prompt_ids
-                    yield sse(self._chunk([first]))
-                pending = [[] for _ in range(n)]  # token ids not sent yet (their text is held back)
-                async for i, out in reader:
-                    choices[i].add(out)
-                    pending[i] += out.token_ids
-                    parts: ChatDelta = splitters[i].feed(out.text)
-                    if out.finished:
-                        parts += splitters[i].flush()
-                    wants_logprobs = self.body.logprobs and out.logprobs
-                    if not (parts or out.finished or wants_logprobs):
-                        continue
-                    delta = {}
-                    if parts.content:
-                        delta["content"] = parts.content
-                    if parts.reasoning:
-                        delta["reasoning_content"] = parts.reasoning
-                    row = {"index": i, "delta": delta,
-                           "logprobs": chat_logprobs(self.tok, out.logprobs) if wants_logprobs else None,
-                           "finish_reason": out.finish_reason.value if out.finished else None}
-                    if self.body.return_token_ids:
-                        row["token_ids"] = pending[i]
-                    pending[i] = []
-                    yield sse(self._chunk([row]))
-            if self.body.include_usage:
-                yield sse(self._chunk([], usage(choices, self.body.n)))
-        except EngineFailed as exc:
-            yield sse(error_body(exc.status, str(exc), code=exc.code))
-        yield SSE_DONE
+        for i in range(n):
+            first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None}
+            if self.body.return_token_ids and i == 0:
+                first["prompt_token_ids"] = self.prompt_ids
+            yield sse(self._chunk([first]))
+        pending = [[] for _ in range(n)]  # token ids not sent yet (their text is held back)
+        async for i, out in reader:
+            choices[i].add(out)
+            pending[i] += out.token_ids
+            parts: ChatDelta = splitters[i].feed(out.text)
+            if out.finished:
+                parts += splitters[i].flush()
+            wants_logprobs = self.body.logprobs and out.logprobs
+            if not (parts or out.finished or wants_logprobs):
+                continue
+            delta = {}
+            if parts.content:
+                delta["content"] = parts.content
+            if parts.reasoning:
+                delta["reasoning_content"] = parts.reasoning
+            row = {"index": i, "delta": delta,
+                   "logprobs": chat_logprobs(self.tok, out.logprobs) if wants_logprobs else None,
+                   "finish_reason": out.finish_reason.value if out.finished else None}
+            if self.body.return_token_ids:
+                row["token_ids"] = pending[i]
+            pending[i] = []
+            yield sse(self._chunk([row]))
 
 
 async def create_chat_completion(body: ChatCompletionRequest, http: HttpRequest, state: ServerState) -> Response:

@@ -15,11 +15,10 @@ from monobatch.engine.finish import RowOutput
 from monobatch.engine.params import resolve_sampling
 from monobatch.engine.sequence import FinishReason
 from monobatch.errors import InvalidRequestError
-from monobatch.server.client import EngineFailed, ResponseReader
-from monobatch.server.errors import error_body
-from monobatch.server.generation import (SSE_DONE, Choice, EventStream, TextOffsets, build_requests,
-                                         check_prompt_chars, completion_logprobs, created, new_id, off_loop, respond,
-                                         sse, usage)
+from monobatch.server.client import ResponseReader
+from monobatch.server.generation import (Choice, EventStream, TextOffsets, build_requests, check_prompt_chars,
+                                         completion_logprobs, created, new_id, off_loop, respond, sse, stream_frame,
+                                         usage)
 from monobatch.server.protocol import CompletionRequest
 from monobatch.server.state import ServerState
 from monobatch.tokenizer import Tokenizer
@@ -118,36 +117,35 @@ class _Completion:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": rows, "usage": usage(choices, self.body.n)}
 
-    async def stream(self, reader: ResponseReader) -> AsyncIterator[str]:
+    def stream(self, reader: ResponseReader) -> AsyncIterator[str]:
         """The SSE events: the echo first (with logprobs: once the choice's first output brings
-        the prompt's), one chunk per output with text, usage, ``[DONE]``."""
+        the prompt's), one chunk per output with text, usage, ``[DONE]`` (the frame is
+        :func:`stream_frame`)."""
         choices = [Choice(i) for i in range(len(reader.index))]
+        return stream_frame(reader, self._events(reader, choices), choices, self.body.n, self.body.include_usage,
+                            self._chunk)
+
+    async def _events(self, reader: ResponseReader, choices: list[Choice]) -> AsyncIterator[str]:
+        """The body of :meth:`stream`: echoes, then one chunk per output worth sending."""
         with_logprobs = self.body.logprobs is not None
         offsets = [TextOffsets(self.tok, len(self._echo_text(c.index))) for c in choices]
-        try:
-            async with reader:
-                if self.body.echo and not with_logprobs:
-                    for c in choices:
-                        yield sse(self._chunk([self._choice(c.index, self._echo_text(c.index), None, None, None)]))
-                pending = [[] for _ in choices]  # token ids not sent yet (their text is held back)
-                async for i, out in reader:
-                    out = self._shown(out)
-                    choices[i].add(out)
-                    if self.body.echo and with_logprobs and out.prompt_logprobs is not None:
-                        echoed = self._prompt_logprobs(out.prompt_logprobs)
-                        yield sse(self._chunk([self._choice(i, self._echo_text(i), echoed, None, None)]))
-                    pending[i] += out.token_ids
-                    if not (out.text or out.finished or (out.logprobs and with_logprobs)):
-                        continue
-                    logprobs = completion_logprobs(self.tok, out.logprobs or [], offsets[i]) if with_logprobs else None
-                    reason = out.finish_reason.value if out.finished else None
-                    yield sse(self._chunk([self._choice(i, out.text, logprobs, reason, pending[i])]))
-                    pending[i] = []
-            if self.body.include_usage:
-                yield sse(self._chunk([], usage(choices, self.body.n)))
-        except EngineFailed as exc:
-            yield sse(error_body(exc.status, str(exc), code=exc.code))
-        yield SSE_DONE
+        if self.body.echo and not with_logprobs:
+            for c in choices:
+                yield sse(self._chunk([self._choice(c.index, self._echo_text(c.index), None, None, None)]))
+        pending = [[] for _ in choices]  # token ids not sent yet (their text is held back)
+        async for i, out in reader:
+            out = self._shown(out)
+            choices[i].add(out)
+            if self.body.echo and with_logprobs and out.prompt_logprobs is not None:
+                echoed = self._prompt_logprobs(out.prompt_logprobs)
+                yield sse(self._chunk([self._choice(i, self._echo_text(i), echoed, None, None)]))
+            pending[i] += out.token_ids
+            if not (out.text or out.finished or (out.logprobs and with_logprobs)):
+                continue
+            logprobs = completion_logprobs(self.tok, out.logprobs or [], offsets[i]) if with_logprobs else None
+            reason = out.finish_reason.value if out.finished else None
+            yield sse(self._chunk([self._choice(i, out.text, logprobs, reason, pending[i])]))
+            pending[i] = []
 
 
 async def create_completion(body: CompletionRequest, http: HttpRequest, state: ServerState) -> Response:

@@ -24,7 +24,7 @@ from monobatch.engine.params import SamplingParams
 from monobatch.engine.sequence import Request
 from monobatch.errors import ContextLengthError
 from monobatch.server.client import EngineFailed
-from monobatch.server.errors import APIError
+from monobatch.server.errors import APIError, error_body
 from monobatch.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -186,6 +186,23 @@ def sse(payload: dict) -> str:
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def stream_frame(reader: "ResponseReader", events: AsyncIterator[str], choices: list[Choice], n: int,
+                       include_usage: bool, chunk: Callable[[list, dict], dict]) -> AsyncIterator[str]:
+    """The frame every streamed response shares (OpenAI API): ``events`` — the endpoint's chunks,
+    read while ``reader`` is open — then, with ``stream_options.include_usage``, one chunk with no
+    choices and the usage of ``choices`` (``chunk(rows, usage)`` builds it), then ``[DONE]``. An
+    engine failure ends the body with an error event before ``[DONE]``."""
+    try:
+        async with reader:
+            async for event in events:
+                yield event
+        if include_usage:
+            yield sse(chunk([], usage(choices, n)))
+    except EngineFailed as exc:
+        yield sse(error_body(exc.status, str(exc), code=exc.code))
+    yield SSE_DONE
 
 
 class EventStream(StreamingResponse):
