@@ -38,9 +38,11 @@ def test_loading_then_ready_then_stopped(loaded):
         r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0},
                        timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        client = server.state.client
     finally:
         server.stop()
-    assert not server.state.client.engine.alive
+    assert not client.engine.alive
+    assert server.state.client is None and server.state.scheduler is None  # the engine can be freed
     assert free_port_is_bindable(port)
 
 

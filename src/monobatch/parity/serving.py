@@ -111,11 +111,7 @@ def serving(loaded: "LoadedModel", config: "EngineConfig") -> Iterator[Server]:
         server.wait_ready(LOAD_TIMEOUT)
         yield Server(server.base_url, recorder, config.kv_storage)
     finally:
-        server.stop()
-        # FastAPI keeps the app's endpoint functions (closures over its ServerState) in
-        # module-level caches: drop the stopped state's engine, so that its KV pool is freed
-        # before the next door's engine is built
-        server.state.client = server.state.scheduler = None
+        server.stop()  # the stopped state lets go of its engine (ServerState.shutdown)
         release_memory()
 
 

@@ -141,9 +141,13 @@ class ServerState:
         asyncio.get_running_loop().call_later(grace - margin, self.client.fail_all, failure)
 
     def shutdown(self) -> None:
-        """Abort what still runs and stop the engine thread."""
+        """Abort what still runs, stop the engine thread, and let go of the engine: FastAPI keeps
+        an app's endpoint functions (and so this state) in module-level caches, so a stopped
+        in-process server would otherwise hold its weights' engine and KV pool for the life of
+        the process."""
         if self.client is not None:
             self.client.stop()
+        self.client = self.scheduler = None
 
     # -- for handlers ---------------------------------------------------------------------------
     def require_client(self) -> EngineClient:
