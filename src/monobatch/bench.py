@@ -153,12 +153,16 @@ class Driver(Protocol):
 
     name: str
 
-    def run(self, prompts: list[list[int]], gen_tokens: int) -> list[Trace]: ...
+    def run(self, prompts: list[list[int]], gen_tokens: int) -> list[Trace]:
+        """Submit ``prompts`` (token ids) at once, greedy, exactly ``gen_tokens`` each (EOS
+        ignored, prefix cache bypassed); one :class:`Trace` per prompt, in order (wall-clock
+        seconds of each token's arrival on this side of the path)."""
 
     def preemptions(self) -> int:
         """The scheduler's preemption counter (read safely from this thread)."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release what the path started (event loop, server thread); the scheduler stays."""
 
 
 class EngineDriver:

@@ -165,6 +165,12 @@ class _Parity:
         return dataclasses.replace(self.base, **changes)
 
     def run_config(self, name: str, fields: dict[str, Any]) -> ConfigReport:
+        """Every door for one sampling config (``fields``: OpenAI/llama.cpp request fields), each
+        compared with the reference door's ids. A door that fails is reported, not raised.
+
+        Raises:
+            MonobatchError: the reference door cannot run the prompt (nothing to compare with).
+        """
         from monobatch.engine.params import resolve_sampling
 
         report = ConfigReport(name, fields)

@@ -36,6 +36,7 @@ class Recorder:
         self._records: list["FinishedRequest"] = []
 
     def add(self, record: "FinishedRequest") -> None:
+        """Keep ``record`` (called by the scheduler's finish hook on the engine thread)."""
         with self._lock:
             self._records.append(record)
 
@@ -45,12 +46,16 @@ class Recorder:
             return len(self._records)
 
     def since(self, mark: int) -> list["FinishedRequest"]:
+        """The requests that finished after :meth:`mark` returned ``mark``, in finishing order."""
         with self._lock:
             return list(self._records[mark:])
 
 
 @dataclass(slots=True)
 class Server:
+    """A running in-process server door: its URL, the recorder of what its engine finished, and
+    its KV storage (``paged`` or ``dense``)."""
+
     base_url: str
     recorder: Recorder
     kv_storage: str
