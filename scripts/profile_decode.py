@@ -50,6 +50,22 @@ def main() -> None:
 
     timed_forward.events = []
     engine.forward = timed_forward
+    marks: dict[str, list[float]] = {"step_in": [], "forward_out": [], "sample_out": [], "finish_out": []}
+
+    def stamp(name, fn):
+        def wrapped(*a, **k):
+            if name == "step_in":
+                marks[name].append(time.perf_counter())
+            out = fn(*a, **k)
+            if name != "step_in":
+                marks[name].append(time.perf_counter())
+            return out
+        return wrapped
+
+    engine.step = stamp("step_in", engine.step)
+    engine.forward = stamp("forward_out", engine.forward)
+    engine.sampler.sample = stamp("sample_out", engine.sampler.sample)
+    engine.finisher.apply = stamp("finish_out", engine.finisher.apply)
     params = SamplingParams(max_tokens=ns.n, temperature=0.0, ignore_eos=True)
     prompt = list(range(1, ns.p + 1))
     for _ in sched.run([Request("warm", prompt, params, bypass_prefix_cache=True)]):
@@ -58,27 +74,41 @@ def main() -> None:
     sched.add_request(Request("r", prompt, params, bypass_prefix_cache=True))
     sched.step()  # prefill
     timed_forward.events.clear()
-    walls = []
+    walls, starts, ends = [], [], []
+    for v in marks.values():
+        v.clear()
     while sched.has_unfinished():
         t = time.perf_counter()
         sched.step()
-        walls.append((time.perf_counter() - t) * 1000)
+        starts.append(t)
+        ends.append(time.perf_counter())
+        walls.append((ends[-1] - t) * 1000)
+    k = min(len(v) for v in marks.values())
+    seg = {  # ms per step, medians: where the host's time goes
+        "schedule_ms": [(marks["step_in"][i] - starts[i]) * 1000 for i in range(k)],
+        "forward_launch_ms": [(marks["forward_out"][i] - marks["step_in"][i]) * 1000 for i in range(k)],
+        "sample_incl_gpu_wait_ms": [(marks["sample_out"][i] - marks["forward_out"][i]) * 1000 for i in range(k)],
+        "finish_ms": [(marks["finish_out"][i] - marks["sample_out"][i]) * 1000 for i in range(k)],
+        "after_ms": [(ends[i] - marks["finish_out"][i]) * 1000 for i in range(k)],
+    }
     if cuda:
         torch.cuda.synchronize()
         gpu_ms = [s.elapsed_time(e) for s, e in timed_forward.events]
-    top = ""
+
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
                                 + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in sched.run([Request("prof", prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
                                     bypass_prefix_cache=True)]):
             pass
-    top = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
-    print(top)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    if cuda:
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70))
     print(json.dumps({
         "shape": ns.shape, "device": str(engine.device), "graphs": engine.graphs is not None, "prompt": ns.p,
         "steps": len(walls), "step_wall_ms_median": round(statistics.median(walls), 4),
         "forward_gpu_ms_median": round(statistics.median(gpu_ms), 4) if gpu_ms else None,
         "decode_tok_s": round(1000 / statistics.median(walls), 1), "describe": engine.describe(),
+        **{name: round(statistics.median(v), 4) for name, v in seg.items() if v},
     }))
 
 

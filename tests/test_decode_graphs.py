@@ -70,9 +70,15 @@ def test_triton_kernel_in_interpreter():
         "import torch, sys; sys.path.insert(0, 'tests');"
         "from test_decode_graphs import _paged_case, _oracle;"
         "from monobatch.kernels.paged_decode import paged_decode_triton;"
-        "case = _paged_case(3, 32, 8, 64, 16, [1, 513, 1100]);"
-        "out = paged_decode_triton(*case, 16);"
-        "torch.testing.assert_close(out, _oracle(*case, 16), rtol=1e-4, atol=1e-4); print('ok')")
+        "from monobatch.kernels.paged_decode import store_kv;"
+        "cases = [_paged_case(3, 32, 8, 64, 16, [1, 513, 1100]), _paged_case(1, 6, 2, 64, 16, [1100]),"
+        "         _paged_case(2, 6, 2, 64, 16, [5, 70])];"  # 2, 16 and 2 partitions
+        "[torch.testing.assert_close(paged_decode_triton(*c, 16), _oracle(*c, 16), rtol=1e-4, atol=1e-4)"
+        " for c in cases];"
+        "kc, vc = torch.zeros(40, 2, 64), torch.zeros(40, 2, 64); kv = torch.randn(3, 6, 64);"
+        "slots = torch.tensor([7, 0, 39]); store_kv(kv[:, :2], kv[:, 4:], kc, vc, slots);"
+        "assert torch.equal(kc[slots], kv[:, :2]) and torch.equal(vc[slots], kv[:, 4:]);"
+        "assert kc.abs().sum(-1).sum(-1).count_nonzero() == 3; print('ok')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
@@ -84,7 +90,7 @@ def test_triton_kernel_on_cuda(dtype):
     from monobatch.kernels.paged_decode import paged_decode_triton, triton_usable
     if not triton_usable(torch.device("cuda"), 64):
         pytest.skip("Triton not installed")
-    for lens in ([1, 16, 17, 511, 512, 513], [8192], [3000, 1, 9000]):
+    for lens in ([1, 16, 17, 511, 512, 513], [8192], [300], [3000, 1, 9000]):
         case = _paged_case(len(lens), 32, 8, 64, 16, lens, dtype, "cuda")
         ref = _oracle(*(t.float() if t.is_floating_point() else t for t in case), 16)
         torch.testing.assert_close(paged_decode_triton(*case, 16).float(), ref, rtol=2e-2, atol=2e-2)
@@ -110,6 +116,8 @@ def test_static_decode_path_matches_eager(loaded):
     static_engine.graphs = DecodeGraphs(static_engine.model, static_engine.kv, max_batch=4, capture=False)
     static = BatchScheduler(static_engine)
     assert static_engine.graphs.padded(3) == 4 and static_engine.kv.device == device
+    for kv in (static_engine.kv, eager.engine.kv):  # the pools are torch.empty: blocks never written differ
+        kv.cache.zero_()
     assert _run(static, prompts) == _run(eager, prompts)
     assert static_engine.graphs.replays > 0
     # Same block allocation order on both sides: the pools hold the same K/V (not the scratch block).

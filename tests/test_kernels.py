@@ -24,22 +24,28 @@ def _cases(dtype, device):
     angles = torch.randn(7, 32, generator=g) * 7
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     gu = torch.randn(7, 2 * 1536, generator=g)
-    return [t.to(device, dtype) for t in (x, w, q, cos, sin, gu)]
+    delta = torch.randn(7, 576, generator=g)
+    qkv = torch.randn(7, (9 + 2 * 3) * 64, generator=g)  # packed projection: 9 q heads, 3 k, 3 v
+    return [t.to(device, dtype) for t in (x, w, q, cos, sin, gu, delta, qkv)]
 
 
 def check(dtype=torch.float32, device="cpu", tol=1e-5):
     """Every fused kernel against its reference (callable in a subprocess)."""
     from monobatch.kernels import fused
-    x, w, q, cos, sin, gu = _cases(dtype, device)
+    x, w, q, cos, sin, gu, d, packed = _cases(dtype, device)
     norm = RMSNorm(576, 1e-5).to(device)
     norm.weight.data = w
     ref_norm = fused._ON
     try:
         fused._ON = False  # the torch references
-        want = (norm(x), apply_rope(q, cos, sin), F.silu(gu[:, :1536]) * gu[:, 1536:])
+        want = (norm(x), apply_rope(q, cos, sin), F.silu(gu[:, :1536]) * gu[:, 1536:],
+                *norm.add_forward(x, d),
+                apply_rope(packed[:, :576].view(7, 9, 64), cos, sin),
+                apply_rope(packed[:, 576:768].view(7, 3, 64), cos, sin))
     finally:
         fused._ON = ref_norm
-    got = (fused.rms_norm(x, w, 1e-5), fused.rope(q, cos, sin), fused.silu_mul(gu))
+    got = (fused.rms_norm(x, w, 1e-5), fused.rope(q, cos, sin), fused.silu_mul(gu),
+           *fused.add_rms_norm(x, d, w, 1e-5), *fused.rope_qk(packed, 9, 3, 64, cos, sin))
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and a.shape == b.shape
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
@@ -47,6 +53,23 @@ def check(dtype=torch.float32, device="cpu", tol=1e-5):
     qkv = torch.cat([q.flatten(1), q.flatten(1)], -1)[:, :q.numel() // 7].view(7, 9, 64)
     torch.testing.assert_close(fused.rope(qkv, cos, sin).float(), want[1].float(), rtol=tol, atol=tol)
     assert fused.rms_norm(x[:0], w, 1e-5).shape == (0, 576)
+    # add_rms_norm: the new residual is torch's add bit for bit (fp32, rounded once); strided rows
+    # and a leading batch shape; x is not written
+    assert torch.equal(got[3], want[3])
+    x0 = x.clone()
+    wide = torch.cat([d, x], -1)  # rows 1152 apart
+    for a, b in zip(fused.add_rms_norm(wide[:, 576:], wide[:, :576], w, 1e-5), want[3:5]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+    for a, b in zip(fused.add_rms_norm(x.view(7, 1, 576), d.view(7, 1, 576), w, 1e-5), want[3:5]):
+        assert a.shape == (7, 1, 576)
+        torch.testing.assert_close(a.view(7, 576).float(), b.float(), rtol=tol, atol=tol)
+    assert torch.equal(x, x0)
+    assert [t.shape for t in fused.add_rms_norm(x[:0], d[:0], w, 1e-5)] == [(0, 576), (0, 576)]
+    # rope_qk: contiguous q and k; from a strided projection (rows of a wider buffer); empty
+    assert got[5].is_contiguous() and got[6].is_contiguous()
+    for a, b in zip(fused.rope_qk(torch.cat([packed, packed], -1)[:, :packed.shape[1]], 9, 3, 64, cos, sin), want[5:]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+    assert [t.shape for t in fused.rope_qk(packed[:0], 9, 3, 64, cos[:0], sin[:0])] == [(0, 9, 64), (0, 3, 64)]
     return "ok"
 
 

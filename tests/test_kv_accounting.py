@@ -2,7 +2,9 @@
 preemption on a pool far too small. After every action the block references add up; afterwards
 no block is referenced, free + evictable blocks equal the pool, every request ended exactly once
 (none lost), and each request's tokens are the ones it generates alone (none mixed: the engine
-runs in deterministic mode, so equality is exact; an aborted request's tokens are a prefix)."""
+runs in deterministic mode, so equality is exact; an aborted request's tokens are a prefix).
+Both loops run it: synchronous, and async scheduling (steps launched before the last one's draws
+are read back)."""
 
 from __future__ import annotations
 
@@ -46,17 +48,17 @@ action = st.one_of(
 @given(actions=st.lists(action, min_size=1, max_size=30),
        pool_blocks=st.integers(CONTEXT // BLOCK, 2 * CONTEXT // BLOCK),
        storage=st.sampled_from(["paged", "dense"]),
-       max_num_seqs=st.integers(1, 6), example_must_preempt=st.just(False))
+       max_num_seqs=st.integers(1, 6), async_scheduling=st.booleans(), example_must_preempt=st.just(False))
 @example(actions=[("add", [{"prompt": [7] * 30, "max_tokens": 30, "stop_token": None, "seed": 3, "temperature": 0.8}] * 4),
                   ("step", 4), ("abort", 1), ("add", [{"prompt": [9] * 5, "max_tokens": 50, "stop_token": None,
                                                         "seed": None, "temperature": 0.0}] * 3)],
-         pool_blocks=4, storage="paged", max_num_seqs=6, example_must_preempt=True)
+         pool_blocks=4, storage="paged", max_num_seqs=6, async_scheduling=True, example_must_preempt=True)
 def test_random_traffic_leaves_no_block_referenced(tiny, actions, pool_blocks, storage, max_num_seqs,
-                                                   example_must_preempt):
+                                                   async_scheduling, example_must_preempt):
     per_token = 2 * 2 * 2 * 16 * 4  # layers * (K, V) * kv heads * head dim * float32
     config = EngineConfig(max_model_len=CONTEXT, max_num_seqs=max_num_seqs, prefill_chunk=24, kv_storage=storage,
                           kv_cache_memory=pool_blocks * BLOCK * per_token if storage == "paged" else None,
-                          deterministic=True)
+                          deterministic=True, async_scheduling=async_scheduling)
     sched = BatchScheduler(Engine(tiny, config))
     requests: dict[str, Request] = {}
     added: list[str] = []

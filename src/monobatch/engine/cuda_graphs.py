@@ -116,8 +116,15 @@ class DecodeGraphs:
         return graph, logits
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch) -> torch.Tensor:
+    def forward(self, batch: StepBatch, token_ids: torch.Tensor | None = None, commit: bool = True) -> torch.Tensor:
         """Run a decode-only ``batch`` (see :meth:`handles`), caching its KV.
+
+        Args:
+            batch: the step.
+            token_ids: ``[n]`` int64 device tensor of the input tokens, overriding the chunks'
+                (async scheduling: the previous step's draws, never seen by the host).
+            commit: advance the KV store (:meth:`KvStore.commit`) now; False leaves it to the
+                caller once the input ids are known.
 
         Returns:
             ``[R, V]`` float32 logits, one row per chunk. With graphs this is a view of a static
@@ -139,6 +146,8 @@ class DecodeGraphs:
         self.positions[:size].copy_(ids[1], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
+        if token_ids is not None:
+            self.token_ids[:n].copy_(token_ids)
         if self.capture and size not in self.graphs:
             self.graphs[size] = self._graph(size)
             self.kv.prepare_decode(batch, self.host.rows(size), self.step.rows(size))  # capture clobbered them
@@ -149,6 +158,7 @@ class DecodeGraphs:
             graph, logits = captured
             graph.replay()
             self.kv.paged_attention_calls += len(self.model.layers)  # the replay's attend calls
-        self.kv.commit(batch)
+        if commit:
+            self.kv.commit(batch)
         self.replays += 1
         return logits[:n]

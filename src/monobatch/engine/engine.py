@@ -15,7 +15,7 @@ from monobatch import defaults
 from monobatch.engine.batch import StepBatch
 from monobatch.engine.cuda_graphs import DecodeGraphs
 from monobatch.engine.finish import FinishStep, RowOutput
-from monobatch.engine.sampler import RowSampler, token_logprobs
+from monobatch.engine.sampler import RowSampler, SampleOutput, token_logprobs
 from monobatch.engine.sequence import Sequence
 from monobatch.errors import InsufficientMemoryError, InvalidRequestError
 from monobatch.kernels.paged_decode import triton_usable
@@ -23,6 +23,26 @@ from monobatch.kv.dense import DenseKv
 from monobatch.kv.paged import PagedKv
 from monobatch.kv.store import KvStore
 from monobatch.loader import LoadedModel
+
+
+@dataclass(slots=True)
+class PendingStep:
+    """A step launched on the device whose draws the host has not read yet (async scheduling).
+
+    Attributes:
+        batch: the step; ``committed`` False while its KV commit waits for its input ids.
+        rows: the R sequences that drew a token, in row order.
+        tokens: ``[R]`` int64 draws on the device (the next step's input ids).
+        host: ``[R]`` int64 copy on the host (page-locked on CUDA), valid once ``ready`` is done.
+        ready: CUDA event recorded after the copy (None on CPU: the copy is synchronous).
+    """
+
+    batch: StepBatch
+    rows: list[Sequence]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+    committed: bool = True
 
 
 @dataclass(slots=True)
@@ -44,6 +64,9 @@ class EngineConfig:
             ADR): a request's logits do not depend on batch, chunking or cache state.
         cuda_graphs: capture decode-only steps as CUDA graphs (:mod:`monobatch.engine.cuda_graphs`)
             where possible: CUDA, paged storage, the default mode, the paged-decode kernel usable.
+        async_scheduling: let the scheduler launch decode step N+1 before reading step N's draws
+            back (:meth:`BatchScheduler.step`), so the host's work overlaps the device's. None
+            (default): on for CUDA. Tokens are the same either way.
     """
 
     max_model_len: int | None = None
@@ -55,6 +78,7 @@ class EngineConfig:
     block_size: int = defaults.BLOCK_SIZE
     deterministic: bool = False
     cuda_graphs: bool = True
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -197,21 +221,71 @@ class Engine:
         top = self.prompt_logits(token_ids).topk(2).values
         return float(top[0] - top[1])
 
-    def forward(self, batch: StepBatch) -> torch.Tensor:
+    def forward(self, batch: StepBatch, token_ids: torch.Tensor | None = None, commit: bool = True) -> torch.Tensor:
         """Run ``batch`` through the model, caching its KV. Returns ``[R, V]`` float32 logits
-        (a decode-only step replays a CUDA graph when :attr:`graphs` is set)."""
+        (a decode-only step replays a CUDA graph when :attr:`graphs` is set).
+
+        ``token_ids`` (``[T]`` int64, on the device) replaces the batch's input ids, and
+        ``commit=False`` leaves :meth:`KvStore.commit` to the caller: async scheduling feeds a
+        step the previous step's draws before the host has read them (:meth:`launch`).
+        """
         with self._on_device():
             if self.graphs is not None and self.graphs.handles(batch):
-                return self.graphs.forward(batch)
+                return self.graphs.forward(batch, token_ids, commit)
+            if token_ids is not None:
+                batch.token_ids = token_ids
             self.kv.prepare(batch)
             logits = self.model(batch, self.kv)
-            self.kv.commit(batch)
+            if commit:
+                self.kv.commit(batch)
             return logits
 
     def _on_device(self):
         """Make the model's GPU the current CUDA device (Triton kernels, streams and graph
         capture use the current device, which need not be the tensors')."""
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether the scheduler may overlap steps (config, default: on CUDA)."""
+        on = self.config.async_scheduling
+        return self.device.type == "cuda" if on is None else on
+
+    @torch.inference_mode()
+    def launch(self, batch: StepBatch, rows: list[Sequence], ahead: int = 0,
+               token_ids: torch.Tensor | None = None) -> PendingStep:
+        """Forward ``batch`` and draw one token per row on the device, without waiting for it:
+        the draws are copied to the host behind an event (read by :meth:`resolve`).
+
+        Args:
+            batch: a step whose logit rows belong to ``rows`` (no prompt logprobs).
+            rows: R sequences, every one :attr:`SamplerState.history_free`.
+            ahead: draws of these rows not yet resolved (0 or 1); ``token_ids`` then holds the
+                last of them, on the device, and the KV commit is left to the caller.
+        """
+        logits = self.forward(batch, token_ids, commit=token_ids is None)
+        masked = self.finisher.ban_early_stops(logits, rows, ahead)
+        tokens = self.sampler.draw(masked, [s.sampler for s in rows], ahead)
+        cuda = tokens.is_cuda
+        host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=cuda)
+        host.copy_(tokens, non_blocking=cuda)
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        return PendingStep(batch, rows, tokens, host, ready, committed=token_ids is None)
+
+    def resolve(self, pending: PendingStep) -> list[RowOutput]:
+        """Wait for a launched step's draws and run the finish step on the rows still running (a
+        row whose sequence ended or was aborted meanwhile is dropped)."""
+        if pending.ready is not None:
+            pending.ready.synchronize()
+        ids = pending.host.tolist()
+        live = [(seq, t) for seq, t in zip(pending.rows, ids) if not seq.is_finished]
+        if not live:
+            return []
+        seqs, toks = zip(*live)
+        return self.finisher.apply(list(seqs), SampleOutput(list(toks), None, None))
 
     @torch.inference_mode()
     def step(self, batch: StepBatch, rows: list[Sequence],

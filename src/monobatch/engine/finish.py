@@ -117,14 +117,16 @@ class FinishStep:
     def __init__(self, eog_ids: frozenset[int], max_model_len: int) -> None:
         self.eog_ids = frozenset(eog_ids)
         self.max_model_len = max_model_len
+        self._id_tensors: dict[tuple[frozenset[int], torch.device], torch.Tensor] = {}
 
-    def ban_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def ban_early_stops(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0) -> torch.Tensor:
         """Mask end-of-generation and stop token ids (``-inf``) for rows that may not end yet:
         ``ignore_eos``, or fewer than ``min_tokens`` generated (vLLM's semantics; llama.cpp's
         ignore_eos is the same -inf bias).
 
         Args:
             logits: ``[R, V]`` float32, row r for seqs[r]; not modified.
+            ahead: tokens each row drew that are not appended yet (async scheduling).
 
         Returns:
             ``logits`` itself when no row needs a mask, else a masked copy.
@@ -133,14 +135,26 @@ class FinishStep:
         for r, seq in enumerate(seqs):
             p = seq.params
             banned = set()
-            if p.ignore_eos or len(seq.output_ids) < p.min_tokens:
+            early = len(seq.output_ids) + ahead < p.min_tokens
+            if p.ignore_eos or early:
                 banned |= self.eog_ids
-            if len(seq.output_ids) < p.min_tokens:
+            if early:
                 banned |= set(p.stop_token_ids)
             if banned:
                 masked = logits.clone() if masked is logits else masked
-                masked[r, sorted(banned)] = float("-inf")
+                masked[r].index_fill_(0, self._ids(frozenset(banned), logits.device), float("-inf"))
         return masked
+
+    def _ids(self, ids: frozenset[int], device: torch.device) -> torch.Tensor:
+        """``ids`` as a device tensor, cached (the same sets recur every step; building one from
+        a list is a host-to-device copy)."""
+        key = (ids, device)
+        t = self._id_tensors.get(key)
+        if t is None:
+            if len(self._id_tensors) > 64:
+                self._id_tensors.clear()
+            t = self._id_tensors[key] = torch.tensor(sorted(ids), dtype=torch.int64, device=device)
+        return t
 
     @staticmethod
     def is_looping(tokens: list[int], window: int, max_period: int = LOOP_MAX_PERIOD) -> bool:

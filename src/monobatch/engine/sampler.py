@@ -113,6 +113,20 @@ class SamplerState:
         self.dry = st.DryState(params, self.history, token_bytes) if dry_on else None
 
     @property
+    def history_free(self) -> bool:
+        """True when the next draw does not depend on the generated tokens' values (no repetition,
+        presence/frequency or DRY penalty, no logprobs): it can be drawn before the previous
+        token is known on the host (async scheduling)."""
+        return self._repeat_window is None and not self._count_generated and self.dry is None \
+            and self.params.logprobs is None
+
+    @property
+    def plain_greedy(self) -> bool:
+        """True for greedy draws with no logit_bias, penalty or logprobs: the draw is the argmax."""
+        p = self.params
+        return p.temperature == 0.0 and not p.logit_bias and self.history_free
+
+    @property
     def generated(self) -> list[int]:
         """The generated token ids (history after the prompt)."""
         return self.history[self.num_prompt_tokens:]
@@ -166,10 +180,12 @@ class _Plan:
     Everything is collected into numpy arrays on the host and sent to the logits' device in ONE
     copy (pinned, non-blocking on CUDA), so the step has no host sync before the final
     ``.tolist()``. Stage choices (which stages run, the top-k width) are read from the host
-    arrays, never from the device.
+    arrays, never from the device. ``ahead``: tokens drawn but not yet accepted (async
+    scheduling draws position ``len(history) + ahead``; only for :meth:`SamplerState.history_free`
+    states).
     """
 
-    def __init__(self, states: list[SamplerState], vocab_size: int) -> None:
+    def __init__(self, states: list[SamplerState], vocab_size: int, ahead: int = 0) -> None:
         ints: dict[str, list] = {k: [] for k in (
             "bias_rows", "bias_cols", "rep_rows", "rep_cols", "add_rows", "add_cols", "lp_rows",
             *(f"{g}_{k}" for g in GROUPS for k in _PER_ROW_INTS))}
@@ -204,7 +220,7 @@ class _Plan:
             top_k = p.top_k if 0 < p.top_k < vocab_size else 0
             g = ("topk" if 0 < top_k <= TOPK_FAST else
                  "sort" if top_k or p.typical_p < 1.0 or p.top_p < 1.0 else "plain")
-            key = st.to_signed64(st.row_key(s.seed, len(s.history)))
+            key = st.to_signed64(st.row_key(s.seed, len(s.history) + ahead))
             for k, v in zip(_PER_ROW_INTS, (r, key, top_k)):
                 ints[f"{g}_{k}"].append([v])
             # "off" as values the stages need no mask for: ln 0 = -inf, p >= 1 -> inf
@@ -285,10 +301,35 @@ class RowSampler:
         Raises:
             ValueError: shapes disagree, or a logit_bias id is outside the vocabulary.
         """
-        R = self._check(logits, states)
-        if R == 0:
+        if self._check(logits, states) == 0:
             return SampleOutput([], None, None)
-        plan = _Plan(states, self.vocab_size)
+        tok, plan, t = self._draw(logits, states, 0)
+        if plan is None or all(n is None for n in plan.top_n):
+            return SampleOutput(tok.tolist(), None, None)
+        return self._with_logprobs(logits if model_logits is None else model_logits, tok, plan, t)
+
+    def draw(self, logits: torch.Tensor, states: list[SamplerState], ahead: int = 0) -> torch.Tensor:
+        """The draws of :meth:`sample` as a device tensor, with no host sync (async scheduling:
+        the next step's input). Only for :attr:`SamplerState.history_free` states.
+
+        Args:
+            logits: (R, V) as :meth:`sample`.
+            states: R sampler states.
+            ahead: tokens drawn for these rows but not accepted yet; the draw is position
+                ``len(history) + ahead``, as :meth:`sample` will see it once they are.
+
+        Returns:
+            ``[R]`` int64 token ids on ``logits.device``.
+        """
+        self._check(logits, states)
+        return self._draw(logits, states, ahead)[0]
+
+    def _draw(self, logits: torch.Tensor, states: list[SamplerState], ahead: int
+              ) -> tuple[torch.Tensor, _Plan | None, dict[str, torch.Tensor] | None]:
+        if all(s.plain_greedy for s in states):  # the common case: one argmax, no plan to upload
+            return self._raw(logits, copy=False).argmax(dim=-1), None, None
+        R = logits.shape[0]
+        plan = _Plan(states, self.vocab_size, ahead)
         t = plan.upload(logits.device)
         x, groups = self._chain(logits, plan, t)
         greedy = R - sum(g.rows.shape[0] for g in groups)
@@ -296,9 +337,7 @@ class RowSampler:
         for g in groups:
             drawn = st.gumbel_argmax(g.z, g.keys, g.ids)
             tok = drawn if g.rows.shape[0] == R else tok.index_copy_(0, g.rows, drawn)
-        if all(n is None for n in plan.top_n):
-            return SampleOutput(tok.tolist(), None, None)
-        return self._with_logprobs(logits if model_logits is None else model_logits, tok, plan, t)
+        return tok, plan, t
 
     def transform(self, logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
         """The logits each row's draw sees, for tests and the parity report.

@@ -14,6 +14,16 @@ running sequence's ``num_computed`` catches up with its ``num_tokens``. A step:
    asks for logits, and that sequence draws one token. Finished sequences release their KV
    (their full blocks stay in the prefix cache) in the same step.
 
+Async scheduling (``Engine.async_scheduling``, on for CUDA; vLLM's async scheduling, SGLang's
+overlap scheduler): a decode step whose rows draw without looking at their history
+(:attr:`SamplerState.history_free`) is launched and left pending; the next :meth:`step` launches
+step N+1 — same sequences, input ids taken from N's draws on the device — *before* reading N's
+draws back, then runs N's finish step while the device computes N+1. Step N+1's KV commit
+waits until N's ids are known. A sequence that ends at N (a stop id or string) had one row too
+many in N+1: that row is dropped. Anything else — an admission, a prefill, a sequence that
+ends by length at N, a penalty or logprobs — resolves N first and plans normally. Outputs come
+one step later; tokens are the same.
+
 Finish observers (:meth:`BatchScheduler.add_finish_observer`) see every sequence that ends — its
 prompt and generated ids and its :class:`RequestMetrics` — on the thread that drives the loop;
 ``monobatch parity`` uses them to read what a server generated without going through HTTP.
@@ -26,8 +36,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
-from monobatch.engine.batch import StepBatch
-from monobatch.engine.engine import Engine
+from monobatch.engine.batch import Chunk, StepBatch
+from monobatch.engine.engine import Engine, PendingStep
 from monobatch.engine.finish import RequestMetrics, RowOutput
 from monobatch.engine.metrics import SchedulerStats
 from monobatch.engine.planner import PrefillPlan
@@ -73,6 +83,7 @@ class BatchScheduler:
         self._done: list[RowOutput] = []  # outputs produced outside a forward (max_tokens 0, abort)
         self._stats = SchedulerStats()
         self._finish_observers: list[Callable[[FinishedRequest], None]] = []
+        self._pending: PendingStep | None = None  # a launched decode step not read back yet
 
     def add_finish_observer(self, fn: Callable[[FinishedRequest], None]) -> None:
         """Call ``fn(FinishedRequest)`` for every sequence that ends from now on (any
@@ -156,6 +167,11 @@ class BatchScheduler:
         seq = self._find(request_id)
         if seq is None or seq.status is not SeqStatus.RUNNING:
             return False
+        if self._pending is not None and seq in self._pending.rows:  # its last draw first
+            pending, self._pending = self._pending, None
+            self._done += self._finish_pending(pending)
+            if seq.is_finished:
+                return False
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
         seq.num_computed = 0
@@ -171,7 +187,7 @@ class BatchScheduler:
 
     def has_unfinished(self) -> bool:
         """True while any request is waiting, running, or has an undelivered final output."""
-        return bool(self.waiting or self.running or self._done)
+        return bool(self.waiting or self.running or self._done or self._pending)
 
     def stats(self) -> SchedulerStats:
         """Counters and gauges for metrics (a copy)."""
@@ -188,6 +204,21 @@ class BatchScheduler:
         """One iteration: schedule (running first, then admission), forward + sample + finish,
         release finished KV."""
         outputs, self._done = self._done, []
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            try:
+                ahead = self._launch_ahead(pending)
+            except BaseException:
+                self._done[:0] = outputs
+                for seq in pending.rows:  # N's draws are lost with it: end its sequences
+                    if not seq.is_finished:
+                        self.abort(seq.request_id)
+                raise
+            outputs += self._finish_pending(pending, ahead)
+            if ahead is not None and any(not seq.is_finished for seq in ahead.rows):
+                self._pending = ahead
+                return outputs + self._done
+            outputs, self._done = outputs + self._done, []
         try:
             planned = self._schedule()
         except BaseException:
@@ -201,6 +232,10 @@ class BatchScheduler:
             return outputs
         batch, rows, prompt_rows = planned
         try:
+            if self.engine.async_scheduling and rows and not prompt_rows and batch.is_decode_only \
+                    and all(seq.sampler.history_free for seq in rows):
+                self._pending = self.engine.launch(batch, rows)
+                return outputs
             step_outputs = self.engine.step(batch, rows, prompt_rows)
         except BaseException:
             # Never leave KV and num_computed disagreeing: the step's sequences end (abort) and
@@ -212,13 +247,67 @@ class BatchScheduler:
                 if seq is not None:
                     self.abort(seq.request_id)
             raise
+        return outputs + self._after_step(step_outputs)
+
+    def _after_step(self, step_outputs: list[RowOutput]) -> list[RowOutput]:
+        """Count the step's tokens; release the KV of sequences that finished."""
         self._stats.generation_tokens_total += sum(len(o.token_ids) for o in step_outputs)
         for seq in [s for s in self.running if s.is_finished]:
             self.running.remove(seq)
             self.kv.free(seq.seq_id)
             self._stats.num_requests_finished += 1
             self._notify_finished(seq)
-        return outputs + step_outputs
+        return step_outputs
+
+    # -- async scheduling -------------------------------------------------------------------
+    def _launch_ahead(self, pending: PendingStep) -> PendingStep | None:
+        """Launch the decode step after ``pending`` before its draws are read back, when that
+        step is certain to hold the same sequences (see the module docstring); else None."""
+        rows = pending.rows
+        if len(rows) != len(self.running) or (self.waiting and len(self.running) < self.config.max_num_seqs):
+            return None
+        for seq in rows:
+            p = seq.params
+            if seq.status is not SeqStatus.RUNNING or seq.num_computed != seq.num_tokens \
+                    or not seq.sampler.history_free \
+                    or (p.max_tokens is not None and len(seq.output_ids) + 1 >= p.max_tokens) \
+                    or seq.num_tokens + 1 >= self.engine.max_model_len:
+                return None  # it may end by length at the pending step, or it is not a plain decode
+        if not all(self.kv.reserve(seq.seq_id, seq.num_computed + 1) for seq in rows):
+            return None  # the pool is full: the normal path preempts
+        chunks = [(seq.seq_id, (0,), seq.num_computed, True) for seq in rows]  # ids: the device's draws
+        for seq in rows:
+            self._account(seq, len(rows))
+            seq.num_computed += 1
+        batch = StepBatch.build(chunks, self.engine.device, self.engine.row_tile)
+        try:
+            return self.engine.launch(batch, rows, ahead=1, token_ids=pending.tokens)
+        except BaseException:
+            for seq in rows:
+                seq.num_computed -= 1
+            raise
+
+    def _finish_pending(self, pending: PendingStep, ahead: PendingStep | None = None) -> list[RowOutput]:
+        """Read ``pending``'s draws and run its finish step; then commit ``ahead`` (launched on
+        those draws) for the sequences still running, now that its input ids are known."""
+        try:
+            step_outputs = self.engine.resolve(pending)
+        except BaseException:
+            for seq in list(pending.rows):
+                if not seq.is_finished:
+                    self.abort(seq.request_id)
+            raise
+        if ahead is not None:
+            live = [Chunk(c.seq_id, c.start, c.pos, c.length, c.wants_logits, (seq.output_ids[-1],))
+                    for c, seq in zip(ahead.batch.chunks, ahead.rows) if not seq.is_finished]
+            self.kv.commit(StepBatch(ahead.batch.token_ids, ahead.batch.positions, ahead.batch.seq_ids,
+                                     ahead.batch.logit_rows, tuple(live), ahead.batch.row_tile))
+        return self._after_step(step_outputs)
+
+    def _account(self, seq: Sequence, batch_seqs: int) -> None:
+        """Batch evidence for the request's metrics."""
+        seq.max_batch_seqs = max(seq.max_batch_seqs, batch_seqs)
+        seq.shared_steps += batch_seqs > 1
 
     def run(self, requests: Iterable[Request] = ()) -> Iterator[RowOutput]:
         """Add ``requests`` and step until nothing is left, yielding every output as produced."""
@@ -289,8 +378,7 @@ class BatchScheduler:
             wants = start + n == seq.num_tokens
             if n > 1 or start < len(seq.prompt_ids):  # the prefill partition (decodes are not recorded)
                 seq.prefill_chunks.append((start, start + n))
-            seq.max_batch_seqs = max(seq.max_batch_seqs, len(scheduled))
-            seq.shared_steps += len(scheduled) > 1
+            self._account(seq, len(scheduled))
             chunks.append((seq.seq_id, seq.token_slice(start, start + n), start, wants,
                            self.plan.wants_all_logits(seq, start)))
             seq.num_computed += n

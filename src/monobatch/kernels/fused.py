@@ -1,8 +1,11 @@
-"""Fused element-wise kernels for CUDA (Triton): RMSNorm, rotary embedding, SiLU-gated product.
+"""Fused element-wise kernels for CUDA (Triton): RMSNorm, residual add + RMSNorm, rotary
+embedding (of one tensor, or of q and k together), SiLU-gated product.
 
 Each replaces a chain of small torch ops (RMSNorm is eight kernels in eager torch, RoPE five per
 tensor) with one kernel; at B=1 a decode step is hundreds of such launches, so on the GPU their
-count, not their arithmetic, sets the time. Each kernel computes one row (one token, or one token
+count, not their arithmetic, sets the time. :func:`add_rms_norm` also folds the residual add into
+the norm that follows it (vLLM's ``fused_add_rms_norm``) and :func:`rope_qk` rotates q and k in one
+launch, read straight from the packed qkv projection. Each kernel computes one row (one token, or one token
 and head) alone, in a fixed order, so results do not depend on the batch (deterministic mode
 keeps its guarantee). The torch versions in :mod:`monobatch.models` stay the reference and the
 CPU path; :func:`enabled` says whether a tensor takes the fused path.
@@ -41,6 +44,21 @@ if triton is not None:
         tl.store(Y + row * stride_y + offs, y.to(x.dtype), mask=mask)
 
     @triton.jit
+    def _add_rms_norm_kernel(X, D, W, R, Y, stride_x, stride_d, stride_r, stride_y, n, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+        d = tl.load(D + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32)
+        s = (x.to(tl.float32) + d).to(x.dtype)  # torch's add: fp32, rounded once to the dtype
+        tl.store(R + row * stride_r + offs, s, mask=mask)
+        s32 = s.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(s32 * s32, 0) / n + eps)
+        w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+        y = w * (s32 * inv).to(x.dtype).to(tl.float32)  # as _rms_norm_kernel
+        tl.store(Y + row * stride_y + offs, y.to(x.dtype), mask=mask)
+
+    @triton.jit
     def _rope_kernel(X, COS, SIN, Y, stride_xt, stride_xh, stride_ct, stride_yt, stride_yh,
                      HALF: tl.constexpr, BLOCK: tl.constexpr):
         t = tl.program_id(0)
@@ -60,6 +78,32 @@ if triton is not None:
         # x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1); fp32, rounded once
         tl.store(out + offs, (x1 * c1 - x2 * s1).to(dtype), mask=mask)
         tl.store(out + HALF + offs, (x2 * c2 + x1 * s2).to(dtype), mask=mask)
+
+    @triton.jit
+    def _rope_qk_kernel(QKV, COS, SIN, Q, K, stride_t, stride_ct, stride_qt, stride_kt,
+                        NQ: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+        # program (t, h): head h of token t in the packed projection, h < NQ a q head, else a k head
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < HALF
+        base = QKV + t * stride_t + h * HD
+        x1 = tl.load(base + offs, mask=mask, other=0.0)
+        dtype = x1.dtype
+        x1 = x1.to(tl.float32)
+        x2 = tl.load(base + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        c1 = tl.load(COS + t * stride_ct + offs, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(COS + t * stride_ct + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(SIN + t * stride_ct + offs, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(SIN + t * stride_ct + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        y1 = (x1 * c1 - x2 * s1).to(dtype)  # as _rope_kernel
+        y2 = (x2 * c2 + x1 * s2).to(dtype)
+        if h < NQ:
+            out = Q + t * stride_qt + h * HD
+        else:
+            out = K + t * stride_kt + (h - NQ) * HD
+        tl.store(out + offs, y1, mask=mask)
+        tl.store(out + HALF + offs, y2, mask=mask)
 
     @triton.jit
     def _silu_mul_kernel(GU, Y, stride_g, stride_y, F, BLOCK: tl.constexpr):
@@ -87,6 +131,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y.view(shape)
 
 
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm, one program per row (vLLM's ``fused_add_rms_norm``): for ``x``
+    and ``delta`` ``[..., D]`` of one dtype and ``weight`` ``[D]``, ``s = x + delta`` (fp32,
+    rounded once to the dtype, as torch's add) and ``rms_norm(s)`` as :func:`rms_norm`.
+
+    Returns:
+        ``(s, rms_norm(s))``: two new tensors of ``x``'s shape and dtype (nothing is written in
+        place: ``x`` may be a view others still read, e.g. a deterministic-mode tile, and new
+        buffers are always safe under CUDA-graph capture). Reference:
+        :meth:`monobatch.models.llama.RMSNorm.add_forward`.
+    """
+    assert x.shape == delta.shape and x.dtype == delta.dtype, (x.shape, delta.shape, x.dtype, delta.dtype)
+    shape = x.shape
+    x2, d2 = x.reshape(-1, shape[-1]), delta.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if d2.stride(-1) != 1:
+        d2 = d2.contiguous()
+    r = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        _add_rms_norm_kernel[(x2.shape[0],)](x2, d2, weight, r, y, x2.stride(0), d2.stride(0), r.stride(0),
+                                             y.stride(0), shape[-1], eps, BLOCK=triton.next_power_of_2(shape[-1]))
+    return r.view(shape), y.view(shape)
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding (Su et al. 2021, HF rotate_half layout) of ``x`` ``[T, heads, hd]`` by
     ``cos``/``sin`` ``[T, hd]``: a new tensor. Reference: :func:`monobatch.models.rope.apply_rope`."""
@@ -99,6 +170,31 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         _rope_kernel[(T, H)](x, cos, sin, y, x.stride(0), x.stride(1), cos.stride(0), y.stride(0), y.stride(1),
                              HALF=hd // 2, BLOCK=triton.next_power_of_2(hd // 2))
     return y
+
+
+def rope_qk(qkv: torch.Tensor, n_q_heads: int, n_kv_heads: int, head_dim: int,
+            cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of q and k in one launch, read from the packed projection ``qkv``
+    ``[T, (H + 2K) * hd]`` (q heads, then k heads, then v heads; rows may be strided) with
+    ``cos``/``sin`` ``[T, hd]``: one program per (token, q or k head).
+
+    Returns:
+        q ``[T, H, hd]`` and k ``[T, K, hd]``, each a new contiguous tensor (the layouts
+        :func:`rope` gives). Reference: :func:`monobatch.models.rope.apply_rope` on each.
+    """
+    T = qkv.shape[0]
+    hd = head_dim
+    assert qkv.shape[-1] == (n_q_heads + 2 * n_kv_heads) * hd and hd % 2 == 0, (qkv.shape, n_q_heads, n_kv_heads, hd)
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    q = torch.empty((T, n_q_heads, hd), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((T, n_kv_heads, hd), dtype=qkv.dtype, device=qkv.device)
+    if T:
+        _rope_qk_kernel[(T, n_q_heads + n_kv_heads)](qkv, cos, sin, q, k, qkv.stride(0), cos.stride(0),
+                                                      q.stride(0), k.stride(0), NQ=n_q_heads, HD=hd,
+                                                      HALF=hd // 2, BLOCK=triton.next_power_of_2(hd // 2))
+    return q, k
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -8,11 +8,16 @@ Two implementations of one contract:
 
 * :func:`paged_decode_torch` — gather every row's blocks, mask past its length, one SDPA call.
   Runs anywhere (CPU, CUDA without Triton); its cost grows with the table width, not the length.
-* :func:`paged_decode_triton` — split-K ("flash-decoding", Dao et al. 2023): the context is cut
-  into partitions of ``PARTITION`` tokens, one program per (sequence, KV head, partition) runs an
-  online softmax (Milakov & Gimelshein 2018) over its keys read straight from the pool through
-  the block table, and the partitions are merged by their log-sum-exp. Only the sequence's real
-  keys are read. GQA: a program computes all query heads of its KV head at once.
+* :func:`paged_decode_triton` — split-K ("flash-decoding", Dao et al. 2023): each sequence's
+  context is cut into ``splits`` partitions of equal length (a multiple of ``BLOCK_N`` keys, set
+  from the sequence's own length inside the kernel), one program per (sequence, KV head,
+  partition) runs an online softmax (Milakov & Gimelshein 2018) over its keys read straight from
+  the pool through the block table, and the partitions are merged by their log-sum-exp. Only the
+  sequence's real keys are read; ``splits`` grows as the batch shrinks, so a B=1 decode keeps
+  every SM busy at any context length. GQA: a program computes all query heads of its KV head.
+
+:func:`store_kv` writes a step's new K and V rows into the pool at their slots (one launch for
+both).
 
 Softmax scale 1/sqrt(head_dim), as :func:`monobatch.kv.attention.attend_chunk`.
 """
@@ -20,6 +25,7 @@ Softmax scale 1/sqrt(head_dim), as :func:`monobatch.kv.attention.attend_chunk`.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -30,10 +36,20 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs have none.
 except ImportError:  # pragma: no cover - depends on the install
     triton = tl = None
 
-#: Tokens of one split-K partition (one program's share of a sequence's keys).
-PARTITION = 512
-#: Keys one loop iteration of the Triton kernel loads (a multiple of 16 for tl.dot).
+#: Most partitions one sequence's keys are split into (programs per sequence and KV head).
+MAX_SPLITS = 32
+#: Keys one loop iteration of the Triton kernel loads (a multiple of 16 for tl.dot); partitions
+#: are multiples of it.
 BLOCK_N = 64
+
+
+def num_splits(batch: int, n_kv: int, max_keys: int, device: torch.device) -> int:
+    """Partitions per (sequence, KV head): enough programs to fill the GPU about twice over
+    (``2 * SMs / (batch * n_kv)``, a power of two, at most :data:`MAX_SPLITS`), and no more than
+    ``max_keys / BLOCK_N``. A function of the batch shape only, so a captured graph keeps it."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
+    want = triton.next_power_of_2(max(1, -(-2 * sms // (batch * n_kv))))
+    return max(1, min(want, MAX_SPLITS, -(-max_keys // BLOCK_N)))
 
 
 def paged_decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -71,13 +87,14 @@ if triton is not None:
                           stride_qb, stride_qh, stride_ks, stride_kh, stride_tb,
                           stride_ob, stride_oh, stride_op, stride_lb, stride_lh,
                           scale, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
-                          PART: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+                          SPLITS: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         part = tl.program_id(2)
         seq_len = tl.load(LENS + b)
-        start = part * PART
-        end = tl.minimum(start + PART, seq_len)
+        part_len = tl.cdiv(tl.cdiv(seq_len, SPLITS), BN) * BN  # this sequence's partition length
+        start = part * part_len
+        end = tl.minimum(start + part_len, seq_len)
         offs_g = tl.arange(0, G_PAD)
         offs_d = tl.arange(0, HD)
         heads = kvh * G + offs_g
@@ -118,12 +135,14 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(O_PART, LSE_PART, LENS, OUT, stride_ob, stride_oh, stride_op, stride_lb, stride_lh,
-                      stride_outb, stride_outh, P_PAD: tl.constexpr, HD: tl.constexpr, PART: tl.constexpr):
+                      stride_outb, stride_outh, SPLITS: tl.constexpr, HD: tl.constexpr, BN: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
-        offs_p = tl.arange(0, P_PAD)
+        offs_p = tl.arange(0, SPLITS)
         offs_d = tl.arange(0, HD)
-        pmask = offs_p < tl.cdiv(tl.load(LENS + b), PART)  # only the partitions holding keys
+        seq_len = tl.load(LENS + b)
+        part_len = tl.cdiv(tl.cdiv(seq_len, SPLITS), BN) * BN
+        pmask = offs_p < tl.cdiv(seq_len, part_len)  # only the partitions holding keys
         lse = tl.load(LSE_PART + b * stride_lb + h * stride_lh + offs_p, mask=pmask, other=float("-inf"))
         w = tl.exp(lse - tl.max(lse, 0))  # empty partitions: exp(-inf) = 0
         o = tl.load(O_PART + b * stride_ob + h * stride_oh + offs_p[:, None] * stride_op + offs_d[None, :],
@@ -131,15 +150,29 @@ if triton is not None:
         out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
         tl.store(OUT + b * stride_outb + h * stride_outh + offs_d, out.to(OUT.dtype.element_ty))
 
+    @triton.jit
+    def _store_kv_kernel(K, V, K_CACHE, V_CACHE, SLOTS, stride_kt, stride_kh, stride_vt, stride_vh,
+                         stride_cs, stride_ch, NKV: tl.constexpr, NKV_PAD: tl.constexpr, HD: tl.constexpr):
+        t = tl.program_id(0)
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        offs_h = tl.arange(0, NKV_PAD)
+        offs_d = tl.arange(0, HD)
+        mask = (offs_h < NKV)[:, None]
+        dst = slot * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
+        k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+        tl.store(K_CACHE + dst, k, mask=mask)
+        v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+        tl.store(V_CACHE + dst, v, mask=mask)
+
 
 def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
     """Split-K paged decode attention in Triton; same contract as :func:`paged_decode_torch`.
 
-    The number of partitions follows the table width (``nb * block_size / PARTITION``), so it
-    is fixed for a captured graph; partitions past a sequence's length compute and store
-    nothing, and the merge reads only ``ceil(len / PARTITION)`` of them, so the work follows the
-    real lengths. float32 inputs use IEEE (not TF32) products.
+    The number of partitions (:func:`num_splits`) depends on the batch shape only, so it is fixed
+    for a captured graph; their length follows each sequence's own length, partitions past it
+    compute and store nothing, and the merge reads only the ones holding keys, so the work
+    follows the real lengths. float32 inputs use IEEE (not TF32) products.
 
     Raises:
         RuntimeError: Triton is not installed, or head_dim is not a power of two.
@@ -151,7 +184,7 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if hd & (hd - 1):
         raise RuntimeError(f"head_dim {hd} is not a power of two")
     g = n_q // n_kv
-    parts = max(1, -(-block_tables.shape[1] * block_size // PARTITION))
+    parts = num_splits(B, n_kv, block_tables.shape[1] * block_size, q.device)
     o_part = torch.empty(B, n_q, parts, hd, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, n_q, parts, dtype=torch.float32, device=q.device)
     _partition_kernel[(B, n_kv, parts)](
@@ -159,13 +192,30 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         1.0 / math.sqrt(hd), G=g, G_PAD=max(16, triton.next_power_of_2(g)), HD=hd, BS=block_size,
-        PART=PARTITION, BN=BLOCK_N, IEEE=q.dtype == torch.float32)
+        SPLITS=parts, BN=BLOCK_N, IEEE=q.dtype == torch.float32)
     # Merge the partitions by their log-sum-exp: weights exp(lse_p - max lse) (0 for empty ones).
     out = torch.empty_like(q)
     _merge_kernel[(B, n_q)](o_part, lse, seq_lens, out, o_part.stride(0), o_part.stride(1), o_part.stride(2),
                             lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-                            P_PAD=triton.next_power_of_2(parts), HD=hd, PART=PARTITION)
+                            SPLITS=parts, HD=hd, BN=BLOCK_N)
     return out
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write row t of ``k``/``v`` (``[T, n_kv, hd]``, any row/head strides) into slot
+    ``slot_mapping[t]`` of ``k_cache``/``v_cache`` (``[slots, n_kv, hd]``): ``index_copy_`` of
+    both in one launch where Triton runs (CUDA), the two ``index_copy_`` calls elsewhere."""
+    T, n_kv, hd = k.shape
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # tests run the kernel on CPU tensors
+    if not (triton is not None and (k.is_cuda or interpreted) and hd & (hd - 1) == 0 and k.stride(-1) == 1 and v.stride(-1) == 1):
+        k_cache.index_copy_(0, slot_mapping, k)
+        v_cache.index_copy_(0, slot_mapping, v)
+        return
+    if T:
+        _store_kv_kernel[(T,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                               k_cache.stride(0), k_cache.stride(1), NKV=n_kv, NKV_PAD=triton.next_power_of_2(n_kv),
+                               HD=hd)
 
 
 def triton_usable(device: torch.device, head_dim: int) -> bool:

@@ -10,6 +10,13 @@ K KV heads, hd head dim, F FFN size, V vocab.
 Weights are held packed (nano-vllm style): ``qkv_proj`` = cat(q, k, v) rows and
 ``gate_up_proj`` = cat(gate, up) rows, so a layer is four GEMMs. The loader fills them from HF
 names (:data:`PACKED`), whatever the file format.
+
+The residual stream is carried as (residual, pending delta), as in vLLM's Llama: a sublayer's
+output is not added where it is made but by the norm that follows it (post_attention_layernorm,
+the next layer's input_layernorm, the final norm), :meth:`RMSNorm.add_forward`, which is one
+fused kernel on CUDA (:func:`monobatch.kernels.fused.add_rms_norm`). The torch path runs the same
+ops in the same order as the plain pre-norm block (an add in the model dtype, then the norm), so
+its results are bitwise those of ``x = x + sublayer(norm(x))``.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from monobatch.engine.batch import StepBatch
-from monobatch.kernels import fused
+from monobatch.kernels import fused, gemv
 from monobatch.kv.store import KvStore
 from monobatch.models.args import ModelArgs
 from monobatch.models.rope import RotaryEmbedding, apply_rope, rope_inv_freq
@@ -71,8 +78,8 @@ class Linear(nn.Module):
         self.bias = _param(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[T, in]`` -> ``[T, out]``."""
-        return F.linear(x, self.weight, self.bias)
+        """x ``[T, in]`` -> ``[T, out]`` (few-row inputs on CUDA: :func:`monobatch.kernels.gemv.linear`)."""
+        return gemv.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -92,6 +99,15 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual add then norm: x and delta ``[..., dim]`` (one dtype) -> ``(s, norm(s))`` with
+        ``s = x + delta`` in that dtype; one fused kernel on CUDA (:func:`fused.add_rms_norm`,
+        new tensors, ``x`` is not written)."""
+        if fused.enabled(x):
+            return fused.add_rms_norm(x, delta, self.weight, self.eps)
+        x = x + delta
+        return x, self.forward(x)
+
 
 class Attention(nn.Module):
     """Grouped-query attention's projections: packed QKV, optional qkv bias (Qwen2) and q/k norm
@@ -108,9 +124,15 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.hd, args.rms_norm_eps) if args.qk_norm else None
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x ``[T, D]`` -> q ``[T, H, hd]``, k and v ``[T, K, hd]`` (norms and RoPE applied)."""
+        """x ``[T, D]`` (normed), cos/sin ``[T, hd]`` -> q ``[T, H, hd]``, k and v ``[T, K, hd]``
+        (norms and RoPE applied). On CUDA without q/k norm, q and k are rotated in one launch
+        straight from the packed projection (:func:`fused.rope_qk`); v is a view of it."""
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)  # (T, (H + 2K) hd)
+        if self.q_norm is None and fused.enabled(qkv):
+            q, k = fused.rope_qk(qkv, self.n_heads, self.n_kv, self.hd, cos, sin)
+            return q, k, qkv[:, self.q_size + self.kv_size:].view(T, self.n_kv, self.hd)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.n_heads, self.hd)  # (T, H, hd)
         k = k.view(T, self.n_kv, self.hd)  # (T, K, hd)
         v = v.reshape(T, self.n_kv, self.hd)  # (T, K, hd)
@@ -138,7 +160,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block: two residual lines."""
+    """Pre-norm transformer block: two residual lines, each add folded into the norm after it
+    (see the module docstring)."""
 
     def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
@@ -147,18 +170,41 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch, kv: KvStore) -> torch.Tensor:
-        """x ``[T, D]`` -> ``[T, D]``; cos/sin ``[T, hd]``. Everything but attention is row-wise
-        (tiled in deterministic mode, see :func:`rowwise`)."""
-        attn = self.self_attn
-        q, k, v = rowwise(batch.row_tile, lambda x, c, s: attn.project(self.input_layernorm(x), c, s), x, cos, sin)
-        out = kv.attend(attn.layer, q, k, v, batch)  # (T, H, hd)
-        return rowwise(batch.row_tile, self._residual_mlp, x, out.flatten(1))
+    def forward(self, residual: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                batch: StepBatch, kv: KvStore) -> tuple[torch.Tensor, torch.Tensor]:
+        """One block on the carried residual stream.
 
-    def _residual_mlp(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """The two residual lines around attention: x ``[T, D]``, attn_out ``[T, H*hd]``."""
-        x = x + self.self_attn.o_proj(attn_out)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        Args:
+            residual: ``[T, D]``, the stream before the previous layer's MLP output is added.
+            delta: ``[T, D]``, that MLP output, still to add (None at the first layer, whose
+                ``residual`` is the embeddings).
+            cos, sin: ``[T, hd]``.
+
+        Returns:
+            ``(residual, delta)`` ``[T, D]`` each: the stream after this layer's attention line
+            and this layer's MLP output, to be added by the next norm. Everything but attention
+            is row-wise (tiled in deterministic mode, see :func:`rowwise`).
+        """
+        attn, tile = self.self_attn, batch.row_tile
+        if delta is None:
+            q, k, v = rowwise(tile, lambda x, c, s: attn.project(self.input_layernorm(x), c, s), residual, cos, sin)
+        else:
+            residual, q, k, v = rowwise(tile, self._add_project, residual, delta, cos, sin)
+        out = kv.attend(attn.layer, q, k, v, batch)  # (T, H, hd)
+        return rowwise(tile, self._attn_add_mlp, residual, out.flatten(1))
+
+    def _add_project(self, residual: torch.Tensor, delta: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The previous MLP line's add, input_layernorm and the q/k/v projection: residual and
+        delta ``[T, D]`` -> (residual + delta ``[T, D]``, q ``[T, H, hd]``, k, v ``[T, K, hd]``)."""
+        residual, h = self.input_layernorm.add_forward(residual, delta)
+        return (residual, *self.self_attn.project(h, cos, sin))
+
+    def _attn_add_mlp(self, residual: torch.Tensor, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """o_proj, the attention line's add, post_attention_layernorm and the MLP: residual
+        ``[T, D]``, attn_out ``[T, H*hd]`` -> (residual + o_proj(attn_out), MLP output), ``[T, D]`` each."""
+        residual, h = self.post_attention_layernorm.add_forward(residual, self.self_attn.o_proj(attn_out))
+        return residual, self.mlp(h)
 
 
 class LlamaModel(nn.Module):
@@ -175,7 +221,6 @@ class LlamaModel(nn.Module):
         inv_freq, scale = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling,
                                         args.max_position_embeddings, freq_factors)
         self.rope = RotaryEmbedding(inv_freq, scale)
-        self._mm_out_dtype: bool | None = None  # torch.mm(out_dtype=) support, found on first use
 
     @property
     def device(self) -> torch.device:
@@ -206,21 +251,19 @@ class LlamaModel(nn.Module):
         """
         x = F.embedding(batch.token_ids, self.embed_tokens)  # (T, D)
         cos, sin = self.rope.cos_sin(batch.positions, x.dtype)  # (T, hd) each
+        residual, delta = x, None
         for layer in self.layers:
-            x = layer(x, cos, sin, batch, kv)
+            residual, delta = layer(residual, delta, cos, sin, batch, kv)  # (T, D) each
         head = self.embed_tokens if self.lm_head is None else self.lm_head.weight
-        # (R, D) -> (R, V): only rows that want logits
-        return rowwise(batch.row_tile, lambda x: self._logits(self.norm(x), head), x[batch.logit_rows])
+        # (R, D) -> (R, V): only rows that want logits; the last MLP output is added to those rows only
+        rows = batch.logit_rows
+        if delta is None:  # no layers
+            return rowwise(batch.row_tile, lambda x: self._logits(self.norm(x), head), residual[rows])
+        return rowwise(batch.row_tile, lambda r, d: self._logits(self.norm.add_forward(r, d)[1], head),
+                       residual[rows], delta[rows])
 
     def _logits(self, x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-        """``x @ head.T`` as float32 ``[R, V]``. With 16-bit weights on CUDA the GEMM writes
-        float32 directly (``torch.mm(..., out_dtype=)``, torch >= 2.8), so logits are not rounded
-        to bfloat16 (which ties tokens whose logits differ by less than ~0.1)."""
-        if x.dtype != torch.float32 and x.is_cuda and self._mm_out_dtype is not False:
-            try:
-                out = torch.mm(x, head.t(), out_dtype=torch.float32)
-                self._mm_out_dtype = True
-                return out
-            except (TypeError, RuntimeError):
-                self._mm_out_dtype = False  # older torch: fall back to a bf16 GEMM
-        return F.linear(x, head).float()
+        """``x @ head.T`` as float32 ``[R, V]``: with 16-bit weights on CUDA the GEMM writes float32
+        directly (:func:`monobatch.kernels.gemv.linear` with ``out_dtype``), so logits are not
+        rounded to bfloat16 (which ties tokens whose logits differ by less than ~0.1)."""
+        return gemv.linear(x, head, out_dtype=torch.float32)

@@ -1,0 +1,237 @@
+"""Skinny GEMM for decode-time linear layers on CUDA (Triton): ``y = x W^T (+ b)`` for a few rows.
+
+At decode time a linear layer multiplies M = 1..16 token rows by an N x K weight that is read
+once: the time is the weight's bytes over HBM bandwidth (~4.8 TB/s on an H200) plus a launch's
+latency. cuBLAS took ~3.8 us on a 2 MB weight and reached 40-75 % of the bandwidth on 8-64 MB
+ones (scripts/profile_decode.py). Here a program streams a ``[BLOCK_N, BLOCK_K]`` tile of W along
+K (coalesced: W is row-major ``[N, K]``), multiplies it with all M rows of x, accumulates in fp32:
+
+* FMA path (M <= 4): one ``[BLOCK_N, BLOCK_K]`` fp32 register accumulator per row of x, reduced
+  over K after the loop; the loop is software-pipelined (``tl.range(num_stages=)``).
+* DOT path: tensor cores on ``W_tile @ x_tile^T`` (x padded to 16 rows; operands swapped so the
+  long N side fills the MMA's M, the usual trick for skinny GEMMs).
+
+Split-K is deterministic: each K slice stores its fp32 partial in a workspace ``[SPLIT_K, M, N]``
+and bumps a per-N-tile counter; the program that completes the count sums the partials in slice
+order (so the bits do not depend on which slice ended last), adds the bias, writes y and resets
+the counter ("serial split-K" with a semaphore as in CUTLASS; cf. Osama et al. 2023, Stream-K).
+One launch, no host sync, no data-dependent allocation: CUDA-graph capturable.
+
+The config is a fixed function of (N, K, M bucket, dtype): :data:`CONFIGS` (measured by
+``scripts/tune_gemv.py``) or :func:`_heuristic`, never timed at run time, so every process runs
+the same kernel and gets the same bits. ``MONOBATCH_TRITON_GEMV=0`` turns the path off.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from monobatch.kernels.paged_decode import triton, tl
+
+_ON = os.environ.get("MONOBATCH_TRITON_GEMV", "1") != "0"
+#: Most rows (tokens) the kernel takes; more go to cuBLAS (compute-bound territory).
+MAX_M = 16
+#: Split-K counters kept per device (N tiles); a launch with more tiles gets fresh zeroed ones.
+_MAX_TILES = 1 << 16
+#: SM count of an H100/H200: a constant, so the heuristic does not depend on the GPU found.
+_SMS = 132
+
+#: ``(N, K, M bucket, dtype name): (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, DOT)``, or
+#: None where cuBLAS measured faster (:func:`linear` then calls it). M bucket: M rounded up to a
+#: power of two. Printed by ``scripts/tune_gemv.py`` (bf16; float16 uses the bfloat16 rows).
+CONFIGS: dict[tuple[int, int, int, str], tuple[int, int, int, int, int, bool] | None] = {}
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_MM_OUT_DTYPE: bool | None = None  # torch.mm(out_dtype=) support (torch >= 2.8), found on first use
+
+
+def _pow2(n: int) -> int:  # n rounded up to a power of two (the M bucket)
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _heuristic(N: int, K: int, mb: int) -> tuple[int, int, int, int, int, bool]:
+    """Untuned default: FMA up to 4 rows, else DOT; split K while the grid stays under two
+    programs per SM and each slice keeps >= 2 K blocks."""
+    dot = mb > 4
+    block_n, block_k = (32, 256) if dot else (8 if mb <= 2 else 4, 512 if mb == 1 else 256)
+    block_k = max(16, min(block_k, _pow2(K)))
+    tiles, splits = -(-N // block_n), 1
+    while splits < 8 and tiles * splits * 2 <= 2 * _SMS and K >= 4 * splits * block_k:
+        splits *= 2
+    return block_n, block_k, splits, 4, 3, dot
+
+
+def choose(N: int, K: int, M: int, dtype: torch.dtype) -> tuple[int, int, int, int, int, bool] | None:
+    """The config for an ``[M, K] x [N, K]^T`` product: the table's row for (N, K, M bucket,
+    dtype), else the heuristic's. None: cuBLAS is faster for this shape (measured)."""
+    key = (N, K, _pow2(M), {torch.float16: "bfloat16"}.get(dtype, str(dtype).removeprefix("torch.")))
+    return CONFIGS[key] if key in CONFIGS else _heuristic(N, K, key[2])
+
+
+def slices(K: int, block_k: int, splits: int) -> tuple[int, int]:
+    """``(k_per, splits)``: K cut into at most ``splits`` slices of whole ``block_k`` blocks
+    (``k_per`` elements each, the last one shorter), none empty."""
+    nk = -(-K // block_k)
+    k_per = -(-nk // max(1, min(splits, nk))) * block_k
+    return k_per, -(-K // k_per)
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 split-K counters, >= ``tiles``: the per-device buffer (made on first use outside
+    a graph capture, never freed: graphs keep its address; the kernel leaves it zeroed), else a
+    zeroed tensor per call (a captured memset). Assumes one stream at a time runs split-K here."""
+    buf = _COUNTERS.get(device)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if buf is None and not capturing:
+        buf = _COUNTERS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    return buf if buf is not None and tiles <= _MAX_TILES else torch.zeros(tiles, dtype=torch.int32, device=device)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fma_row(acc, w, X, row, M, stride_xm, offs, kmask):
+        xr = tl.load(X + row * stride_xm + offs, mask=kmask & (offs * 0 + row < M), other=0.0).to(tl.float32)
+        return acc + w * xr[None, :]
+
+    @triton.jit(do_not_specialize=["M", "splits"])
+    def _gemv_kernel(X, W, B, Y, WS, CNT, M, N, K, k_per, splits, stride_xm, stride_wn, stride_ym,
+                     HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     STAGES: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, M_PAD)
+        offs_k = tl.arange(0, BLOCK_K)
+        nmask = offs_n < N
+        mmask = offs_m < M
+        k_lo = pid_k * k_per
+        k_hi = tl.minimum(k_lo + k_per, K)
+        w_ptrs = W + (offs_n.to(tl.int64) * stride_wn)[:, None] + offs_k[None, :]
+        x_ptrs = X + offs_m[None, :] * stride_xm + offs_k[:, None]  # x^T tile [BLOCK_K, M_PAD] (DOT)
+        acc = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+        acc0 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)  # FMA: one 2D accumulator per row of x
+        acc1, acc2, acc3 = acc0, acc0, acc0  # (2D, in the layout W is loaded in: no shuffles in the loop)
+        for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+            kmask = k + offs_k < k_hi
+            w = tl.load(w_ptrs + k, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            if DOT:
+                xt = tl.load(x_ptrs + k, mask=kmask[:, None] & mmask[None, :], other=0.0)
+                if IEEE:  # float32 inputs: full-precision products (not TF32)
+                    acc = tl.dot(w, xt, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(w, xt, acc)
+            else:
+                w = w.to(tl.float32)
+                acc0 = _fma_row(acc0, w, X, 0, M, stride_xm, k + offs_k, kmask)
+                if M_PAD > 1:
+                    acc1 = _fma_row(acc1, w, X, 1, M, stride_xm, k + offs_k, kmask)
+                if M_PAD > 2:
+                    acc2 = _fma_row(acc2, w, X, 2, M, stride_xm, k + offs_k, kmask)
+                    acc3 = _fma_row(acc3, w, X, 3, M, stride_xm, k + offs_k, kmask)
+        if not DOT:  # reduce over K once; column m of acc <- row m of x
+            acc = tl.where(offs_m[None, :] == 0, tl.sum(acc0, 1)[:, None], acc)
+            if M_PAD > 1:
+                acc = tl.where(offs_m[None, :] == 1, tl.sum(acc1, 1)[:, None], acc)
+            if M_PAD > 2:
+                acc = tl.where(offs_m[None, :] == 2, tl.sum(acc2, 1)[:, None], acc)
+                acc = tl.where(offs_m[None, :] == 3, tl.sum(acc3, 1)[:, None], acc)
+        omask = nmask[:, None] & mmask[None, :]
+        tile = offs_m[None, :] * N + offs_n[:, None]  # [BLOCK_N, M_PAD] offsets in an [M, N] slab
+        done = pid_n >= 0  # (a true scalar tensor)
+        if splits > 1:
+            tl.store(WS + pid_k * M * N + tile, acc, mask=omask)
+            tl.debug_barrier()  # every thread's partial is stored before the (releasing) count
+            done = tl.atomic_add(CNT + pid_n, 1, sem="acq_rel") == splits - 1
+            if done:  # the last slice of this tile: sum all slices in a fixed order
+                acc = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+                for s in range(0, splits):
+                    acc += tl.load(WS + s * M * N + tile, mask=omask, other=0.0, cache_modifier=".cg")
+                tl.store(CNT + pid_n, 0)
+        if done:
+            if HAS_BIAS:
+                acc += tl.load(B + offs_n, mask=nmask, other=0.0).to(tl.float32)[:, None]
+            tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty), mask=omask)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         out_dtype: torch.dtype | None = None, config: tuple | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` by the Triton kernel, always (no fallback).
+
+    Args:
+        x: ``[M, K]`` bf16/fp16 (fp32 works too: IEEE products, used by the interpreter tests),
+            1 <= M <= :data:`MAX_M` (M = 0 gives an empty result), K >= 1.
+        weight: ``[N, K]`` same dtype, unit stride along K (rows may be padded).
+        bias: ``[N]`` or None; added in fp32.
+        out_dtype: result dtype (None: x's); float32 skips the rounding (LM head logits).
+        config: ``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, DOT)``; None: :func:`choose`.
+
+    Returns:
+        ``[M, N]``, fp32 accumulation.
+
+    Raises:
+        RuntimeError: Triton is not installed. ValueError: M > MAX_M, a strided weight row, or
+        an FMA config (DOT False) with M > 4.
+    """
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    M, K = x.shape
+    N = weight.shape[0]
+    if M > MAX_M or weight.stride(1) != 1:
+        raise ValueError(f"gemv takes M <= {MAX_M} rows and a weight with unit stride along K")
+    y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    block_n, block_k, splits, warps, stages, dot = config or choose(N, K, M, x.dtype) or _heuristic(N, K, _pow2(M))
+    if not dot and M > 4:
+        raise ValueError("FMA configs take M <= 4 rows")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    k_per, splits = slices(K, block_k, splits)
+    tiles = -(-N // block_n)
+    ws = torch.empty((splits, M, N) if splits > 1 else (1,), dtype=torch.float32, device=x.device)
+    cnt = _counters(x.device, tiles) if splits > 1 else _COUNTERS.get(x.device)
+    cnt = ws.new_empty(1, dtype=torch.int32) if cnt is None else cnt  # unused without split-K
+    _gemv_kernel[(tiles, splits)](
+        x, weight, y if bias is None else bias.contiguous(), y, ws, cnt, M, N, K, k_per, splits,
+        x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, M_PAD=16 if dot else _pow2(M),
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, DOT=bool(dot), IEEE=x.dtype == torch.float32,
+        num_warps=warps, num_stages=stages)
+    return y
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when :func:`linear` may take the Triton path for ``x`` ``[..., K]``: switched on,
+    Triton present, CUDA, bf16/fp16 with a weight of the same dtype, contiguous ``[N, K]``
+    weight, K a multiple of 8 (16-byte rows), 1 <= rows <= :data:`MAX_M`."""
+    K = x.shape[-1] if x.dim() else 0
+    return (_ON and triton is not None and x.is_cuda and weight.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and weight.dim() == 2 and weight.is_contiguous() and weight.shape[1] == K
+            and K > 0 and K % 8 == 0 and 1 <= x.numel() // K <= MAX_M)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x`` ``[..., K]``, ``weight`` ``[N, K]``: ``[..., N]`` in
+    ``out_dtype`` (None: x's dtype; float32: not rounded to 16 bits). The Triton kernel where
+    :func:`usable` and the config table does not prefer cuBLAS, else ``F.linear`` (float32 out:
+    ``torch.mm(out_dtype=)`` on CUDA, torch >= 2.8; otherwise the 16-bit result, converted)."""
+    global _MM_OUT_DTYPE
+    N, K = weight.shape
+    if usable(x, weight) and out_dtype in (None, x.dtype, torch.float32):
+        x2 = x.reshape(-1, K)
+        cfg = choose(N, K, x2.shape[0], x.dtype)
+        if cfg is not None:
+            return gemv(x2, weight, bias, out_dtype, cfg).view(*x.shape[:-1], N)
+    if out_dtype is None or out_dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    if x.is_cuda and out_dtype == torch.float32 and _MM_OUT_DTYPE is not False:
+        try:
+            y = torch.mm(x.reshape(-1, K), weight.t(), out_dtype=out_dtype).view(*x.shape[:-1], N)
+            _MM_OUT_DTYPE = True
+            return y if bias is None else y + bias
+        except (TypeError, RuntimeError):
+            _MM_OUT_DTYPE = False
+    return F.linear(x, weight, bias).to(out_dtype)
