@@ -38,12 +38,12 @@ def main() -> None:
     forward = engine.forward
     gpu_ms: list[float] = []
 
-    def timed_forward(batch):
+    def timed_forward(batch, *args, **kw):
         if not cuda:
-            return forward(batch)
+            return forward(batch, *args, **kw)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out = forward(batch)
+        out = forward(batch, *args, **kw)
         end.record()
         timed_forward.events.append((start, end))
         return out

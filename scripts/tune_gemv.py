@@ -100,19 +100,19 @@ def _compile(task) -> str | None:
     return None
 
 
-_GRAPH: dict = {}  # one capture stream and memory pool for all the (sequential) graphs
+_GRAPH: dict = {}  # one capture stream for all the (sequential) graphs; each graph its own memory pool
 
 
 def graph_us(call, n_calls: int, reps: int) -> float:
     """Median microseconds per call of ``call(i)``, i = 0..n_calls-1 captured in one CUDA graph,
     over ``reps`` replays."""
     if not _GRAPH:
-        _GRAPH.update(stream=torch.cuda.Stream(), pool=torch.cuda.graph_pool_handle())
+        _GRAPH.update(stream=torch.cuda.Stream())
     g, stream = torch.cuda.CUDAGraph(), _GRAPH["stream"]
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # capture_begin directly: torch.cuda.graph() adds gc + empty_cache each time
         call(0)  # warm-up on the capture stream (cuBLAS workspace)
-        g.capture_begin(pool=_GRAPH["pool"])
+        g.capture_begin()  # a shared pool trips an allocator assert once graphs are freed
         try:
             for i in range(n_calls):
                 call(i)

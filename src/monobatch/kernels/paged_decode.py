@@ -45,11 +45,12 @@ BLOCK_N = 64
 
 def num_splits(batch: int, n_kv: int, max_keys: int, device: torch.device) -> int:
     """Partitions per (sequence, KV head): enough programs to fill the GPU about twice over
-    (``2 * SMs / (batch * n_kv)``, a power of two, at most :data:`MAX_SPLITS`), and no more than
-    ``max_keys / BLOCK_N``. A function of the batch shape only, so a captured graph keeps it."""
+    (``2 * SMs / (batch * n_kv)``, at most :data:`MAX_SPLITS`, and no more than ``max_keys /
+    BLOCK_N``), a power of two. A function of the batch shape only, so a captured graph keeps it."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
     want = triton.next_power_of_2(max(1, -(-2 * sms // (batch * n_kv))))
-    return max(1, min(want, MAX_SPLITS, -(-max_keys // BLOCK_N)))
+    blocks = max(1, -(-max_keys // BLOCK_N))
+    return min(want, MAX_SPLITS, 1 << (blocks.bit_length() - 1))  # a power of two (tl.arange)
 
 
 def paged_decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
