@@ -89,6 +89,8 @@ class LLM:
         kv_cache_memory, deterministic: :class:`EngineConfig` fields (the CLI flags of the same
             names).
         enforce_eager: no CUDA graphs for decode steps (``--enforce-eager``; vLLM's name).
+        async_scheduling: launch decode step N+1 before reading step N's tokens back (None: on
+            CUDA; ``--no-async-scheduling`` is False).
         chat_template: a jinja template replacing the model's.
         progress: show the loading bar (on a terminal).
         loaded: an already loaded model to share (skips loading).
@@ -101,12 +103,13 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = defaults.MAX_NUM_SEQS,
                  prefill_chunk: int = defaults.PREFILL_CHUNK, max_num_batched_tokens: int | None = None,
                  kv_storage: str = defaults.KV_STORAGE, kv_cache_memory: int | None = None,
-                 deterministic: bool = False, enforce_eager: bool = False, chat_template: str | None = None,
+                 deterministic: bool = False, enforce_eager: bool = False, async_scheduling: bool | None = None,
+                 chat_template: str | None = None,
                  progress: bool = True, loaded: LoadedModel | None = None) -> None:
         config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk,
                               max_num_batched_tokens=max_num_batched_tokens, kv_storage=kv_storage,
                               kv_cache_memory=kv_cache_memory, deterministic=deterministic,
-                              cuda_graphs=not enforce_eager)
+                              cuda_graphs=not enforce_eager, async_scheduling=async_scheduling)
         self.loaded = loaded or load_model(model, device, dtype, chat_template=chat_template, progress=progress)
         self.scheduler = BatchScheduler(Engine(self.loaded, config))
         log.info("%s", self.scheduler.engine.describe())

@@ -123,6 +123,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "prefix cache (slower; see the ADR)")
     e.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: run decode steps eagerly (CUDA graphs are used on CUDA with paged KV)")
+    e.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false", default=None,
+                   help="read each decode step's tokens back before launching the next (by default on CUDA the "
+                        "next step is launched first, overlapping host and device work; same tokens)")
 
 
 def _logit_bias(text: str) -> tuple[int, float]:
@@ -211,7 +214,8 @@ def engine_settings(ns: argparse.Namespace) -> dict[str, Any]:
         raise InvalidRequestError("--kv-cache-memory sizes the paged pool; it needs --kv-storage paged", "kv_cache_memory")
     return {"max_model_len": ns.ctx_size or None, "prefill_chunk": ns.prefill_chunk, "max_num_seqs": ns.max_num_seqs,
             "max_num_batched_tokens": batched, "kv_storage": ns.kv_storage, "kv_cache_memory": ns.kv_cache_memory,
-            "deterministic": ns.deterministic, "cuda_graphs": not getattr(ns, "enforce_eager", False)}
+            "deterministic": ns.deterministic, "cuda_graphs": not getattr(ns, "enforce_eager", False),
+            "async_scheduling": getattr(ns, "async_scheduling", None)}
 
 
 def open_engine(ns: argparse.Namespace, loaded: "LoadedModel | None" = None) -> "BatchScheduler":

@@ -146,7 +146,8 @@ class Engine:
         """One line for a start-up log: the KV store, its capacity and the numerics mode."""
         mode = f"deterministic (row tiles of {self.row_tile})" if self.row_tile else "fast (not batch-invariant)"
         graphs = f"; CUDA graphs for decode steps of up to {self.graphs.max_batch} sequences" if self.graphs else ""
-        return f"{self.kv.describe()}; context {self.max_model_len} tokens; mode {mode}{graphs}"
+        overlap = "; async scheduling" if self.async_scheduling else ""
+        return f"{self.kv.describe()}; context {self.max_model_len} tokens; mode {mode}{graphs}{overlap}"
 
     def _make_kv(self) -> KvStore:
         """The KV store the config names; a paged pool is sized from ``kv_cache_memory``.
