@@ -60,25 +60,45 @@ def test_torch_paged_decode_matches_attend_chunk(shape):
     torch.testing.assert_close(out, _oracle(q, k, v, tables, seq_lens, dims[-1]), rtol=1e-5, atol=1e-5)
 
 
+def _check_triton_interpreter() -> str:
+    """The split-K kernel (partitions and their fused merge in one launch) against the oracle,
+    run in a TRITON_INTERPRET=1 subprocess. Cases (partitions per (sequence, KV head) from
+    num_splits with 16 "SMs"): B=3 with lengths 1 / 513 / 1100 (2 splits: one sequence with a
+    single partition holding keys, written directly, and one past its length), B=1 with 1100
+    keys (16 splits, 9 holding keys, 7 past the length: the merge skips them), B=2 with 5 / 70
+    keys (one direct, one merged), B=16 (1 split), and G = 3 query heads per KV head (padded
+    rows). Each case runs twice with the same counters: identical bits (the merge's order does
+    not depend on the arrival order) and the counters are left zeroed for the next call."""
+    from monobatch.kernels import gemv
+    from monobatch.kernels.paged_decode import num_splits, paged_decode_triton, store_kv
+    cpu = torch.device("cpu")
+    cases = [((3, 32, 8, 64, 16, [1, 513, 1100]), 2), ((1, 6, 2, 64, 16, [1100]), 16),
+             ((2, 6, 2, 64, 16, [5, 70]), 2), ((16, 4, 2, 64, 16, [1, 3, 64, 65, 200, 7, 9, 100] * 2), 1)]
+    for (*dims, lens), splits in cases:
+        q, k, v, tables, seq_lens = _paged_case(*dims, lens)
+        assert num_splits(dims[0], dims[2], tables.shape[1] * 16, cpu) == splits
+        first = paged_decode_triton(q, k, v, tables, seq_lens, 16)
+        torch.testing.assert_close(first, _oracle(q, k, v, tables, seq_lens, 16), rtol=1e-4, atol=1e-4)
+        assert int(gemv._COUNTERS[cpu].abs().sum()) == 0  # reset by each merging program
+        assert torch.equal(paged_decode_triton(q, k, v, tables, seq_lens, 16), first)
+    kc, vc = torch.zeros(40, 2, 64), torch.zeros(40, 2, 64)
+    kv = torch.randn(3, 6, 64)
+    slots = torch.tensor([7, 0, 39])
+    store_kv(kv[:, :2], kv[:, 4:], kc, vc, slots)
+    assert torch.equal(kc[slots], kv[:, :2]) and torch.equal(vc[slots], kv[:, 4:])
+    assert kc.abs().sum(-1).sum(-1).count_nonzero() == 3
+    return "ok"
+
+
 def test_triton_kernel_in_interpreter():
-    """The split-K kernel against the reference in Triton's CPU interpreter (a subprocess: the
-    interpreter is chosen when Triton is imported)."""
+    """:func:`_check_triton_interpreter` in a subprocess (the interpreter is chosen when Triton
+    is imported). The interpreter runs programs one after another, so it checks the arithmetic
+    and the counter protocol, not the memory ordering between concurrent programs."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("on a GPU the CUDA test runs instead")
-    code = (
-        "import torch, sys; sys.path.insert(0, 'tests');"
-        "from test_decode_graphs import _paged_case, _oracle;"
-        "from monobatch.kernels.paged_decode import paged_decode_triton;"
-        "from monobatch.kernels.paged_decode import store_kv;"
-        "cases = [_paged_case(3, 32, 8, 64, 16, [1, 513, 1100]), _paged_case(1, 6, 2, 64, 16, [1100]),"
-        "         _paged_case(2, 6, 2, 64, 16, [5, 70])];"  # 2, 16 and 2 partitions
-        "[torch.testing.assert_close(paged_decode_triton(*c, 16), _oracle(*c, 16), rtol=1e-4, atol=1e-4)"
-        " for c in cases];"
-        "kc, vc = torch.zeros(40, 2, 64), torch.zeros(40, 2, 64); kv = torch.randn(3, 6, 64);"
-        "slots = torch.tensor([7, 0, 39]); store_kv(kv[:, :2], kv[:, 4:], kc, vc, slots);"
-        "assert torch.equal(kc[slots], kv[:, :2]) and torch.equal(vc[slots], kv[:, 4:]);"
-        "assert kc.abs().sum(-1).sum(-1).count_nonzero() == 3; print('ok')")
+    code = ("import sys; sys.path.insert(0, 'tests');"
+            "from test_decode_graphs import _check_triton_interpreter; print(_check_triton_interpreter())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
@@ -93,7 +113,12 @@ def test_triton_kernel_on_cuda(dtype):
     for lens in ([1, 16, 17, 511, 512, 513], [8192], [300], [3000, 1, 9000]):
         case = _paged_case(len(lens), 32, 8, 64, 16, lens, dtype, "cuda")
         ref = _oracle(*(t.float() if t.is_floating_point() else t for t in case), 16)
-        torch.testing.assert_close(paged_decode_triton(*case, 16).float(), ref, rtol=2e-2, atol=2e-2)
+        out = paged_decode_triton(*case, 16)
+        torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+        for _ in range(3):  # the fused merge: same bits whichever partition finishes last
+            assert torch.equal(paged_decode_triton(*case, 16), out)
+        from monobatch.kernels.gemv import _COUNTERS
+        assert int(_COUNTERS[case[0].device].abs().sum()) == 0  # left zeroed for the next call
 
 
 def _run(scheduler, prompts, n=12):

@@ -12,9 +12,16 @@ Two implementations of one contract:
   context is cut into ``splits`` partitions of equal length (a multiple of ``BLOCK_N`` keys, set
   from the sequence's own length inside the kernel), one program per (sequence, KV head,
   partition) runs an online softmax (Milakov & Gimelshein 2018) over its keys read straight from
-  the pool through the block table, and the partitions are merged by their log-sum-exp. Only the
-  sequence's real keys are read; ``splits`` grows as the batch shrinks, so a B=1 decode keeps
-  every SM busy at any context length. GQA: a program computes all query heads of its KV head.
+  the pool through the block table, and the partitions are merged by their log-sum-exp in the
+  same launch: each program holding keys stores its fp32 partial (output and log-sum-exp) and
+  bumps an int32 counter of its (sequence, KV head); the program completing the count merges the
+  partials in partition order (the bits do not depend on which program ended last), writes the
+  output and zeroes the counter ("last program reduces", as the split-K of :mod:`monobatch.kernels.gemv`,
+  whose per-device counter buffer it shares). A sequence whose keys fit one partition writes its
+  output directly (the same bits as a merge of one partition). Only the sequence's real keys are
+  read; ``splits`` grows as the batch shrinks, so a B=1 decode keeps every SM busy at any context
+  length. GQA: a program computes all query heads of its KV head. One launch, no host sync:
+  CUDA-graph capturable.
 
 :func:`store_kv` writes a step's new K and V rows into the pool at their slots (one launch for
 both).
@@ -84,16 +91,17 @@ def paged_decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 if triton is not None:
 
     @triton.jit
-    def _partition_kernel(Q, K, V, TABLES, LENS, O_PART, LSE_PART,
+    def _partition_kernel(Q, K, V, TABLES, LENS, O_PART, LSE_PART, OUT, CNT,
                           stride_qb, stride_qh, stride_ks, stride_kh, stride_tb,
-                          stride_ob, stride_oh, stride_op, stride_lb, stride_lh,
-                          scale, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
-                          SPLITS: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+                          stride_ob, stride_oh, stride_op, stride_lb, stride_lh, stride_outb, stride_outh,
+                          scale, NKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
+                          BS: tl.constexpr, SPLITS: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         part = tl.program_id(2)
         seq_len = tl.load(LENS + b)
         part_len = tl.cdiv(tl.cdiv(seq_len, SPLITS), BN) * BN  # this sequence's partition length
+        nparts = tl.cdiv(seq_len, part_len)  # partitions holding keys (the others do nothing)
         start = part * part_len
         end = tl.minimum(start + part_len, seq_len)
         offs_g = tl.arange(0, G_PAD)
@@ -128,28 +136,42 @@ if triton is not None:
             m = m_new
         has = l_sum > 0
         out = acc / tl.where(has, l_sum, 1.0)[:, None]
-        lse = tl.where(has, m + tl.log(tl.where(has, l_sum, 1.0)), float("-inf"))
-        used = gmask & ((offs_g * 0 + start) < seq_len)  # partitions past the length store nothing (the merge skips them)
-        o_ptr = O_PART + b * stride_ob + heads[:, None] * stride_oh + part * stride_op + offs_d[None, :]
-        tl.store(o_ptr, out, mask=used[:, None])
-        tl.store(LSE_PART + b * stride_lb + heads * stride_lh + part, lse, mask=used)
-
-    @triton.jit
-    def _merge_kernel(O_PART, LSE_PART, LENS, OUT, stride_ob, stride_oh, stride_op, stride_lb, stride_lh,
-                      stride_outb, stride_outh, SPLITS: tl.constexpr, HD: tl.constexpr, BN: tl.constexpr):
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        offs_p = tl.arange(0, SPLITS)
-        offs_d = tl.arange(0, HD)
-        seq_len = tl.load(LENS + b)
-        part_len = tl.cdiv(tl.cdiv(seq_len, SPLITS), BN) * BN
-        pmask = offs_p < tl.cdiv(seq_len, part_len)  # only the partitions holding keys
-        lse = tl.load(LSE_PART + b * stride_lb + h * stride_lh + offs_p, mask=pmask, other=float("-inf"))
-        w = tl.exp(lse - tl.max(lse, 0))  # empty partitions: exp(-inf) = 0
-        o = tl.load(O_PART + b * stride_ob + h * stride_oh + offs_p[:, None] * stride_op + offs_d[None, :],
-                    mask=pmask[:, None], other=0.0)
-        out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-        tl.store(OUT + b * stride_outb + h * stride_outh + offs_d, out.to(OUT.dtype.element_ty))
+        if start < seq_len:
+            if nparts == 1:
+                # The only partition: the merge would weigh it by exp(lse - max lse) = 1 and the
+                # empty ones by 0, i.e. out * 1 + 0 + ... + 0, / 1: the same bits as out + 0.0
+                # (the "+ 0" turns a -0.0 into +0.0 as the merge's sum does; with one split there
+                # is nothing to add). So it writes the result itself, no partials, no counter.
+                if SPLITS > 1:
+                    res = out + 0.0
+                else:
+                    res = out
+                tl.store(OUT + b * stride_outb + heads[:, None] * stride_outh + offs_d[None, :],
+                         res.to(OUT.dtype.element_ty), mask=gmask[:, None])
+            else:
+                lse = tl.where(has, m + tl.log(tl.where(has, l_sum, 1.0)), float("-inf"))
+                o_ptr = O_PART + b * stride_ob + heads[:, None] * stride_oh + part * stride_op + offs_d[None, :]
+                tl.store(o_ptr, out, mask=gmask[:, None])
+                tl.store(LSE_PART + b * stride_lb + heads * stride_lh + part, lse, mask=gmask)
+                tl.debug_barrier()  # every thread's partial is stored before the (releasing) count
+                # Fused merge (the "last program reduces" pattern of gemv.py's split-K): the
+                # program completing the count of this (sequence, KV head) merges the partials of
+                # its G query heads by their log-sum-exp, in partition order 0..nparts-1 whatever
+                # the arrival order, so the bits do not depend on which program ended last.
+                cnt = CNT + b * NKV + kvh
+                if tl.atomic_add(cnt, 1, sem="acq_rel") == nparts - 1:
+                    offs_p = tl.arange(0, SPLITS)
+                    pmask = offs_p < nparts
+                    for g in range(G):
+                        h = kvh * G + g
+                        lse_p = tl.load(LSE_PART + b * stride_lb + h * stride_lh + offs_p, mask=pmask,
+                                        other=float("-inf"), cache_modifier=".cg")
+                        w = tl.exp(lse_p - tl.max(lse_p, 0))  # partitions past the length: exp(-inf) = 0
+                        o = tl.load(O_PART + b * stride_ob + h * stride_oh + offs_p[:, None] * stride_op
+                                    + offs_d[None, :], mask=pmask[:, None], other=0.0, cache_modifier=".cg")
+                        merged = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+                        tl.store(OUT + b * stride_outb + h * stride_outh + offs_d, merged.to(OUT.dtype.element_ty))
+                    tl.store(cnt, 0)  # zeroed for the next launch (graph replays reuse the buffer)
 
     @triton.jit
     def _store_kv_kernel(K, V, K_CACHE, V_CACHE, SLOTS, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -172,8 +194,11 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     The number of partitions (:func:`num_splits`) depends on the batch shape only, so it is fixed
     for a captured graph; their length follows each sequence's own length, partitions past it
-    compute and store nothing, and the merge reads only the ones holding keys, so the work
-    follows the real lengths. float32 inputs use IEEE (not TF32) products.
+    compute and store nothing, and the merge (in the same launch, by the last partition of each
+    sequence and KV head to finish) reads only the ones holding keys, so the work follows the
+    real lengths. float32 inputs use IEEE (not TF32) products. The split counters are
+    :func:`monobatch.kernels.gemv._counters`' per-device buffer (left zeroed by every launch;
+    calls on several streams at once are not supported).
 
     Raises:
         RuntimeError: Triton is not installed, or head_dim is not a power of two.
@@ -188,17 +213,16 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     parts = num_splits(B, n_kv, block_tables.shape[1] * block_size, q.device)
     o_part = torch.empty(B, n_q, parts, hd, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, n_q, parts, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    from monobatch.kernels.gemv import _counters  # (gemv imports this module: not at the top)
+    counters = _counters(q.device, B * n_kv)
     _partition_kernel[(B, n_kv, parts)](
-        q, k_cache, v_cache, block_tables, seq_lens, o_part, lse,
+        q, k_cache, v_cache, block_tables, seq_lens, o_part, lse, out, counters,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
-        1.0 / math.sqrt(hd), G=g, G_PAD=max(16, triton.next_power_of_2(g)), HD=hd, BS=block_size,
-        SPLITS=parts, BN=BLOCK_N, IEEE=q.dtype == torch.float32)
-    # Merge the partitions by their log-sum-exp: weights exp(lse_p - max lse) (0 for empty ones).
-    out = torch.empty_like(q)
-    _merge_kernel[(B, n_q)](o_part, lse, seq_lens, out, o_part.stride(0), o_part.stride(1), o_part.stride(2),
-                            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-                            SPLITS=parts, HD=hd, BN=BLOCK_N)
+        out.stride(0), out.stride(1), 1.0 / math.sqrt(hd), NKV=n_kv, G=g,
+        G_PAD=max(16, triton.next_power_of_2(g)), HD=hd, BS=block_size, SPLITS=parts, BN=BLOCK_N,
+        IEEE=q.dtype == torch.float32)
     return out
 
 
