@@ -10,6 +10,8 @@ Prints one JSON object (times in ms per decode step, medians over the steps).
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import json
 import statistics
 import time
@@ -30,7 +32,15 @@ def main() -> None:
     ap.add_argument("-p", type=int, default=256, help="prompt tokens")
     ap.add_argument("-n", type=int, default=128, help="decode steps")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--no-profile", action="store_true", help="skip the torch.profiler tables")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="override a module constant before the engine starts (A/B runs), e.g. "
+                         "monobatch.kernels.paged_decode.MAX_SPLITS=64 (VALUE: a Python literal)")
     ns = ap.parse_args()
+    for item in ns.set:
+        target, value = item.split("=", 1)
+        module, name = target.rsplit(".", 1)
+        setattr(importlib.import_module(module), name, ast.literal_eval(value))
     loaded = dummy_model(ns.shape, ns.device)
     engine = Engine(loaded, EngineConfig(cuda_graphs=not ns.enforce_eager))
     sched = BatchScheduler(engine)
@@ -95,16 +105,17 @@ def main() -> None:
         torch.cuda.synchronize()
         gpu_ms = [s.elapsed_time(e) for s, e in timed_forward.events]
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
-                                + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])) as prof:
-        for _ in sched.run([Request("prof", prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
-                                    bypass_prefix_cache=True)]):
-            pass
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
-    if cuda:
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70))
+    if not ns.no_profile:
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in sched.run([Request("prof", prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+                                        bypass_prefix_cache=True)]):
+                pass
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+        if cuda:
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70))
     print(json.dumps({
-        "shape": ns.shape, "device": str(engine.device), "graphs": engine.graphs is not None, "prompt": ns.p,
+        "shape": ns.shape, "set": ns.set, "device": str(engine.device), "graphs": engine.graphs is not None, "prompt": ns.p,
         "steps": len(walls), "step_wall_ms_median": round(statistics.median(walls), 4),
         "forward_gpu_ms_median": round(statistics.median(gpu_ms), 4) if gpu_ms else None,
         "decode_tok_s": round(1000 / statistics.median(walls), 1), "describe": engine.describe(),

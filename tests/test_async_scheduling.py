@@ -115,3 +115,33 @@ def test_a_failed_launch_leaves_nothing_behind(make_scheduler, loaded, monkeypat
     while sched.has_unfinished():
         finals += [o.finish_reason.value for o in sched.step() if o.finished]
     assert finals == ["abort"] and sched.kv.usage().used_blocks == 0 and not sched.running
+
+
+def test_a_failed_resolve_leaves_nothing_behind(make_scheduler, loaded, monkeypatch):
+    """A device error surfacing when a pending step is read back (or in its finish step) ends
+    the step's sequences with abort and keeps outputs already due (an abort final here)."""
+    sched = make_scheduler(async_scheduling=True)
+    real, calls = sched.engine.resolve, {"n": 0}
+
+    def failing(pending):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated device failure")
+        return real(pending)
+
+    monkeypatch.setattr(sched.engine, "resolve", failing)
+    tok = loaded.tokenizer
+    for rid in ("a", "b"):
+        sched.add_request(Request(rid, tok.encode("Hello"), SamplingParams(max_tokens=30, temperature=0.0)))
+    finals = {}
+    with pytest.raises(RuntimeError, match="simulated"):
+        for i in range(100):
+            if i == 3:
+                sched.add_request(Request("z", tok.encode("Hi"), SamplingParams(max_tokens=0)))  # final due now
+            finals.update({o.request_id: o.finish_reason.value for o in sched.step() if o.finished})
+    for _ in range(10):
+        if not sched.has_unfinished():
+            break
+        finals.update({o.request_id: o.finish_reason.value for o in sched.step() if o.finished})
+    assert finals == {"a": "abort", "b": "abort", "z": "length"}
+    assert not sched.has_unfinished() and sched.kv.usage().used_blocks == 0

@@ -125,7 +125,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="no CUDA graphs: run decode steps eagerly (CUDA graphs are used on CUDA with paged KV)")
     e.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false", default=None,
                    help="read each decode step's tokens back before launching the next (by default on CUDA the "
-                        "next step is launched first, overlapping host and device work; same tokens)")
+                        "next step is launched first, overlapping host and device work; same tokens at B=1)")
 
 
 def _logit_bias(text: str) -> tuple[int, float]:

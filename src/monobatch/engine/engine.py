@@ -30,7 +30,7 @@ class PendingStep:
     """A step launched on the device whose draws the host has not read yet (async scheduling).
 
     Attributes:
-        batch: the step; ``committed`` False while its KV commit waits for its input ids.
+        batch: the step.
         rows: the R sequences that drew a token, in row order.
         tokens: ``[R]`` int64 draws on the device (the next step's input ids).
         host: ``[R]`` int64 copy on the host (page-locked on CUDA), valid once ``ready`` is done.
@@ -42,7 +42,6 @@ class PendingStep:
     tokens: torch.Tensor
     host: torch.Tensor
     ready: torch.cuda.Event | None
-    committed: bool = True
 
 
 @dataclass(slots=True)
@@ -66,7 +65,8 @@ class EngineConfig:
             where possible: CUDA, paged storage, the default mode, the paged-decode kernel usable.
         async_scheduling: let the scheduler launch decode step N+1 before reading step N's draws
             back (:meth:`BatchScheduler.step`), so the host's work overlaps the device's. None
-            (default): on for CUDA. Tokens are the same either way.
+            (default): on for CUDA outside deterministic mode. Tokens are the same either way at
+            B=1 (see :mod:`monobatch.engine.scheduler` for batches).
     """
 
     max_model_len: int | None = None
@@ -222,14 +222,16 @@ class Engine:
         top = self.prompt_logits(token_ids).topk(2).values
         return float(top[0] - top[1])
 
-    def forward(self, batch: StepBatch, token_ids: torch.Tensor | None = None, commit: bool = True) -> torch.Tensor:
+    def forward(self, batch: StepBatch, token_ids: torch.Tensor | None = None, commit: bool | None = None) -> torch.Tensor:
         """Run ``batch`` through the model, caching its KV. Returns ``[R, V]`` float32 logits
         (a decode-only step replays a CUDA graph when :attr:`graphs` is set).
 
-        ``token_ids`` (``[T]`` int64, on the device) replaces the batch's input ids, and
-        ``commit=False`` leaves :meth:`KvStore.commit` to the caller: async scheduling feeds a
+        ``token_ids`` (``[T]`` int64, on the device) replaces the batch's input ids; then the
+        batch's own ids are placeholders, so :meth:`KvStore.commit` (which keys the prefix cache
+        by them) is left to the caller unless ``commit`` says otherwise: async scheduling feeds a
         step the previous step's draws before the host has read them (:meth:`launch`).
         """
+        commit = token_ids is None if commit is None else commit
         with self._on_device():
             if self.graphs is not None and self.graphs.handles(batch):
                 return self.graphs.forward(batch, token_ids, commit)
@@ -248,9 +250,10 @@ class Engine:
 
     @property
     def async_scheduling(self) -> bool:
-        """Whether the scheduler may overlap steps (config, default: on CUDA)."""
+        """Whether the scheduler may overlap steps (config; default: on CUDA, except in
+        deterministic mode, which runs eagerly)."""
         on = self.config.async_scheduling
-        return self.device.type == "cuda" if on is None else on
+        return self.device.type == "cuda" and not self.row_tile if on is None else on
 
     @torch.inference_mode()
     def launch(self, batch: StepBatch, rows: list[Sequence], ahead: int = 0,
@@ -263,10 +266,20 @@ class Engine:
             rows: R sequences, every one :attr:`SamplerState.history_free`.
             ahead: draws of these rows not yet resolved (0 or 1); ``token_ids`` then holds the
                 last of them, on the device, and the KV commit is left to the caller.
+
+        Returns:
+            The :class:`PendingStep` (its ``tokens`` can feed the next step at once).
+
+        Raises:
+            as :meth:`forward` (the KV store's errors) and :meth:`RowSampler.draw`.
         """
-        logits = self.forward(batch, token_ids, commit=token_ids is None)
+        logits = self.forward(batch, token_ids)
         masked = self.finisher.ban_early_stops(logits, rows, ahead)
-        tokens = self.sampler.draw(masked, [s.sampler for s in rows], ahead)
+        if self.row_tile:  # deterministic mode: one row per draw, as in step()
+            tokens = torch.cat([self.sampler.draw(masked[r:r + 1], [seq.sampler], ahead)
+                                for r, seq in enumerate(rows)])
+        else:
+            tokens = self.sampler.draw(masked, [s.sampler for s in rows], ahead)
         cuda = tokens.is_cuda
         host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=cuda)
         host.copy_(tokens, non_blocking=cuda)
@@ -274,11 +287,18 @@ class Engine:
         if cuda:
             ready = torch.cuda.Event()
             ready.record()
-        return PendingStep(batch, rows, tokens, host, ready, committed=token_ids is None)
+        return PendingStep(batch, rows, tokens, host, ready)
 
     def resolve(self, pending: PendingStep) -> list[RowOutput]:
         """Wait for a launched step's draws and run the finish step on the rows still running (a
-        row whose sequence ended or was aborted meanwhile is dropped)."""
+        row whose sequence ended or was aborted meanwhile is dropped).
+
+        Returns:
+            One RowOutput per row still running, in row order.
+
+        Raises:
+            RuntimeError: the device failed the step (surfaces at the event's synchronize).
+        """
         if pending.ready is not None:
             pending.ready.synchronize()
         ids = pending.host.tolist()

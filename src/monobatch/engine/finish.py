@@ -177,11 +177,16 @@ class FinishStep:
             return FinishReason.STOP
         if self.is_looping(seq.output_ids, p.loop_window):
             return FinishReason.LOOP
-        if p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens:
-            return FinishReason.LENGTH
-        if seq.num_tokens >= self.max_model_len:
+        if self.ends_by_length(seq, len(seq.output_ids)):
             return FinishReason.LENGTH
         return None
+
+    def ends_by_length(self, seq: Sequence, num_generated: int) -> bool:
+        """True when ``seq`` with ``num_generated`` generated tokens has reached ``max_tokens`` or
+        the context length (finish_reason ``length``)."""
+        p = seq.params
+        return (p.max_tokens is not None and num_generated >= p.max_tokens) \
+            or len(seq.prompt_ids) + num_generated >= self.max_model_len
 
     def apply(self, seqs: list[Sequence], sample: SampleOutput) -> list[RowOutput]:
         """Append each row's token to its sequence and build the step's outputs (one per row)."""

@@ -326,6 +326,8 @@ class RowSampler:
 
     def _draw(self, logits: torch.Tensor, states: list[SamplerState], ahead: int
               ) -> tuple[torch.Tensor, _Plan | None, dict[str, torch.Tensor] | None]:
+        """The chain and the draw: ``[R]`` int64 token ids on the logits' device, with the plan
+        and its uploaded tensors (None for an all plain-greedy batch) for logprobs."""
         if all(s.plain_greedy for s in states):  # the common case: one argmax, no plan to upload
             return self._raw(logits, copy=False).argmax(dim=-1), None, None
         R = logits.shape[0]

@@ -22,7 +22,9 @@ draws back, then runs N's finish step while the device computes N+1. Step N+1's 
 waits until N's ids are known. A sequence that ends at N (a stop id or string) had one row too
 many in N+1: that row is dropped. Anything else — an admission, a prefill, a sequence that
 ends by length at N, a penalty or logprobs — resolves N first and plans normally. Outputs come
-one step later; tokens are the same.
+one step later. Tokens are the same as the synchronous loop's at B=1 and in deterministic mode;
+in the default mode a batch that loses a sequence computes one step at the old batch size,
+which can move a near-tie token exactly as any change of batch size does there.
 
 Finish observers (:meth:`BatchScheduler.add_finish_observer`) see every sequence that ends — its
 prompt and generated ids and its :class:`RequestMetrics` — on the thread that drives the loop;
@@ -146,7 +148,8 @@ class BatchScheduler:
         seq = self._find(request_id)
         if seq is None:
             return False
-        (self.running if seq.status is SeqStatus.RUNNING else self.waiting).remove(seq)
+        # (a sequence a failed step finished but did not release is in running too: it ends as abort)
+        (self.running if seq in self.running else self.waiting).remove(seq)
         self.kv.free(seq.seq_id)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, FinishReason.ABORT
         self._done.append(RowOutput(seq.request_id, finish_reason=FinishReason.ABORT,
@@ -161,8 +164,9 @@ class BatchScheduler:
 
         Its generated tokens and sampler state are kept, so when re-admitted it recomputes
         prompt + output (adopting whatever the prefix cache still holds) and continues exactly
-        where it stopped (a seeded draw depends only on seed and position). Returns False when
-        the id is not running.
+        where it stopped (a seeded draw depends only on seed and position). A pending async step
+        holding it is resolved first (its outputs come from the next :meth:`step`). Returns
+        False when the id is not running.
         """
         seq = self._find(request_id)
         if seq is None or seq.status is not SeqStatus.RUNNING:
@@ -206,19 +210,22 @@ class BatchScheduler:
         outputs, self._done = self._done, []
         if self._pending is not None:
             pending, self._pending = self._pending, None
+            ahead = None
             try:
                 ahead = self._launch_ahead(pending)
+                outputs += self._finish_pending(pending, ahead)
             except BaseException:
+                # N's draws (and N+1's) are lost with the error: end their sequences (abort, KV
+                # freed); outputs already due are kept for the next step.
                 self._done[:0] = outputs
-                for seq in pending.rows:  # N's draws are lost with it: end its sequences
-                    if not seq.is_finished:
+                for seq in pending.rows + (ahead.rows if ahead is not None else []):
+                    if self._find(seq.request_id) is seq:
                         self.abort(seq.request_id)
                 raise
-            outputs += self._finish_pending(pending, ahead)
+            outputs, self._done = outputs + self._done, []
             if ahead is not None and any(not seq.is_finished for seq in ahead.rows):
                 self._pending = ahead
-                return outputs + self._done
-            outputs, self._done = outputs + self._done, []
+                return outputs
         try:
             planned = self._schedule()
         except BaseException:
@@ -232,8 +239,7 @@ class BatchScheduler:
             return outputs
         batch, rows, prompt_rows = planned
         try:
-            if self.engine.async_scheduling and rows and not prompt_rows and batch.is_decode_only \
-                    and all(seq.sampler.history_free for seq in rows):
+            if self.engine.async_scheduling and not prompt_rows and batch.is_decode_only and self._overlappable(rows):
                 self._pending = self.engine.launch(batch, rows)
                 return outputs
             step_outputs = self.engine.step(batch, rows, prompt_rows)
@@ -266,13 +272,13 @@ class BatchScheduler:
         rows = pending.rows
         if len(rows) != len(self.running) or (self.waiting and len(self.running) < self.config.max_num_seqs):
             return None
+        finisher = self.engine.finisher
         for seq in rows:
-            p = seq.params
             if seq.status is not SeqStatus.RUNNING or seq.num_computed != seq.num_tokens \
-                    or not seq.sampler.history_free \
-                    or (p.max_tokens is not None and len(seq.output_ids) + 1 >= p.max_tokens) \
-                    or seq.num_tokens + 1 >= self.engine.max_model_len:
-                return None  # it may end by length at the pending step, or it is not a plain decode
+                    or finisher.ends_by_length(seq, len(seq.output_ids) + 1):
+                return None  # not a plain decode, or the pending step is its last by length
+        if not self._overlappable(rows):
+            return None
         if not all(self.kv.reserve(seq.seq_id, seq.num_computed + 1) for seq in rows):
             return None  # the pool is full: the normal path preempts
         chunks = [(seq.seq_id, (0,), seq.num_computed, True) for seq in rows]  # ids: the device's draws
@@ -290,19 +296,19 @@ class BatchScheduler:
     def _finish_pending(self, pending: PendingStep, ahead: PendingStep | None = None) -> list[RowOutput]:
         """Read ``pending``'s draws and run its finish step; then commit ``ahead`` (launched on
         those draws) for the sequences still running, now that its input ids are known."""
-        try:
-            step_outputs = self.engine.resolve(pending)
-        except BaseException:
-            for seq in list(pending.rows):
-                if not seq.is_finished:
-                    self.abort(seq.request_id)
-            raise
+        step_outputs = self.engine.resolve(pending)
         if ahead is not None:
             live = [Chunk(c.seq_id, c.start, c.pos, c.length, c.wants_logits, (seq.output_ids[-1],))
                     for c, seq in zip(ahead.batch.chunks, ahead.rows) if not seq.is_finished]
             self.kv.commit(StepBatch(ahead.batch.token_ids, ahead.batch.positions, ahead.batch.seq_ids,
                                      ahead.batch.logit_rows, tuple(live), ahead.batch.row_tile))
         return self._after_step(step_outputs)
+
+    @staticmethod
+    def _overlappable(rows: list[Sequence]) -> bool:
+        """True when every row's next draw can be made before its last token is known on the
+        host (:attr:`SamplerState.history_free`)."""
+        return bool(rows) and all(seq.sampler.history_free for seq in rows)
 
     def _account(self, seq: Sequence, batch_seqs: int) -> None:
         """Batch evidence for the request's metrics."""

@@ -45,17 +45,19 @@ except ImportError:  # pragma: no cover - depends on the install
 
 #: Most partitions one sequence's keys are split into (programs per sequence and KV head).
 MAX_SPLITS = 32
+#: Programs per SM the split count aims for (B * n_kv * splits ~ SPLIT_WAVES * SMs).
+SPLIT_WAVES = 2
 #: Keys one loop iteration of the Triton kernel loads (a multiple of 16 for tl.dot); partitions
 #: are multiples of it.
 BLOCK_N = 64
 
 
 def num_splits(batch: int, n_kv: int, max_keys: int, device: torch.device) -> int:
-    """Partitions per (sequence, KV head): enough programs to fill the GPU about twice over
-    (``2 * SMs / (batch * n_kv)``, at most :data:`MAX_SPLITS`, and no more than ``max_keys /
+    """Partitions per (sequence, KV head): enough programs to fill the GPU :data:`SPLIT_WAVES`
+    times over (``SPLIT_WAVES * SMs / (batch * n_kv)``, at most :data:`MAX_SPLITS`, and no more than ``max_keys /
     BLOCK_N``), a power of two. A function of the batch shape only, so a captured graph keeps it."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
-    want = triton.next_power_of_2(max(1, -(-2 * sms // (batch * n_kv))))
+    want = triton.next_power_of_2(max(1, -(-SPLIT_WAVES * sms // (batch * n_kv))))
     blocks = max(1, -(-max_keys // BLOCK_N))
     return min(want, MAX_SPLITS, 1 << (blocks.bit_length() - 1))  # a power of two (tl.arange)
 
