@@ -43,10 +43,21 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs have none.
 except ImportError:  # pragma: no cover - depends on the install
     triton = tl = None
 
-#: Most partitions one sequence's keys are split into (programs per sequence and KV head).
-MAX_SPLITS = 32
-#: Programs per SM the split count aims for (B * n_kv * splits ~ SPLIT_WAVES * SMs).
-SPLIT_WAVES = 2
+
+def _splits_setting(text: str) -> tuple[int, int]:
+    try:
+        most, waves = (int(v) for v in text.split(","))
+        if most >= 1 and most & (most - 1) == 0 and waves >= 1:
+            return most, waves
+    except ValueError:
+        pass
+    raise SystemExit(f"MONOBATCH_DECODE_SPLITS={text!r}: expected 'MAX_SPLITS,WAVES', a power of two and a positive integer")
+
+
+#: Most partitions one sequence's keys are split into (programs per sequence and KV head), and
+#: programs per SM the split count aims for (B * n_kv * splits ~ SPLIT_WAVES * SMs).
+#: ``MONOBATCH_DECODE_SPLITS=64,4`` overrides both (A/B runs).
+MAX_SPLITS, SPLIT_WAVES = _splits_setting(os.environ.get("MONOBATCH_DECODE_SPLITS", "32,2"))
 #: Keys one loop iteration of the Triton kernel loads (a multiple of 16 for tl.dot); partitions
 #: are multiples of it.
 BLOCK_N = 64
