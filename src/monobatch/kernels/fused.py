@@ -59,13 +59,11 @@ if triton is not None:
         tl.store(Y + row * stride_y + offs, y.to(x.dtype), mask=mask)
 
     @triton.jit
-    def _rope_kernel(X, COS, SIN, Y, stride_xt, stride_xh, stride_ct, stride_yt, stride_yh,
-                     HALF: tl.constexpr, BLOCK: tl.constexpr):
-        t = tl.program_id(0)
-        h = tl.program_id(1)
+    def _rotate(base, COS, SIN, t, stride_ct, HALF: tl.constexpr, BLOCK: tl.constexpr):
+        # one head of token t at ``base``: x * cos + rotate_half(x) * sin with rotate_half(x) =
+        # cat(-x2, x1), in fp32, rounded once; returns both halves in x's dtype
         offs = tl.arange(0, BLOCK)
         mask = offs < HALF
-        base = X + t * stride_xt + h * stride_xh
         x1 = tl.load(base + offs, mask=mask, other=0.0)
         dtype = x1.dtype
         x1 = x1.to(tl.float32)
@@ -74,10 +72,19 @@ if triton is not None:
         c2 = tl.load(COS + t * stride_ct + HALF + offs, mask=mask, other=0.0).to(tl.float32)
         s1 = tl.load(SIN + t * stride_ct + offs, mask=mask, other=0.0).to(tl.float32)
         s2 = tl.load(SIN + t * stride_ct + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        return (x1 * c1 - x2 * s1).to(dtype), (x2 * c2 + x1 * s2).to(dtype)
+
+    @triton.jit
+    def _rope_kernel(X, COS, SIN, Y, stride_xt, stride_xh, stride_ct, stride_yt, stride_yh,
+                     HALF: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        y1, y2 = _rotate(X + t * stride_xt + h * stride_xh, COS, SIN, t, stride_ct, HALF, BLOCK)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < HALF
         out = Y + t * stride_yt + h * stride_yh
-        # x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1); fp32, rounded once
-        tl.store(out + offs, (x1 * c1 - x2 * s1).to(dtype), mask=mask)
-        tl.store(out + HALF + offs, (x2 * c2 + x1 * s2).to(dtype), mask=mask)
+        tl.store(out + offs, y1, mask=mask)
+        tl.store(out + HALF + offs, y2, mask=mask)
 
     @triton.jit
     def _rope_qk_kernel(QKV, COS, SIN, Q, K, stride_t, stride_ct, stride_qt, stride_kt,
@@ -85,19 +92,9 @@ if triton is not None:
         # program (t, h): head h of token t in the packed projection, h < NQ a q head, else a k head
         t = tl.program_id(0)
         h = tl.program_id(1)
+        y1, y2 = _rotate(QKV + t * stride_t + h * HD, COS, SIN, t, stride_ct, HALF, BLOCK)
         offs = tl.arange(0, BLOCK)
         mask = offs < HALF
-        base = QKV + t * stride_t + h * HD
-        x1 = tl.load(base + offs, mask=mask, other=0.0)
-        dtype = x1.dtype
-        x1 = x1.to(tl.float32)
-        x2 = tl.load(base + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-        c1 = tl.load(COS + t * stride_ct + offs, mask=mask, other=0.0).to(tl.float32)
-        c2 = tl.load(COS + t * stride_ct + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-        s1 = tl.load(SIN + t * stride_ct + offs, mask=mask, other=0.0).to(tl.float32)
-        s2 = tl.load(SIN + t * stride_ct + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-        y1 = (x1 * c1 - x2 * s1).to(dtype)  # as _rope_kernel
-        y2 = (x2 * c2 + x1 * s2).to(dtype)
         if h < NQ:
             out = Q + t * stride_qt + h * HD
         else:
