@@ -53,6 +53,11 @@ def check_interpreter() -> str:
             assert got.dtype == torch.float32
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
             torch.testing.assert_close(G.gemv(x16, w16, b16, config=cfg), want.half(), rtol=2e-3, atol=2e-3)
+    # gated input (SwiGLU's down projection): the SiLU computed on load = fused.silu_mul, then the product
+    from monobatch.kernels.fused import silu_mul
+    gu, w2 = torch.randn(3, 2 * 96, generator=g) * 3, torch.randn(40, 96, generator=g)
+    for cfg in SMALL_CONFIGS:
+        assert torch.equal(G.gemv(gu, w2, config=cfg, gated=True), G.gemv(silu_mul(gu), w2, config=cfg))
     assert int(G._COUNTERS[torch.device("cpu")].abs().sum()) == 0
     assert G.gemv(x[:0], w).shape == (0, N)
     return "ok"
@@ -139,6 +144,19 @@ def test_model_shapes_on_cuda(N, K):
         assert y32.dtype == torch.float32 and _rel_err(y32, exact) < 1e-4
         assert G.linear(x, w, out_dtype=torch.float32).dtype == torch.float32
     assert not G.usable(torch.zeros(G.MAX_M + 1, K, device="cuda", dtype=torch.bfloat16), w)
+
+
+@pytest.mark.parametrize("N,K", [(2048, 8192), (576, 1536), (4096, 14336)])
+def test_gated_down_projection_on_cuda(N, K):
+    """gated_linear (the SiLU inside the down GEMV) gives the bits of fused.silu_mul followed by
+    linear, at every decode batch size (whichever kernel the table picks)."""
+    G = _cuda_gemv()
+    from monobatch.kernels.fused import silu_mul
+    g = torch.Generator(device="cuda").manual_seed(2)
+    w = torch.randn(N, K, generator=g, device="cuda", dtype=torch.bfloat16)
+    for M in (1, 2, 3, 8, 16, 17):
+        gu = torch.randn(M, 2 * K, generator=g, device="cuda", dtype=torch.bfloat16) * 3
+        assert torch.equal(G.gated_linear(gu, w), G.linear(silu_mul(gu), w))
 
 
 @pytest.mark.parametrize("cfg", [(16, 512, 1, 4, 3, False), (8, 256, 4, 4, 1, False), (4, 1024, 2, 8, 3, False),

@@ -103,15 +103,22 @@ if triton is not None:
         tl.store(out + HALF + offs, y2, mask=mask)
 
     @triton.jit
+    def silu_mul_math(g, u):
+        # SwiGLU's gate of loaded values (g in the model dtype, u any): silu in fp32, rounded like
+        # torch's, times u in fp32, rounded once to g's dtype. Shared by silu_mul and the GEMV's
+        # gated input (kernels/gemv.py), so both give the same bits.
+        g32 = g.to(tl.float32)
+        act = (g32 / (1.0 + tl.exp(-g32))).to(g.dtype).to(tl.float32)
+        return (act * u.to(tl.float32)).to(g.dtype)
+
+    @triton.jit
     def _silu_mul_kernel(GU, Y, stride_g, stride_y, F, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = col < F
         g = tl.load(GU + row * stride_g + col, mask=mask, other=0.0)
-        u = tl.load(GU + row * stride_g + F + col, mask=mask, other=0.0).to(tl.float32)
-        g32 = g.to(tl.float32)
-        act = (g32 / (1.0 + tl.exp(-g32))).to(g.dtype).to(tl.float32)  # silu in fp32, rounded like torch's
-        tl.store(Y + row * stride_y + col, (act * u).to(g.dtype), mask=mask)
+        u = tl.load(GU + row * stride_g + F + col, mask=mask, other=0.0)
+        tl.store(Y + row * stride_y + col, silu_mul_math(g, u), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

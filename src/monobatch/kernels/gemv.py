@@ -29,7 +29,11 @@ import os
 import torch
 import torch.nn.functional as F
 
+from monobatch.kernels.fused import silu_mul
 from monobatch.kernels.paged_decode import triton, tl
+
+if triton is not None:
+    from monobatch.kernels.fused import silu_mul_math
 
 _ON = os.environ.get("MONOBATCH_TRITON_GEMV", "1") != "0"
 #: Most rows (tokens) the kernel takes; more go to cuBLAS (compute-bound territory).
@@ -164,14 +168,22 @@ def _counters(device: torch.device, tiles: int) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _fma_row(acc, w, X, row, M, stride_xm, offs, kmask):
-        xr = tl.load(X + row * stride_xm + offs, mask=kmask & (offs * 0 + row < M), other=0.0).to(tl.float32)
+    def _load_x(ptrs, mask, K, GATED: tl.constexpr):
+        # x, or with GATED SwiGLU's silu(gate) * up of packed [gate | up] rows (up at +K)
+        if GATED:
+            return silu_mul_math(tl.load(ptrs, mask=mask, other=0.0), tl.load(ptrs + K, mask=mask, other=0.0))
+        else:
+            return tl.load(ptrs, mask=mask, other=0.0)
+
+    @triton.jit
+    def _fma_row(acc, w, X, row, M, K, stride_xm, offs, kmask, GATED: tl.constexpr):
+        xr = _load_x(X + row * stride_xm + offs, kmask & (offs * 0 + row < M), K, GATED).to(tl.float32)
         return acc + w * xr[None, :]
 
     @triton.jit(do_not_specialize=["M", "splits"])
     def _gemv_kernel(X, W, B, Y, WS, CNT, M, N, K, k_per, splits, stride_xm, stride_wn, stride_ym,
                      HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     STAGES: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
+                     STAGES: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -190,19 +202,19 @@ if triton is not None:
             kmask = k + offs_k < k_hi
             w = tl.load(w_ptrs + k, mask=nmask[:, None] & kmask[None, :], other=0.0)
             if DOT:
-                xt = tl.load(x_ptrs + k, mask=kmask[:, None] & mmask[None, :], other=0.0)
+                xt = _load_x(x_ptrs + k, kmask[:, None] & mmask[None, :], K, GATED)
                 if IEEE:  # float32 inputs: full-precision products (not TF32)
                     acc = tl.dot(w, xt, acc, input_precision="ieee")
                 else:
                     acc = tl.dot(w, xt, acc)
             else:
                 w = w.to(tl.float32)
-                acc0 = _fma_row(acc0, w, X, 0, M, stride_xm, k + offs_k, kmask)
+                acc0 = _fma_row(acc0, w, X, 0, M, K, stride_xm, k + offs_k, kmask, GATED)
                 if M_PAD > 1:
-                    acc1 = _fma_row(acc1, w, X, 1, M, stride_xm, k + offs_k, kmask)
+                    acc1 = _fma_row(acc1, w, X, 1, M, K, stride_xm, k + offs_k, kmask, GATED)
                 if M_PAD > 2:
-                    acc2 = _fma_row(acc2, w, X, 2, M, stride_xm, k + offs_k, kmask)
-                    acc3 = _fma_row(acc3, w, X, 3, M, stride_xm, k + offs_k, kmask)
+                    acc2 = _fma_row(acc2, w, X, 2, M, K, stride_xm, k + offs_k, kmask, GATED)
+                    acc3 = _fma_row(acc3, w, X, 3, M, K, stride_xm, k + offs_k, kmask, GATED)
         if not DOT:  # reduce over K once; column m of acc <- row m of x
             acc = tl.where(offs_m[None, :] == 0, tl.sum(acc0, 1)[:, None], acc)
             if M_PAD > 1:
@@ -229,12 +241,15 @@ if triton is not None:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         out_dtype: torch.dtype | None = None, config: tuple | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None, config: tuple | None = None, gated: bool = False) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` by the Triton kernel, always (no fallback).
 
     Args:
         x: ``[M, K]`` bf16/fp16 (fp32 works too: IEEE products, used by the interpreter tests),
-            1 <= M <= :data:`MAX_M` (M = 0 gives an empty result), K >= 1.
+            1 <= M <= :data:`MAX_M` (M = 0 gives an empty result), K >= 1. With ``gated``:
+            ``[M, 2K]`` packed ``[gate | up]`` rows, and the product's input is SwiGLU's
+            ``silu(gate) * up`` (the bits of :func:`monobatch.kernels.fused.silu_mul`), computed
+            as it is loaded (the down projection without its own SiLU launch).
         weight: ``[N, K]`` same dtype, unit stride along K (rows may be padded).
         bias: ``[N]`` or None; added in fp32.
         out_dtype: result dtype (None: x's); float32 skips the rounding (LM head logits).
@@ -249,7 +264,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """
     if triton is None:
         raise RuntimeError("Triton is not installed")
-    M, K = x.shape
+    M, K = x.shape[0], x.shape[1] // (2 if gated else 1)
     N = weight.shape[0]
     if M > MAX_M or weight.stride(1) != 1:
         raise ValueError(f"gemv takes M <= {MAX_M} rows and a weight with unit stride along K")
@@ -269,18 +284,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, weight, y if bias is None else bias.contiguous(), y, ws, cnt, M, N, K, k_per, splits,
         x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, M_PAD=16 if dot else _pow2(M),
         BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, DOT=bool(dot), IEEE=x.dtype == torch.float32,
-        num_warps=warps, num_stages=stages)
+        GATED=gated, num_warps=warps, num_stages=stages)
     return y
 
 
-def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when :func:`linear` may take the Triton path for ``x`` ``[..., K]``: switched on,
-    Triton present, CUDA, bf16/fp16 with a weight of the same dtype, contiguous ``[N, K]``
-    weight, K a multiple of 8 (16-byte rows), 1 <= rows <= :data:`MAX_M`."""
-    K = x.shape[-1] if x.dim() else 0
+def usable(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+    """True when :func:`linear` may take the Triton path for ``x`` ``[..., K]`` (``[..., 2K]``
+    with ``gated``): switched on, Triton present, CUDA, bf16/fp16 with a weight of the same
+    dtype, contiguous ``[N, K]`` weight, K a multiple of 8 (16-byte rows), 1 <= rows <=
+    :data:`MAX_M`."""
+    K = x.shape[-1] // (2 if gated else 1) if x.dim() else 0
     return (_ON and triton is not None and x.is_cuda and weight.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and weight.dim() == 2 and weight.is_contiguous() and weight.shape[1] == K
-            and K > 0 and K % 8 == 0 and 1 <= x.numel() // K <= MAX_M)
+            and K > 0 and K % 8 == 0 and 1 <= x.numel() // x.shape[-1] <= MAX_M)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -306,3 +322,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         except (TypeError, RuntimeError):
             _MM_OUT_DTYPE = False
     return F.linear(x, weight, bias).to(out_dtype)
+
+
+def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU's down projection ``F.linear(silu(gate) * up, weight, bias)`` (Shazeer 2020) for
+    packed ``gate_up`` ``[..., 2K]`` and ``weight`` ``[N, K]``: ``[..., N]`` in gate_up's dtype. One
+    Triton launch (the gate computed as the GEMV loads its input) where :func:`usable` and the
+    table picks the Triton kernel; else :func:`monobatch.kernels.fused.silu_mul` then
+    :func:`linear`. Either way the product's input has the bits of ``fused.silu_mul``'s output
+    (one shared SiLU formula, ``fused.silu_mul_math``)."""
+    N, K = weight.shape
+    if usable(gate_up, weight, gated=True):
+        x2 = gate_up.reshape(-1, 2 * K)
+        cfg = choose(N, K, x2.shape[0], gate_up.dtype)
+        if cfg is not None:
+            return gemv(x2, weight, bias, None, cfg, gated=True).view(*gate_up.shape[:-1], N)
+    return linear(silu_mul(gate_up.reshape(-1, 2 * K)).view(*gate_up.shape[:-1], K), weight, bias)
