@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Callable
 
 from monobatch import defaults
 from monobatch.cli.args import add_model_args, engine_settings
@@ -29,20 +28,14 @@ from monobatch.errors import InvalidRequestError
 PATHS = ("engine", "server", "http")
 
 
-def _int_list(flag: str) -> Callable[[str], tuple[int, ...]]:
-    """An argparse type: a comma list of positive ints (duplicates dropped)."""
-
-    def parse(text: str) -> tuple[int, ...]:
-        try:
-            values = tuple(int(v) for v in text.split(","))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a comma list of integers such as 1,8,32, "
-                                             f"got {text!r}") from None
-        if any(v < 1 for v in values):
-            raise argparse.ArgumentTypeError(f"every {flag} value must be >= 1, got {text!r}")
-        return tuple(dict.fromkeys(values))
-
-    return parse
+def _int_list(text: str) -> tuple[int, ...]:
+    """An argparse type: a comma list of ints (duplicates dropped); :func:`run` checks the values
+    (a bad value exits 1 like every other flag's, a non-integer is a flag error, exit 2)."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers such as 1,8,32, got {text!r}") from None
+    return tuple(dict.fromkeys(values))
 
 
 def _paths(text: str) -> tuple[str, ...]:
@@ -60,14 +53,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("bench", help="measure prefill/decode speed (engine, in-process server, HTTP; batched)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-p", "--prompt-tokens", type=_int_list("--prompt-tokens"), default=(256,), metavar="N[,N...]",
+    p.add_argument("-p", "--prompt-tokens", type=_int_list, default=(256,), metavar="N[,N...]",
                    help="prompt lengths in tokens, a comma list (default 256)")
     p.add_argument("-n", "--gen-tokens", type=int, default=128, help="generated tokens, EOS ignored (default 128)")
     p.add_argument("-r", "--runs", type=int, default=3, help="timed runs after one warm-up (default 3)")
     p.add_argument("--path", type=_paths, default=("engine",), metavar="PATH[,PATH...]",
                    help="engine (the scheduler directly), server (the server's engine thread and router, in "
                         "process, no HTTP), http (streaming /v1/completions on 127.0.0.1); default engine")
-    p.add_argument("--batch-size", type=_int_list("--batch-size"), default=(1,), metavar="B[,B...]",
+    p.add_argument("--batch-size", type=_int_list, default=(1,), metavar="B[,B...]",
                    help="sequences submitted together, a comma list: 1 = B=1 TTFT/prefill/decode, more = "
                         "llama-batched-bench PP/TG (default 1)")
     p.add_argument("-b", "--concurrency", type=int, default=0,
@@ -84,6 +77,11 @@ def run(ns: argparse.Namespace) -> int:
     for name, low in (("gen_tokens", 2), ("runs", 1)):
         if getattr(ns, name) < low:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(ns, name)}", name)
+    for name in ("prompt_tokens", "batch_size"):
+        values = getattr(ns, name)
+        if any(v < 1 for v in values):
+            raise InvalidRequestError(f"every --{name.replace('_', '-')} value must be >= 1, "
+                                      f"got {','.join(map(str, values))}", name)
     if ns.concurrency < 0:
         raise InvalidRequestError(f"--concurrency must be >= 0, got {ns.concurrency}", "concurrency")
     if ns.shape is not None and not ns.dummy_weights:
