@@ -55,9 +55,15 @@ def check_interpreter() -> str:
             torch.testing.assert_close(G.gemv(x16, w16, b16, config=cfg), want.half(), rtol=2e-3, atol=2e-3)
     # gated input (SwiGLU's down projection): the SiLU computed on load = fused.silu_mul, then the product
     from monobatch.kernels.fused import silu_mul
-    gu, w2 = torch.randn(3, 2 * 96, generator=g) * 3, torch.randn(40, 96, generator=g)
-    for cfg in SMALL_CONFIGS:
-        assert torch.equal(G.gemv(gu, w2, config=cfg, gated=True), G.gemv(silu_mul(gu), w2, config=cfg))
+    for M, K, dtype in ((3, 96, torch.float32), (1, 100, torch.float32), (2, 100, torch.float16), (16, 96, torch.float32)):
+        wide = (torch.randn(M, 2 * K + 8, generator=g) * 3).to(dtype)
+        gu, w2, b2 = wide[:, 4:4 + 2 * K], torch.randn(40, K, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype)
+        for cfg in SMALL_CONFIGS:  # strided rows, the K tail masked (K = 100), bias
+            if cfg is not None and not cfg[5] and M > 4:
+                continue
+            assert torch.equal(G.gemv(gu, w2, b2, config=cfg, gated=True), G.gemv(silu_mul(gu), w2, b2, config=cfg))
+    with pytest.raises(ValueError):
+        G.gemv(wide[:, :2 * K + 1], w2, gated=True)
     assert int(G._COUNTERS[torch.device("cpu")].abs().sum()) == 0
     assert G.gemv(x[:0], w).shape == (0, N)
     return "ok"
@@ -102,6 +108,10 @@ def test_linear_falls_back_off_cuda():
     xb, wb = x.bfloat16(), w.bfloat16()
     y = G.linear(xb, wb, out_dtype=torch.float32)
     assert y.dtype == torch.float32 and torch.equal(y, F.linear(xb, wb).float())
+    gu = torch.randn(2, 3, 128, generator=g)  # gated: torch's silu(gate) * up, then the product
+    assert torch.equal(G.gated_linear(gu, w, b), F.linear(F.silu(gu[..., :64]) * gu[..., 64:], w, b))
+    with pytest.raises(ValueError):
+        G.gated_linear(gu[..., :127], w)
 
 
 def test_env_var_switches_it_off():

@@ -104,8 +104,8 @@ if triton is not None:
 
     @triton.jit
     def silu_mul_math(g, u):
-        # SwiGLU's gate of loaded values (g in the model dtype, u any): silu in fp32, rounded like
-        # torch's, times u in fp32, rounded once to g's dtype. Shared by silu_mul and the GEMV's
+        # SwiGLU's gate of loaded values (g in the model dtype, or fp32 in the interpreter tests;
+        # u any): silu in fp32, rounded like torch's, times u in fp32, rounded once to g's dtype. Shared by silu_mul and the GEMV's
         # gated input (kernels/gemv.py), so both give the same bits.
         g32 = g.to(tl.float32)
         act = (g32 / (1.0 + tl.exp(-g32))).to(g.dtype).to(tl.float32)

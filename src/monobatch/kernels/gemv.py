@@ -29,7 +29,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from monobatch.kernels.fused import silu_mul
+from monobatch.kernels.fused import enabled as fused_enabled, silu_mul
 from monobatch.kernels.paged_decode import triton, tl
 
 if triton is not None:
@@ -259,13 +259,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         ``[M, N]``, fp32 accumulation.
 
     Raises:
-        RuntimeError: Triton is not installed. ValueError: M > MAX_M, a strided weight row, or
-        an FMA config (DOT False) with M > 4.
+        RuntimeError: Triton is not installed. ValueError: x's width does not match the weight
+        (2 x with ``gated``), M > MAX_M, a strided weight row, or an FMA config (DOT False) with
+        M > 4.
     """
     if triton is None:
         raise RuntimeError("Triton is not installed")
-    M, K = x.shape[0], x.shape[1] // (2 if gated else 1)
+    M, K = x.shape[0], weight.shape[1]
     N = weight.shape[0]
+    if x.shape[1] != (2 if gated else 1) * K:
+        raise ValueError(f"x has {x.shape[1]} columns; the weight takes {K}" + (" (gated: 2 x that)" if gated else ""))
     if M > MAX_M or weight.stride(1) != 1:
         raise ValueError(f"gemv takes M <= {MAX_M} rows and a weight with unit stride along K")
     y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
@@ -289,13 +292,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
-    """True when :func:`linear` may take the Triton path for ``x`` ``[..., K]`` (``[..., 2K]``
-    with ``gated``): switched on, Triton present, CUDA, bf16/fp16 with a weight of the same
+    """True when :func:`linear` (:func:`gated_linear` with ``gated``) may take the Triton path for
+    ``x`` ``[..., K]`` (``[..., 2K]`` with ``gated``): switched on, Triton present, CUDA, bf16/fp16 with a weight of the same
     dtype, contiguous ``[N, K]`` weight, K a multiple of 8 (16-byte rows), 1 <= rows <=
     :data:`MAX_M`."""
     K = x.shape[-1] // (2 if gated else 1) if x.dim() else 0
     return (_ON and triton is not None and x.is_cuda and weight.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and weight.dim() == 2 and weight.is_contiguous() and weight.shape[1] == K
+            and x.shape[-1] == (2 if gated else 1) * K
             and K > 0 and K % 8 == 0 and 1 <= x.numel() // x.shape[-1] <= MAX_M)
 
 
@@ -328,13 +332,23 @@ def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     """SwiGLU's down projection ``F.linear(silu(gate) * up, weight, bias)`` (Shazeer 2020) for
     packed ``gate_up`` ``[..., 2K]`` and ``weight`` ``[N, K]``: ``[..., N]`` in gate_up's dtype. One
     Triton launch (the gate computed as the GEMV loads its input) where :func:`usable` and the
-    table picks the Triton kernel; else :func:`monobatch.kernels.fused.silu_mul` then
-    :func:`linear`. Either way the product's input has the bits of ``fused.silu_mul``'s output
-    (one shared SiLU formula, ``fused.silu_mul_math``)."""
+    table picks the Triton kernel; else :func:`monobatch.kernels.fused.silu_mul` (torch's
+    ``silu(gate) * up`` where the fused kernels are off) then :func:`linear`. Either way the product's input has the bits of ``fused.silu_mul``'s output
+    (one shared SiLU formula, ``fused.silu_mul_math``).
+
+    Raises:
+        ValueError: gate_up's width is not twice the weight's input width."""
     N, K = weight.shape
+    if gate_up.shape[-1] != 2 * K:
+        raise ValueError(f"gate_up has {gate_up.shape[-1]} columns; the weight takes {K} (gate_up: 2 x that)")
     if usable(gate_up, weight, gated=True):
         x2 = gate_up.reshape(-1, 2 * K)
         cfg = choose(N, K, x2.shape[0], gate_up.dtype)
         if cfg is not None:
             return gemv(x2, weight, bias, None, cfg, gated=True).view(*gate_up.shape[:-1], N)
-    return linear(silu_mul(gate_up.reshape(-1, 2 * K)).view(*gate_up.shape[:-1], K), weight, bias)
+    if fused_enabled(gate_up):
+        act = silu_mul(gate_up.reshape(-1, 2 * K)).view(*gate_up.shape[:-1], K)
+    else:  # the torch reference (models.llama.MLP's CPU path)
+        gate, up = gate_up.split(K, dim=-1)
+        act = F.silu(gate) * up
+    return linear(act, weight, bias)
