@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import cProfile
 import importlib
 import json
+import pstats
 import statistics
 import time
 
@@ -33,6 +35,8 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=128, help="decode steps")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--no-profile", action="store_true", help="skip the torch.profiler tables")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="print the N host functions with the most own time over the decode steps (cProfile)")
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                     help="override a module constant before the engine starts (A/B runs), e.g. "
                          "monobatch.kernels.paged_decode.MAX_SPLITS=64 (VALUE: a Python literal)")
@@ -87,12 +91,18 @@ def main() -> None:
     walls, starts, ends = [], [], []
     for v in marks.values():
         v.clear()
+    host_profile = cProfile.Profile() if ns.cprofile else None
+    if host_profile:
+        host_profile.enable()
     while sched.has_unfinished():
         t = time.perf_counter()
         sched.step()
         starts.append(t)
         ends.append(time.perf_counter())
         walls.append((ends[-1] - t) * 1000)
+    if host_profile:
+        host_profile.disable()
+        pstats.Stats(host_profile).sort_stats("tottime").print_stats(ns.cprofile)
     k = min(len(v) for v in marks.values())
     seg = {  # ms per step, medians: where the host's time goes
         "schedule_ms": [(marks["step_in"][i] - starts[i]) * 1000 for i in range(k)],

@@ -117,12 +117,19 @@ class StepBatch:
             elif wants:
                 rows.append(len(tokens) - 1)
             built.append(Chunk(seq_id, start, pos, len(ids), wants, tuple(ids), every))
-        as_long = dict(dtype=torch.int64, device=device)
+        T, R = len(tokens), len(rows)
+        flat = torch.tensor(tokens + positions + rows, dtype=torch.int64)
+        if torch.device(device).type == "cuda":
+            # one copy from pinned memory that does not wait for the stream: a copy from pageable
+            # memory (``torch.tensor(..., device=)``) would stall the host until the GPU has run
+            # everything queued before it, the previous step included (no overlap left)
+            flat = flat.pin_memory().to(device, non_blocking=True)
+        token_ids, positions_t, logit_rows = flat.split([T, T, R])
         return cls(
-            token_ids=torch.tensor(tokens, **as_long),
-            positions=torch.tensor(positions, **as_long),
+            token_ids=token_ids,
+            positions=positions_t,
             seq_ids=torch.tensor(seq_ids, dtype=torch.int64),
-            logit_rows=torch.tensor(rows, **as_long),
+            logit_rows=logit_rows,
             chunks=tuple(built),
             row_tile=row_tile,
         )

@@ -26,6 +26,7 @@ import torch
 
 from monobatch.engine import sampler_stages as st
 from monobatch.engine.params import SamplingParams
+from monobatch.kernels.argmax import argmax
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], top_n: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
@@ -269,7 +270,8 @@ class RowSampler:
 
     Rows with different settings share one call; a stage runs only on the rows that use it
     (an all-neutral batch costs a temperature division and the draw; an all-greedy neutral batch
-    one argmax). Rows with top_k <= 1024 are filtered and drawn on their top_k candidates only,
+    one argmax: :func:`monobatch.kernels.argmax.argmax`, torch's bits in one short launch on
+    CUDA). Rows with top_k <= 1024 are filtered and drawn on their top_k candidates only,
     which is exact because the RNG is keyed by token id. Greedy (``temperature == 0``) is the
     argmax of the logits after logit_bias and the penalties, as in llama.cpp; the truncation
     filters are skipped for greedy rows. (llama.cpp runs typical_p before its temperature-0
@@ -329,13 +331,13 @@ class RowSampler:
         """The chain and the draw: ``[R]`` int64 token ids on the logits' device, with the plan
         and its uploaded tensors (None for an all plain-greedy batch) for logprobs."""
         if all(s.plain_greedy for s in states):  # the common case: one argmax, no plan to upload
-            return self._raw(logits, copy=False).argmax(dim=-1), None, None
+            return argmax(self._raw(logits, copy=False)), None, None
         R = logits.shape[0]
         plan = _Plan(states, self.vocab_size, ahead)
         t = plan.upload(logits.device)
         x, groups = self._chain(logits, plan, t)
         greedy = R - sum(g.rows.shape[0] for g in groups)
-        tok = x.argmax(dim=-1) if greedy else torch.empty(R, dtype=torch.int64, device=x.device)
+        tok = argmax(x) if greedy else torch.empty(R, dtype=torch.int64, device=x.device)
         for g in groups:
             drawn = st.gumbel_argmax(g.z, g.keys, g.ids)
             tok = drawn if g.rows.shape[0] == R else tok.index_copy_(0, g.rows, drawn)

@@ -19,6 +19,7 @@ import os
 
 import torch
 
+from monobatch.kernels import pdl
 from monobatch.kernels.paged_decode import triton, tl
 
 _ON = os.environ.get("MONOBATCH_FUSED_KERNELS", "1") != "0"
@@ -32,29 +33,32 @@ def enabled(x: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(X, W, Y, stride_x, stride_y, n, eps, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(X, W, Y, stride_x, stride_y, n, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         mask = offs < n
+        w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait (kernels/pdl.py)
+        pdl.wait_prior(PDL)
         x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
         x32 = x.to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / n + eps)
-        w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
         y = w * (x32 * inv).to(x.dtype).to(tl.float32)  # as the reference: normalise in fp32, cast, scale
         tl.store(Y + row * stride_y + offs, y.to(x.dtype), mask=mask)
 
     @triton.jit
-    def _add_rms_norm_kernel(X, D, W, R, Y, stride_x, stride_d, stride_r, stride_y, n, eps, BLOCK: tl.constexpr):
+    def _add_rms_norm_kernel(X, D, W, R, Y, stride_x, stride_d, stride_r, stride_y, n, eps, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr):
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         mask = offs < n
+        w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
+        pdl.wait_prior(PDL)
         x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
         d = tl.load(D + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32)
         s = (x.to(tl.float32) + d).to(x.dtype)  # torch's add: fp32, rounded once to the dtype
         tl.store(R + row * stride_r + offs, s, mask=mask)
         s32 = s.to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(s32 * s32, 0) / n + eps)
-        w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
         y = w * (s32 * inv).to(x.dtype).to(tl.float32)  # as _rms_norm_kernel
         tl.store(Y + row * stride_y + offs, y.to(x.dtype), mask=mask)
 
@@ -76,9 +80,10 @@ if triton is not None:
 
     @triton.jit
     def _rope_kernel(X, COS, SIN, Y, stride_xt, stride_xh, stride_ct, stride_yt, stride_yh,
-                     HALF: tl.constexpr, BLOCK: tl.constexpr):
+                     HALF: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         t = tl.program_id(0)
         h = tl.program_id(1)
+        pdl.wait_prior(PDL)
         y1, y2 = _rotate(X + t * stride_xt + h * stride_xh, COS, SIN, t, stride_ct, HALF, BLOCK)
         offs = tl.arange(0, BLOCK)
         mask = offs < HALF
@@ -88,10 +93,12 @@ if triton is not None:
 
     @triton.jit
     def _rope_qk_kernel(QKV, COS, SIN, Q, K, stride_t, stride_ct, stride_qt, stride_kt,
-                        NQ: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+                        NQ: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
         # program (t, h): head h of token t in the packed projection, h < NQ a q head, else a k head
         t = tl.program_id(0)
         h = tl.program_id(1)
+        pdl.wait_prior(PDL)
         y1, y2 = _rotate(QKV + t * stride_t + h * HD, COS, SIN, t, stride_ct, HALF, BLOCK)
         offs = tl.arange(0, BLOCK)
         mask = offs < HALF
@@ -112,10 +119,11 @@ if triton is not None:
         return (act * u.to(tl.float32)).to(g.dtype)
 
     @triton.jit
-    def _silu_mul_kernel(GU, Y, stride_g, stride_y, F, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(GU, Y, stride_g, stride_y, F, BLOCK: tl.constexpr, PDL: tl.constexpr):
         row = tl.program_id(0)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = col < F
+        pdl.wait_prior(PDL)
         g = tl.load(GU + row * stride_g + col, mask=mask, other=0.0)
         u = tl.load(GU + row * stride_g + F + col, mask=mask, other=0.0)
         tl.store(Y + row * stride_y + col, silu_mul_math(g, u), mask=mask)
@@ -131,7 +139,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, x2.stride(0), y.stride(0), shape[-1], eps,
-                                         BLOCK=triton.next_power_of_2(shape[-1]))
+                                         BLOCK=triton.next_power_of_2(shape[-1]), **pdl.launch(x.device))
     return y.view(shape)
 
 
@@ -158,7 +166,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         _add_rms_norm_kernel[(x2.shape[0],)](x2, d2, weight, r, y, x2.stride(0), d2.stride(0), r.stride(0),
-                                             y.stride(0), shape[-1], eps, BLOCK=triton.next_power_of_2(shape[-1]))
+                                             y.stride(0), shape[-1], eps, BLOCK=triton.next_power_of_2(shape[-1]),
+                                             **pdl.launch(x.device))
     return r.view(shape), y.view(shape)
 
 
@@ -172,7 +181,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     y = torch.empty((T, H, hd), dtype=x.dtype, device=x.device)
     if T:
         _rope_kernel[(T, H)](x, cos, sin, y, x.stride(0), x.stride(1), cos.stride(0), y.stride(0), y.stride(1),
-                             HALF=hd // 2, BLOCK=triton.next_power_of_2(hd // 2))
+                             HALF=hd // 2, BLOCK=triton.next_power_of_2(hd // 2), **pdl.launch(x.device))
     return y
 
 
@@ -197,7 +206,8 @@ def rope_qk(qkv: torch.Tensor, n_q_heads: int, n_kv_heads: int, head_dim: int,
     if T:
         _rope_qk_kernel[(T, n_q_heads + n_kv_heads)](qkv, cos, sin, q, k, qkv.stride(0), cos.stride(0),
                                                       q.stride(0), k.stride(0), NQ=n_q_heads, HD=hd,
-                                                      HALF=hd // 2, BLOCK=triton.next_power_of_2(hd // 2))
+                                                      HALF=hd // 2, BLOCK=triton.next_power_of_2(hd // 2),
+                                                      **pdl.launch(qkv.device))
     return q, k
 
 
@@ -211,5 +221,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     y = torch.empty((T, F), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     if T:
-        _silu_mul_kernel[(T, triton.cdiv(F, block))](gate_up, y, gate_up.stride(0), y.stride(0), F, BLOCK=block)
+        _silu_mul_kernel[(T, triton.cdiv(F, block))](gate_up, y, gate_up.stride(0), y.stride(0), F, BLOCK=block,
+                                                                **pdl.launch(y.device))
     return y

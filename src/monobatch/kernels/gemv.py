@@ -29,6 +29,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from monobatch.kernels import pdl
 from monobatch.kernels.fused import enabled as fused_enabled, silu_mul
 from monobatch.kernels.paged_decode import triton, tl
 
@@ -180,10 +181,31 @@ if triton is not None:
         xr = _load_x(X + row * stride_xm + offs, kmask & (offs * 0 + row < M), K, GATED).to(tl.float32)
         return acc + w * xr[None, :]
 
+    @triton.jit
+    def _gemv_step(acc, acc0, acc1, acc2, acc3, w, X, x_ptrs, k, offs_k, kmask, mmask, M, K, stride_xm,
+                   M_PAD: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr):
+        # one BLOCK_K slice of the product, its W tile ``w`` already loaded
+        if DOT:
+            xt = _load_x(x_ptrs + k, kmask[:, None] & mmask[None, :], K, GATED)
+            if IEEE:  # float32 inputs: full-precision products (not TF32)
+                acc = tl.dot(w, xt, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, xt, acc)
+        else:
+            w = w.to(tl.float32)
+            acc0 = _fma_row(acc0, w, X, 0, M, K, stride_xm, k + offs_k, kmask, GATED)
+            if M_PAD > 1:
+                acc1 = _fma_row(acc1, w, X, 1, M, K, stride_xm, k + offs_k, kmask, GATED)
+            if M_PAD > 2:
+                acc2 = _fma_row(acc2, w, X, 2, M, K, stride_xm, k + offs_k, kmask, GATED)
+                acc3 = _fma_row(acc3, w, X, 3, M, K, stride_xm, k + offs_k, kmask, GATED)
+        return acc, acc0, acc1, acc2, acc3
+
     @triton.jit(do_not_specialize=["M", "splits"])
     def _gemv_kernel(X, W, B, Y, WS, CNT, M, N, K, k_per, splits, stride_xm, stride_wn, stride_ym,
                      HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     STAGES: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr):
+                     STAGES: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr,
+                     PDL: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -198,23 +220,18 @@ if triton is not None:
         acc = tl.zeros((BLOCK_N, M_PAD), tl.float32)
         acc0 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)  # FMA: one 2D accumulator per row of x
         acc1, acc2, acc3 = acc0, acc0, acc0  # (2D, in the layout W is loaded in: no shuffles in the loop)
-        for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+        # The first W tile is loaded before the PDL wait (weights are written by no kernel), so its
+        # DRAM latency overlaps the previous kernel's tail (kernels/pdl.py); x only after it.
+        kmask = k_lo + offs_k < k_hi
+        w = tl.load(w_ptrs + k_lo, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        pdl.wait_prior(PDL)
+        acc, acc0, acc1, acc2, acc3 = _gemv_step(acc, acc0, acc1, acc2, acc3, w, X, x_ptrs, k_lo, offs_k, kmask,
+                                                 mmask, M, K, stride_xm, M_PAD, DOT, IEEE, GATED)
+        for k in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=STAGES):
             kmask = k + offs_k < k_hi
             w = tl.load(w_ptrs + k, mask=nmask[:, None] & kmask[None, :], other=0.0)
-            if DOT:
-                xt = _load_x(x_ptrs + k, kmask[:, None] & mmask[None, :], K, GATED)
-                if IEEE:  # float32 inputs: full-precision products (not TF32)
-                    acc = tl.dot(w, xt, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(w, xt, acc)
-            else:
-                w = w.to(tl.float32)
-                acc0 = _fma_row(acc0, w, X, 0, M, K, stride_xm, k + offs_k, kmask, GATED)
-                if M_PAD > 1:
-                    acc1 = _fma_row(acc1, w, X, 1, M, K, stride_xm, k + offs_k, kmask, GATED)
-                if M_PAD > 2:
-                    acc2 = _fma_row(acc2, w, X, 2, M, K, stride_xm, k + offs_k, kmask, GATED)
-                    acc3 = _fma_row(acc3, w, X, 3, M, K, stride_xm, k + offs_k, kmask, GATED)
+            acc, acc0, acc1, acc2, acc3 = _gemv_step(acc, acc0, acc1, acc2, acc3, w, X, x_ptrs, k, offs_k, kmask,
+                                                     mmask, M, K, stride_xm, M_PAD, DOT, IEEE, GATED)
         if not DOT:  # reduce over K once; column m of acc <- row m of x
             acc = tl.where(offs_m[None, :] == 0, tl.sum(acc0, 1)[:, None], acc)
             if M_PAD > 1:
@@ -287,7 +304,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, weight, y if bias is None else bias.contiguous(), y, ws, cnt, M, N, K, k_per, splits,
         x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, M_PAD=16 if dot else _pow2(M),
         BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, DOT=bool(dot), IEEE=x.dtype == torch.float32,
-        GATED=gated, num_warps=warps, num_stages=stages)
+        GATED=gated, num_warps=warps, num_stages=stages, **pdl.launch(x.device))
     return y
 
 

@@ -37,6 +37,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from monobatch.kernels import pdl
+
 try:  # Triton ships with CUDA builds of torch; CPU-only installs have none.
     import triton
     import triton.language as tl
@@ -57,10 +59,13 @@ def _splits_setting(text: str) -> tuple[int, int]:
 #: Most partitions one sequence's keys are split into (programs per sequence and KV head), and
 #: programs per SM the split count aims for (B * n_kv * splits ~ SPLIT_WAVES * SMs).
 #: ``MONOBATCH_DECODE_SPLITS=64,4`` overrides both (A/B runs).
-MAX_SPLITS, SPLIT_WAVES = _splits_setting(os.environ.get("MONOBATCH_DECODE_SPLITS", "32,2"))
+MAX_SPLITS, SPLIT_WAVES = _splits_setting(os.environ.get("MONOBATCH_DECODE_SPLITS", "64,2"))
 #: Keys one loop iteration of the Triton kernel loads (a multiple of 16 for tl.dot); partitions
 #: are multiples of it.
 BLOCK_N = 64
+#: Software-pipeline depth of the kernel's key loop (``tl.range(num_stages=)``): iterations whose
+#: loads are in flight at once. ``MONOBATCH_DECODE_STAGES`` overrides it (A/B runs).
+KV_STAGES = int(os.environ.get("MONOBATCH_DECODE_STAGES", "2"))
 
 
 def num_splits(batch: int, n_kv: int, max_keys: int, device: torch.device) -> int:
@@ -108,10 +113,12 @@ if triton is not None:
                           stride_qb, stride_qh, stride_ks, stride_kh, stride_tb,
                           stride_ob, stride_oh, stride_op, stride_lb, stride_lh, stride_outb, stride_outh,
                           scale, NKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
-                          BS: tl.constexpr, SPLITS: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+                          BS: tl.constexpr, SPLITS: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
+                          STAGES: tl.constexpr, PDL: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         part = tl.program_id(2)
+        pdl.wait_prior(PDL)
         seq_len = tl.load(LENS + b)
         part_len = tl.cdiv(tl.cdiv(seq_len, SPLITS), BN) * BN  # this sequence's partition length
         nparts = tl.cdiv(seq_len, part_len)  # partitions holding keys (the others do nothing)
@@ -125,13 +132,16 @@ if triton is not None:
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         l_sum = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, HD], tl.float32)
-        for n in range(start, end, BN):
+        # software-pipelined (STAGES): the block ids, K and V of later iterations are loaded while
+        # this one computes; V is loaded with K, not after the softmax that needs K
+        for n in tl.range(start, end, BN, num_stages=STAGES):
             offs_n = n + tl.arange(0, BN)
             nmask = offs_n < end
             blk = tl.load(TABLES + b * stride_tb + offs_n // BS, mask=nmask, other=0).to(tl.int64)
             slots = blk * BS + offs_n % BS
             kv_off = slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
             k = tl.load(K + kv_off, mask=nmask[:, None], other=0.0)  # (BN, HD)
+            v = tl.load(V + kv_off, mask=nmask[:, None], other=0.0)
             if IEEE:  # float32 inputs: full-precision products, as the eager path (not TF32)
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (G_PAD, BN) float32
             else:
@@ -141,7 +151,6 @@ if triton is not None:
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
             l_sum = l_sum * alpha + tl.sum(p, 1)
-            v = tl.load(V + kv_off, mask=nmask[:, None], other=0.0)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             else:
@@ -188,8 +197,10 @@ if triton is not None:
 
     @triton.jit
     def _store_kv_kernel(K, V, K_CACHE, V_CACHE, SLOTS, stride_kt, stride_kh, stride_vt, stride_vh,
-                         stride_cs, stride_ch, NKV: tl.constexpr, NKV_PAD: tl.constexpr, HD: tl.constexpr):
+                         stride_cs, stride_ch, NKV: tl.constexpr, NKV_PAD: tl.constexpr, HD: tl.constexpr,
+                         PDL: tl.constexpr):
         t = tl.program_id(0)
+        pdl.wait_prior(PDL)
         slot = tl.load(SLOTS + t).to(tl.int64)
         offs_h = tl.arange(0, NKV_PAD)
         offs_d = tl.arange(0, HD)
@@ -235,7 +246,7 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), 1.0 / math.sqrt(hd), NKV=n_kv, G=g,
         G_PAD=max(16, triton.next_power_of_2(g)), HD=hd, BS=block_size, SPLITS=parts, BN=BLOCK_N,
-        IEEE=q.dtype == torch.float32)
+        IEEE=q.dtype == torch.float32, STAGES=KV_STAGES, **pdl.launch(q.device))
     return out
 
 
@@ -253,7 +264,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if T:
         _store_kv_kernel[(T,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                k_cache.stride(0), k_cache.stride(1), NKV=n_kv, NKV_PAD=triton.next_power_of_2(n_kv),
-                               HD=hd)
+                               HD=hd, **pdl.launch(k.device))
 
 
 def triton_usable(device: torch.device, head_dim: int) -> bool:
