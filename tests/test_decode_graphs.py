@@ -60,6 +60,23 @@ def test_torch_paged_decode_matches_attend_chunk(shape):
     torch.testing.assert_close(out, _oracle(q, k, v, tables, seq_lens, dims[-1]), rtol=1e-5, atol=1e-5)
 
 
+def _check_fused_store(lens, dtype=torch.float32, device="cpu"):
+    """The attention launch that also stores the step's new K/V rows (k_new/v_new) equals
+    store_kv then attention: the same output and pool, bit for bit (v_new a strided view, as the
+    model's slice of the packed projection)."""
+    from monobatch.kernels.paged_decode import paged_decode_triton, store_kv
+    q, k, v, tables, seq_lens = _paged_case(len(lens), 32, 8, 64, 16, lens, dtype, device, seed=3)
+    slots = torch.stack([tables[b, (n - 1) // 16].long() * 16 + (n - 1) % 16 for b, n in enumerate(lens)])
+    new = torch.randn(len(lens), 24, 64, generator=torch.Generator().manual_seed(4)).to(device, dtype)
+    k_new, v_new = new[:, :8].contiguous(), new[:, 16:]
+    k1, v1 = k.clone(), v.clone()
+    store_kv(k_new, v_new, k1, v1, slots)
+    ref = paged_decode_triton(q, k1, v1, tables, seq_lens, 16)
+    k2, v2 = k.clone(), v.clone()
+    out = paged_decode_triton(q, k2, v2, tables, seq_lens, 16, k_new, v_new, slots)
+    assert torch.equal(out, ref) and torch.equal(k2, k1) and torch.equal(v2, v1)
+
+
 def _check_triton_interpreter() -> str:
     """The split-K kernel (partitions and their fused merge in one launch) against the oracle,
     run in a TRITON_INTERPRET=1 subprocess. Cases (partitions per (sequence, KV head) from
@@ -87,6 +104,7 @@ def _check_triton_interpreter() -> str:
     store_kv(kv[:, :2], kv[:, 4:], kc, vc, slots)
     assert torch.equal(kc[slots], kv[:, :2]) and torch.equal(vc[slots], kv[:, 4:])
     assert kc.abs().sum(-1).sum(-1).count_nonzero() == 3
+    _check_fused_store([1, 70, 1100])
     return "ok"
 
 
@@ -119,6 +137,7 @@ def test_triton_kernel_on_cuda(dtype):
             assert torch.equal(paged_decode_triton(*case, 16), out)
         from monobatch.kernels.gemv import _COUNTERS
         assert int(_COUNTERS[case[0].device].abs().sum()) == 0  # left zeroed for the next call
+        _check_fused_store(lens, dtype, "cuda")
 
 
 def _run(scheduler, prompts, n=12):
@@ -211,3 +230,33 @@ def test_captured_graphs_equal_static_eager():
     graphed, sizes = run(True)
     assert sizes and len(sizes) >= 3
     assert graphed == run(False)[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+def test_programmatic_dependent_launch_changes_no_bit(monkeypatch):
+    """On CUDA: the graphs captured with PDL (kernels/pdl.py: each kernel starts before the
+    previous one ends and waits for its activations) give the logits, bit for bit, and the tokens
+    of the same graphs captured without it, through batches of changing sizes."""
+    from monobatch.kernels import pdl
+    from monobatch.loader.dummy import dummy_model
+    if not pdl.enabled(torch.device("cuda")):
+        pytest.skip("PDL needs a Hopper (sm_90) or newer GPU")
+    loaded = dummy_model("smollm2-135m", "cuda")
+
+    def run(on):
+        monkeypatch.setattr(pdl, "ON", on)
+        engine = Engine(loaded, EngineConfig(max_model_len=256, kv_cache_memory=256 << 20))
+        engine.graphs = DecodeGraphs(engine.model, engine.kv, max_batch=8, capture=True)
+        logits = []
+        forward = engine.forward
+
+        def keep(batch, *a, **k):
+            out = forward(batch, *a, **k)
+            logits.append(out.clone())
+            return out
+        engine.forward = keep
+        return _staged(BatchScheduler(engine), _waves()), logits
+    with_pdl, logits_pdl = run(True)
+    without, logits_plain = run(False)
+    assert with_pdl == without
+    assert len(logits_pdl) == len(logits_plain) and all(torch.equal(a, b) for a, b in zip(logits_pdl, logits_plain))

@@ -24,7 +24,7 @@ Two implementations of one contract:
   CUDA-graph capturable.
 
 :func:`store_kv` writes a step's new K and V rows into the pool at their slots (one launch for
-both).
+both); :func:`paged_decode_attention` given those rows has the attention launch store them itself.
 
 Softmax scale 1/sqrt(head_dim), as :func:`monobatch.kv.attention.attend_chunk`.
 """
@@ -66,6 +66,9 @@ BLOCK_N = 64
 #: Software-pipeline depth of the kernel's key loop (``tl.range(num_stages=)``): iterations whose
 #: loads are in flight at once. ``MONOBATCH_DECODE_STAGES`` overrides it (A/B runs).
 KV_STAGES = int(os.environ.get("MONOBATCH_DECODE_STAGES", "2"))
+#: Store a step's new K/V rows inside the attention launch (:func:`paged_decode_attention`);
+#: False: a separate :func:`store_kv` launch first (A/B runs).
+FOLD_STORE = True
 
 
 def num_splits(batch: int, n_kv: int, max_keys: int, device: torch.device) -> int:
@@ -109,12 +112,13 @@ def paged_decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 if triton is not None:
 
     @triton.jit
-    def _partition_kernel(Q, K, V, TABLES, LENS, O_PART, LSE_PART, OUT, CNT,
-                          stride_qb, stride_qh, stride_ks, stride_kh, stride_tb,
+    def _partition_kernel(Q, K, V, TABLES, LENS, O_PART, LSE_PART, OUT, CNT, K_NEW, V_NEW, SLOTS,
+                          stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, stride_knb, stride_knh,
+                          stride_vnb, stride_vnh,
                           stride_ob, stride_oh, stride_op, stride_lb, stride_lh, stride_outb, stride_outh,
                           scale, NKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
                           BS: tl.constexpr, SPLITS: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
-                          STAGES: tl.constexpr, PDL: tl.constexpr):
+                          STAGES: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         part = tl.program_id(2)
@@ -132,6 +136,14 @@ if triton is not None:
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         l_sum = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, HD], tl.float32)
+        last = seq_len - 1  # the newest token's position
+        if STORE:  # the step's new K/V row: the program whose partition holds it writes it to its slot
+            k_new = tl.load(K_NEW + b * stride_knb + kvh * stride_knh + offs_d)
+            v_new = tl.load(V_NEW + b * stride_vnb + kvh * stride_vnh + offs_d)
+            if (start <= last) & (last < end):
+                slot = tl.load(SLOTS + b).to(tl.int64)
+                tl.store(K + slot * stride_ks + kvh * stride_kh + offs_d, k_new)
+                tl.store(V + slot * stride_ks + kvh * stride_kh + offs_d, v_new)
         # software-pipelined (STAGES): the block ids, K and V of later iterations are loaded while
         # this one computes; V is loaded with K, not after the softmax that needs K
         for n in tl.range(start, end, BN, num_stages=STAGES):
@@ -142,6 +154,10 @@ if triton is not None:
             kv_off = slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
             k = tl.load(K + kv_off, mask=nmask[:, None], other=0.0)  # (BN, HD)
             v = tl.load(V + kv_off, mask=nmask[:, None], other=0.0)
+            if STORE:  # the newest key and value from the inputs (the same bits as from the slot)
+                is_new = (offs_n == last)[:, None]
+                k = tl.where(is_new, k_new[None, :], k)
+                v = tl.where(is_new, v_new[None, :], v)
             if IEEE:  # float32 inputs: full-precision products, as the eager path (not TF32)
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (G_PAD, BN) float32
             else:
@@ -213,8 +229,14 @@ if triton is not None:
 
 
 def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                        seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+                        seq_lens: torch.Tensor, block_size: int, k_new: torch.Tensor | None = None,
+                        v_new: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
     """Split-K paged decode attention in Triton; same contract as :func:`paged_decode_torch`.
+
+    With ``k_new``/``v_new`` (``[B, n_kv, hd]``, unit stride along hd) and ``slot_mapping``
+    (``[B]``): the step's new K/V rows are stored into the pool by the same launch (the program
+    whose partition holds each sequence's newest position writes it, and uses it from the inputs),
+    the result of :func:`store_kv` then attention, one launch fewer.
 
     The number of partitions (:func:`num_splits`) depends on the batch shape only, so it is fixed
     for a captured graph; their length follows each sequence's own length, partitions past it
@@ -240,13 +262,20 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty_like(q)
     from monobatch.kernels.gemv import _counters  # (gemv imports this module: not at the top)
     counters = _counters(q.device, B * n_kv)
+    store = k_new is not None
+    if store:
+        assert v_new is not None and slot_mapping is not None and k_new.stride(-1) == 1 and v_new.stride(-1) == 1
+    else:
+        k_new = v_new = q  # unused
+        slot_mapping = seq_lens
     _partition_kernel[(B, n_kv, parts)](
-        q, k_cache, v_cache, block_tables, seq_lens, o_part, lse, out, counters,
+        q, k_cache, v_cache, block_tables, seq_lens, o_part, lse, out, counters, k_new, v_new, slot_mapping,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), 1.0 / math.sqrt(hd), NKV=n_kv, G=g,
         G_PAD=max(16, triton.next_power_of_2(g)), HD=hd, BS=block_size, SPLITS=parts, BN=BLOCK_N,
-        IEEE=q.dtype == torch.float32, STAGES=KV_STAGES, **pdl.launch(q.device))
+        IEEE=q.dtype == torch.float32, STAGES=KV_STAGES, STORE=store, **pdl.launch(q.device))
     return out
 
 
@@ -274,9 +303,18 @@ def triton_usable(device: torch.device, head_dim: int) -> bool:
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+                           seq_lens: torch.Tensor, block_size: int, k_new: torch.Tensor | None = None,
+                           v_new: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
     """Paged decode attention: the Triton kernel where usable, else the torch reference.
-    Contract: :func:`paged_decode_torch`."""
+    Contract: :func:`paged_decode_torch`. With ``k_new``, ``v_new`` and ``slot_mapping`` the step's
+    new rows are first written to the pool (:func:`store_kv`; inside the attention launch on the
+    Triton path, see :func:`paged_decode_triton`)."""
     if triton_usable(q.device, q.shape[-1]):
-        return paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, block_size)
+        fold = FOLD_STORE and k_new is not None and k_new.stride(-1) == 1 and v_new.stride(-1) == 1
+        if k_new is not None and not fold:
+            store_kv(k_new, v_new, k_cache, v_cache, slot_mapping)
+        return paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, block_size,
+                                   *((k_new, v_new, slot_mapping) if fold else ()))
+    if k_new is not None:
+        store_kv(k_new, v_new, k_cache, v_cache, slot_mapping)
     return paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, block_size)

@@ -30,7 +30,7 @@ import torch
 
 from monobatch.engine.batch import StepBatch
 from monobatch.errors import InsufficientMemoryError
-from monobatch.kernels.paged_decode import paged_decode_attention, store_kv
+from monobatch.kernels.paged_decode import paged_decode_attention
 from monobatch.kv.attention import attend_chunk
 from monobatch.kv.block_pool import ROOT_HASH, BlockPool, block_hash
 from monobatch.kv.store import KvStore, KvUsage
@@ -257,8 +257,8 @@ class PagedKv(KvStore):
         k_cache, v_cache = self.cache[layer, 0], self.cache[layer, 1]  # (slots, n_kv, hd)
         if isinstance(self._step, DecodeStep):  # static decode step: no host work (capturable)
             step = self._step
-            store_kv(k, v, k_cache, v_cache, step.slot_mapping)
-            return paged_decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, self.block_size)
+            return paged_decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, self.block_size,
+                                          k, v, step.slot_mapping)  # (stores k and v first)
         assert self._step is not None and self._step[0] is batch, "prepare(batch) first"
         _, write, gather, spans = self._step
         k_cache.index_copy_(0, write, k)
