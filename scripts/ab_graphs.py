@@ -1,7 +1,9 @@
 """In-process A/B of decode-step settings on the GPU: one CUDA graph of the B=1 decode forward
 (plus the greedy argmax) captured per setting, replayed in interleaved rounds, so slow drift of
 the machine (clocks, neighbours) hits every arm alike. Settings are module constants read when a
-kernel is launched (hence when the graph is captured), e.g. ``monobatch.kernels.pdl.ON=False``.
+kernel is launched (hence when the graph is captured), e.g. ``monobatch.kernels.pdl.ON=False``,
+or entries of a dict, e.g. a GEMV config:
+``monobatch.kernels.gemv.CONFIGS[(2048,2048,1,'bfloat16')]=(4,2048,1,8,1,False)``.
 
     PYTHONPATH=src python3 scripts/ab_graphs.py --shape llama-1b -p 256 \
         --arm base= --arm nopdl=monobatch.kernels.pdl.ON=False
@@ -28,22 +30,43 @@ from monobatch.kernels.argmax import argmax
 from monobatch.loader.dummy import dummy_model
 
 
-def _apply(setting: str) -> dict:
-    """Set each ``MODULE.NAME=VALUE`` (space-separated) and return the previous values."""
-    old = {}
+_MISSING = object()
+
+
+def _slot(target: str) -> tuple[object, object]:
+    """``MODULE.NAME`` -> (module, name); ``MODULE.NAME[KEY]`` -> (that dict, KEY)."""
+    key = None
+    if target.endswith("]"):
+        target, key = target[:-1].split("[", 1)
+    module, name = target.rsplit(".", 1)
+    mod = importlib.import_module(module)
+    return (mod, name) if key is None else (getattr(mod, name), ast.literal_eval(key))
+
+
+def _apply(setting: str) -> list:
+    """Set each ``MODULE.NAME=VALUE`` or ``MODULE.DICT[KEY]=VALUE`` (space-separated; VALUE and
+    KEY Python literals without spaces) and return what :func:`_restore` needs."""
+    old = []
     for item in setting.split():
         target, value = item.split("=", 1)
-        module, name = target.rsplit(".", 1)
-        mod = importlib.import_module(module)
-        old[target] = getattr(mod, name)
-        setattr(mod, name, ast.literal_eval(value))
+        obj, name = _slot(target)
+        if isinstance(obj, dict):
+            old.append((obj, name, obj.get(name, _MISSING)))
+            obj[name] = ast.literal_eval(value)
+        else:
+            old.append((obj, name, getattr(obj, name)))
+            setattr(obj, name, ast.literal_eval(value))
     return old
 
 
-def _restore(old: dict) -> None:
-    for target, value in old.items():
-        module, name = target.rsplit(".", 1)
-        setattr(importlib.import_module(module), name, value)
+def _restore(old: list) -> None:
+    for obj, name, value in reversed(old):
+        if not isinstance(obj, dict):
+            setattr(obj, name, value)
+        elif value is _MISSING:
+            del obj[name]
+        else:
+            obj[name] = value
 
 
 def main() -> None:

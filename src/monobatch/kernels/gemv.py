@@ -46,19 +46,24 @@ _SMS = 132
 
 #: ``(N, K, M bucket, dtype name): (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, DOT)``, or
 #: None where cuBLAS measured faster (:func:`linear` then calls it). M bucket: M rounded up to a
-#: power of two. Printed by ``scripts/tune_gemv.py`` (bf16; float16 uses the bfloat16 rows).
+#: power of two. Printed by ``scripts/tune_gemv.py`` (bf16; float16 uses the bfloat16 rows),
+#: which times each kernel alone. With PDL (kernels/pdl.py) a program loads its first W tile
+#: before waiting for the previous kernel, so a tile holding the whole row (BLOCK_K = K) streams
+#: all its weights under that kernel: llama-1b's M=1 qkv, o and gate_up rows were then chosen by
+#: ``scripts/ab_graphs.py`` on the whole decode graph (H200, 2026-11-29: 0.906 -> 0.870 ms a
+#: step at 256 tokens, 1.009 -> 0.973 ms at 8K; the same for down measured 3-7 % slower).
 CONFIGS: dict[tuple[int, int, int, str], tuple[int, int, int, int, int, bool] | None] = {
-    (3072, 2048, 1, "bfloat16"): (4, 1024, 1, 4, 1, False),  # llama-1b qkv M=1: 5.3 us vs cuBLAS 6.1 us
+    (3072, 2048, 1, "bfloat16"): (4, 2048, 1, 8, 1, False),  # llama-1b qkv M=1: PDL A/B in the graph (below)
     (3072, 2048, 2, "bfloat16"): (8, 512, 1, 4, 3, False),  # llama-1b qkv M=2: 5.7 us vs cuBLAS 6.4 us
     (3072, 2048, 4, "bfloat16"): None,  # llama-1b qkv M=4: 6.4 us vs cuBLAS 6.4 us
     (3072, 2048, 8, "bfloat16"): None,  # llama-1b qkv M=8: 6.4 us vs cuBLAS 6.4 us
     (3072, 2048, 16, "bfloat16"): None,  # llama-1b qkv M=16: 6.4 us vs cuBLAS 6.5 us
-    (2048, 2048, 1, "bfloat16"): (4, 1024, 1, 8, 1, False),  # llama-1b o M=1: 4.3 us vs cuBLAS 6.0 us
+    (2048, 2048, 1, "bfloat16"): (4, 2048, 1, 8, 1, False),  # llama-1b o M=1: PDL A/B in the graph (below)
     (2048, 2048, 2, "bfloat16"): (4, 1024, 1, 4, 1, False),  # llama-1b o M=2: 4.6 us vs cuBLAS 6.0 us
     (2048, 2048, 4, "bfloat16"): (8, 256, 1, 4, 3, False),  # llama-1b o M=4: 5.6 us vs cuBLAS 6.0 us
     (2048, 2048, 8, "bfloat16"): (64, 128, 4, 4, 4, True),  # llama-1b o M=8: 5.7 us vs cuBLAS 6.0 us
     (2048, 2048, 16, "bfloat16"): (64, 128, 4, 4, 4, True),  # llama-1b o M=16: 5.7 us vs cuBLAS 6.1 us
-    (16384, 2048, 1, "bfloat16"): (8, 512, 1, 4, 3, False),  # llama-1b gate_up M=1: 17.8 us vs cuBLAS 18.2 us
+    (16384, 2048, 1, "bfloat16"): (4, 2048, 1, 8, 1, False),  # llama-1b gate_up M=1: PDL A/B in the graph (below)
     (16384, 2048, 2, "bfloat16"): (64, 128, 1, 4, 3, True),  # llama-1b gate_up M=2: 17.6 us vs cuBLAS 18.1 us
     (16384, 2048, 4, "bfloat16"): (64, 128, 1, 4, 3, True),  # llama-1b gate_up M=4: 17.8 us vs cuBLAS 18.2 us
     (16384, 2048, 8, "bfloat16"): (64, 128, 1, 4, 3, True),  # llama-1b gate_up M=8: 18.0 us vs cuBLAS 18.4 us
