@@ -3,7 +3,7 @@
 the machine (clocks, neighbours) hits every arm alike. Settings are module constants read when a
 kernel is launched (hence when the graph is captured), e.g. ``monobatch.kernels.pdl.ON=False``,
 or entries of a dict, e.g. a GEMV config:
-``monobatch.kernels.gemv.CONFIGS[(2048,2048,1,'bfloat16')]=(4,2048,1,8,1,False)``.
+``monobatch.kernels.gemv.PDL_CONFIGS[(2048,2048,1,'bfloat16')]=(4,2048,1,8,1,False)``.
 
     PYTHONPATH=src python3 scripts/ab_graphs.py --shape llama-1b -p 256 \
         --arm base= --arm nopdl=monobatch.kernels.pdl.ON=False

@@ -14,7 +14,7 @@ if [ -d .whl ] && ! python3 -c "import gguf, fastapi, uvicorn" 2>/dev/null; then
 fi
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests
 nvidia-smi --query-gpu=name,driver_version,utilization.gpu,memory.used --format=csv | tee "$OUT/gpu.txt"
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graphs.py tests/test_kernels.py tests/test_gemv.py tests/test_argmax.py -k "cuda or sizes or torch_paged or captured or gemv or argmax" 2>&1 \
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graphs.py tests/test_kernels.py tests/test_gemv.py tests/test_argmax.py tests/test_pdl_ptx.py -k "cuda or sizes or torch_paged or captured or gemv or argmax or wait" 2>&1 \
     | tail -5 | tee "$OUT/kernel_tests.txt"
 timeout 300 python3 scripts/check_batching.py --shape llama-1b --device cuda -n 64 > "$OUT/check_batching_llama1b.json" \
     || echo "check_batching llama-1b failed" | tee -a "$OUT/errors.txt"

@@ -12,8 +12,8 @@ mkdir -p "$OUT"
 python3 -c "import gguf, fastapi, uvicorn" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests
 nvidia-smi --query-gpu=name,driver_version,utilization.gpu,memory.used --format=csv > "$OUT/gpu.txt"
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_decode_graphs.py tests/test_gemv.py tests/test_argmax.py \
-    -k "cuda or sizes or torch_paged or captured or gemv or argmax" > "$OUT/kernel_tests.txt" 2>&1
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_decode_graphs.py tests/test_gemv.py tests/test_argmax.py tests/test_pdl_ptx.py \
+    -k "cuda or sizes or torch_paged or captured or gemv or argmax or wait" > "$OUT/kernel_tests.txt" 2>&1
 B="monobatch bench --dummy-weights --device cuda -n 128 -r 3 --path engine,server --json"
 timeout -s INT 330 python3 scripts/bench_rounds.py --rounds 3 --timeout 80 --settle 3 --allow-busy --json "$OUT/rounds.json" \
     --arm llama1b="$B --shape llama-1b -p 256,8064" \

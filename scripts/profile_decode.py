@@ -36,7 +36,8 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--no-profile", action="store_true", help="skip the torch.profiler tables")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
-                    help="print the N host functions with the most own time over the decode steps (cProfile)")
+                    help="print the N host functions with the most own time over the decode steps (cProfile; "
+                         "the times in that run's JSON are inflated by it)")
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                     help="override a module constant before the engine starts (A/B runs), e.g. "
                          "monobatch.kernels.paged_decode.MAX_SPLITS=64 (VALUE: a Python literal)")

@@ -154,6 +154,15 @@ def test_unsupported_architecture(tmp_path):
     assert_one_line_error(monobatch("generate", "-p", "hi", "-m", str(tmp_path)), "unsupported architecture", "gpt2")
 
 
+@pytest.mark.parametrize("name,value", [("MONOBATCH_DECODE_STAGES", "abc"), ("MONOBATCH_DECODE_STAGES", "0"),
+                                        ("MONOBATCH_DECODE_SPLITS", "3,2"), ("MONOBATCH_DECODE_SPLITS", "x")])
+def test_malformed_kernel_setting_is_one_line(monkeypatch, name, value):
+    """A malformed kernel A/B variable (read at import, on any device) stops the command with one
+    line naming it, before anything loads."""
+    monkeypatch.setenv(name, value)
+    assert_one_line_error(monobatch("generate", "-p", "hi", "-n", "1"), name)
+
+
 def test_empty_prompt():
     assert_one_line_error(monobatch("generate", "-p", "", "--no-progress"), "prompt is empty")
 

@@ -75,6 +75,14 @@ def _check_fused_store(lens, dtype=torch.float32, device="cpu"):
     k2, v2 = k.clone(), v.clone()
     out = paged_decode_triton(q, k2, v2, tables, seq_lens, 16, k_new, v_new, slots)
     assert torch.equal(out, ref) and torch.equal(k2, k1) and torch.equal(v2, v1)
+    # Padding rows of a captured batch: one key each, all in the same (scratch) slot, written by
+    # several programs at once; each row still attends to its own new row (softmax over one key:
+    # the output is that row's v, exactly), whichever write lands last.
+    B = len(lens)
+    pad_tables = tables[:1, :1].expand(B, tables.shape[1]).contiguous()
+    pad_slots = torch.full((B,), int(tables[0, 0]) * 16, dtype=torch.int64, device=device)
+    out = paged_decode_triton(q, k.clone(), v.clone(), pad_tables, torch.ones_like(seq_lens), 16, k_new, v_new, pad_slots)
+    assert torch.equal(out, v_new.repeat_interleave(4, dim=1))
 
 
 def _check_triton_interpreter() -> str:
@@ -138,6 +146,33 @@ def test_triton_kernel_on_cuda(dtype):
         from monobatch.kernels.gemv import _COUNTERS
         assert int(_COUNTERS[case[0].device].abs().sum()) == 0  # left zeroed for the next call
         _check_fused_store(lens, dtype, "cuda")
+
+
+def test_failed_capture_with_pdl_retries_without_it(loaded, monkeypatch):
+    """A capture failing while programmatic dependent launch is on turns PDL off and is tried
+    once more; a second failure (or one without PDL) gives up on that size (None: it runs
+    eagerly)."""
+    from monobatch.kernels import pdl
+    engine = Engine(loaded, EngineConfig(max_model_len=64, kv_cache_memory=16 << 20))
+    graphs = DecodeGraphs(engine.model, engine.kv, max_batch=2, capture=False)
+    monkeypatch.setattr(pdl, "ON", True)
+    monkeypatch.setattr(pdl, "enabled", lambda device: pdl.ON)
+    tries = []
+
+    def capture(size, fail=1):
+        tries.append(pdl.ON)
+        if len(tries) <= fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return "graph"
+    monkeypatch.setattr(graphs, "_capture", capture)
+    assert graphs._graph(1) == "graph" and tries == [True, False] and pdl.ON is False
+    tries.clear()
+    monkeypatch.setattr(pdl, "ON", True)
+    monkeypatch.setattr(graphs, "_capture", lambda size: capture(size, fail=2))
+    assert graphs._graph(1) is None and tries == [True, False]
+    tries.clear()
+    monkeypatch.setattr(graphs, "_capture", lambda size: capture(size, fail=2))  # PDL already off: one try
+    assert graphs._graph(1) is None and tries == [False]
 
 
 def _run(scheduler, prompts, n=12):

@@ -84,18 +84,20 @@ def test_configs_are_fixed_and_valid():
     """The config is a pure function of (N, K, M bucket, dtype), legal for the kernel, and the
     K slices cover K exactly with whole blocks."""
     from monobatch.kernels import gemv as G
-    for N, K in MODEL_SHAPES + [(64, 96), (40, 100)]:
-        for M in range(1, G.MAX_M + 1):
-            cfg = G.choose(N, K, M, torch.bfloat16)
-            assert cfg == G.choose(N, K, 1 << (M - 1).bit_length(), torch.bfloat16)
-            assert G.choose(N, K, M, torch.float16) == cfg
-            if cfg is None:  # the table says cuBLAS
-                continue
-            bn, bk, splits, warps, stages, dot = cfg
-            assert bn & (bn - 1) == 0 and bk & (bk - 1) == 0 and bk >= 16 and splits >= 1
-            assert warps in (1, 2, 4, 8, 16) and stages >= 1 and (bn >= 16 if dot else M <= 4)
-            k_per, n = G.slices(K, bk, splits)
-            assert k_per % bk == 0 and 1 <= n <= splits and (n - 1) * k_per < K <= n * k_per
+    assert all(key in G.CONFIGS for key in G.PDL_CONFIGS)  # an override of a measured row
+    cases = [(N, K, M, p) for N, K in MODEL_SHAPES + [(64, 96), (40, 100)] for M in range(1, G.MAX_M + 1)
+             for p in (False, True)]
+    for N, K, M, with_pdl in cases:
+        cfg = G.choose(N, K, M, torch.bfloat16, with_pdl)
+        assert cfg == G.choose(N, K, 1 << (M - 1).bit_length(), torch.bfloat16, with_pdl)
+        assert G.choose(N, K, M, torch.float16, with_pdl) == cfg
+        if cfg is None:  # the table says cuBLAS
+            continue
+        bn, bk, splits, warps, stages, dot = cfg
+        assert bn & (bn - 1) == 0 and bk & (bk - 1) == 0 and bk >= 16 and splits >= 1
+        assert warps in (1, 2, 4, 8, 16) and stages >= 1 and (bn >= 16 if dot else M <= 4)
+        k_per, n = G.slices(K, bk, splits)
+        assert k_per % bk == 0 and 1 <= n <= splits and (n - 1) * k_per < K <= n * k_per
 
 
 def test_linear_falls_back_off_cuda():

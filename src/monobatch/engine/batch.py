@@ -119,11 +119,14 @@ class StepBatch:
             built.append(Chunk(seq_id, start, pos, len(ids), wants, tuple(ids), every))
         T, R = len(tokens), len(rows)
         flat = torch.tensor(tokens + positions + rows, dtype=torch.int64)
-        if torch.device(device).type == "cuda":
-            # one copy from pinned memory that does not wait for the stream: a copy from pageable
-            # memory (``torch.tensor(..., device=)``) would stall the host until the GPU has run
-            # everything queued before it, the previous step included (no overlap left)
+        kind = torch.device(device).type
+        if kind == "cuda":
+            # one asynchronous copy from pinned memory: ``torch.tensor(..., device=)`` copies
+            # synchronously, i.e. the host waits until the GPU has run everything queued before
+            # it, the previous step included (async scheduling would overlap nothing)
             flat = flat.pin_memory().to(device, non_blocking=True)
+        elif kind != "cpu":
+            flat = flat.to(device)
         token_ids, positions_t, logit_rows = flat.split([T, T, R])
         return cls(
             token_ids=token_ids,

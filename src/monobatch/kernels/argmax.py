@@ -1,8 +1,8 @@
 """Greedy argmax of float32 logit rows on CUDA (Triton): the decode step's ``logits.argmax(-1)``.
 
 torch's CUDA reduce of one ``[1, 49152]`` float32 row runs in a single block (~16 us on an H200)
-for what is 192 KB of reads. Here the row is cut into C chunks of ``BLOCK`` columns (C ~ 12-32
-for vocabularies of 49152..128256), one program per (row, chunk) reduces its chunk to (value,
+for what is 192 KB of reads. Here the row is cut into C chunks of ``BLOCK`` columns (C = 24 for
+a vocabulary of 49152, 32 for 128256), one program per (row, chunk) reduces its chunk to (value,
 first index) and stores it in an fp32/int64 workspace ``[R, C]``, and the partials are reduced in
 the same launch: each program bumps an int32 counter of its row and the one completing the count
 reduces the row's C partials in chunk order and writes the index ("last program reduces", as the
@@ -22,10 +22,12 @@ import os
 
 import torch
 
+from monobatch.kernels.gemv import _counters
 from monobatch.kernels.paged_decode import triton, tl
 
 _ON = os.environ.get("MONOBATCH_TRITON_ARGMAX", "1") != "0"
-#: Most chunks a row is cut into (at least 1024 columns each, at most 4096 below ~131k columns).
+#: Chunks a row is cut into at most while 4096-column chunks suffice (up to 131072 columns);
+#: chunks hold 1024-4096 columns, so wider rows get more chunks.
 _CHUNKS = 32
 
 
@@ -102,7 +104,6 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     block = _block(V)
     C = -(-V // block)
     if C > 1:
-        from monobatch.kernels.gemv import _counters  # (gemv imports paged_decode: not at the top)
         ws_v = torch.empty((R, C), dtype=torch.float32, device=x.device)
         ws_i = torch.empty((R, C), dtype=torch.int64, device=x.device)
         cnt = _counters(x.device, R)

@@ -47,23 +47,20 @@ _SMS = 132
 #: ``(N, K, M bucket, dtype name): (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, DOT)``, or
 #: None where cuBLAS measured faster (:func:`linear` then calls it). M bucket: M rounded up to a
 #: power of two. Printed by ``scripts/tune_gemv.py`` (bf16; float16 uses the bfloat16 rows),
-#: which times each kernel alone. With PDL (kernels/pdl.py) a program loads its first W tile
-#: before waiting for the previous kernel, so a tile holding the whole row (BLOCK_K = K) streams
-#: all its weights under that kernel: llama-1b's M=1 qkv, o and gate_up rows were then chosen by
-#: ``scripts/ab_graphs.py`` on the whole decode graph (H200, 2026-11-29: 0.906 -> 0.870 ms a
-#: step at 256 tokens, 1.009 -> 0.973 ms at 8K; the same for down measured 3-7 % slower).
+#: which times each kernel alone, without PDL; :data:`PDL_CONFIGS` overrides rows where kernels
+#: are launched with it.
 CONFIGS: dict[tuple[int, int, int, str], tuple[int, int, int, int, int, bool] | None] = {
-    (3072, 2048, 1, "bfloat16"): (4, 2048, 1, 8, 1, False),  # llama-1b qkv M=1: PDL A/B in the graph (below)
+    (3072, 2048, 1, "bfloat16"): (4, 1024, 1, 4, 1, False),  # llama-1b qkv M=1: 5.3 us vs cuBLAS 6.1 us
     (3072, 2048, 2, "bfloat16"): (8, 512, 1, 4, 3, False),  # llama-1b qkv M=2: 5.7 us vs cuBLAS 6.4 us
     (3072, 2048, 4, "bfloat16"): None,  # llama-1b qkv M=4: 6.4 us vs cuBLAS 6.4 us
     (3072, 2048, 8, "bfloat16"): None,  # llama-1b qkv M=8: 6.4 us vs cuBLAS 6.4 us
     (3072, 2048, 16, "bfloat16"): None,  # llama-1b qkv M=16: 6.4 us vs cuBLAS 6.5 us
-    (2048, 2048, 1, "bfloat16"): (4, 2048, 1, 8, 1, False),  # llama-1b o M=1: PDL A/B in the graph (below)
+    (2048, 2048, 1, "bfloat16"): (4, 1024, 1, 8, 1, False),  # llama-1b o M=1: 4.3 us vs cuBLAS 6.0 us
     (2048, 2048, 2, "bfloat16"): (4, 1024, 1, 4, 1, False),  # llama-1b o M=2: 4.6 us vs cuBLAS 6.0 us
     (2048, 2048, 4, "bfloat16"): (8, 256, 1, 4, 3, False),  # llama-1b o M=4: 5.6 us vs cuBLAS 6.0 us
     (2048, 2048, 8, "bfloat16"): (64, 128, 4, 4, 4, True),  # llama-1b o M=8: 5.7 us vs cuBLAS 6.0 us
     (2048, 2048, 16, "bfloat16"): (64, 128, 4, 4, 4, True),  # llama-1b o M=16: 5.7 us vs cuBLAS 6.1 us
-    (16384, 2048, 1, "bfloat16"): (4, 2048, 1, 8, 1, False),  # llama-1b gate_up M=1: PDL A/B in the graph (below)
+    (16384, 2048, 1, "bfloat16"): (8, 512, 1, 4, 3, False),  # llama-1b gate_up M=1: 17.8 us vs cuBLAS 18.2 us
     (16384, 2048, 2, "bfloat16"): (64, 128, 1, 4, 3, True),  # llama-1b gate_up M=2: 17.6 us vs cuBLAS 18.1 us
     (16384, 2048, 4, "bfloat16"): (64, 128, 1, 4, 3, True),  # llama-1b gate_up M=4: 17.8 us vs cuBLAS 18.2 us
     (16384, 2048, 8, "bfloat16"): (64, 128, 1, 4, 3, True),  # llama-1b gate_up M=8: 18.0 us vs cuBLAS 18.4 us
@@ -125,6 +122,18 @@ CONFIGS: dict[tuple[int, int, int, str], tuple[int, int, int, int, int, bool] | 
     (4096, 14336, 16, "bfloat16"): None,  # llama-8b down M=16: 31.3 us vs cuBLAS 31.8 us
 }
 
+#: Rows that replace :data:`CONFIGS`' where kernels are launched with PDL (kernels/pdl.py). A
+#: program then loads its first W tile before waiting for the previous kernel, so a tile holding
+#: the whole row (BLOCK_K = K) streams all of its weights while that kernel runs. Chosen with
+#: ``scripts/ab_graphs.py`` on llama-1b's whole decode graph (H200, 2026-11-29: 0.906 -> 0.870 ms
+#: a step at 256 tokens, 1.009 -> 0.973 ms at 8K; whole-row or split-K tiles for down measured
+#: 3-7 % slower, for lm_head no change); other shapes keep their rows.
+PDL_CONFIGS: dict[tuple[int, int, int, str], tuple[int, int, int, int, int, bool] | None] = {
+    (3072, 2048, 1, "bfloat16"): (4, 2048, 1, 8, 1, False),  # llama-1b qkv M=1: 0.992x the step
+    (2048, 2048, 1, "bfloat16"): (4, 2048, 1, 8, 1, False),  # llama-1b o M=1: 0.982x
+    (16384, 2048, 1, "bfloat16"): (4, 2048, 1, 8, 1, False),  # llama-1b gate_up M=1: 0.984x
+}
+
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _MM_OUT_DTYPE: bool | None = None  # torch.mm(out_dtype=) support (torch >= 2.8), found on first use
 
@@ -145,10 +154,14 @@ def _heuristic(N: int, K: int, mb: int) -> tuple[int, int, int, int, int, bool]:
     return block_n, block_k, splits, 4, 3, dot
 
 
-def choose(N: int, K: int, M: int, dtype: torch.dtype) -> tuple[int, int, int, int, int, bool] | None:
+def choose(N: int, K: int, M: int, dtype: torch.dtype,
+           with_pdl: bool = False) -> tuple[int, int, int, int, int, bool] | None:
     """The config for an ``[M, K] x [N, K]^T`` product: the table's row for (N, K, M bucket,
-    dtype), else the heuristic's. None: cuBLAS is faster for this shape (measured)."""
+    dtype) (:data:`PDL_CONFIGS`' first when ``with_pdl``), else the heuristic's. None: cuBLAS is
+    faster for this shape (measured)."""
     key = (N, K, _pow2(M), {torch.float16: "bfloat16"}.get(dtype, str(dtype).removeprefix("torch.")))
+    if with_pdl and key in PDL_CONFIGS:
+        return PDL_CONFIGS[key]
     return CONFIGS[key] if key in CONFIGS else _heuristic(N, K, key[2])
 
 
@@ -296,7 +309,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
-    block_n, block_k, splits, warps, stages, dot = config or choose(N, K, M, x.dtype) or _heuristic(N, K, _pow2(M))
+    config = config or choose(N, K, M, x.dtype, pdl.enabled(x.device)) or _heuristic(N, K, _pow2(M))
+    block_n, block_k, splits, warps, stages, dot = config
     if not dot and M > 4:
         raise ValueError("FMA configs take M <= 4 rows")
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -335,7 +349,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     N, K = weight.shape
     if usable(x, weight) and out_dtype in (None, x.dtype, torch.float32):
         x2 = x.reshape(-1, K)
-        cfg = choose(N, K, x2.shape[0], x.dtype)
+        cfg = choose(N, K, x2.shape[0], x.dtype, pdl.enabled(x.device))
         if cfg is not None:
             return gemv(x2, weight, bias, out_dtype, cfg).view(*x.shape[:-1], N)
     if out_dtype is None or out_dtype == x.dtype:
@@ -365,7 +379,7 @@ def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         raise ValueError(f"gate_up has {gate_up.shape[-1]} columns; the weight takes {K} (gate_up: 2 x that)")
     if usable(gate_up, weight, gated=True):
         x2 = gate_up.reshape(-1, 2 * K)
-        cfg = choose(N, K, x2.shape[0], gate_up.dtype)
+        cfg = choose(N, K, x2.shape[0], gate_up.dtype, pdl.enabled(gate_up.device))
         if cfg is not None:
             return gemv(x2, weight, bias, None, cfg, gated=True).view(*gate_up.shape[:-1], N)
     if fused_enabled(gate_up):

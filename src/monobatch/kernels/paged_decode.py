@@ -56,6 +56,13 @@ def _splits_setting(text: str) -> tuple[int, int]:
     raise SystemExit(f"MONOBATCH_DECODE_SPLITS={text!r}: expected 'MAX_SPLITS,WAVES', a power of two and a positive integer")
 
 
+def _positive_setting(name: str, default: str) -> int:
+    text = os.environ.get(name, default)
+    if text.strip().isdigit() and int(text) >= 1:
+        return int(text)
+    raise SystemExit(f"{name}={text!r}: expected a positive integer")
+
+
 #: Most partitions one sequence's keys are split into (programs per sequence and KV head), and
 #: programs per SM the split count aims for (B * n_kv * splits ~ SPLIT_WAVES * SMs).
 #: ``MONOBATCH_DECODE_SPLITS=64,4`` overrides both (A/B runs).
@@ -65,7 +72,7 @@ MAX_SPLITS, SPLIT_WAVES = _splits_setting(os.environ.get("MONOBATCH_DECODE_SPLIT
 BLOCK_N = 64
 #: Software-pipeline depth of the kernel's key loop (``tl.range(num_stages=)``): iterations whose
 #: loads are in flight at once. ``MONOBATCH_DECODE_STAGES`` overrides it (A/B runs).
-KV_STAGES = int(os.environ.get("MONOBATCH_DECODE_STAGES", "2"))
+KV_STAGES = _positive_setting("MONOBATCH_DECODE_STAGES", "2")
 #: Store a step's new K/V rows inside the attention launch (:func:`paged_decode_attention`);
 #: False: a separate :func:`store_kv` launch first (A/B runs).
 FOLD_STORE = True
@@ -248,6 +255,8 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     Raises:
         RuntimeError: Triton is not installed, or head_dim is not a power of two.
+        ValueError: ``k_new``/``v_new`` not ``[B, n_kv, hd]`` in the pool's dtype with unit stride
+            along hd, or ``slot_mapping`` missing or not ``[B]``.
     """
     if triton is None:
         raise RuntimeError("Triton is not installed")
@@ -264,7 +273,12 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     counters = _counters(q.device, B * n_kv)
     store = k_new is not None
     if store:
-        assert v_new is not None and slot_mapping is not None and k_new.stride(-1) == 1 and v_new.stride(-1) == 1
+        rows = (B, n_kv, hd)
+        if (v_new is None or slot_mapping is None or tuple(k_new.shape) != rows or tuple(v_new.shape) != rows
+                or k_new.dtype != k_cache.dtype or v_new.dtype != v_cache.dtype or tuple(slot_mapping.shape) != (B,)
+                or k_new.stride(-1) != 1 or v_new.stride(-1) != 1):
+            raise ValueError(f"k_new/v_new must be {list(rows)} in the pool's dtype with unit stride along hd, "
+                             f"with slot_mapping [{B}]")
     else:
         k_new = v_new = q  # unused
         slot_mapping = seq_lens

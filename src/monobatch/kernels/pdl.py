@@ -1,22 +1,24 @@
 """Programmatic dependent launch (PDL) for the Triton kernels of the decode step.
 
 At B=1 a decode step is ~150 small kernels; between two of them the GPU idles while the next
-grid is launched and its first loads come back (~1-2 us each, a fifth of a llama-1b step on an
-H200). With PDL (CUDA >= 11.8 on Hopper and later; kept by CUDA-graph stream capture as
-programmatic edges) a kernel may start while the one before it is still running: it computes its
-addresses and loads what no earlier kernel writes (weights) first, then waits at
-``griddepcontrol.wait`` until the previous grid has finished and its memory is visible, and only
-then reads or writes activations. Right after that wait it lets the next kernel start
-(``griddepcontrol.launch_dependents``), so at most one grid is waiting ahead of the running one.
-(NVIDIA CUDA programming guide, "Programmatic Dependent Launch"; TensorRT-LLM and FlashInfer use
-it for the same reason.)
+grid is launched and its first loads come back (~1-2 us each, a tenth of a llama-1b step on an
+H200). With PDL (Hopper and later; inside CUDA graphs it needs CUDA >= 12.3, whose stream capture
+keeps the dependency as a programmatic edge) a kernel may start while the one before it is still
+running: it computes its addresses and loads what no kernel writes (the GEMV's first weight
+tile, a norm's weight) first, then waits at ``griddepcontrol.wait`` until the previous grid has
+finished and its memory is visible, and only then reads or writes activations. Right after that
+wait it lets the next kernel start (``griddepcontrol.launch_dependents``), so at most one grid
+is waiting ahead of the running one. (NVIDIA CUDA programming guide, "Programmatic Dependent
+Launch"; TensorRT-LLM and FlashInfer use it for the same reason.)
 
 Rule for every kernel launched with PDL: nothing it reads that another kernel writes, and nothing
 it writes, may be touched before :func:`wait_prior`; every program calls it (also programs that
-then do nothing), so a grid completes only after the one before it.
+then do nothing), so a grid completes only after the one before it. Kernels that do not follow
+the rule (torch's, the argmax) are launched without PDL and so wait for the previous kernel's end.
 
 ``MONOBATCH_PDL=0`` turns it off (A/B runs; the kernels are then launched normally and the wait
-compiles to nothing).
+compiles to nothing). A Triton without ``gdc_wait`` (before 3.4) or an older CUDA turns it off
+too.
 """
 
 from __future__ import annotations
@@ -32,33 +34,52 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = tl = None
 
 ON = os.environ.get("MONOBATCH_PDL", "1") != "0"
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _CAPABLE: dict[int, bool] = {}
+
+_gdc = None
+if triton is not None:
+    try:  # Triton >= 3.4 (griddepcontrol helpers and the launch_pdl option)
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+        _gdc = (gdc_wait, gdc_launch_dependents)
+    except ImportError:  # pragma: no cover - depends on the install
+        pass
+
+
+def _cuda_at_least(major: int, minor: int) -> bool:
+    """The CUDA runtime torch was built with is >= major.minor (an older driver shows up as a
+    failed graph capture: :class:`monobatch.engine.cuda_graphs.DecodeGraphs` then retries
+    without PDL)."""
+    try:
+        return tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]) >= (major, minor)
+    except ValueError:  # pragma: no cover - depends on the build
+        return False
 
 
 def enabled(device: torch.device) -> bool:
-    """True when kernels on ``device`` are launched with PDL: switched on, Triton present, a CUDA
-    device of compute capability >= 9.0 (Hopper), not the Triton interpreter."""
-    if not (ON and triton is not None and device.type == "cuda") or os.environ.get("TRITON_INTERPRET") == "1":
+    """True when kernels on ``device`` are launched with PDL: switched on, a Triton with the
+    griddepcontrol helpers, a CUDA device of compute capability >= 9.0 (Hopper), torch built for
+    CUDA >= 12.3, not the Triton interpreter."""
+    if not (ON and _gdc is not None and device.type == "cuda") or _INTERPRETED:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _CAPABLE:
-        _CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
+        _CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9 and _cuda_at_least(12, 3)
     return _CAPABLE[index]
 
 
 def launch(device: torch.device) -> dict:
-    """Keyword arguments for a kernel launch on ``device``: the kernel's ``PDL`` constexpr and
-    Triton's ``launch_pdl`` option, both on or both off."""
-    on = enabled(device)
-    return {"PDL": on, "launch_pdl": on}
+    """Keyword arguments for a kernel launch on ``device``: the kernel's ``PDL`` constexpr, and
+    Triton's ``launch_pdl`` option when on (left out when off: older Tritons lack the option)."""
+    return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
 
 
 if triton is not None:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
     def wait_prior(PDL: tl.constexpr):
-        # Wait for the previous grid (its writes visible), then let the next one launch.
+        # Wait for the previous grid (its writes visible), then let the next one launch. PDL is
+        # True only where enabled() found the helpers (the name is resolved when this compiles).
         if PDL:
             gdc_wait()
             gdc_launch_dependents()

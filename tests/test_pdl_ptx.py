@@ -1,0 +1,91 @@
+"""The PDL rule of kernels/pdl.py checked on the compiled code: every decode kernel, compiled for
+sm_90 with PDL on, stores and updates nothing before ``griddepcontrol.wait``, and the kernels that
+take no weights load nothing before it either (the GEMV and the norms may load their weights).
+
+Compiling needs Triton >= 3.4 (its bundled ptxas) but no GPU, so it runs wherever such a Triton is
+installed (the GPU machine: scripts/gpu_check.sh); elsewhere (CI's CPU torch has no Triton) it
+skips.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+triton = pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("the interpreter compiles nothing", allow_module_level=True)
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.language.extra.cuda import gdc_wait  # noqa: F401  (Triton >= 3.4)
+except ImportError:
+    pytest.skip("this Triton has no griddepcontrol helpers", allow_module_level=True)
+
+from monobatch.kernels import fused, gemv, paged_decode  # noqa: E402
+
+#: Pointer arguments that are not the model dtype.
+_POINTERS = {"WS": "*fp32", "O_PART": "*fp32", "LSE_PART": "*fp32", "COS": "*fp32", "SIN": "*fp32",
+             "CNT": "*i32", "TABLES": "*i32", "LENS": "*i32", "SLOTS": "*i64"}
+_FLOATS = {"eps", "scale"}
+_INTS = {"_gemv_kernel": {"M", "N", "K"}, "_silu_mul_kernel": {"F"}}  # upper-case sizes, per kernel
+
+
+def _ptx(fn, constexprs: dict, **options) -> str:
+    """PTX of ``fn`` for sm_90: upper-case arguments are pointers (but the sizes in :data:`_INTS`), the
+    rest 32-bit integers divisible by 16 (as Triton specializes them at run time)."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in _FLOATS:
+            sig[name] = "fp32"
+        elif name not in _INTS.get(fn.__name__, ()) and name.replace("_", "").isupper():
+            sig[name] = _POINTERS.get(name, "*bf16")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "i32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+def _gemv(**kw):
+    base = dict(HAS_BIAS=False, M_PAD=1, BLOCK_N=4, BLOCK_K=2048, STAGES=1, DOT=False, IEEE=False, GATED=False)
+    return gemv._gemv_kernel, {**base, **kw}
+
+
+KERNELS = {
+    "gemv_fma": (*_gemv(), True),
+    "gemv_fma_gated_pipelined": (*_gemv(BLOCK_N=8, BLOCK_K=512, STAGES=3, GATED=True), True),
+    "gemv_dot_bias": (*_gemv(HAS_BIAS=True, M_PAD=16, BLOCK_N=64, BLOCK_K=128, STAGES=3, DOT=True), True),
+    "rms_norm": (fused._rms_norm_kernel, dict(BLOCK=2048), True),
+    "add_rms_norm": (fused._add_rms_norm_kernel, dict(BLOCK=2048), True),
+    "rope": (fused._rope_kernel, dict(HALF=32, BLOCK=32), False),
+    "rope_qk": (fused._rope_qk_kernel, dict(NQ=32, HD=64, HALF=32, BLOCK=32), False),
+    "silu_mul": (fused._silu_mul_kernel, dict(BLOCK=1024), False),
+    "store_kv": (paged_decode._store_kv_kernel, dict(NKV=8, NKV_PAD=8, HD=64), False),
+    "attention": (paged_decode._partition_kernel, dict(NKV=8, G=4, G_PAD=16, HD=64, BS=16, SPLITS=64, BN=64,
+                                                       IEEE=False, STAGES=2, STORE=False), False),
+    "attention_store": (paged_decode._partition_kernel, dict(NKV=8, G=4, G_PAD=16, HD=64, BS=16, SPLITS=64,
+                                                             BN=64, IEEE=False, STAGES=2, STORE=True), False),
+}
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_nothing_touched_before_the_wait(name):
+    fn, constexprs, has_weights = KERNELS[name]
+    try:
+        ptx = _ptx(fn, {**constexprs, "PDL": True}, num_warps=4, launch_pdl=True)
+    except Exception as e:  # pragma: no cover - a Triton that cannot compile for sm_90 here
+        pytest.skip(f"cannot compile for sm_90 here: {e}")
+    assert ptx.count("griddepcontrol.wait") == 1, name
+    before, after = ptx.split("griddepcontrol.wait", 1)
+    assert not re.search(r"\bst\.global|\batom\.|\bred\.|\bcp\.async", before), name
+    if not has_weights:
+        assert "ld.global" not in before, name
+    assert "griddepcontrol.launch_dependents" in after, name
+    plain = _ptx(fn, {**constexprs, "PDL": False}, num_warps=4)
+    assert "griddepcontrol" not in plain, name
