@@ -148,33 +148,6 @@ def test_triton_kernel_on_cuda(dtype):
         _check_fused_store(lens, dtype, "cuda")
 
 
-def test_failed_capture_with_pdl_retries_without_it(loaded, monkeypatch):
-    """A capture failing while programmatic dependent launch is on turns PDL off and is tried
-    once more; a second failure (or one without PDL) gives up on that size (None: it runs
-    eagerly)."""
-    from monobatch.kernels import pdl
-    engine = Engine(loaded, EngineConfig(max_model_len=64, kv_cache_memory=16 << 20))
-    graphs = DecodeGraphs(engine.model, engine.kv, max_batch=2, capture=False)
-    monkeypatch.setattr(pdl, "ON", True)
-    monkeypatch.setattr(pdl, "enabled", lambda device: pdl.ON)
-    tries = []
-
-    def capture(size, fail=1):
-        tries.append(pdl.ON)
-        if len(tries) <= fail:
-            raise RuntimeError("operation not permitted when stream is capturing")
-        return "graph"
-    monkeypatch.setattr(graphs, "_capture", capture)
-    assert graphs._graph(1) == "graph" and tries == [True, False] and pdl.ON is False
-    tries.clear()
-    monkeypatch.setattr(pdl, "ON", True)
-    monkeypatch.setattr(graphs, "_capture", lambda size: capture(size, fail=2))
-    assert graphs._graph(1) is None and tries == [True, False]
-    tries.clear()
-    monkeypatch.setattr(graphs, "_capture", lambda size: capture(size, fail=2))  # PDL already off: one try
-    assert graphs._graph(1) is None and tries == [False]
-
-
 def _run(scheduler, prompts, n=12):
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     reqs = [Request(f"r{i}", p, params, bypass_prefix_cache=True) for i, p in enumerate(prompts)]

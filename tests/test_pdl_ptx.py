@@ -12,9 +12,12 @@ from __future__ import annotations
 import os
 import re
 
+import functools
+
 import pytest
 
 triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("the interpreter compiles nothing", allow_module_level=True)
 try:
@@ -27,8 +30,8 @@ except ImportError:
 from monobatch.kernels import fused, gemv, paged_decode  # noqa: E402
 
 #: Pointer arguments that are not the model dtype.
-_POINTERS = {"WS": "*fp32", "O_PART": "*fp32", "LSE_PART": "*fp32", "COS": "*fp32", "SIN": "*fp32",
-             "CNT": "*i32", "TABLES": "*i32", "LENS": "*i32", "SLOTS": "*i64"}
+_POINTERS = {"WS": "*fp32", "O_PART": "*fp32", "LSE_PART": "*fp32", "CNT": "*i32", "TABLES": "*i32",
+             "LENS": "*i32", "SLOTS": "*i64"}
 _FLOATS = {"eps", "scale"}
 _INTS = {"_gemv_kernel": {"M", "N", "K"}, "_silu_mul_kernel": {"F"}}  # upper-case sizes, per kernel
 
@@ -74,13 +77,27 @@ KERNELS = {
 }
 
 
+@functools.cache
+def _can_compile() -> str | None:
+    """None when this Triton compiles for sm_90 here (its NVIDIA backend and ptxas), else why not."""
+    @triton.jit
+    def probe(X):
+        tl.store(X, 1.0)
+    try:
+        triton.compile(ASTSource(fn=probe, signature={"X": "*fp32"}), target=GPUTarget("cuda", 90, 32))
+    except Exception as e:  # pragma: no cover - depends on the install
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 @pytest.mark.parametrize("name", list(KERNELS))
 def test_nothing_touched_before_the_wait(name):
+    """Before the wait: no store, atomic or async copy (cp.async: a pipelined load, whose
+    operand could be an activation), and for the kernels without weights no load at all."""
+    if (why := _can_compile()) is not None:
+        pytest.skip(f"cannot compile for sm_90 here: {why}")
     fn, constexprs, has_weights = KERNELS[name]
-    try:
-        ptx = _ptx(fn, {**constexprs, "PDL": True}, num_warps=4, launch_pdl=True)
-    except Exception as e:  # pragma: no cover - a Triton that cannot compile for sm_90 here
-        pytest.skip(f"cannot compile for sm_90 here: {e}")
+    ptx = _ptx(fn, {**constexprs, "PDL": True}, num_warps=4, launch_pdl=True)
     assert ptx.count("griddepcontrol.wait") == 1, name
     before, after = ptx.split("griddepcontrol.wait", 1)
     assert not re.search(r"\bst\.global|\batom\.|\bred\.|\bcp\.async", before), name

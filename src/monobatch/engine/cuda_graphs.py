@@ -27,7 +27,6 @@ import logging
 import torch
 
 from monobatch.engine.batch import StepBatch
-from monobatch.kernels import pdl
 from monobatch.kv.paged import DecodeStep, PagedKv
 from monobatch.models.llama import LlamaModel
 
@@ -85,25 +84,12 @@ class DecodeGraphs:
     def _graph(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
         """Capture the forward at ``size`` rows (after two warm-up runs on a side stream, which
         also settle lazy initialisation such as cuBLAS workspaces and Triton compilation).
-        Returns None, logging why, when the capture fails. A capture that fails with programmatic
-        dependent launch on (:mod:`monobatch.kernels.pdl`; e.g. a driver older than CUDA 12.3)
-        turns PDL off for the process and is tried once more."""
+        Returns None, logging why, when the capture fails."""
         calls = self.kv.paged_attention_calls  # warm-up and capture are not steps
         try:
-            for attempt in range(2):
-                try:
-                    return self._capture(size)
-                except torch.cuda.OutOfMemoryError as e:
-                    error = e
-                    break
-                except RuntimeError as e:
-                    error = e
-                    if attempt or not pdl.enabled(self.model.device):
-                        break
-                    log.warning("CUDA graph capture at batch size %d failed with programmatic dependent launch "
-                                "(%s); retrying with it off (MONOBATCH_PDL=0)", size, e)
-                    pdl.ON = False
-            log.warning("CUDA graph capture at batch size %d failed (%s); that size runs eagerly", size, error)
+            return self._capture(size)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+            log.warning("CUDA graph capture at batch size %d failed (%s); that size runs eagerly", size, e)
             return None
         finally:
             self.kv.paged_attention_calls = calls

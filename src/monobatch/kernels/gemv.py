@@ -17,9 +17,11 @@ order (so the bits do not depend on which slice ended last), adds the bias, writ
 the counter ("serial split-K" with a semaphore as in CUTLASS; cf. Osama et al. 2023, Stream-K).
 One launch, no host sync, no data-dependent allocation: CUDA-graph capturable.
 
-The config is a fixed function of (N, K, M bucket, dtype): :data:`CONFIGS` (measured by
-``scripts/tune_gemv.py``) or :func:`_heuristic`, never timed at run time, so every process runs
-the same kernel and gets the same bits. ``MONOBATCH_TRITON_GEMV=0`` turns the path off.
+The config is a fixed function of (N, K, M bucket, dtype, whether kernels run with PDL):
+:data:`PDL_CONFIGS` with PDL, :data:`CONFIGS` (measured by ``scripts/tune_gemv.py``), or
+:func:`_heuristic`, never timed at run time, so every process on the same kind of GPU and
+settings runs the same kernel and gets the same bits (``MONOBATCH_PDL=0`` or a pre-Hopper GPU
+may pick other tiles, hence other bits). ``MONOBATCH_TRITON_GEMV=0`` turns the path off.
 """
 
 from __future__ import annotations

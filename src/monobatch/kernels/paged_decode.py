@@ -58,8 +58,11 @@ def _splits_setting(text: str) -> tuple[int, int]:
 
 def _positive_setting(name: str, default: str) -> int:
     text = os.environ.get(name, default)
-    if text.strip().isdigit() and int(text) >= 1:
-        return int(text)
+    try:
+        if int(text) >= 1:
+            return int(text)
+    except ValueError:
+        pass
     raise SystemExit(f"{name}={text!r}: expected a positive integer")
 
 

@@ -17,8 +17,9 @@ then do nothing), so a grid completes only after the one before it. Kernels that
 the rule (torch's, the argmax) are launched without PDL and so wait for the previous kernel's end.
 
 ``MONOBATCH_PDL=0`` turns it off (A/B runs; the kernels are then launched normally and the wait
-compiles to nothing). A Triton without ``gdc_wait`` (before 3.4) or an older CUDA turns it off
-too.
+compiles to nothing). A Triton without ``gdc_wait`` (before 3.4) or an older CUDA driver turns
+it off too. Where it is on, the GEMV takes its tiles from ``gemv.PDL_CONFIGS`` (measured with
+PDL), so turning it off changes those layers' summation order, not only their timing.
 """
 
 from __future__ import annotations
@@ -47,19 +48,25 @@ if triton is not None:
 
 
 def _cuda_at_least(major: int, minor: int) -> bool:
-    """The CUDA runtime torch was built with is >= major.minor (an older driver shows up as a
-    failed graph capture: :class:`monobatch.engine.cuda_graphs.DecodeGraphs` then retries
-    without PDL)."""
+    """The CUDA driver is >= major.minor (stream capture keeps PDL edges from CUDA 12.3 on); where
+    torch cannot tell the driver's version, the runtime torch was built for (a driver is never
+    older than the runtime it runs)."""
+    want = major * 1000 + minor * 10
     try:
-        return tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2]) >= (major, minor)
+        return int(torch._C._cuda_getDriverVersion()) >= want  # e.g. 12040 for 12.4
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        pass
+    try:
+        runtime = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
     except ValueError:  # pragma: no cover - depends on the build
         return False
+    return runtime >= (major, minor)
 
 
 def enabled(device: torch.device) -> bool:
     """True when kernels on ``device`` are launched with PDL: switched on, a Triton with the
-    griddepcontrol helpers, a CUDA device of compute capability >= 9.0 (Hopper), torch built for
-    CUDA >= 12.3, not the Triton interpreter."""
+    griddepcontrol helpers, a CUDA device of compute capability >= 9.0 (Hopper), a CUDA >= 12.3
+    driver, not the Triton interpreter."""
     if not (ON and _gdc is not None and device.type == "cuda") or _INTERPRETED:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
