@@ -1,7 +1,14 @@
-"""Test helpers: run requests through the engine, compare token ids with margins."""
+"""Test helpers: run requests through the engine, compare token ids with margins, run a Triton
+kernel check in the interpreter."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
 from monobatch.engine.params import SamplingParams
@@ -40,3 +47,24 @@ def top2_margin(hf_model, ids: list[int]) -> float:
         logits = hf_model(torch.tensor([ids])).logits[0, -1].float()
     top = logits.topk(2).values
     return float(top[0] - top[1])
+
+
+def run_in_triton_interpreter(module: str, check: str) -> None:
+    """Run ``tests/<module>.py``'s ``check()`` (which returns "ok") in a ``TRITON_INTERPRET=1``
+    subprocess: the interpreter is chosen when Triton is imported, so not in this process. It runs
+    a kernel's programs one after another on CPU tensors: it checks the arithmetic and counter
+    protocols, not the memory ordering between concurrent programs. Skips without Triton, and on
+    a GPU (the CUDA tests run instead).
+
+    Raises:
+        AssertionError: the check failed (its stderr's tail in the message).
+    """
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the CUDA tests run instead")
+    root = Path(__file__).resolve().parents[1]
+    code = (f"import sys; sys.path[:0] = [{str(root / 'src')!r}, {str(root / 'tests')!r}]; "
+            f"from {module} import {check}; print({check}())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=root,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import run_in_triton_interpreter
+
 ROOT = Path(__file__).resolve().parents[1]
 NAN, INF = float("nan"), float("inf")
 
@@ -60,14 +62,7 @@ def check_interpreter() -> str:
 
 
 def test_argmax_in_interpreter():
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():
-        pytest.skip("on a GPU the CUDA tests run instead")
-    code = (f"import sys; sys.path[:0] = [{str(ROOT / 'src')!r}, {str(ROOT / 'tests')!r}]; "
-            "from test_argmax import check_interpreter; print(check_interpreter())")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+    run_in_triton_interpreter("test_argmax", "check_interpreter")
 
 
 def test_chunking():

@@ -9,13 +9,10 @@ its CPU interpreter.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from helpers import run_in_triton_interpreter
 from monobatch.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from monobatch.engine.engine import Engine, EngineConfig
 from monobatch.engine.params import SamplingParams
@@ -120,14 +117,7 @@ def test_triton_kernel_in_interpreter():
     """:func:`_check_triton_interpreter` in a subprocess (the interpreter is chosen when Triton
     is imported). The interpreter runs programs one after another, so it checks the arithmetic
     and the counter protocol, not the memory ordering between concurrent programs."""
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():
-        pytest.skip("on a GPU the CUDA test runs instead")
-    code = ("import sys; sys.path.insert(0, 'tests');"
-            "from test_decode_graphs import _check_triton_interpreter; print(_check_triton_interpreter())")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+    run_in_triton_interpreter("test_decode_graphs", "_check_triton_interpreter")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")

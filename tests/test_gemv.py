@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import run_in_triton_interpreter
+
 ROOT = Path(__file__).resolve().parents[1]
 # (N, K) of the decode linears: qkv, o, gate_up, down, lm_head
 MODEL_SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (49152, 2048),
@@ -70,14 +72,7 @@ def check_interpreter() -> str:
 
 
 def test_gemv_in_interpreter():
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():
-        pytest.skip("on a GPU the CUDA tests run instead")
-    code = (f"import sys; sys.path[:0] = [{str(ROOT / 'src')!r}, {str(ROOT / 'tests')!r}]; "
-            "from test_gemv import check_interpreter; print(check_interpreter())")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+    run_in_triton_interpreter("test_gemv", "check_interpreter")
 
 
 def test_configs_are_fixed_and_valid():

@@ -4,13 +4,11 @@ installed (the interpreter's bf16 arithmetic is not faithful)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
+
+from helpers import run_in_triton_interpreter
 
 from monobatch.models.llama import RMSNorm
 from monobatch.models.rope import apply_rope
@@ -74,13 +72,7 @@ def check(dtype=torch.float32, device="cpu", tol=1e-5):
 
 
 def test_fused_kernels_in_interpreter():
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():
-        pytest.skip("on a GPU the CUDA test runs instead")
-    code = "import sys; sys.path.insert(0, 'tests'); from test_kernels import check; print(check())"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+    run_in_triton_interpreter("test_kernels", "check")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
