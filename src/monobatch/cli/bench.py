@@ -55,7 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-p", "--prompt-tokens", type=_int_list, default=(256,), metavar="N[,N...]",
                    help="prompt lengths in tokens, a comma list (default 256)")
-    p.add_argument("-n", "--gen-tokens", type=int, default=128, help="generated tokens, EOS ignored (default 128)")
+    p.add_argument("-n", "--gen-tokens", type=int, default=128, help="generated tokens, EOS ignored, at least 2 (decode speed needs two; default 128)")
     p.add_argument("-r", "--runs", type=int, default=3, help="timed runs after one warm-up (default 3)")
     p.add_argument("--path", type=_paths, default=("engine",), metavar="PATH[,PATH...]",
                    help="engine (the scheduler directly), server (the server's engine thread and router, in "
