@@ -79,17 +79,21 @@ if triton is not None:
         return (x1 * c1 - x2 * s1).to(dtype), (x2 * c2 + x1 * s2).to(dtype)
 
     @triton.jit
+    def _store_halves(out, y1, y2, HALF: tl.constexpr, BLOCK: tl.constexpr):
+        # one rotated head at ``out``: its two halves, as _rotate returns them
+        offs = tl.arange(0, BLOCK)
+        mask = offs < HALF
+        tl.store(out + offs, y1, mask=mask)
+        tl.store(out + HALF + offs, y2, mask=mask)
+
+    @triton.jit
     def _rope_kernel(X, COS, SIN, Y, stride_xt, stride_xh, stride_ct, stride_yt, stride_yh,
                      HALF: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         t = tl.program_id(0)
         h = tl.program_id(1)
         pdl.wait_prior(PDL)
         y1, y2 = _rotate(X + t * stride_xt + h * stride_xh, COS, SIN, t, stride_ct, HALF, BLOCK)
-        offs = tl.arange(0, BLOCK)
-        mask = offs < HALF
-        out = Y + t * stride_yt + h * stride_yh
-        tl.store(out + offs, y1, mask=mask)
-        tl.store(out + HALF + offs, y2, mask=mask)
+        _store_halves(Y + t * stride_yt + h * stride_yh, y1, y2, HALF, BLOCK)
 
     @triton.jit
     def _rope_qk_kernel(QKV, COS, SIN, Q, K, stride_t, stride_ct, stride_qt, stride_kt,
@@ -100,14 +104,11 @@ if triton is not None:
         h = tl.program_id(1)
         pdl.wait_prior(PDL)
         y1, y2 = _rotate(QKV + t * stride_t + h * HD, COS, SIN, t, stride_ct, HALF, BLOCK)
-        offs = tl.arange(0, BLOCK)
-        mask = offs < HALF
         if h < NQ:
             out = Q + t * stride_qt + h * HD
         else:
             out = K + t * stride_kt + (h - NQ) * HD
-        tl.store(out + offs, y1, mask=mask)
-        tl.store(out + HALF + offs, y2, mask=mask)
+        _store_halves(out, y1, y2, HALF, BLOCK)
 
     @triton.jit
     def silu_mul_math(g, u):
