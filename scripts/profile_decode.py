@@ -38,6 +38,9 @@ def main() -> None:
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="print the N host functions with the most own time over the decode steps (cProfile; "
                          "the times in that run's JSON are inflated by it)")
+    ap.add_argument("--trace", metavar="FILE",
+                    help="write a Chrome trace of 8 steady decode steps to FILE and print the GPU timeline of one step "
+                         "(every GPU op outside the largest run of back-to-back kernels, with its gap before it)")
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                     help="override a module constant before the engine starts (A/B runs), e.g. "
                          "monobatch.kernels.paged_decode.MAX_SPLITS=64 (VALUE: a Python literal)")
@@ -125,6 +128,8 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
         if cuda:
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70))
+    if ns.trace and cuda:
+        trace_steps(sched, prompt, ns.trace)
     print(json.dumps({
         "shape": ns.shape, "set": ns.set, "device": str(engine.device), "graphs": engine.graphs is not None, "prompt": ns.p,
         "steps": len(walls), "step_wall_ms_median": round(statistics.median(walls), 4),
@@ -132,6 +137,48 @@ def main() -> None:
         "decode_tok_s": round(1000 / statistics.median(walls), 1), "describe": engine.describe(),
         **{name: round(statistics.median(v), 4) for name, v in seg.items() if v},
     }))
+
+
+def trace_steps(sched: BatchScheduler, prompt: list[int], path: str) -> None:
+    """Profile 8 steady decode steps (after 24) and print one step's GPU timeline: each GPU op
+    (kernel, memcpy, memset) with its start relative to the step, duration and the idle gap before
+    it, in µs; the graph's kernels are folded into one line per run of graph kernels."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    sched.add_request(Request("trace", prompt, params, bypass_prefix_cache=True))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 schedule=schedule(wait=0, warmup=24, active=8, repeat=1)) as prof:
+        while sched.has_unfinished():
+            sched.step()
+            prof.step()
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    graph_ids = {e["args"].get("graph id") for e in gpu if e["args"].get("graph id")}
+    rows, prev_end, run = [], None, None
+    for e in gpu:
+        gap = 0.0 if prev_end is None else e["ts"] - prev_end
+        in_graph = bool(e["args"].get("graph id"))
+        if in_graph and run is not None and gap < 50:
+            run["dur"] = e["ts"] + e["dur"] - run["ts"]
+            run["n"] += 1
+            run["busy"] += e["dur"]
+        else:
+            run = {"name": "<graph>" if in_graph else e["name"][:60], "ts": e["ts"], "dur": e["dur"], "gap": gap,
+                   "n": 1, "busy": e["dur"]} if in_graph else None
+            rows.append(run or {"name": e["name"][:60], "ts": e["ts"], "dur": e["dur"], "gap": gap, "n": 1, "busy": e["dur"]})
+        prev_end = e["ts"] + e["dur"]
+    graphs = [i for i, r in enumerate(rows) if r["name"] == "<graph>"]
+    print(f"trace: {len(gpu)} GPU ops, graph ids {sorted(graph_ids)}, {len(graphs)} graph runs")
+    if len(graphs) >= 3:
+        a, b = graphs[-3], graphs[-2]
+        t0 = rows[a]["ts"]
+        print(f"one step, graph run to graph run: {rows[b]['ts'] - t0:.1f} µs")
+        for r in rows[a:b + 1]:
+            fold = f"  ({r['n']} kernels, busy {r['busy']:.1f})" if r["n"] > 1 else ""
+            print(f"  +{r['ts'] - t0:8.1f}  dur {r['dur']:7.1f}  gap {r['gap']:6.1f}  {r['name']}{fold}")
 
 
 if __name__ == "__main__":

@@ -68,6 +68,13 @@ def check(dtype=torch.float32, device="cpu", tol=1e-5):
     for a, b in zip(fused.rope_qk(torch.cat([packed, packed], -1)[:, :packed.shape[1]], 9, 3, 64, cos, sin), want[5:]):
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
     assert [t.shape for t in fused.rope_qk(packed[:0], 9, 3, 64, cos[:0], sin[:0])] == [(0, 9, 64), (0, 3, 64)]
+    # cos/sin as RotaryEmbedding's table gives them: two views of one (T, 2, hd) gather, read in place
+    pair = torch.stack((cos, sin), dim=1)
+    tc, ts = pair[:, 0], pair[:, 1]
+    assert fused._rows_contiguous(tc, ts)[0].data_ptr() == tc.data_ptr()
+    assert torch.equal(fused.rope(q, tc, ts), got[1])
+    for a, b in zip(fused.rope_qk(packed, 9, 3, 64, tc, ts), got[5:]):
+        assert torch.equal(a, b)
     return "ok"
 
 

@@ -57,6 +57,8 @@ class StepBatch:
         row_tile: 0 in the default (fast) mode. In deterministic mode, N > 0: every row-wise
             operation (norms, GEMMs, activations) runs on tiles of exactly N rows and attention
             one query row at a time, so a token's result does not depend on the batch.
+        position_bound: every position is below it (known on the host, so the model may read
+            RoPE from its table without a device check); None when unknown.
     """
 
     token_ids: torch.Tensor
@@ -65,6 +67,7 @@ class StepBatch:
     logit_rows: torch.Tensor
     chunks: tuple[Chunk, ...]
     row_tile: int = 0
+    position_bound: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -117,22 +120,30 @@ class StepBatch:
             elif wants:
                 rows.append(len(tokens) - 1)
             built.append(Chunk(seq_id, start, pos, len(ids), wants, tuple(ids), every))
-        T, R = len(tokens), len(rows)
-        flat = torch.tensor(tokens + positions + rows, dtype=torch.int64)
-        kind = torch.device(device).type
-        if kind == "cuda":
-            # one asynchronous copy from pinned memory: ``torch.tensor(..., device=)`` copies
-            # synchronously, i.e. the host waits until the GPU has run everything queued before
-            # it, the previous step included (async scheduling would overlap nothing)
-            flat = flat.pin_memory().to(device, non_blocking=True)
-        elif kind != "cpu":
-            flat = flat.to(device)
-        token_ids, positions_t, logit_rows = flat.split([T, T, R])
         return cls(
-            token_ids=token_ids,
-            positions=positions_t,
+            token_ids=torch.tensor(tokens, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
             seq_ids=torch.tensor(seq_ids, dtype=torch.int64),
-            logit_rows=logit_rows,
+            logit_rows=torch.tensor(rows, dtype=torch.int64),
             chunks=tuple(built),
             row_tile=row_tile,
-        )
+            position_bound=max(c.end_pos for c in built) if built else 0,
+        ).to(device)
+
+    def to(self, device: torch.device | str) -> "StepBatch":
+        """This batch with ``token_ids``, ``positions`` and ``logit_rows`` on ``device`` (itself
+        when they are there already). To CUDA it is one asynchronous copy from page-locked memory:
+        ``torch.tensor(..., device=)`` copies synchronously, i.e. the host would wait until the GPU
+        has run everything queued before it, the previous step included (async scheduling would
+        overlap nothing)."""
+        device = torch.device(device)
+        if self.token_ids.device == device:
+            return self
+        T = self.num_tokens
+        flat = torch.cat((self.token_ids, self.positions, self.logit_rows))
+        if device.type == "cuda" and not flat.is_cuda:
+            flat = flat.pin_memory().to(device, non_blocking=True)
+        else:
+            flat = flat.to(device)
+        token_ids, positions, logit_rows = flat.split([T, T, self.logit_rows.shape[0]])
+        return StepBatch(token_ids, positions, self.seq_ids, logit_rows, self.chunks, self.row_tile, self.position_bound)

@@ -125,6 +125,7 @@ class Engine:
         self.max_model_len = min(self.config.max_model_len or args.max_position_embeddings,
                                  args.max_position_embeddings)
         self.kv: KvStore = self._make_kv()
+        self.model.rope.build_table(self.max_model_len, self.model.dtype)  # every position a step can hold
         self.row_tile = defaults.DETERMINISTIC_ROW_TILE.get(self.device.type, 8) if self.config.deterministic else 0
         # A padded embedding (HF exports round it up) has rows no token owns: never draw them.
         self.vocab_size = min(args.vocab_size, self.tokenizer.vocab_size)
@@ -141,6 +142,13 @@ class Engine:
     def device(self) -> torch.device:
         """The model's device (StepBatch tensors are built there)."""
         return self.model.device
+
+    def build_batch(self, chunks: list[tuple]) -> StepBatch:
+        """:meth:`StepBatch.build` for this engine (its device and row tile). A decode step that
+        a CUDA graph will run keeps its tensors on the host: the graph reads its own static
+        buffers, staged from the chunks (:class:`DecodeGraphs`), so no copy is spent on them."""
+        batch = StepBatch.build(chunks, "cpu", self.row_tile)
+        return batch if self.graphs is not None and self.graphs.handles(batch) else batch.to(self.device)
 
     def describe(self) -> str:
         """One line for a start-up log: the KV store, its capacity and the numerics mode."""
@@ -235,6 +243,7 @@ class Engine:
         with self._on_device():
             if self.graphs is not None and self.graphs.handles(batch):
                 return self.graphs.forward(batch, token_ids, commit)
+            batch = batch.to(self.device)
             if token_ids is not None:
                 batch.token_ids = token_ids
             self.kv.prepare(batch)

@@ -285,7 +285,7 @@ class BatchScheduler:
         for seq in rows:
             self._account(seq, len(rows))
             seq.num_computed += 1
-        batch = StepBatch.build(chunks, self.engine.device, self.engine.row_tile)
+        batch = self.engine.build_batch(chunks)
         try:
             return self.engine.launch(batch, rows, ahead=1, token_ids=pending.tokens)
         except BaseException:
@@ -391,7 +391,7 @@ class BatchScheduler:
             if wants:
                 rows.append(seq)
         prompt_rows = {seq.seq_id: seq for seq, _ in scheduled if seq.wants_prompt_logprobs}
-        return StepBatch.build(chunks, self.engine.device, self.engine.row_tile), rows, prompt_rows
+        return self.engine.build_batch(chunks), rows, prompt_rows
 
     def _find(self, request_id: str) -> Sequence | None:
         for queue in (self.running, self.waiting):

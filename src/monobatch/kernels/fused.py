@@ -172,13 +172,21 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     return r.view(shape), y.view(shape)
 
 
+def _rows_contiguous(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin as the RoPE kernels read them: unit stride within a row, one row stride for both
+    (the table's gather gives two such views; anything else is copied)."""
+    if cos.stride(-1) == 1 and sin.stride(-1) == 1 and cos.stride(0) == sin.stride(0):
+        return cos, sin
+    return cos.contiguous(), sin.contiguous()
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding (Su et al. 2021, HF rotate_half layout) of ``x`` ``[T, heads, hd]`` by
     ``cos``/``sin`` ``[T, hd]``: a new tensor. Reference: :func:`monobatch.models.rope.apply_rope`."""
     T, H, hd = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
-    cos, sin = cos.contiguous(), sin.contiguous()
+    cos, sin = _rows_contiguous(cos, sin)
     y = torch.empty((T, H, hd), dtype=x.dtype, device=x.device)
     if T:
         _rope_kernel[(T, H)](x, cos, sin, y, x.stride(0), x.stride(1), cos.stride(0), y.stride(0), y.stride(1),
@@ -201,7 +209,7 @@ def rope_qk(qkv: torch.Tensor, n_q_heads: int, n_kv_heads: int, head_dim: int,
     assert qkv.shape[-1] == (n_q_heads + 2 * n_kv_heads) * hd and hd % 2 == 0, (qkv.shape, n_q_heads, n_kv_heads, hd)
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
-    cos, sin = cos.contiguous(), sin.contiguous()
+    cos, sin = _rows_contiguous(cos, sin)
     q = torch.empty((T, n_q_heads, hd), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((T, n_kv_heads, hd), dtype=qkv.dtype, device=qkv.device)
     if T:

@@ -51,13 +51,6 @@ class DecodeStep:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
 
-    @classmethod
-    def empty(cls, rows: int, blocks: int, device: torch.device | str, pin: bool = False) -> "DecodeStep":
-        """Zeroed tensors for ``rows`` rows of ``blocks`` blocks (``pin``: page-locked host memory)."""
-        kw = dict(device=device, pin_memory=pin)
-        return cls(torch.zeros(rows, dtype=torch.int64, **kw), torch.zeros(rows, blocks, dtype=torch.int32, **kw),
-                   torch.ones(rows, dtype=torch.int32, **kw))
-
     def rows(self, n: int) -> "DecodeStep":
         """The first ``n`` rows (views: same memory, so a graph captured on them sees new values)."""
         return DecodeStep(self.slot_mapping[:n], self.block_tables[:n], self.seq_lens[:n])
@@ -211,9 +204,10 @@ class PagedKv(KvStore):
 
     def prepare_decode(self, batch: StepBatch, host: DecodeStep, device: DecodeStep) -> None:
         """:meth:`prepare` for a decode-only ``batch`` into static tensors: each row's slot, block
-        table and length go into ``host`` (page-locked), then one copy each into ``device``,
-        which :meth:`attend` then reads. Rows of ``host``/``device`` past the batch's are padding:
-        they write to the scratch block and attend to one key.
+        table and length go into ``host``; :meth:`attend` then reads ``device``, which the caller
+        fills from ``host`` before the forward (:class:`monobatch.engine.cuda_graphs.DecodeInputs`:
+        one copy for all of a step's inputs). Rows past the batch's are padding: they write to
+        the scratch block and attend to one key.
 
         Raises:
             ValueError: a chunk that is not one token, or a gap / overflow of the context.
@@ -237,9 +231,6 @@ class PagedKv(KvStore):
         host.seq_lens.copy_(torch.as_tensor(lens + [1] * pad, dtype=torch.int32))
         if pad:
             host.block_tables[n:, 0] = self.scratch_block
-        for dst, src in ((device.slot_mapping, host.slot_mapping), (device.block_tables, host.block_tables),
-                         (device.seq_lens, host.seq_lens)):
-            dst.copy_(src, non_blocking=True)
         self._step = device
 
     def _pool_full(self) -> NoReturn:

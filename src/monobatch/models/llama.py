@@ -250,17 +250,19 @@ class LlamaModel(nn.Module):
             ``[R, V]`` float32 logits for ``batch.logit_rows``, in their order.
         """
         x = F.embedding(batch.token_ids, self.embed_tokens)  # (T, D)
-        cos, sin = self.rope.cos_sin(batch.positions, x.dtype)  # (T, hd) each
+        cos, sin = self.rope.cos_sin(batch.positions, x.dtype, batch.position_bound)  # (T, hd) each
         residual, delta = x, None
         for layer in self.layers:
             residual, delta = layer(residual, delta, cos, sin, batch, kv)  # (T, D) each
         head = self.embed_tokens if self.lm_head is None else self.lm_head.weight
         # (R, D) -> (R, V): only rows that want logits; the last MLP output is added to those rows only
-        rows = batch.logit_rows
+        if batch.logit_rows.shape[0] != batch.num_tokens:  # else every row, in order (StepBatch's rows ascend)
+            rows = batch.logit_rows
+            residual, delta = residual[rows], None if delta is None else delta[rows]
         if delta is None:  # no layers
-            return rowwise(batch.row_tile, lambda x: self._logits(self.norm(x), head), residual[rows])
+            return rowwise(batch.row_tile, lambda x: self._logits(self.norm(x), head), residual)
         return rowwise(batch.row_tile, lambda r, d: self._logits(self.norm.add_forward(r, d)[1], head),
-                       residual[rows], delta[rows])
+                       residual, delta)
 
     def _logits(self, x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         """``x @ head.T`` as float32 ``[R, V]``: with 16-bit weights on CUDA the GEMM writes float32

@@ -89,24 +89,57 @@ def rope_inv_freq(
 
 
 class RotaryEmbedding:
-    """cos/sin tables for positions, computed on the fly from ``inv_freq`` (no length cap).
+    """cos/sin for positions: gathered from a table built once (:meth:`build_table`), or computed
+    on the fly from ``inv_freq`` for positions past it (no length cap).
+
+    The table makes a step's RoPE input one gather instead of ~10 small kernels (about 15 µs of
+    a B=1 decode step on an H200), and gives a position the same cos/sin whatever batch it is in.
+    Its values are the on-the-fly formula's, element for element.
 
     Args:
         inv_freq: ``[head_dim // 2]`` float32 from :func:`rope_inv_freq`.
         attention_scale: multiplies cos and sin (YaRN's mscale; 1.0 otherwise).
+
+    Attributes:
+        table: None, or ``[L, 2, head_dim]`` (cos, sin) of positions ``0 .. L-1`` in the compute
+            dtype, on ``inv_freq``'s device.
     """
 
     def __init__(self, inv_freq: torch.Tensor, attention_scale: float = 1.0) -> None:
         self.inv_freq = inv_freq
         self.attention_scale = attention_scale
+        self.table: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "RotaryEmbedding":
-        """Move the frequency table to ``device``."""
+        """Move the frequencies (and the table, if built) to ``device``."""
         self.inv_freq = self.inv_freq.to(device)
+        if self.table is not None:
+            self.table = self.table.to(device)
         return self
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions ``[T]`` int64 -> (cos, sin) each ``[T, head_dim]`` in ``dtype`` (computed in float32, as HF)."""
+    def build_table(self, length: int, dtype: torch.dtype) -> None:
+        """Precompute cos/sin of positions ``0 .. length-1`` in ``dtype`` (``2 * length * head_dim``
+        elements). A table already as long, in that dtype, is kept; otherwise it is replaced
+        (a CUDA graph that read the old one keeps a reference to it)."""
+        t = self.table
+        if t is not None and t.shape[0] >= length and t.dtype == dtype:
+            return
+        cos, sin = self._compute(torch.arange(length, device=self.inv_freq.device), dtype)
+        self.table = torch.stack((cos, sin), dim=1)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, bound: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions ``[T]`` int64 -> (cos, sin) each ``[T, head_dim]`` in ``dtype`` (computed in
+        float32, as HF). ``bound``: every position is below it (known on the host; None: unknown).
+        Within the table they are views of one gather (row stride ``2 * head_dim``)."""
+        t = self.table
+        if t is not None and bound is not None and bound <= t.shape[0] and t.dtype == dtype \
+                and t.device == positions.device:
+            rows = t.index_select(0, positions)  # (T, 2, hd)
+            return rows[:, 0], rows[:, 1]
+        return self._compute(positions, dtype)
+
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, hd/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
         return (emb.cos() * self.attention_scale).to(dtype), (emb.sin() * self.attention_scale).to(dtype)
