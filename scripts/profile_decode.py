@@ -3,6 +3,8 @@ events around the graph replay or eager forward) and the host time around it (sc
 sampler, finish step, detokenizer), plus torch.profiler's top operators.
 
     PYTHONPATH=src python3 scripts/profile_decode.py --shape llama-1b --device cuda [--enforce-eager]
+    PYTHONPATH=src python3 scripts/profile_decode.py --shape llama-1b --no-profile --trace OUT/trace.json   # + one step's GPU timeline
+    python3 scripts/profile_decode.py --timeline OUT/trace.json                                            # that timeline again
 
 Prints one JSON object (times in ms per decode step, medians over the steps).
 """
@@ -39,12 +41,16 @@ def main() -> None:
                     help="print the N host functions with the most own time over the decode steps (cProfile; "
                          "the times in that run's JSON are inflated by it)")
     ap.add_argument("--trace", metavar="FILE",
-                    help="write a Chrome trace of 8 steady decode steps to FILE and print the GPU timeline of one step "
-                         "(every GPU op outside the largest run of back-to-back kernels, with its gap before it)")
+                    help="write a Chrome trace of 8 steady decode steps to FILE and print one step's GPU timeline")
+    ap.add_argument("--timeline", metavar="FILE",
+                    help="only print one step's GPU timeline from a trace --trace wrote (.json or .json.gz), and exit")
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                     help="override a module constant before the engine starts (A/B runs), e.g. "
                          "monobatch.kernels.paged_decode.MAX_SPLITS=64 (VALUE: a Python literal)")
     ns = ap.parse_args()
+    if ns.timeline:
+        print_timeline(ns.timeline)
+        return
     for item in ns.set:
         target, value = item.split("=", 1)
         module, name = target.rsplit(".", 1)
@@ -140,9 +146,8 @@ def main() -> None:
 
 
 def trace_steps(sched: BatchScheduler, prompt: list[int], path: str) -> None:
-    """Profile 8 steady decode steps (after 24) and print one step's GPU timeline: each GPU op
-    (kernel, memcpy, memset) with its start relative to the step, duration and the idle gap before
-    it, in µs; the graph's kernels are folded into one line per run of graph kernels."""
+    """Profile 8 steady decode steps (after 24), write a Chrome trace to ``path`` and print one
+    step's GPU timeline (:func:`print_timeline`)."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
@@ -153,33 +158,39 @@ def trace_steps(sched: BatchScheduler, prompt: list[int], path: str) -> None:
             sched.step()
             prof.step()
     prof.export_chrome_trace(path)
-    with open(path) as f:
+    print_timeline(path)
+
+
+def print_timeline(path: str) -> None:
+    """One decode step's GPU work from a Chrome trace (plain or .gz): the ops between the
+    last two device-to-host copies (each step copies its draws back once), each with its start
+    relative to the step, duration and the idle gap before it, in µs. Runs of Triton kernels
+    (names starting with ``_``) fold into one line. Host-side gaps are inflated by the profiler."""
+    import gzip
+
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
         events = json.load(f)["traceEvents"]
     gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
-    graph_ids = {e["args"].get("graph id") for e in gpu if e["args"].get("graph id")}
-    rows, prev_end, run = [], None, None
-    for e in gpu:
-        gap = 0.0 if prev_end is None else e["ts"] - prev_end
-        in_graph = bool(e["args"].get("graph id"))
-        if in_graph and run is not None and gap < 50:
-            run["dur"] = e["ts"] + e["dur"] - run["ts"]
-            run["n"] += 1
-            run["busy"] += e["dur"]
+    marks = [i for i, e in enumerate(gpu) if "DtoH" in e["name"]]
+    if len(marks) < 3:
+        print(f"timeline: {len(marks)} device-to-host copies in the trace, need 3")
+        return
+    a, b = marks[-3], marks[-2]
+    t0, prev_end, rows = gpu[a + 1]["ts"], gpu[a]["ts"] + gpu[a]["dur"], []
+    for e in gpu[a + 1:b + 1]:
+        gap, prev_end = e["ts"] - prev_end, max(prev_end, e["ts"] + e["dur"])
+        if e["name"].startswith("_") and rows and rows[-1]["triton"]:
+            r = rows[-1]
+            r["n"] += 1
+            r["busy"] += e["dur"]
+            r["end"] = max(r["end"], e["ts"] + e["dur"])
         else:
-            run = {"name": "<graph>" if in_graph else e["name"][:60], "ts": e["ts"], "dur": e["dur"], "gap": gap,
-                   "n": 1, "busy": e["dur"]} if in_graph else None
-            rows.append(run or {"name": e["name"][:60], "ts": e["ts"], "dur": e["dur"], "gap": gap, "n": 1, "busy": e["dur"]})
-        prev_end = e["ts"] + e["dur"]
-    graphs = [i for i, r in enumerate(rows) if r["name"] == "<graph>"]
-    print(f"trace: {len(gpu)} GPU ops, graph ids {sorted(graph_ids)}, {len(graphs)} graph runs")
-    if len(graphs) >= 3:
-        a, b = graphs[-3], graphs[-2]
-        t0 = rows[a]["ts"]
-        print(f"one step, graph run to graph run: {rows[b]['ts'] - t0:.1f} µs")
-        for r in rows[a:b + 1]:
-            fold = f"  ({r['n']} kernels, busy {r['busy']:.1f})" if r["n"] > 1 else ""
-            print(f"  +{r['ts'] - t0:8.1f}  dur {r['dur']:7.1f}  gap {r['gap']:6.1f}  {r['name']}{fold}")
-
+            rows.append({"name": e["name"][:70], "ts": e["ts"], "end": e["ts"] + e["dur"], "gap": gap, "n": 1,
+                         "busy": e["dur"], "triton": e["name"].startswith("_")})
+    print(f"one decode step, GPU: {gpu[b]['ts'] + gpu[b]['dur'] - t0:.1f} µs from its first op to its copy back")
+    for r in rows:
+        name = f"{r['n']} Triton kernels (busy {r['busy']:.1f})" if r["n"] > 1 else r["name"]
+        print(f"  +{r['ts'] - t0:8.1f}  dur {r['end'] - r['ts']:7.1f}  gap {r['gap']:6.1f}  {name}")
 
 if __name__ == "__main__":
     main()
