@@ -4,9 +4,10 @@ An *arm* is a name and a command line that prints JSON on stdout: one JSON objec
 measured configuration (``monobatch bench --json``, ``monobatch bench-serve --json``, or any
 program). Each object's string ``"label"`` (``""`` when absent) names the configuration; every
 numeric top-level field is a metric, keyed by (arm, label, metric). Commands starting with
-``monobatch`` run as ``sys.executable -m monobatch ...`` with this checkout's ``src`` on
-PYTHONPATH; leading ``NAME=value`` words set environment variables (``CUDA_VISIBLE_DEVICES=1
-monobatch bench ...``). Commands are split with shlex and run without a shell.
+``monobatch`` run as ``sys.executable -m monobatch ...``; every command has this checkout's
+``src`` on PYTHONPATH, after the arm's own PYTHONPATH if it sets one (``PYTHONPATH=../old/src
+monobatch bench ...`` runs another checkout). Leading ``NAME=value`` words set environment
+variables (``CUDA_VISIBLE_DEVICES=1 monobatch bench ...``). Commands are split with shlex and run without a shell.
 
 Examples::
 
@@ -188,11 +189,21 @@ def _last_line(text: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
+def arm_env(arm: Arm) -> dict[str, str]:
+    """The environment ``arm`` runs in: this one, the arm's variables, and PYTHONPATH = the arm's
+    own PYTHONPATH (if it sets one), then this checkout's ``src``, then the inherited PYTHONPATH —
+    so ``PYTHONPATH=/other/checkout/src monobatch bench ...`` runs that checkout's code (A/B of
+    two versions)."""
+    env = {**os.environ, **arm.env}
+    paths = (arm.env.get("PYTHONPATH", ""), str(ROOT / "src"), os.environ.get("PYTHONPATH", ""))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    return env
+
+
 def run_arm(arm: Arm, timeout: float, round_: int, position: int) -> Run:
     """Run ``arm`` once in its own process group; never raises for the command's failures."""
     run = Run(round_, position, arm.name)
-    env = {**os.environ, **arm.env}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH", "")) if p)
+    env = arm_env(arm)
     start = time.perf_counter()
     try:
         proc = subprocess.Popen(arm.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,

@@ -223,6 +223,9 @@ def test_units():
     assert mod.parse_output('{\n  "x_ms": 3\n}\n') == [{"label": "", "metrics": {"x_ms": 3}}]
     a = mod.parse_arm("gpu1=CUDA_VISIBLE_DEVICES=1 monobatch bench --json")
     assert a.env == {"CUDA_VISIBLE_DEVICES": "1"} and a.argv == [sys.executable, "-m", "monobatch", "bench", "--json"]
+    assert mod.arm_env(a)["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT / "src")
+    other = mod.arm_env(mod.parse_arm("old=PYTHONPATH=/o/src monobatch bench"))["PYTHONPATH"].split(os.pathsep)
+    assert other[:2] == ["/o/src", str(ROOT / "src")]  # the arm's own code first: an A/B of two checkouts
     for bad in ("nocommand", "=x", "null=monobatch bench"):
         with pytest.raises(ValueError):
             mod.parse_arm(bad)
