@@ -34,7 +34,7 @@ def assert_one_line_error(res: subprocess.CompletedProcess, *needles: str) -> No
     (["--temperature", "-1"], "--temperature"),
     (["--top-k", "-5"], "--top-k"),
     (["--system", "be brief"], "--system needs --chat"),
-    (["--seed", "-7"], "--seed"),
+    (["--seed", "-7"], "or -1 for a random seed"),
     (["-c", "-1"], "ctx-size"),
     (["-t", "0"], "threads"),
     (["--prefill-chunk", "0"], "prefill-chunk"),

@@ -85,8 +85,9 @@ def run(ns: argparse.Namespace) -> int:
                "prefill_tok_per_s": round(m.prefill_tok_per_s, 1), "decode_tok_per_s": round(m.decode_tok_per_s, 1)}
     if stream:
         sys.stdout.write("\n")
+        decode = f"{timings['decode_tok_per_s']:.1f}" if len(token_ids) > 1 else "-"  # a rate needs two tokens
         print(f"[{len(prompt_ids)} prompt + {len(token_ids)} generated tokens, finish_reason={last.finish_reason.value}, "
-              f"TTFT {timings['ttft_ms']:.0f} ms, decode {timings['decode_tok_per_s']:.1f} tok/s]", file=sys.stderr)
+              f"TTFT {timings['ttft_ms']:.0f} ms, decode {decode} tok/s]", file=sys.stderr)
     else:
         result = {
             "text": "".join(text),

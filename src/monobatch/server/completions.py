@@ -29,7 +29,7 @@ def _prompt_list(prompt: str | list) -> list[str] | list[list[int]]:
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
-        raise InvalidRequestError("prompt: is empty", param="prompt")
+        raise InvalidRequestError("the prompt is empty (it must contain at least one token)", param="prompt")
     return [prompt] if isinstance(prompt[0], int) else list(prompt)
 
 
