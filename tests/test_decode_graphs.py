@@ -168,6 +168,20 @@ def test_static_decode_path_matches_eager(loaded):
     assert static_engine.kv.usage().used_blocks == 0  # every sequence freed its blocks
 
 
+def test_every_step_reads_the_rope_table(loaded, monkeypatch):
+    """Prefill, eager decode and the static (graph) decode all gather RoPE from the table the
+    Engine built: the on-the-fly formula is never called."""
+    engine = Engine(loaded, EngineConfig(max_model_len=128, kv_cache_memory=32 << 20))
+    engine.graphs = DecodeGraphs(engine.model, engine.kv, max_batch=4, capture=False)
+    assert engine.model.rope.table.shape[0] >= 128
+
+    def formula(*_):
+        raise AssertionError("RoPE computed on the fly")
+    monkeypatch.setattr(engine.model.rope, "_compute", formula)
+    out = _run(BatchScheduler(engine), [list(range(100, 120)), list(range(50, 53))], n=6)
+    assert all(len(ids) == 6 for ids in out) and engine.graphs.replays > 0
+
+
 def test_graphs_only_where_they_apply(loaded):
     """CPU, dense storage, deterministic mode or --enforce-eager: no graphs (eager steps)."""
     for cfg in (EngineConfig(max_model_len=64), EngineConfig(max_model_len=64, kv_storage="dense"),
@@ -228,6 +242,26 @@ def test_captured_graphs_equal_static_eager():
     graphed, sizes = run(True)
     assert sizes and len(sizes) >= 3
     assert graphed == run(False)[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+def test_graphs_keep_the_rope_tables_they_read():
+    """A second Engine on the same model with a longer context replaces the model's RoPE table;
+    the first Engine's graphs keep the table they captured alive (they read it by address) and
+    give the same tokens as before."""
+    from monobatch.loader.dummy import dummy_model
+    loaded = dummy_model("smollm2-135m", "cuda")
+    first = BatchScheduler(Engine(loaded, EngineConfig(max_model_len=128, kv_cache_memory=64 << 20)))
+    graphs = first.engine.graphs
+    before = _run(first, [list(range(100, 110))], n=6)
+    old = loaded.model.rope.table
+    assert len(graphs.rope_tables) == 1 and graphs.rope_tables[0] is old
+    Engine(loaded, EngineConfig(max_model_len=256, kv_cache_memory=64 << 20))
+    assert loaded.model.rope.table is not old and loaded.model.rope.table.shape[0] == 256
+    torch.empty_like(old).fill_(7)  # memory a freed table would have had
+    assert _run(first, [list(range(100, 110))], n=6) == before
+    _run(first, [list(range(100, 110)), list(range(7, 12))], n=4)  # a new size captures on the new table
+    assert len(graphs.rope_tables) == 2 and graphs.rope_tables[0] is old
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")

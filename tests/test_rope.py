@@ -35,6 +35,9 @@ def test_table_only_within_bound():
         cos, _ = rope.cos_sin(far, torch.float32, bound)
         assert cos.is_contiguous() and torch.equal(cos, RotaryEmbedding(rope.inv_freq).cos_sin(far, torch.float32)[0])
     assert rope.cos_sin(torch.tensor([3]), torch.bfloat16, 4)[0].is_contiguous()  # another dtype: formula
+    last = torch.tensor([15])
+    assert rope.cos_sin(last, torch.float32, 16)[0].stride(0) == 128  # bound == length: the table
+    assert rope.cos_sin(last, torch.float32, 17)[0].is_contiguous()  # one past it: the formula
     rope.build_table(8, torch.float32)  # shorter: kept
     assert rope.table is table
     rope.build_table(32, torch.float32)  # longer: replaced, the old one left to its holders
@@ -61,3 +64,11 @@ def test_model_logits_same_with_table(loaded):
         assert torch.equal(with_table, logits(None))
     finally:
         model.rope.table = saved
+
+
+def test_position_bound_is_exclusive():
+    """StepBatch.build's bound is one past the last position (a table of exactly that many rows
+    serves the batch); hand-built batches have none (the formula)."""
+    batch = StepBatch.build([(0, list(range(5)), 12, True), (1, [7], 3, True)])
+    assert batch.position_bound == 17 == int(batch.positions.max()) + 1
+    assert StepBatch(batch.token_ids, batch.positions, batch.seq_ids, batch.logit_rows, batch.chunks).position_bound is None

@@ -49,10 +49,13 @@ class StepBatch:
     """Flat tokens of one step and the rows that want logits.
 
     Attributes:
-        token_ids: ``[T]`` int64 token ids, on the model's device.
-        positions: ``[T]`` int64 positions, on the model's device.
+        token_ids: ``[T]`` int64 token ids, on the model's device (on the host for a decode step
+            that a CUDA graph runs: ``Engine.build_batch``; :meth:`to` moves them).
+        positions: ``[T]`` int64 positions, where ``token_ids`` are.
         seq_ids: ``[T]`` int64 sequence ids (host), llama_batch's ``seq_id``.
-        logit_rows: ``[R]`` int64 indices into T whose logits are returned, on the device.
+        logit_rows: ``[R]`` int64 indices into T whose logits are returned, ascending and without
+            repeats (so R == T means every row, in order: the model then skips the gather),
+            where ``token_ids`` are.
         chunks: the contiguous per-sequence runs, in batch order.
         row_tile: 0 in the default (fast) mode. In deterministic mode, N > 0: every row-wise
             operation (norms, GEMMs, activations) runs on tiles of exactly N rows and attention
@@ -136,8 +139,8 @@ class StepBatch:
         ``torch.tensor(..., device=)`` copies synchronously, i.e. the host would wait until the GPU
         has run everything queued before it, the previous step included (async scheduling would
         overlap nothing)."""
-        device = torch.device(device)
-        if self.token_ids.device == device:
+        device, here = torch.device(device), self.token_ids.device
+        if here.type == device.type and device.index in (None, here.index):  # "cuda" is wherever it is
             return self
         T = self.num_tokens
         flat = torch.cat((self.token_ids, self.positions, self.logit_rows))

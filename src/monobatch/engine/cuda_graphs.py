@@ -37,12 +37,12 @@ log = logging.getLogger(__name__)
 
 class DecodeInputs:
     """Every input of a decode-only step in one flat buffer, so that staging them on the host and
-    copying them to the device is one memcpy (six small copies cost ~20 µs of GPU time a step).
+    copying them to the device is one memcpy (five small copies cost ~15 µs of GPU time a step).
 
     Layout for ``rows`` rows of ``blocks`` blocks, as typed views of one uint8 buffer::
 
         int64: token_ids [rows] | positions [rows] | slot_mapping [rows]
-        int32: seq_lens [rows] | block_tables [rows, blocks]
+        int32: seq_lens [rows] | (padding to 16 bytes) | block_tables [rows, blocks]
 
     so the first ``size`` rows of everything lie in the first :meth:`nbytes` ``(size)`` bytes.
 
@@ -52,12 +52,12 @@ class DecodeInputs:
     """
 
     def __init__(self, rows: int, blocks: int, device: torch.device | str, pin: bool = False) -> None:
-        self._head = 3 * rows * 8 + rows * 4  # bytes before the block tables
+        self._head = -(-(3 * rows * 8 + rows * 4) // 16) * 16  # bytes before the block tables (16-aligned)
         self._row_bytes = blocks * 4
         self.buf = torch.zeros(self._head + rows * self._row_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
         words = self.buf[:3 * rows * 8].view(torch.int64)
         self.token_ids, self.positions, slot_mapping = words.split(rows)
-        seq_lens = self.buf[3 * rows * 8:self._head].view(torch.int32)
+        seq_lens = self.buf[3 * rows * 8:3 * rows * 8 + rows * 4].view(torch.int32)
         block_tables = self.buf[self._head:].view(torch.int32).view(rows, blocks)
         self.step = DecodeStep(slot_mapping, block_tables, seq_lens)
         seq_lens.fill_(1)
@@ -103,7 +103,7 @@ class DecodeGraphs:
         self.logit_rows = torch.arange(n, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}  # None: capture failed
         self.pool = None  # the graphs' shared memory pool (torch.cuda.graph_pool_handle)
-        self.rope_table = None  # the RoPE table the graphs read (kept alive while they exist)
+        self.rope_tables: list[torch.Tensor] = []  # the RoPE tables the graphs read: kept alive while they exist
         self.copied = torch.cuda.Event() if device.type == "cuda" else None  # host buffers free again
         self.replays = 0
 
@@ -150,7 +150,9 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        self.rope_table = self.model.rope.table
+        table = self.model.rope.table
+        if table is not None and not any(t is table for t in self.rope_tables):
+            self.rope_tables.append(table)  # another Engine on this model may replace it (a longer context)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self.model(batch, self.kv)

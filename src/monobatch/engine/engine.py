@@ -7,6 +7,7 @@ loop that drives it is :class:`monobatch.engine.scheduler.BatchScheduler`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -124,8 +125,9 @@ class Engine:
         args = self.model.args
         self.max_model_len = min(self.config.max_model_len or args.max_position_embeddings,
                                  args.max_position_embeddings)
+        # every position a step can hold; before the KV pool takes its share of the free memory
+        self.model.rope.build_table(self.max_model_len, self.model.dtype)
         self.kv: KvStore = self._make_kv()
-        self.model.rope.build_table(self.max_model_len, self.model.dtype)  # every position a step can hold
         self.row_tile = defaults.DETERMINISTIC_ROW_TILE.get(self.device.type, 8) if self.config.deterministic else 0
         # A padded embedding (HF exports round it up) has rows no token owns: never draw them.
         self.vocab_size = min(args.vocab_size, self.tokenizer.vocab_size)
@@ -140,7 +142,8 @@ class Engine:
 
     @property
     def device(self) -> torch.device:
-        """The model's device (StepBatch tensors are built there)."""
+        """The model's device (where StepBatch tensors go, except those of a decode step that a
+        CUDA graph runs: :meth:`build_batch`)."""
         return self.model.device
 
     def build_batch(self, chunks: list[tuple]) -> StepBatch:
@@ -234,8 +237,8 @@ class Engine:
         """Run ``batch`` through the model, caching its KV. Returns ``[R, V]`` float32 logits
         (a decode-only step replays a CUDA graph when :attr:`graphs` is set).
 
-        ``token_ids`` (``[T]`` int64, on the device) replaces the batch's input ids; then the
-        batch's own ids are placeholders, so :meth:`KvStore.commit` (which keys the prefix cache
+        ``token_ids`` (``[T]`` int64, on the device) is run instead of the batch's input ids (the
+        batch itself is not changed); then the batch's own ids are placeholders, so :meth:`KvStore.commit` (which keys the prefix cache
         by them) is left to the caller unless ``commit`` says otherwise: async scheduling feeds a
         step the previous step's draws before the host has read them (:meth:`launch`).
         """
@@ -245,7 +248,7 @@ class Engine:
                 return self.graphs.forward(batch, token_ids, commit)
             batch = batch.to(self.device)
             if token_ids is not None:
-                batch.token_ids = token_ids
+                batch = dataclasses.replace(batch, token_ids=token_ids)
             self.kv.prepare(batch)
             logits = self.model(batch, self.kv)
             if commit:

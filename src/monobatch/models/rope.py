@@ -93,8 +93,7 @@ class RotaryEmbedding:
     on the fly from ``inv_freq`` for positions past it (no length cap).
 
     The table makes a step's RoPE input one gather instead of ~10 small kernels (about 15 µs of
-    a B=1 decode step on an H200), and gives a position the same cos/sin whatever batch it is in.
-    Its values are the on-the-fly formula's, element for element.
+    a B=1 decode step on an H200). Its values are the on-the-fly formula's, element for element.
 
     Args:
         inv_freq: ``[head_dim // 2]`` float32 from :func:`rope_inv_freq`.
