@@ -238,9 +238,10 @@ class Engine:
         (a decode-only step replays a CUDA graph when :attr:`graphs` is set).
 
         ``token_ids`` (``[T]`` int64, on the device) is run instead of the batch's input ids (the
-        batch itself is not changed); then the batch's own ids are placeholders, so :meth:`KvStore.commit` (which keys the prefix cache
-        by them) is left to the caller unless ``commit`` says otherwise: async scheduling feeds a
-        step the previous step's draws before the host has read them (:meth:`launch`).
+        batch itself is not changed); then the batch's own ids are placeholders, so
+        :meth:`KvStore.commit` (which keys the prefix cache by them) is left to the caller unless
+        ``commit`` says otherwise: async scheduling feeds a step the previous step's draws before
+        the host has read them (:meth:`launch`).
         """
         commit = token_ids is None if commit is None else commit
         with self._on_device():
