@@ -196,6 +196,8 @@ def test_pool_smaller_than_one_context_is_refused(loaded):
     with pytest.raises(InsufficientMemoryError, match="fewer than one context"):
         Engine(loaded, EngineConfig(max_model_len=256, kv_cache_memory=255 * per_token))
     Engine(loaded, EngineConfig(max_model_len=256, kv_cache_memory=256 * per_token))  # exactly one fits
+    with pytest.raises(InsufficientMemoryError, match=r"memory \(1,024 bytes\) holds 0 tokens"):  # not "0.0 MiB"
+        Engine(loaded, EngineConfig(max_model_len=256, kv_cache_memory=1024))
 
 
 def test_admission_waits_for_blocks_and_abort_frees_them(loaded):

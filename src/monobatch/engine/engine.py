@@ -109,6 +109,11 @@ class EngineConfig:
         return self.max_num_batched_tokens or max(self.prefill_chunk, self.max_num_seqs)
 
 
+def _size(nbytes: int) -> str:
+    """Bytes for a message: MiB with one decimal, or the byte count below 0.1 MiB."""
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 // 10 else f"{nbytes:,} bytes"
+
+
 class Engine:
     """The model, its KV cache, the sampler and the finish step.
 
@@ -184,9 +189,9 @@ class Engine:
         num_blocks = memory // (cfg.block_size * token_bytes)
         if num_blocks < context_blocks:
             raise InsufficientMemoryError(
-                f"the KV cache memory ({memory / 2**20:.1f} MiB) holds {num_blocks * cfg.block_size} tokens, fewer "
-                f"than one context of {self.max_model_len} tokens ({context_blocks * cfg.block_size * token_bytes / 2**20:.1f} "
-                "MiB); raise --kv-cache-memory or lower -c/--ctx-size")
+                f"the KV cache memory ({_size(memory)}) holds {num_blocks * cfg.block_size} tokens, fewer than one "
+                f"context of {self.max_model_len} tokens ({_size(context_blocks * cfg.block_size * token_bytes)}); "
+                "raise --kv-cache-memory or lower -c/--ctx-size")
         return PagedKv(*shape, num_blocks=num_blocks, block_size=cfg.block_size)
 
     @torch.inference_mode()
