@@ -195,6 +195,9 @@ def test_generate_streams_text_and_reports_json(loaded):
         assert len(top) == 2 and top[0]["logprob"] >= top[1]["logprob"]
         assert entry["token_id"] == tok == top[0]["token_id"]
         assert entry["logprob"] == pytest.approx(top[0]["logprob"]) and entry["logprob"] <= 0
+        assert entry["token"] == top[0]["token"] and isinstance(top[1]["token"], str)
+    # the tokens' texts join to the generated text (the prompt ends mid-sentence: no leading-space rule applies)
+    assert "".join(e["token"] for e in out["logprobs"]) == out["text"]
 
 
 def test_bench_json_dummy_weights():

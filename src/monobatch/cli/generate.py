@@ -105,7 +105,8 @@ def run(ns: argparse.Namespace) -> int:
             if splitter.has_reasoning:
                 result["reasoning_content"] = parts.reasoning
         if params.logprobs is not None:
-            result["logprobs"] = [{"token_id": t, "logprob": lp, "top_logprobs": [{"token_id": a, "logprob": b} for a, b in top]}
+            result["logprobs"] = [{"token_id": t, "token": tok.token_text(t), "logprob": lp,
+                                   "top_logprobs": [{"token_id": a, "token": tok.token_text(a), "logprob": b} for a, b in top]}
                                   for t, lp, top in logprobs]
         print(json.dumps(result, ensure_ascii=False))
     return 0

@@ -134,11 +134,6 @@ async def off_loop(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 
 # -- logprobs ------------------------------------------------------------------------------------
-def token_text(tok: Tokenizer, token_id: int) -> str:
-    """One token as text (its bytes; an incomplete UTF-8 sequence shows as U+FFFD)."""
-    return tok.token_bytes(token_id).decode("utf-8", errors="replace")
-
-
 def chat_logprobs(tok: Tokenizer, entries: list[tuple[int, float, list[tuple[int, float]]]]) -> dict:
     """Chat's ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
     def item(token_id: int, logprob: float) -> dict:
@@ -172,9 +167,9 @@ class TextOffsets:
 def completion_logprobs(tok: Tokenizer, entries: list[tuple[int, float | None, list[tuple[int, float]] | None]],
                         offsets: TextOffsets) -> dict:
     """Legacy completions' ``logprobs``: parallel lists; ``text_offset`` from ``offsets``."""
-    return {"tokens": [token_text(tok, t) for t, _, _ in entries],
+    return {"tokens": [tok.token_text(t) for t, _, _ in entries],
             "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [None if top is None else {token_text(tok, a): b for a, b in top} for _, _, top in entries],
+            "top_logprobs": [None if top is None else {tok.token_text(a): b for a, b in top} for _, _, top in entries],
             "text_offset": [offsets.take(t) for t, _, _ in entries]}
 
 

@@ -254,6 +254,15 @@ class Tokenizer:
             cached = self._bytes[token_id] = self._compute_bytes(token_id)
         return cached
 
+    def token_text(self, token_id: int) -> str:
+        """One token as text: its :meth:`token_bytes` as UTF-8, an incomplete sequence shown as
+        U+FFFD (the ``token`` of OpenAI's logprobs).
+
+        Raises:
+            InvalidRequestError: as :meth:`token_bytes`.
+        """
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
     def _compute_bytes(self, token_id: int) -> bytes:
         text = self._backend.id_to_token(token_id)
         if text is None:
