@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from monobatch import defaults
+from monobatch.engine.constraint import StructuredOutput
 from monobatch.errors import InvalidRequestError
 
 
@@ -45,7 +46,7 @@ _KINDS: dict[str, type] = {**dict.fromkeys(_INT_FIELDS, int), **dict.fromkeys(_F
                            "include_stop_str_in_output": bool, "ignore_eos": bool, "skip_special_tokens": bool,
                            "stop": list, "stop_token_ids": list, "dry_sequence_breakers": list, "logit_bias": dict}
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "a boolean", list: "a list", dict: "an object"}
-_OPTIONAL = frozenset(["max_tokens", "seed", "logprobs"])
+_OPTIONAL = frozenset(["max_tokens", "seed", "logprobs", "structured"])
 
 
 @dataclass(slots=True)
@@ -90,6 +91,8 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     loop_window: int = 0  # 0 = off; see FinishStep.is_looping
+    # -- structured output (a grammar mask, the sampler's first stage) --
+    structured: StructuredOutput | None = None
     # -- output --
     logprobs: int | None = None  # top-N alternatives per generated token; None = none
     skip_special_tokens: bool = True
@@ -163,6 +166,10 @@ class SamplingParams:
                     setattr(self, f.name, [int(t) for t in value])
             elif kind is dict:
                 ok = isinstance(value, dict)
+            elif f.name == "structured":
+                _check(isinstance(value, StructuredOutput), f.name,
+                       f"expected a StructuredOutput (monobatch.engine.constraint), got {type(value).__name__}")
+                continue
             else:
                 continue
             _check(ok, f.name, f"expected {_KIND_NAMES[kind]}, got {type(value).__name__} {value!r}")

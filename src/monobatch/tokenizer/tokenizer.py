@@ -278,6 +278,11 @@ class Tokenizer:
             return bytes([int(byte.group(1), 16)]) if byte else text.replace("▁", " ").encode("utf-8")
         return self._backend.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
+    def backend_json(self) -> str:
+        """The ``tokenizers`` tokenizer serialized as tokenizer.json text (for the grammar
+        engine, which tokenizes and maps token bytes the same way)."""
+        return self._backend.to_str()
+
     def is_special(self, token_id: int) -> bool:
         """Whether ``token_id`` is a special (control) token, which ``skip_special_tokens`` drops."""
         return token_id in self._special_ids

@@ -1,0 +1,323 @@
+"""Structured output: a grammar that a sequence's tokens must follow, as one sampler stage.
+
+A request may carry one :class:`StructuredOutput` (``SamplingParams.structured``): a JSON schema,
+"any JSON object", a regular expression, a choice among strings, a GBNF grammar (llama.cpp's
+format) or a Lark grammar (llguidance's, with ``%json`` for embedded schemas). The grammar
+engine is llguidance (llama.cpp's and vLLM's ``guidance`` backend; the choice and its
+measurements: docs/adr/0004-structured-outputs.md); nothing here parses a grammar itself.
+
+The pieces, in the order a request meets them:
+
+- :class:`GrammarCompiler` (one per tokenizer) turns a spec into a checked grammar, cached by
+  ``(kind, value)``, off the engine thread and within :data:`COMPILE_TIMEOUT_S`; a bad spec is an
+  ``InvalidRequestError`` naming the request field. Each sequence gets its own
+  :class:`GrammarMatcher` (a copy of the cached one).
+- :func:`fill_bitmasks` computes the allowed-token bitmasks of a step's constrained rows on the
+  host (llguidance's thread pool, GIL released) — after the step's forward was queued, so on
+  CUDA it overlaps the forward; :func:`apply_bitmask` sets every disallowed logit to ``-inf``
+  on the device, before logit_bias and the rest of the llama.cpp chain
+  (:class:`monobatch.engine.sampler.RowSampler`).
+- ``SamplerState.accept`` advances the matcher; the finish step ends the sequence with ``stop``
+  once the grammar has terminated (:attr:`GrammarMatcher.is_stopped`).
+
+Bitmask layout (llguidance's and xgrammar's): ``[R, ceil(V / 32)]`` int32, bit ``t % 32`` of word
+``t // 32`` set when token ``t`` is allowed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+import torch
+
+from monobatch.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from monobatch.tokenizer import Tokenizer
+
+#: The kinds a :class:`StructuredOutput` may have.
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "lark")
+#: Longest spec (schema JSON, regex, grammar text) accepted, in characters.
+MAX_SPEC_CHARS = 64 * 1024
+#: Longest a compile may take, seconds; past it the request is refused (the compile thread is
+#: left to finish on its own; llguidance's own fuel limits bound it).
+COMPILE_TIMEOUT_S = 5.0
+#: Compiled grammars kept (least recently used dropped first).
+CACHE_SIZE = 256
+#: JSON output shape: no free whitespace (a small model would pad forever), Python's separators.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """One output constraint.
+
+    Attributes:
+        kind: one of :data:`KINDS`.
+        value: the spec as text: the schema's JSON (``json_schema``; ``"{}"`` for
+            ``json_object``), the regex, a JSON list of strings (``choice``), the grammar text.
+        param: the request field it came from, for error messages (``response_format``,
+            ``structured_outputs.json``, ``--json-schema``, ...).
+    """
+
+    kind: str
+    value: str
+    param: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidRequestError(f"{self.param}: unknown constraint kind {self.kind!r} (one of "
+                                      f"{', '.join(KINDS)})", self.param)
+        if not isinstance(self.value, str):
+            raise InvalidRequestError(f"{self.param}: expected text, got {type(self.value).__name__}", self.param)
+        if len(self.value) > MAX_SPEC_CHARS:
+            raise InvalidRequestError(f"{self.param}: the constraint has {len(self.value)} characters, more than "
+                                      f"the limit of {MAX_SPEC_CHARS}", self.param)
+
+    @classmethod
+    def json_schema(cls, schema: Any, param: str = "json_schema") -> "StructuredOutput":
+        """A JSON schema given as a dict, a bool or JSON text.
+
+        Raises:
+            InvalidRequestError: text that is not JSON, or a schema that is not an object/bool.
+        """
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise InvalidRequestError(f"{param}: the schema is not valid JSON: {exc}", param) from None
+        if isinstance(schema, bool):
+            schema = {} if schema else {"not": {}}
+        if not isinstance(schema, dict):
+            raise InvalidRequestError(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param)
+        return cls("json_schema", json.dumps(schema, sort_keys=True, ensure_ascii=False), param)
+
+    @classmethod
+    def json_object(cls, param: str = "response_format") -> "StructuredOutput":
+        """Any JSON object (OpenAI's ``{"type": "json_object"}``)."""
+        return cls("json_object", "{}", param)
+
+    @classmethod
+    def choice(cls, options: Sequence[str], param: str = "choice") -> "StructuredOutput":
+        """Exactly one of ``options`` (vLLM's ``guided_choice``).
+
+        Raises:
+            InvalidRequestError: not a non-empty list of strings.
+        """
+        if isinstance(options, str) or not options or not all(isinstance(o, str) for o in options):
+            raise InvalidRequestError(f"{param}: must be a non-empty list of strings", param)
+        return cls("choice", json.dumps(list(options), ensure_ascii=False), param)
+
+    def grammar_text(self) -> str:
+        """The llguidance grammar for this spec (not yet checked).
+
+        Raises:
+            InvalidRequestError: a GBNF grammar that does not convert to Lark.
+        """
+        import llguidance
+
+        matcher = llguidance.LLMatcher
+        if self.kind in ("json_schema", "json_object"):
+            schema = {"type": "object"} if self.kind == "json_object" else json.loads(self.value)
+            return matcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+        if self.kind == "regex":
+            return matcher.grammar_from_regex(self.value)
+        if self.kind == "choice":
+            return llguidance.grammar_from("choice", self.value)
+        if self.kind == "lark":
+            return matcher.grammar_from_lark(self.value)
+        try:  # GBNF (llama.cpp's grammars/README.md); llguidance converts it to Lark
+            return matcher.grammar_from_lark(llguidance.gbnf_to_lark.any_to_lark(self.value))
+        except Exception as exc:
+            raise InvalidRequestError(f"{self.param}: the grammar does not parse: {exc}", self.param) from None
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar (an llguidance ``LLMatcher``).
+
+    ``accept`` a drawn token; :attr:`is_stopped` once the grammar has ended (it accepted an
+    end-of-generation token, or nothing more can follow).
+    """
+
+    __slots__ = ("_m",)
+
+    def __init__(self, matcher: Any) -> None:
+        self._m = matcher
+
+    @property
+    def raw(self) -> Any:
+        """The llguidance matcher (for :func:`fill_bitmasks`)."""
+        return self._m
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past ``token_id``; False when the grammar did not allow it (the matcher is then
+        in an error state: :attr:`is_stopped` is True)."""
+        return bool(self._m.consume_token(int(token_id)))
+
+    @property
+    def is_stopped(self) -> bool:
+        """The grammar has ended (or failed): no further token can be accepted."""
+        return bool(self._m.is_stopped() or self._m.is_error())
+
+    @property
+    def is_accepting(self) -> bool:
+        """The text so far is a complete match (the sequence may end here)."""
+        return bool(self._m.is_accepting())
+
+    @property
+    def error(self) -> str | None:
+        """The matcher's error message, if it is in an error state."""
+        return self._m.get_error() if self._m.is_error() else None
+
+
+class GrammarCompiler:
+    """Compiles :class:`StructuredOutput` specs for one tokenizer and hands out matchers.
+
+    Thread-safe: the server compiles on worker threads, the engine thread asks for matchers.
+    The llguidance tokenizer (~0.4 s to build for a 49k vocabulary) is built on first use.
+
+    Args:
+        tokenizer: the model's tokenizer; its end-of-generation ids end a grammar.
+        vocab_size: rows of the logits the masks apply to (the sampler's vocabulary).
+    """
+
+    def __init__(self, tokenizer: "Tokenizer", vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = int(vocab_size)
+        self._lltok = None
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+
+    def _ll_tokenizer(self) -> Any:
+        import llguidance
+
+        with self._lock:
+            if self._lltok is None:
+                tok = self._tokenizer
+                eog = sorted(tok.eog_ids) or None
+                self._lltok = llguidance.LLTokenizer(tok.backend_json(), n_vocab=tok.vocab_size, eos_token=eog)
+            return self._lltok
+
+    def _build(self, spec: StructuredOutput) -> Any:
+        import llguidance
+
+        grammar = spec.grammar_text()
+        matcher = llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(f"{spec.param}: {_first_line(matcher.get_error())}", spec.param)
+        return matcher
+
+    def compile(self, spec: StructuredOutput, timeout: float = COMPILE_TIMEOUT_S) -> None:
+        """Check and cache ``spec``'s grammar (a cached one returns at once). Call it before a
+        request reaches the engine thread, so a slow or bad spec never stalls the decode loop.
+
+        Raises:
+            InvalidRequestError: the spec does not compile (the message is llguidance's, naming
+                the unsupported keyword or the syntax error), or takes longer than ``timeout``.
+        """
+        key = (spec.kind, spec.value)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return
+        future = self._pool.submit(self._build, spec)
+        try:
+            matcher = future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise InvalidRequestError(f"{spec.param}: the constraint took longer than {timeout:g} s to compile "
+                                      "(simplify it)", spec.param) from None
+        except InvalidRequestError:
+            raise
+        except Exception as exc:  # llguidance's ValueError on a malformed schema or regex
+            raise InvalidRequestError(f"{spec.param}: {_first_line(str(exc))}", spec.param) from None
+        with self._lock:
+            self._cache[key] = matcher
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+
+    def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
+        """A fresh matcher at the start of ``spec``'s grammar (compiling it if it is not cached).
+
+        Raises:
+            InvalidRequestError: as :meth:`compile`.
+        """
+        key = (spec.kind, spec.value)
+        with self._lock:
+            template = self._cache.get(key)
+        if template is None:
+            self.compile(spec)
+            with self._lock:
+                template = self._cache.get(key)
+            if template is None:  # evicted at once by a full cache under load: build directly
+                template = self._build(spec)
+        return GrammarMatcher(template.deep_copy())
+
+
+def _first_line(message: str) -> str:
+    """llguidance's errors carry a state dump after the first line; users need the first."""
+    return (message or "the constraint does not compile").strip().splitlines()[0][:500]
+
+
+_EXECUTOR = None
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def _executor() -> Any:
+    global _EXECUTOR
+    with _EXECUTOR_LOCK:
+        if _EXECUTOR is None:
+            import llguidance
+
+            _EXECUTOR = llguidance.LLExecutor()
+        return _EXECUTOR
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words per row of a bitmask over ``vocab_size`` tokens."""
+    return (vocab_size + 31) // 32
+
+
+def fill_bitmasks(matchers: Sequence[GrammarMatcher], vocab_size: int) -> np.ndarray:
+    """The allowed tokens of each matcher's next position.
+
+    Args:
+        matchers: R matchers, none stopped.
+        vocab_size: the tokenizer's vocabulary size.
+
+    Returns:
+        ``[R, ceil(vocab_size / 32)]`` int32 bitmasks (layout in the module docstring).
+    """
+    R, W = len(matchers), bitmask_words(vocab_size)
+    out = np.zeros((R, W), dtype=np.int32)
+    if R == 1:
+        matchers[0].raw.unsafe_compute_mask_ptr(out.ctypes.data, W * 4)
+    elif R:
+        _executor().unsafe_compute_mask_ptr([(m.raw, i) for i, m in enumerate(matchers)], out.ctypes.data, W * 4, R)
+    return out
+
+
+def apply_bitmask(x: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set the logits of disallowed tokens to ``-inf`` in the given rows.
+
+    Args:
+        x: ``(R, V)`` float32 logits, changed in place.
+        rows: ``(M,)`` int64 row indices of the constrained rows.
+        bitmask: ``(M, W)`` int32 on ``x``'s device, W * 32 >= V (see :func:`fill_bitmasks`).
+
+    Returns:
+        x.
+    """
+    V = x.shape[1]
+    shifts = torch.arange(32, device=x.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :V].bool()  # (M, V)
+    if rows.shape[0] == x.shape[0]:
+        return x.masked_fill_(~allowed, float("-inf"))
+    x[rows] = x[rows].masked_fill(~allowed, float("-inf"))
+    return x
