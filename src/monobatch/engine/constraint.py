@@ -96,7 +96,7 @@ class StructuredOutput:
             schema = {} if schema else {"not": {}}
         if not isinstance(schema, dict):
             raise InvalidRequestError(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param)
-        return cls("json_schema", json.dumps(schema, sort_keys=True, ensure_ascii=False), param)
+        return cls("json_schema", json.dumps(schema, ensure_ascii=False), param)
 
     @classmethod
     def json_object(cls, param: str = "response_format") -> "StructuredOutput":

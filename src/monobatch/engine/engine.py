@@ -14,6 +14,7 @@ import torch
 
 from monobatch import defaults
 from monobatch.engine.batch import StepBatch
+from monobatch.engine.constraint import GrammarCompiler
 from monobatch.engine.cuda_graphs import DecodeGraphs
 from monobatch.engine.finish import FinishStep, RowOutput
 from monobatch.engine.sampler import RowSampler, SampleOutput, token_logprobs
@@ -137,6 +138,7 @@ class Engine:
         # A padded embedding (HF exports round it up) has rows no token owns: never draw them.
         self.vocab_size = min(args.vocab_size, self.tokenizer.vocab_size)
         self.sampler = RowSampler(self.vocab_size)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)  # structured outputs
         self.finisher = FinishStep(self.tokenizer.eog_ids, self.max_model_len)
         self.graphs = DecodeGraphs(self.model, self.kv, self.config.max_num_seqs) if self._graphs_usable() else None
 

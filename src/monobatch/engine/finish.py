@@ -1,8 +1,9 @@
 """FinishStep: the single post-sample step every sequence of every client goes through.
 
 For each row that drew a token, in this order: append the token and push it to the sampler's
-history (accept); decide whether the sequence ends (end-of-generation id, stop token id, stop
-string, max_tokens, context length); turn the token into text that is safe to stream (UTF-8
+history (accept; this also advances a structured-output grammar); decide whether the sequence
+ends (end-of-generation id, stop token id, a terminated grammar, stop string, max_tokens,
+context length); turn the token into text that is safe to stream (UTF-8
 complete, stop-string prefixes held back); set ``finish_reason``.
 """
 
@@ -122,7 +123,9 @@ class FinishStep:
     def ban_early_stops(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0) -> torch.Tensor:
         """Mask end-of-generation and stop token ids (``-inf``) for rows that may not end yet:
         ``ignore_eos``, or fewer than ``min_tokens`` generated (vLLM's semantics; llama.cpp's
-        ignore_eos is the same -inf bias).
+        ignore_eos is the same -inf bias). Rows with a structured-output grammar are left alone:
+        once the grammar is complete it allows only the end-of-generation ids, and banning them
+        would leave nothing to draw (documented in docs/server-api.md).
 
         Args:
             logits: ``[R, V]`` float32, row r for seqs[r]; not modified.
@@ -134,6 +137,8 @@ class FinishStep:
         masked = logits
         for r, seq in enumerate(seqs):
             p = seq.params
+            if seq.sampler.grammar is not None:
+                continue  # a constrained answer ends where its grammar does (the mask decides)
             banned = set()
             early = len(seq.output_ids) + ahead < p.min_tokens
             if p.ignore_eos or early:
@@ -175,6 +180,9 @@ class FinishStep:
         p = seq.params
         if token in p.stop_token_ids or (token in self.eog_ids and not p.ignore_eos):
             return FinishReason.STOP
+        grammar = seq.sampler.grammar
+        if grammar is not None and (grammar.is_stopped or token in self.eog_ids):
+            return FinishReason.STOP  # the grammar has terminated (it accepted the end, or nothing can follow)
         if self.is_looping(seq.output_ids, p.loop_window):
             return FinishReason.LOOP
         if self.ends_by_length(seq, len(seq.output_ids)):
@@ -199,7 +207,8 @@ class FinishStep:
             seq.record_token_time(now)
             reason = self._reason(seq, token)
             # The token that ends a sequence by id (EOS, stop token) adds no text.
-            text = "" if reason is FinishReason.STOP else seq.stop.feed(seq.detok.push(token))
+            by_id = reason is FinishReason.STOP and (token in self.eog_ids or token in seq.params.stop_token_ids)
+            text = "" if by_id else seq.stop.feed(seq.detok.push(token))
             if seq.stop.matched is not None:  # a stop string wins over length/loop on the same token
                 reason = FinishReason.STOP
             out = RowOutput(seq.request_id, [token], text, num_prompt_tokens=len(seq.prompt_ids),

@@ -46,6 +46,9 @@ _KINDS: dict[str, type] = {**dict.fromkeys(_INT_FIELDS, int), **dict.fromkeys(_F
                            "include_stop_str_in_output": bool, "ignore_eos": bool, "skip_special_tokens": bool,
                            "stop": list, "stop_token_ids": list, "dry_sequence_breakers": list, "logit_bias": dict}
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "a boolean", list: "a list", dict: "an object"}
+#: Temperatures below this are greedy (temperature 0): ``logits / T`` in float64 overflows to
+#: ``inf`` near 1e-307, and long before that the draw is the argmax anyway.
+MIN_TEMPERATURE = 1e-30
 _OPTIONAL = frozenset(["max_tokens", "seed", "logprobs", "structured"])
 
 
@@ -55,7 +58,8 @@ class SamplingParams:
 
     Sampling (applied in llama.cpp's order by :class:`monobatch.engine.sampler.RowSampler`):
     logit_bias -> repeat_penalty -> presence/frequency penalties -> DRY -> top_k -> typical_p ->
-    top_p -> min_p -> temperature -> draw. ``temperature == 0`` is greedy (argmax).
+    top_p -> min_p -> temperature -> draw. ``temperature == 0`` is greedy (argmax); so is any temperature below
+    :data:`MIN_TEMPERATURE` (1e-30), which is set to 0.
 
     Sentinels: ``top_k <= 0`` off (0 llama.cpp, -1 vLLM); ``top_p == 1``, ``typical_p == 1``,
     ``min_p == 0``, ``repeat_penalty == 1`` off; ``repeat_last_n`` / ``dry_penalty_last_n``: 0 off,
@@ -117,6 +121,8 @@ class SamplingParams:
                      "presence_penalty", "frequency_penalty", "dry_multiplier", "dry_base"):
             _check(math.isfinite(getattr(self, name)), name, "must be a finite number")
         _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        if self.temperature < MIN_TEMPERATURE:  # logits / T would overflow: greedy is what it means
+            self.temperature = 0.0
         _check(self.top_k >= -1, "top_k", f"must be >= -1 (0 or -1 disables), got {self.top_k}")
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")

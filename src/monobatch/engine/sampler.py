@@ -1,7 +1,8 @@
 """Per-row sampling with history: :class:`SamplerState` per sequence, :class:`RowSampler` per step.
 
-The chain is llama.cpp's default order (common/sampling.cpp, ``common_sampler_init``):
-logit_bias -> repetition penalty -> presence/frequency -> DRY -> top_k -> typical_p -> top_p ->
+The chain is llama.cpp's default order (common/sampling.cpp, ``common_sampler_init``), after
+the structured-output grammar mask (:mod:`monobatch.engine.constraint`; llama.cpp also applies
+its grammar to the raw logits): grammar -> logit_bias -> repetition penalty -> presence/frequency -> DRY -> top_k -> typical_p -> top_p ->
 min_p -> temperature -> draw. The formulas live in :mod:`monobatch.engine.sampler_stages`.
 
 Sample and accept are separate calls (llama.cpp ``common_sampler_sample`` / ``_accept``):
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from monobatch.engine import sampler_stages as st
+from monobatch.engine.constraint import GrammarMatcher, apply_bitmask, fill_bitmasks
 from monobatch.engine.params import SamplingParams
 from monobatch.kernels.argmax import argmax
 
@@ -83,6 +85,8 @@ class SamplerState:
         seed: the draw's seed (``params.effective_seed()``); keep the state across preemption,
             or rebuild it from the prompt and ``accept`` the generated tokens again.
         token_bytes: a token id's raw bytes, for DRY's sequence breakers. None ignores breakers.
+        grammar: the matcher of the request's structured-output constraint
+            (``params.structured``, from :meth:`GrammarCompiler.matcher`), or None.
 
     Attributes:
         history: prompt + generated ids, in order. num_prompt_tokens: the prompt's length.
@@ -93,11 +97,13 @@ class SamplerState:
     """
 
     __slots__ = ("params", "seed", "history", "num_prompt_tokens", "repeat_counts",
-                 "generated_counts", "dry", "_repeat_window", "_count_generated")
+                 "generated_counts", "dry", "grammar", "_repeat_window", "_count_generated")
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], seed: int,
-                 token_bytes: Callable[[int], bytes] | None = None) -> None:
+                 token_bytes: Callable[[int], bytes] | None = None,
+                 grammar: GrammarMatcher | None = None) -> None:
         self.params = params
+        self.grammar = grammar
         self.seed = int(seed)
         self.history = [int(t) for t in prompt_ids]
         self.num_prompt_tokens = len(self.history)
@@ -116,10 +122,10 @@ class SamplerState:
     @property
     def history_free(self) -> bool:
         """True when the next draw does not depend on the generated tokens' values (no repetition,
-        presence/frequency or DRY penalty, no logprobs): it can be drawn before the previous
-        token is known on the host (async scheduling)."""
+        presence/frequency or DRY penalty, no grammar, no logprobs): it can be drawn before the
+        previous token is known on the host (async scheduling)."""
         return self._repeat_window is None and not self._count_generated and self.dry is None \
-            and self.params.logprobs is None
+            and self.grammar is None and self.params.logprobs is None
 
     @property
     def plain_greedy(self) -> bool:
@@ -133,9 +139,12 @@ class SamplerState:
         return self.history[self.num_prompt_tokens:]
 
     def accept(self, token_id: int) -> None:
-        """Push the token just chosen; update the penalty counts and DRY state incrementally."""
+        """Push the token just chosen; update the penalty counts, DRY state and the grammar
+        matcher incrementally."""
         t = int(token_id)
         self.history.append(t)
+        if self.grammar is not None:
+            self.grammar.accept(t)
         n = self._repeat_window
         if n is not None:
             self.repeat_counts[t] = self.repeat_counts.get(t, 0) + 1
@@ -188,11 +197,21 @@ class _Plan:
 
     def __init__(self, states: list[SamplerState], vocab_size: int, ahead: int = 0) -> None:
         ints: dict[str, list] = {k: [] for k in (
-            "bias_rows", "bias_cols", "rep_rows", "rep_cols", "add_rows", "add_cols", "lp_rows",
+            "mask_rows", "mask", "bias_rows", "bias_cols", "rep_rows", "rep_cols", "add_rows", "add_cols", "lp_rows",
             *(f"{g}_{k}" for g in GROUPS for k in _PER_ROW_INTS))}
         flts: dict[str, list] = {k: [] for k in (
             "bias", "rep", "add", *(f"{g}_{k}" for g in GROUPS for k in _PER_ROW_FLTS))}
         self.top_n: list[int | None] = []
+        # 0. the grammar masks, computed here on the host: the step's forward is already queued,
+        # so on CUDA this overlaps it
+        grammar_rows = [r for r, s in enumerate(states) if s.grammar is not None]
+        if grammar_rows:
+            mask = fill_bitmasks([states[r].grammar for r in grammar_rows], vocab_size)  # (M, W) int32
+            if mask.shape[1] % 2:
+                mask = np.pad(mask, ((0, 0), (0, 1)))
+            ints["mask_rows"].append(np.array(grammar_rows, np.int64))
+            ints["mask"].append(mask.view(np.int64).ravel())
+        self.mask_words = mask.shape[1] if grammar_rows else 0
         for r, s in enumerate(states):
             p = s.params
             self.top_n.append(p.logprobs)
@@ -382,7 +401,11 @@ class RowSampler:
                ) -> tuple[torch.Tensor, list[_Drawn]]:
         """Run the stages. Returns x, (R, V) float32 after bias and penalties (the greedy rows'
         argmax input), and the sampled rows' groups after filters and temperature."""
-        x = self._raw(logits, copy=any(plan.uses(k) for k in ("bias", "rep", "add")))
+        x = self._raw(logits, copy=any(plan.uses(k) for k in ("mask_rows", "bias", "rep", "add")))
+        # 0. the grammar mask on the raw logits (structured output; -inf for disallowed tokens)
+        if plan.uses("mask_rows"):
+            mask = t["mask"].view(torch.int32).view(plan.n["mask_rows"], plan.mask_words)
+            apply_bitmask(x, t["mask_rows"], mask)
         # 1. logit_bias, 2. repetition penalty, 3+4. presence/frequency and DRY (additive, so
         # one scatter-add; their amounts were computed on the host)
         if plan.uses("bias"):

@@ -110,8 +110,10 @@ class BatchScheduler:
 
         Raises:
             InvalidRequestError: an empty prompt, a token id outside the vocabulary, a bad
-                sampling value, a request id already in flight. ContextLengthError: the prompt
-                leaves no room to generate.
+                sampling value, a request id already in flight, a structured-output constraint that
+                does not compile (compile it first with ``engine.grammars.compile`` off this
+                thread: here it would run on the loop's). ContextLengthError: the prompt leaves no
+                room to generate.
         """
         vocab = self.engine.vocab_size
         n, limit = len(request.prompt_ids), self.engine.max_model_len
@@ -130,8 +132,10 @@ class BatchScheduler:
             raise InvalidRequestError("prompt_logprobs must be between 0 and 20", "prompt_logprobs")
         if request.prompt_logprobs is not None and request.params.max_tokens == 0:
             raise InvalidRequestError("prompt_logprobs needs max_tokens >= 1", "max_tokens")
+        structured = request.params.structured
+        grammar = self.engine.grammars.matcher(structured) if structured is not None else None
         detok = IncrementalDetokenizer(self.engine.tokenizer, request.prompt_ids, request.params.skip_special_tokens)
-        seq = Sequence(request, detok)
+        seq = Sequence(request, detok, grammar)
         if request.params.max_tokens == 0:
             seq.status = SeqStatus.FINISHED
             seq.finish_reason = FinishReason.LENGTH

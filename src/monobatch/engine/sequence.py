@@ -12,6 +12,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from monobatch.engine.constraint import GrammarMatcher
 from monobatch.engine.params import SamplingParams
 from monobatch.engine.sampler import SamplerState
 from monobatch.engine.stop import StopMatcher
@@ -73,18 +74,20 @@ class Sequence:
             steps it shared with at least one other sequence (batch-transparency evidence).
         prompt_logprobs: ``[(token_id, logprob | None, top | None)]`` per prompt token so far
             (entry 0 has no logprob) when the request asked for them, else None.
-        sampler: per-sequence sampler state (history, seeded RNG, DRY).
+        sampler: per-sequence sampler state (history, seeded RNG, DRY, the structured-output
+            grammar matcher when ``params.structured`` is set).
         detok / stop: streaming detokenizer and stop-string matcher.
     """
 
-    def __init__(self, request: Request, detok: IncrementalDetokenizer) -> None:
+    def __init__(self, request: Request, detok: IncrementalDetokenizer,
+                 grammar: GrammarMatcher | None = None) -> None:
         self.seq_id = next(_seq_ids)
         self.request_id = request.request_id
         self.prompt_ids = list(request.prompt_ids)
         self.output_ids: list[int] = []
         self.params = request.params
         self.sampler = SamplerState(request.params, self.prompt_ids, request.params.effective_seed(),
-                                    token_bytes=detok.tokenizer.token_bytes)
+                                    token_bytes=detok.tokenizer.token_bytes, grammar=grammar)
         self.detok = detok
         self.stop = StopMatcher(request.params.stop, request.params.include_stop_str_in_output)
         self.status = SeqStatus.WAITING

@@ -17,8 +17,8 @@ from monobatch.engine.sequence import FinishReason
 from monobatch.errors import InvalidRequestError
 from monobatch.server.client import ResponseReader
 from monobatch.server.generation import (Choice, EventStream, TextOffsets, build_requests, check_prompt_chars,
-                                         completion_logprobs, created, new_id, off_loop, respond, sse, stream_frame,
-                                         usage)
+                                         compile_constraint, completion_logprobs, created, new_id, off_loop, respond,
+                                         sse, stream_frame, usage)
 from monobatch.server.protocol import CompletionRequest
 from monobatch.server.state import ServerState
 from monobatch.tokenizer import Tokenizer
@@ -164,6 +164,7 @@ async def create_completion(body: CompletionRequest, http: HttpRequest, state: S
     scoring = want_prompt_lps and params.max_tokens == 0
     if scoring:
         params = dataclasses.replace(params, max_tokens=1)
+    await compile_constraint(state.grammars, params)
     texts = None
     if isinstance(given[0], str):
         texts = given

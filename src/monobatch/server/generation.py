@@ -133,6 +133,18 @@ async def off_loop(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     return await asyncio.to_thread(fn, *args, **kwargs)
 
 
+async def compile_constraint(grammars, params: SamplingParams) -> None:
+    """Compile a request's structured-output constraint on a worker thread, before it reaches the
+    engine thread (a bad one is a 400 before any SSE byte; a slow one is refused after
+    ``constraint.COMPILE_TIMEOUT_S`` and never stalls the decode loop).
+
+    Raises:
+        InvalidRequestError: the constraint does not compile.
+    """
+    if params.structured is not None:
+        await off_loop(grammars.compile, params.structured)
+
+
 # -- logprobs ------------------------------------------------------------------------------------
 def chat_logprobs(tok: Tokenizer, entries: list[tuple[int, float, list[tuple[int, float]]]]) -> dict:
     """Chat's ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""

@@ -1,8 +1,8 @@
 """Request bodies of the HTTP API, validated by pydantic (strict: ``"10"`` is not an integer).
 
 Field names are OpenAI's, plus the llama.cpp/vLLM sampling extensions. A field we do not
-implement is never ignored: the ones OpenAI or vLLM define (``tools``, ``response_format``,
-``best_of``, ``suffix``, ...) get a 400 that says they are not supported, any other unknown
+implement is never ignored: the ones OpenAI or vLLM define (``best_of``, ``suffix``,
+``functions``, ...) get a 400 that says they are not supported, any other unknown
 field a 400 that names it (``extra="forbid"``). A null value counts as absent.
 
 Value ranges are checked once, by :class:`monobatch.engine.params.SamplingParams`; this module
@@ -19,14 +19,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from monobatch.chat_output import REASONING_FORMATS
+from monobatch.engine.constraint import StructuredOutput
+from monobatch.errors import InvalidRequestError
 
 #: Fields of the OpenAI (or vLLM) API this server refuses with a 400 unless null, per endpoint.
-UNSUPPORTED_COMPLETION_FIELDS = ("suffix", "best_of", "prompt_logprobs", "response_format", "guided_json",
-                                 "guided_regex", "guided_choice", "guided_grammar", "lora_request")
-UNSUPPORTED_CHAT_FIELDS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-                           "response_format", "audio", "modalities", "prediction", "web_search_options",
+UNSUPPORTED_COMPLETION_FIELDS = ("suffix", "best_of", "prompt_logprobs", "lora_request", "guided_decoding_backend",
+                                 "guided_whitespace_pattern")
+UNSUPPORTED_CHAT_FIELDS = ("functions", "function_call", "audio", "modalities", "prediction", "web_search_options",
                            "reasoning_effort", "store", "metadata", "service_tier", "continue_final_message",
-                           "documents", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                           "documents", "guided_decoding_backend", "guided_whitespace_pattern")
 #: Most choices one request may ask for (``n``).
 MAX_N = 128
 #: Most alternatives per token (``logprobs`` / ``top_logprobs``), as SamplingParams allows.
@@ -60,6 +61,57 @@ class StreamOptions(_Body):
 
     include_usage: bool = False
     include_obfuscation: bool = False  # OpenAI's padding field: nothing to obfuscate here
+
+
+class JsonSchemaFormat(_Body):
+    """``response_format.json_schema`` (OpenAI): the schema the reply must match. ``strict`` is
+    accepted and always honoured: the grammar enforces the whole schema either way."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object) or
+    ``json_schema`` (the reply matches ``json_schema.schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError("response_format", "response_format: json_schema is required with type "
+                                      "'json_schema' and only then", {"field": "response_format"})
+        return self
+
+
+class StructuredOutputsParams(_Body):
+    """vLLM's ``structured_outputs`` object: exactly one of ``json`` (a JSON schema, object or
+    text), ``regex``, ``choice`` (a list of strings), ``grammar`` (GBNF, llama.cpp's format, or
+    llguidance's Lark) or ``json_object: true``."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+
+#: The request fields that carry an output constraint (one per request at most).
+CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar", "json_schema", "grammar")
+
+
+def _grammar(text: str, param: str) -> StructuredOutput:
+    """A ``grammar`` field: GBNF (llama.cpp) or, when it looks like one, an llguidance Lark grammar."""
+    return StructuredOutput("grammar", text, param)
 
 
 class SamplingFields(_Body):
@@ -97,6 +149,15 @@ class SamplingFields(_Body):
     skip_special_tokens: bool | None = None
     cache_prompt: bool = True  # llama.cpp: false = do not adopt cached prefix blocks
     return_token_ids: bool = False  # vLLM: token ids of the prompt and of each choice
+    # -- structured outputs: one constraint per request (OpenAI, vLLM, llama.cpp names) --
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
+    json_schema: dict[str, Any] | None = None  # llama-server's
+    grammar: str | None = None  # llama-server's (GBNF)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingFields":
@@ -119,7 +180,58 @@ class SamplingFields(_Body):
         out["repeat_penalty"] = self.repetition_penalty if self.repetition_penalty is not None else self.repeat_penalty
         if self.stop is not None:
             out["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        out["structured"] = self.structured_output()
         return {k: v for k, v in out.items() if v is not None}
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The request's output constraint, from whichever field carries it.
+
+        Raises:
+            InvalidRequestError: two constraints in one request (naming both), a
+                ``structured_outputs`` object with none or several kinds, a schema that is not
+                JSON.
+        """
+        found: list[tuple[str, StructuredOutput]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", StructuredOutput.json_object("response_format")))
+        elif rf is not None and rf.type == "json_schema":
+            found.append(("response_format", StructuredOutput.json_schema(rf.json_schema.schema_,
+                                                                           "response_format.json_schema.schema")))
+        so = self.structured_outputs
+        if so is not None:
+            kinds = []
+            if so.json_ is not None:
+                kinds.append(("structured_outputs.json", StructuredOutput.json_schema(so.json_, "structured_outputs.json")))
+            if so.regex is not None:
+                kinds.append(("structured_outputs.regex", StructuredOutput("regex", so.regex, "structured_outputs.regex")))
+            if so.choice is not None:
+                kinds.append(("structured_outputs.choice", StructuredOutput.choice(so.choice, "structured_outputs.choice")))
+            if so.grammar is not None:
+                kinds.append(("structured_outputs.grammar", _grammar(so.grammar, "structured_outputs.grammar")))
+            if so.json_object:
+                kinds.append(("structured_outputs.json_object", StructuredOutput.json_object("structured_outputs.json_object")))
+            if not kinds:
+                raise InvalidRequestError("structured_outputs: give one of json, regex, choice, grammar or json_object",
+                                          "structured_outputs")
+            found += kinds
+        if self.guided_json is not None:
+            found.append(("guided_json", StructuredOutput.json_schema(self.guided_json, "guided_json")))
+        if self.guided_regex is not None:
+            found.append(("guided_regex", StructuredOutput("regex", self.guided_regex, "guided_regex")))
+        if self.guided_choice is not None:
+            found.append(("guided_choice", StructuredOutput.choice(self.guided_choice, "guided_choice")))
+        if self.guided_grammar is not None:
+            found.append(("guided_grammar", _grammar(self.guided_grammar, "guided_grammar")))
+        if self.json_schema is not None:
+            found.append(("json_schema", StructuredOutput.json_schema(self.json_schema, "json_schema")))
+        if self.grammar is not None:
+            found.append(("grammar", _grammar(self.grammar, "grammar")))
+        if len(found) > 1:
+            names = [name for name, _ in found]
+            raise InvalidRequestError(f"{names[0]}: one output constraint per request; this one has "
+                                      f"{' and '.join(names)}", names[0])
+        return found[0][1] if found else None
 
     @property
     def include_usage(self) -> bool:
@@ -149,6 +261,10 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_format: ReasoningFormat | None = None  # llama.cpp: overrides --reasoning-format
+    # -- tool calling (OpenAI): checked by monobatch.tool_calls.check_tools --
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     drop_unsupported = _refuse(UNSUPPORTED_CHAT_FIELDS)
 

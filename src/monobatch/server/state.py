@@ -178,6 +178,11 @@ class ServerState:
         return self.scheduler.engine.tokenizer
 
     @property
+    def grammars(self):
+        """The engine's structured-output compiler (ready state only)."""
+        return self.scheduler.engine.grammars
+
+    @property
     def max_model_len(self) -> int:
         """The engine's context length."""
         return self.scheduler.engine.max_model_len

@@ -18,6 +18,10 @@ GGUF vocabularies follow llama.cpp (src/llama-vocab.cpp), which is what GGUF mod
 Control tokens (and the unknown token) become special added tokens, user-defined tokens plain
 added tokens, so ``"<|im_start|>"`` in a prompt encodes to one id, as llama.cpp does with
 ``parse_special=true``. ``decode`` is the library's; ``token_bytes`` mirrors its decoder per token.
+
+Chat prompts are the exception: in :meth:`Tokenizer.encode_chat` the text of the messages (and of
+``tools`` and the other template variables) is data, so special-token text typed there is
+tokenized as plain text; only the template's own scaffolding yields control tokens.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import json
 import logging
 import os
 import re
+import secrets
+import threading
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -44,6 +50,12 @@ _EOG_NAMES = frozenset(["<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|
                         "<end_of_utterance>", "</s>", "<｜end▁of▁sentence｜>"])
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+#: Placeholder brackets for special-token text found in chat data (Supplementary Private Use
+#: Area-A: not whitespace, no case, kept as is by ``tojson``), around ``nonce:index`` in digits.
+_MARK_OPEN, _MARK_CLOSE = "\U000F0000", "\U000F0001"
+#: Template variables that are the tokenizer's own token texts, not data.
+_SCAFFOLDING_VARS = frozenset({"bos_token", "eos_token"})
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:
@@ -85,6 +97,12 @@ class Tokenizer:
         self.add_bos = bool(add_bos) and self.bos_id is not None
         added = backend.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, tok in added.items() if tok.special)
+        # special-token texts as the backend matches them: leftmost, then longest first
+        texts = sorted({tok.content for tok in added.values() if tok.special and tok.content}, key=len, reverse=True)
+        self._special_text = re.compile("|".join(map(re.escape, texts))) if texts else None
+        self._anchor = _cut_anchor(backend, added)
+        self._plain_backend: tokenizers.Tokenizer | None = None
+        self._plain_lock = threading.Lock()
         named = {i for i, tok in added.items() if tok.content in _EOG_NAMES}
         eog = {self.eos_id, *extra_eog_ids, *named}
         self.eog_ids = frozenset(i for i in eog if i is not None and 0 <= i < vocab_size)
@@ -203,8 +221,13 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special-token text such as ``"<|im_start|>"`` becomes its id.
 
+        This is a raw prompt's tokenization (``/v1/completions``, ``LLM.generate``, ``generate``
+        without ``--chat``): like llama.cpp's server (``parse_special=true``) it parses special
+        tokens anywhere in the text, so whoever writes a raw prompt writes its control tokens too.
+        Chat messages are tokenized by :meth:`encode_chat`, where typed special-token text is data.
+
         Args:
-            text: the text (llama.cpp ``parse_special=true``).
+            text: the text.
             add_special_tokens: prepend BOS when ``add_bos`` -- unless the ids already start
                 with BOS (the text began with the BOS text): never two BOS (field case F2).
 
@@ -320,10 +343,127 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
         """Render ``messages`` and encode the prompt: one BOS at most (F2), per :meth:`encode`.
 
+        Message text is data. Special-token text (``"<|im_end|>"``, ``"<|im_start|>"``, any
+        token the tokenizer marks special) that appears in a message -- its ``content`` for any
+        role, string or text parts, ``name``, ``tool_call_id``, the names and arguments of
+        ``tool_calls``, any other string in it -- or in a template variable of ``kwargs``
+        (``tools``, ``documents``, ...) is tokenized as plain text, never as the control token:
+        a user cannot close their turn and open a system turn by typing the markers. Only the
+        template's scaffolding (and ``bos_token`` / ``eos_token``) yields control tokens.
+
+        Without such text in the data the ids are exactly ``encode(apply_chat_template(...))``,
+        the ids of the rendered prompt sent to ``/v1/completions`` (F2). With it, the template
+        renders the data with each occurrence replaced by a placeholder (private-use characters
+        around a per-call random nonce and an index); the rendered text is cut at the
+        placeholders, each piece between them is encoded as :meth:`encode` would (special tokens
+        parsed: it is scaffolding, and a piece after a cut is encoded as the text after a special
+        token), and each placeholder is its original text encoded with special-token matching off
+        (``tokenizers``' ``encode_special_tokens`` on a copy of the backend). Cutting there
+        changes nothing else: tokenization cuts at a special token's text anyway. Added tokens
+        that are not special (GGUF user-defined tokens, e.g. ``<think>`` in some vocabularies)
+        are ordinary vocabulary and still match in data, as in any text; so do special tokens
+        the template's filters create out of other text (``|lower``, two fields joined).
+
+        Args:
+            messages: OpenAI-style messages (see ``chat_template.normalize_messages``).
+            add_generation_prompt: end with the assistant header.
+            **kwargs: extra template variables (data, as the messages are).
+
+        Returns:
+            The prompt ids.
+
         Raises:
-            InvalidRequestError: as :meth:`apply_chat_template`.
+            InvalidRequestError: as :meth:`apply_chat_template`; also a template that cuts
+                through or escapes special-token text of the data (the placeholders come back
+                broken), which cannot be tokenized safely.
         """
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs))
+        rendered = self.apply_chat_template(messages, add_generation_prompt, **kwargs)  # errors show the real text
+        if self._special_text is None:
+            return self.encode(rendered)
+        nonce = f"{secrets.randbits(64):020d}"
+        originals: list[str] = []
+
+        def hide(match: re.Match) -> str:
+            originals.append(match.group(0))
+            return f"{_MARK_OPEN}{nonce}:{len(originals) - 1}{_MARK_CLOSE}"
+
+        safe_messages = _map_strings(messages, lambda text: self._special_text.sub(hide, text))
+        safe_kwargs = {key: value if key in _SCAFFOLDING_VARS else
+                       _map_strings(value, lambda text: self._special_text.sub(hide, text))
+                       for key, value in kwargs.items()}
+        if not originals:
+            return self.encode(rendered)
+        try:
+            safe = self.apply_chat_template(safe_messages, add_generation_prompt, **safe_kwargs)
+        except InvalidRequestError as exc:  # a template that reacts to the placeholders: show the real text
+            message = re.sub(re.escape(f"{_MARK_OPEN}{nonce}:") + r"(\d+)" + re.escape(_MARK_CLOSE),
+                             lambda m: originals[int(m.group(1))], str(exc))
+            raise InvalidRequestError(message, param=exc.param) from exc
+        return self._encode_cut(safe, nonce, originals, rendered)
+
+    def _encode_cut(self, safe: str, nonce: str, originals: list[str], rendered: str) -> list[int]:
+        """Encode the placeholder-rendered prompt ``safe``: scaffolding pieces with special tokens
+        parsed, each placeholder as its original text without (see :meth:`encode_chat`)."""
+        parts = re.split(re.escape(f"{_MARK_OPEN}{nonce}:") + r"(\d+)" + re.escape(_MARK_CLOSE), safe)
+        pieces, hidden = parts[0::2], [int(i) for i in parts[1::2]]
+        marks = rendered.count(_MARK_OPEN) + rendered.count(_MARK_CLOSE)  # typed by the user: plain data
+        if (any(i >= len(originals) for i in hidden) or any(nonce in p for p in pieces)
+                or sum(p.count(_MARK_OPEN) + p.count(_MARK_CLOSE) for p in pieces) > marks):
+            raise InvalidRequestError("the chat template changed special-token text inside the messages (cut or "
+                                      "escaped it), so the prompt cannot be tokenized with that text kept as plain "
+                                      "text; remove the special-token text from the messages", param="messages")
+        # a piece after a cut follows an anchor special token, as it would follow the special
+        # token's text in the rendered prompt (a SentencePiece "first" space prefix stays off)
+        anchor_text = self._anchor[1] if self._anchor else ""
+        texts = [p if k == 0 or not p else anchor_text + p for k, p in enumerate(pieces)]
+        encoded = [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=False)]
+        for k in range(1, len(encoded)):
+            if pieces[k] and anchor_text:
+                if encoded[k][:1] == [self._anchor[0]]:
+                    encoded[k] = encoded[k][1:]
+                else:  # cannot happen with a checked anchor; encode the piece alone
+                    encoded[k] = self._backend.encode_batch([pieces[k]], add_special_tokens=False)[0].ids
+        distinct = sorted({originals[i] for i in hidden})
+        plain = dict(zip(distinct, (e.ids for e in self._plain().encode_batch(distinct, add_special_tokens=False))))
+        ids = list(encoded[0])
+        for i, piece_ids in zip(hidden, encoded[1:]):
+            ids += plain[originals[i]]
+            ids += piece_ids
+        if self.add_bos and (not ids or ids[0] != self.bos_id):
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def _plain(self) -> tokenizers.Tokenizer:
+        """A copy of the backend that tokenizes special-token text as plain text (made on first
+        use; added tokens that are not special still match)."""
+        with self._plain_lock:
+            if self._plain_backend is None:
+                plain = tokenizers.Tokenizer.from_str(self._backend.to_str())
+                plain.encode_special_tokens = True
+                self._plain_backend = plain
+            return self._plain_backend
+
+
+def _map_strings(value: Any, fn) -> Any:
+    """``value`` with ``fn`` applied to every string in it (dict keys too), through dicts, lists
+    and tuples; new containers, the caller's are not modified; other values as they are."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {_map_strings(k, fn): _map_strings(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_strings(v, fn) for v in value)
+    return value
+
+
+def _cut_anchor(backend: tokenizers.Tokenizer, added: dict) -> tuple[int, str] | None:
+    """A special token whose text encodes to itself alone and does not strip its neighbours'
+    whitespace: text after it encodes as text after any cut at a special token. None if none."""
+    for token_id, tok in sorted(added.items()):
+        if tok.special and tok.content and not (tok.lstrip or tok.rstrip or tok.single_word or tok.normalized):
+            if backend.encode(tok.content, add_special_tokens=False).ids == [token_id]:
+                return token_id, tok.content
+    return None
 
 
 # -- Hugging Face folders --------------------------------------------------------------------------
