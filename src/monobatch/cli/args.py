@@ -21,6 +21,7 @@ from monobatch import defaults
 from monobatch.errors import InvalidRequestError
 
 if TYPE_CHECKING:
+    from monobatch.engine.constraint import StructuredOutput
     from monobatch.engine.scheduler import BatchScheduler
     from monobatch.loader import LoadedModel
 
@@ -166,6 +167,43 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--loop-window", type=int,
                    help="end with finish_reason=loop once the last N tokens repeat with a period <= 32 (0 = off)")
     g.add_argument("--logprobs", type=int, help="report the top-N alternatives of each token (json output)")
+
+
+def add_constraint_args(p: argparse.ArgumentParser) -> None:
+    """The structured-output flags (one of them at most): a JSON schema, a GBNF grammar, a regex."""
+    g = p.add_argument_group("structured output (one at most; docs/server-api.md 'Structured outputs')")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--json-schema", metavar="JSON|@FILE",
+                   help="the reply must be JSON matching this schema (inline JSON, or @path to a file)")
+    x.add_argument("--grammar-file", metavar="FILE", help="the reply must match this GBNF grammar (llama.cpp's format)")
+    x.add_argument("--regex", help="the reply must match this regular expression")
+
+
+def constraint_flag(ns: argparse.Namespace) -> "StructuredOutput | None":
+    """The structured-output flag given, as a :class:`StructuredOutput` (None when none is).
+
+    Raises:
+        InvalidRequestError: an unreadable file, a schema that is not JSON.
+    """
+    from monobatch.engine.constraint import StructuredOutput
+
+    schema, grammar_file, regex = (getattr(ns, k, None) for k in ("json_schema", "grammar_file", "regex"))
+    if schema is not None:
+        text = _read_flag_file(schema[1:], "--json-schema") if schema.startswith("@") else schema
+        return StructuredOutput.json_schema(text, "--json-schema")
+    if grammar_file is not None:
+        return StructuredOutput("grammar", _read_flag_file(grammar_file, "--grammar-file"), "--grammar-file")
+    if regex is not None:
+        return StructuredOutput("regex", regex, "--regex")
+    return None
+
+
+def _read_flag_file(path: str, flag: str) -> str:
+    try:
+        return Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"{flag}: cannot read {path!r}: {getattr(exc, 'strerror', None) or exc}",
+                                  flag.lstrip("-").replace("-", "_")) from None
 
 
 def sampling_flags(ns: argparse.Namespace) -> dict[str, Any]:

@@ -12,7 +12,8 @@ import json
 import sys
 
 from monobatch.chat_output import REASONING_FORMATS, ChatDelta, ReasoningSplitter, prompt_opens_reasoning
-from monobatch.cli.args import add_model_args, add_sampling_args, open_engine, read_prompt, sampling_flags
+from monobatch.cli.args import (add_constraint_args, add_model_args, add_sampling_args, constraint_flag, open_engine,
+                                read_prompt, sampling_flags)
 from monobatch.engine.params import resolve_sampling
 from monobatch.errors import InvalidRequestError
 
@@ -34,6 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="text: stream the completion; json: one object with text, token_ids, finish_reason, usage, timings (ms)")
     add_model_args(p)
     add_sampling_args(p)
+    add_constraint_args(p)
     p.set_defaults(func=run)
 
 
@@ -50,17 +52,22 @@ def run(ns: argparse.Namespace) -> int:
     flags = sampling_flags(ns)
     if flags.get("logprobs") is not None and ns.output_format != "json":
         raise InvalidRequestError("--logprobs needs --output-format json", "logprobs")
+    structured = constraint_flag(ns)
+    if structured is not None:
+        flags["structured"] = structured
     resolve_sampling(None, flags, entry_point="generate")  # refuse bad values before loading anything
     scheduler = open_engine(ns)
     loaded = scheduler.engine.loaded
     params = resolve_sampling(None, flags, loaded.generation_defaults, entry_point="generate")
+    if structured is not None:
+        scheduler.engine.grammars.compile(structured)  # a bad schema/grammar/regex: one line, exit 1
     tok = loaded.tokenizer
     splitter = None
     if ns.chat:
         messages = ([{"role": "system", "content": ns.system}] if ns.system else []) + [{"role": "user", "content": prompt}]
-        rendered = tok.apply_chat_template(messages, add_generation_prompt=True)
-        prompt_ids = tok.encode(rendered)
-        splitter = ReasoningSplitter(ns.reasoning_format or "separate", prompt_opens_reasoning(rendered))
+        prompt_ids = tok.encode_chat(messages, add_generation_prompt=True)  # message text is data (never a control token)
+        tail = tok.decode(prompt_ids[-16:], skip_special_tokens=False)
+        splitter = ReasoningSplitter(ns.reasoning_format or "separate", prompt_opens_reasoning(tail))
     else:
         prompt_ids = tok.encode(prompt)
     request = Request("generate-0", prompt_ids, params)

@@ -13,6 +13,7 @@ precedence request > server flag > model config > defaults table is the server's
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -21,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, TextIO
 
 from monobatch.chat_output import REASONING_FORMATS
-from monobatch.cli.args import add_model_args, add_sampling_args, engine_settings, sampling_flags
+from monobatch.cli.args import (add_constraint_args, add_model_args, add_sampling_args, constraint_flag, engine_settings,
+                                sampling_flags)
 from monobatch.cli.http_client import ChatClient
 from monobatch.cli.serve import API_KEY_ENV
 from monobatch.errors import InvalidRequestError
@@ -49,6 +51,7 @@ def add_session_args(p: argparse.ArgumentParser) -> None:
     # Flags that configure a model loaded here: refused with --server-base (the server's own apply).
     local = [(a.dest, a.default, "/".join(a.option_strings)) for a in p._actions[first:] if a.dest != "no_progress"]
     add_sampling_args(p)
+    add_constraint_args(p)
     p.set_defaults(local_only_flags=local)
 
 
@@ -75,6 +78,14 @@ def request_fields(ns: argparse.Namespace) -> dict[str, Any]:
         del flags["max_tokens"]  # in process: the field left out (the server here was built from these flags)
     if ns.reasoning_format is not None:
         flags["reasoning_format"] = ns.reasoning_format
+    structured = constraint_flag(ns)  # sent as the API's fields: response_format, structured_outputs, grammar
+    if structured is not None and structured.kind == "json_schema":
+        flags["response_format"] = {"type": "json_schema",
+                                    "json_schema": {"name": "cli", "schema": json.loads(structured.value), "strict": True}}
+    elif structured is not None and structured.kind == "regex":
+        flags["structured_outputs"] = {"regex": structured.value}
+    elif structured is not None:
+        flags["grammar"] = structured.value
     return flags
 
 

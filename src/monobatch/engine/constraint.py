@@ -261,8 +261,11 @@ class GrammarCompiler:
 
 
 def _first_line(message: str) -> str:
-    """llguidance's errors carry a state dump after the first line; users need the first."""
-    return (message or "the constraint does not compile").strip().splitlines()[0][:500]
+    """An llguidance error as one line: its first line, plus the ``error: ...`` line a regex
+    error puts below its source excerpt (the rest is a parser-state dump)."""
+    lines = [ln.strip() for ln in (message or "the constraint does not compile").strip().splitlines()]
+    detail = next((ln for ln in lines[1:] if ln.startswith("error:")), "")
+    return (lines[0].rstrip(":") + (f" ({detail[len('error:'):].strip()})" if detail else ""))[:500]
 
 
 _EXECUTOR = None
