@@ -2,7 +2,7 @@
 
 The deterministic and the default (fast) mode run as two `python -m monobatch parity` processes
 at once (one CPU thread each: the machine has two cores), on the bundled model with both
-sampling configs. The comparison function is unit-tested on real generated ids, since a real
+sampling configs (greedy, seeded, and greedy under a JSON schema). The comparison function is unit-tested on real generated ids, since a real
 divergence under --expect-identical cannot be provoked honestly.
 """
 
@@ -55,7 +55,7 @@ def test_deterministic_mode_every_door_identical(parity_runs):
     assert res.returncode == 0, res.stdout + res.stderr
     assert report["mode"] == "deterministic" and report["device"] == "cpu" and report["identical"]
     assert "mode deterministic" in res.stdout and "device cpu" in res.stdout
-    assert [c["name"] for c in report["configs"]] == ["greedy", "seeded"]
+    assert [c["name"] for c in report["configs"]] == ["greedy", "seeded", "json"]
     for config in report["configs"]:
         doors = {d["door"]: d for d in config["doors"]}
         assert list(doors) == ["generate", "run", "server-dense", "server-paged", "prefix-hit", "batch"]
@@ -114,7 +114,7 @@ def test_compare_on_real_ids(parity_runs, loaded):
     from monobatch.parity import compare, first_divergence
 
     _, report, _ = parity_runs["deterministic"]
-    greedy, seeded = report["configs"]
+    greedy, seeded = report["configs"][:2]
     assert greedy["prompt_ids"] == seeded["prompt_ids"]
     prompt = greedy["prompt_ids"]
     a, b = greedy["doors"][0]["token_ids"], seeded["doors"][0]["token_ids"]
@@ -147,7 +147,7 @@ def test_report_exit_codes_and_divergence_line(parity_runs):
     from monobatch.parity import ConfigReport, DoorResult, ParityReport, compare
 
     _, report, _ = parity_runs["deterministic"]
-    greedy, seeded = report["configs"]
+    greedy, seeded = report["configs"][:2]
     ref = greedy["doors"][0]["token_ids"]
     drift = seeded["doors"][0]["token_ids"]
     v = compare(greedy["prompt_ids"], ref, drift, lambda ids: 0.125)

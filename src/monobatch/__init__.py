@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutput", "RequestOutput", "CompletionOutput"]
 
 if TYPE_CHECKING:
+    from monobatch.engine.constraint import StructuredOutput
     from monobatch.engine.params import SamplingParams
     from monobatch.llm import LLM, CompletionOutput, RequestOutput
 
@@ -23,6 +24,9 @@ def __getattr__(name: str):
     if name == "SamplingParams":
         from monobatch.engine.params import SamplingParams
         return SamplingParams
+    if name == "StructuredOutput":
+        from monobatch.engine.constraint import StructuredOutput
+        return StructuredOutput
     if name in ("LLM", "RequestOutput", "CompletionOutput"):
         from monobatch import llm
         return getattr(llm, name)

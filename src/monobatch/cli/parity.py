@@ -2,7 +2,8 @@
 (the reference), `run` (the chat CLI over HTTP), the server at B=1 with dense and with paged KV,
 a prefix-cache hit, and the request inside a batch of 8 others — compared token id by token id.
 
-Prints, per config (greedy; seeded with penalties and DRY) and door: identical, or the first
+Prints, per config (greedy; seeded with penalties and DRY; json: greedy under a JSON schema with a
+nested object, an enum and an array) and door: identical, or the first
 divergent token, both ids and the top-2 logit margin there; each door's paged-attention calls,
 prefix-cache adoption and prefill chunks. Under --deterministic every door must be identical.
 
@@ -25,7 +26,7 @@ from monobatch.cli.args import add_model_args, check_writable, engine_settings
 from monobatch.errors import InvalidRequestError, MonobatchError
 
 #: Config names (kept here too so building the parser imports nothing heavy).
-CONFIG_NAMES = ("greedy", "seeded")
+CONFIG_NAMES = ("greedy", "seeded", "json")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -38,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("-n", "--max-tokens", type=int, default=32,
                    help="tokens each door generates, EOS ignored (default 32)")
     g.add_argument("--configs", default=",".join(CONFIG_NAMES),
-                   help=f"sampling configs, comma-separated: {', '.join(CONFIG_NAMES)} (default: both)")
+                   help=f"sampling configs, comma-separated: {', '.join(CONFIG_NAMES)} (default: all three)")
     g.add_argument("--batch-prefill-chunk", type=int, default=16,
                    help="prefill chunk of the batch door's server, tokens (default 16: the prompt is computed in "
                         "several chunks beside the other requests; 0 = --prefill-chunk)")

@@ -114,6 +114,16 @@ class StructuredOutput:
             raise InvalidRequestError(f"{param}: must be a non-empty list of strings", param)
         return cls("choice", json.dumps(list(options), ensure_ascii=False), param)
 
+    @classmethod
+    def regex(cls, pattern: str, param: str = "regex") -> "StructuredOutput":
+        """Text matching ``pattern`` (Rust ``regex`` syntax, anchored at both ends)."""
+        return cls("regex", pattern, param)
+
+    @classmethod
+    def grammar(cls, text: str, param: str = "grammar") -> "StructuredOutput":
+        """Text matching a GBNF grammar (llama.cpp's grammars/README.md; a Lark grammar works too)."""
+        return cls("grammar", text, param)
+
     def grammar_text(self) -> str:
         """The llguidance grammar for this spec (not yet checked).
 

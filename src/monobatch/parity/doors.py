@@ -8,6 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable
 
+from monobatch.engine.constraint import StructuredOutput
 from monobatch.errors import MonobatchError
 from monobatch.parity.report import ConfigReport, DoorResult, ParityReport, compare
 from monobatch.parity.serving import HTTP_TIMEOUT, Recorder, Server, release_memory, run_cli_door, serving
@@ -33,6 +34,17 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "seeded": {"temperature": 0.8, "seed": 1234, "top_k": 40, "top_p": 0.95, "repeat_penalty": 1.1,
                "repeat_last_n": 64, "presence_penalty": 0.3, "frequency_penalty": 0.2, "dry_multiplier": 0.8,
                "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": 64},
+    # structured output: greedy under a JSON schema (llama-server's ``json_schema`` field over HTTP,
+    # ``--json-schema`` for the CLI door, ``SamplingParams.structured`` for the engine)
+    "json": {"temperature": 0.0, "json_schema": {
+        "type": "object", "additionalProperties": False, "required": ["topic", "audience", "reasons"],
+        "properties": {
+            "topic": {"type": "string", "maxLength": 40},
+            "audience": {"type": "object", "additionalProperties": False, "required": ["age", "level"],
+                         "properties": {"age": {"type": "integer", "minimum": 5, "maximum": 12},
+                                        "level": {"enum": ["beginner", "curious", "expert"]}}},
+            "reasons": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "string", "maxLength": 60}},
+        }}},
 }
 
 #: The batch door's neighbours: (user message, request fields); max_tokens = n + the extra.
@@ -174,7 +186,10 @@ class _Parity:
         from monobatch.engine.params import resolve_sampling
 
         report = ConfigReport(name, fields)
-        self.params = resolve_sampling(fields, None, self.loaded.generation_defaults, entry_point="chat")
+        sampling = {k: v for k, v in fields.items() if k != "json_schema"}
+        self.params = resolve_sampling(sampling, None, self.loaded.generation_defaults, entry_point="chat")
+        if "json_schema" in fields:  # the constraint, as the server builds it from the same field
+            self.params = dataclasses.replace(self.params, structured=StructuredOutput.json_schema(fields["json_schema"]))
         report.prompt_ids = self.chat_ids(self.prompt)
         self.prompt_ids = report.prompt_ids
         self.fields = fields

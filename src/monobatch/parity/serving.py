@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -149,6 +150,8 @@ def run_cli_door(base_url: str, message: str, fields: dict[str, Any], timeout: f
             args += [flag] if value else []  # the boolean flags are off by default
         elif name == "logit_bias":
             args += [f"--logit-bias={k}={v}" for k, v in value.items()]
+        elif isinstance(value, dict):  # a JSON-valued flag (--json-schema)
+            args.append(f"{flag}={json.dumps(value)}")
         else:
             args.append(f"{flag}={value}")  # one argument: a negative value is not taken for a flag
     package_root = str(Path(monobatch.__file__).resolve().parents[1])

@@ -14,7 +14,8 @@ from monobatch.engine.params import resolve_sampling
 from monobatch.errors import InvalidRequestError
 from monobatch.server.client import ResponseReader
 from monobatch.server.generation import (Choice, EventStream, build_requests, chat_logprobs, check_prompt_chars,
-                                         created, new_id, off_loop, respond, sse, stream_frame, usage)
+                                         compile_constraint, created, new_id, off_loop, respond, sse, stream_frame,
+                                         usage)
 from monobatch.server.protocol import ChatCompletionRequest
 from monobatch.server.state import ServerState
 from monobatch.tokenizer import Tokenizer
@@ -169,6 +170,7 @@ async def create_chat_completion(body: ChatCompletionRequest, http: HttpRequest,
     params = resolve_sampling(body.sampling_request(), state.sampling_flags, state.generation_defaults,
                               entry_point="chat")
     check_prompt_chars(message_chars(body.messages), state.max_prompt_chars, state.max_model_len, "messages")
+    await compile_constraint(state.grammars, params)
     prompt_ids = await off_loop(chat_prompt_ids, tok, body.messages, body.add_generation_prompt,
                                 body.chat_template_kwargs)
     in_reasoning = prompt_opens_reasoning(tok.decode(prompt_ids[-_TAIL_TOKENS:], skip_special_tokens=False))
