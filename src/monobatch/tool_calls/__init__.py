@@ -1,0 +1,67 @@
+"""Tool calling: OpenAI's ``tools`` / ``tool_choice`` for chat models (pure: no HTTP, no engine).
+
+The pieces, in the order a request meets them (one file each):
+
+- :func:`check_tools` checks the request fields into a :class:`ToolSpec`; :func:`detect_format`
+  picks the model's :class:`ToolFormat` from its chat template text (``request.py``).
+- :func:`prepare_messages` returns the messages and template kwargs to render: tools, tool-call
+  history (``prompt.py``).
+- :func:`tool_constraint` returns the :class:`~monobatch.engine.constraint.StructuredOutput`
+  that enforces ``tool_choice`` "required" / a named function, and GENERIC's "auto"
+  (``constraint.py``).
+- :class:`ToolCallParser` splits the reply's streamed text into content and tool calls;
+  :func:`parse_tool_calls` is its whole-text form (``parser.py``).
+
+A chat door uses them like this::
+
+    spec = check_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+    fmt = detect_format(tokenizer.chat_template)
+    messages, kwargs = prepare_messages(body["messages"], spec, fmt)
+    prompt = tokenizer.apply_chat_template(messages, **kwargs)
+    structured = tool_constraint(spec, fmt, tokenizer)  # None: free generation
+    parser = ToolCallParser(spec, fmt)                  # feed() each text piece, then flush()
+    finish_reason = "tool_calls" if parser.has_calls else finish_reason
+
+Formats (what the model writes; markers are matched in the reply text, so a marker that is a
+special token -- Mistral's ``[TOOL_CALLS]``, Llama's ``<|python_tag|>`` -- must be decoded with
+``skip_special_tokens=False``):
+
+- HERMES (Hermes 2 Pro / 3, Qwen2, Qwen2.5, Qwen3; vLLM's ``hermes`` parser):
+  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, repeated for parallel calls;
+  text before and between calls is content.
+- LLAMA3_JSON (Llama 3.1 / 3.2 / 3.3 JSON tool calling; vLLM's ``llama3_json``): the reply is
+  ``{"name": ..., "parameters": {...}}``, optionally after ``<|python_tag|>``, several joined by
+  ``;``. A reply that starts otherwise is content.
+- MISTRAL (Mistral v3+ templates; vLLM's ``mistral``):
+  ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``. History tool-call ids are rewritten to
+  the 9 alphanumerics Mistral templates require.
+- GENERIC (llama-server's generic format, for templates that know no tools): a system message
+  (:func:`generic_system_prompt`; the first system message is extended, or one is prepended)
+  lists the tools and asks for exactly one JSON object::
+
+      {"tool_calls": [{"name": "<tool name>", "arguments": {<arguments>}}]}   to call tools
+      {"response": "<reply text>"}                                           to answer in text
+
+  ``tool_calls`` has one item unless ``parallel_tool_calls``. In history an assistant message with
+  ``tool_calls`` becomes assistant content ``{"tool_calls": [...]}`` (plus ``"content"`` when it had
+  text); consecutive ``tool`` messages become one user message, one line per result:
+  ``{"tool_response": {"id": "<tool_call_id>", "name": "<tool name>", "content": "<result>"}}``.
+
+Parser decisions: a call is reported only once its JSON object is complete and valid, as one
+delta carrying index, id, name and the whole ``arguments`` (the canonical ``json.dumps`` of the
+arguments object, ``ensure_ascii=False``), so streamed and whole-text parses agree exactly and no
+invalid JSON is ever claimed as arguments (field cases G1, G2). A call cut before its JSON ended
+(``max_tokens``, a stop string) is no call: its raw text, markers included, goes to content (as
+vLLM does). A dangling partial marker (``<tool_ca``, two or more characters) at the very end is
+dropped (G2).
+"""
+
+from monobatch.tool_calls.constraint import tool_constraint
+from monobatch.tool_calls.parser import (ToolCall, ToolCallDelta, ToolCallParser, ToolDelta, new_call_id,
+                                         parse_tool_calls)
+from monobatch.tool_calls.prompt import generic_system_prompt, prepare_messages
+from monobatch.tool_calls.request import CHOICES, ToolFormat, ToolSpec, check_tools, detect_format
+
+__all__ = ["CHOICES", "ToolCall", "ToolCallDelta", "ToolCallParser", "ToolDelta", "ToolFormat", "ToolSpec",
+           "check_tools", "detect_format", "generic_system_prompt", "new_call_id", "parse_tool_calls",
+           "prepare_messages", "tool_constraint"]

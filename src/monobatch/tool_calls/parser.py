@@ -1,0 +1,332 @@
+"""Tool requests' output side: a reply's streamed text split into content and tool calls."""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from dataclasses import dataclass, field
+from typing import Any
+
+from monobatch.tool_calls.request import HERMES_CLOSE, HERMES_OPEN, MISTRAL_OPEN, PYTHON_TAG, ToolFormat, ToolSpec
+
+_ID_CHARS = string.ascii_letters + string.digits
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One finished call: ``arguments`` is JSON text of an object."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def to_openai(self) -> dict:
+        """The ``message.tool_calls`` entry."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(slots=True)
+class ToolCallDelta:
+    """A piece of call ``index``: the first carries ``id`` and ``name``, later ones only
+    ``arguments`` pieces (joined they are the call's ``arguments``). :class:`ToolCallParser`
+    reports each call whole, in one delta with all three."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+    def to_openai(self) -> dict:
+        """The streaming ``delta.tool_calls`` entry."""
+        fn = ({"name": self.name} if self.name is not None else {}) | {"arguments": self.arguments}
+        head = {"id": self.id, "type": "function"} if self.id is not None else {}
+        return {"index": self.index, **head, "function": fn}
+
+
+@dataclass(slots=True)
+class ToolDelta:
+    """What one :meth:`ToolCallParser.feed` adds: content text and call pieces."""
+
+    content: str = ""
+    calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.calls)
+
+    def __iadd__(self, other: "ToolDelta") -> "ToolDelta":
+        self.content += other.content
+        self.calls.extend(other.calls)
+        return self
+
+
+def new_call_id() -> str:
+    """An OpenAI-like call id: ``call_`` and 24 random letters and digits."""
+    return "call_" + "".join(secrets.choice(_ID_CHARS) for _ in range(24))
+
+
+class ToolCallParser:
+    """Splits one reply's streamed text into content and tool calls (see the module docstring
+    for each format's markers and the decisions on partial text).
+
+    Text that could still be a marker is held back until decided; a call's JSON is held until
+    it is complete. Whitespace right before a marker is dropped, and so is whitespace after a
+    call while no content came before, and the trailing whitespace of a reply with calls. With
+    no tools or choice "none" every piece passes through as content.
+
+    Args:
+        spec: the checked tools (None: no tools).
+        fmt: the model's format.
+    """
+
+    def __init__(self, spec: ToolSpec | None, fmt: ToolFormat) -> None:
+        self._fmt, self._pass = fmt, spec is None or not spec.active
+        self._names = {t["function"]["name"] for t in spec.tools} if spec else set()
+        self._marker = {ToolFormat.HERMES: HERMES_OPEN, ToolFormat.MISTRAL: MISTRAL_OPEN}.get(fmt)
+        self._state = "text" if self._marker else "start"
+        self._held = ""       # text not yet decided
+        self._raw = ""        # consumed as a would-be call, not yet emitted (content if it fails)
+        self._content = ""
+        self._strip = False   # after a call: drop whitespace while no content came before
+        self._alts: list = []  # state "after": (parts, next state) continuations
+        self._in_list = False  # MISTRAL: inside [TOOL_CALLS][ ... ]
+        self._depth = self._pos = 0
+        self._in_str = self._esc = False
+        self._calls: list[ToolCall] = []
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        """The calls reported so far."""
+        return list(self._calls)
+
+    @property
+    def has_calls(self) -> bool:
+        """Whether any call was reported (the caller's ``finish_reason`` "tool_calls")."""
+        return bool(self._calls)
+
+    @property
+    def content(self) -> str:
+        """All content emitted so far (the reply's ``message.content`` after :meth:`flush`)."""
+        return self._content
+
+    def feed(self, text: str) -> ToolDelta:
+        """Add the next piece of the reply; returns what can be shown now."""
+        out = ToolDelta()
+        if self._pass:
+            self._emit(out, text, strip=False)
+            return out
+        self._held += text
+        while self._held and self._advance(out):
+            pass
+        return out
+
+    def flush(self) -> ToolDelta:
+        """End of the reply: release held text. An unfinished call is content (raw, markers
+        included); a dangling partial marker (two or more characters) is dropped (G2)."""
+        out, held, state = ToolDelta(), self._held, self._state
+        self._held, self._state = "", "plain"
+        if state in ("text", "start") and self._fmt is not ToolFormat.GENERIC:
+            keep = _partial_suffix(held, self._marker or PYTHON_TAG)
+            held = held[:-keep].rstrip() if keep >= 2 else held
+            self._emit(out, held.rstrip() if self._calls else held)
+        elif state in ("start", "open", "mopen", "call"):
+            self._emit(out, self._raw + held)
+        self._raw = ""  # "after" and "response" hold only a partial separator or escape: dropped
+        return out
+
+    # -- the state machine: each step consumes text or changes state; False waits for more --
+    def _advance(self, out: ToolDelta) -> bool:
+        held, state, fmt = self._held, self._state, self._fmt
+        if state == "plain":
+            self._emit(out, held)
+            self._held = ""
+        elif state == "text":  # HERMES / MISTRAL: content until the marker
+            k = held.find(self._marker)
+            if k < 0:
+                piece = held[:len(held) - _partial_suffix(held, self._marker)].rstrip()
+                self._emit(out, piece)
+                self._held = held[len(piece):]
+                return False
+            piece = held[:k].rstrip()
+            self._emit(out, piece)  # the whitespace before the marker is the call's (dropped)
+            self._raw, self._held = held[len(piece):k] + self._marker, held[k + len(self._marker):]
+            self._state = "mopen" if fmt is ToolFormat.MISTRAL else "open"
+        elif state == "start" and fmt is ToolFormat.LLAMA3_JSON:  # a call starts the reply or none
+            end = _match_seq(held, [PYTHON_TAG])
+            if end == -1:
+                return False
+            if end is not None:
+                self._raw, self._held, self._state = held[:end], held[end:], "open"
+            else:
+                self._state = "open" if held.lstrip().startswith("{") else "plain"
+        elif state == "start":  # GENERIC: {"tool_calls": [ or {"response": "
+            calls = _match_seq(held, ["{", '"tool_calls"', ":", "["])
+            resp = _match_seq(held, ["{", '"response"', ":", '"'])
+            if calls is not None and calls >= 0:
+                self._raw, self._held, self._state = held[:calls], held[calls:], "open"
+            elif resp is not None and resp >= 0:
+                self._held, self._state = held[resp:], "response"
+            elif calls == -1 or resp == -1:
+                return False
+            else:
+                self._state = "plain"
+        elif state in ("open", "mopen"):  # a call's "{" (MISTRAL after its marker: or a "[")
+            body = held.lstrip()
+            if not body:
+                return False
+            skip = len(held) - len(body)
+            if body[0] == "{":
+                self._raw += held[:skip]
+                self._held, self._state = body, "call"
+                self._depth = self._pos = 0
+                self._in_str = self._esc = False
+            elif body[0] == "[" and state == "mopen":
+                self._raw += held[:skip + 1]
+                self._held, self._state, self._in_list = body[1:], "open", True
+            else:
+                self._fail(out)
+        elif state == "call":
+            end = self._scan()
+            if end is None:
+                return False
+            self._held = held[end:]
+            call = _parse_call(held[:end], self._names if fmt is ToolFormat.LLAMA3_JSON else None)
+            if call is None:
+                self._raw += held[:end]
+                self._fail(out)
+                return True
+            self._calls.append(ToolCall(new_call_id(), *call))
+            out.calls.append(ToolCallDelta(len(self._calls) - 1, self._calls[-1].id, *call))
+            self._raw, self._strip, self._state = "", True, "after"
+            self._alts = {ToolFormat.HERMES: [([HERMES_CLOSE], "text")],
+                          ToolFormat.LLAMA3_JSON: [([";"], "open")],
+                          ToolFormat.GENERIC: [([","], "open"), (["]", "}"], "plain")],
+                          ToolFormat.MISTRAL: [([","], "open"), (["]"], "text")] if self._in_list else []}[fmt]
+        elif state == "after":  # a separator, an end marker, or the rest is content
+            ends = [(_match_seq(held, parts), nxt) for parts, nxt in self._alts]
+            hit = next(((e, nxt) for e, nxt in ends if e is not None and e >= 0), None)
+            if hit:
+                self._held, self._state = held[hit[0]:], hit[1]
+                self._in_list = self._in_list and hit[1] == "open"
+            elif any(e == -1 for e, _ in ends):
+                return False
+            else:
+                self._state, self._in_list = "text" if self._marker else "plain", False
+        else:  # "response": GENERIC's reply string, decoded as it comes
+            end = _STR_BODY.match(held).end()
+            if _HIGH_SURROGATE.search(held, 0, end) and not held.startswith('"', end):
+                end -= 6  # a high surrogate whose pair has not come yet
+            self._emit(out, _decode_str(held[:end]), strip=False)
+            self._held = held[end:]
+            if not self._held.startswith('"'):
+                return False
+            self._held, self._state, self._alts, self._strip = self._held[1:], "after", [(["}"], "plain")], True
+        return True
+
+    def _emit(self, out: ToolDelta, text: str, strip: bool = True) -> None:
+        if strip and self._strip and not self._content:
+            text = text.lstrip()
+        if text:
+            self._strip = False
+            self._content += text
+            out.content += text
+
+    def _fail(self, out: ToolDelta) -> None:
+        """What was consumed as a would-be call was not one: it is content after all."""
+        raw, self._raw, self._in_list = self._raw, "", False
+        self._state = "text" if self._marker else "plain"
+        self._emit(out, raw)
+
+    def _scan(self) -> int | None:
+        """End (exclusive) of the JSON value at the start of ``_held``, None while incomplete."""
+        held, i = self._held, self._pos
+        while i < len(held):
+            c = held[i]
+            if self._in_str:
+                if self._esc:
+                    self._esc = False
+                elif c == "\\":
+                    self._esc = True
+                elif c == '"':
+                    self._in_str = False
+            elif c == '"':
+                self._in_str = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    return i + 1
+            i += 1
+        self._pos = i
+        return None
+
+
+#: The longest run of whole characters and escapes of a JSON string's body.
+_STR_BODY = re.compile(r'(?:[^"\\]|\\u[0-9a-fA-F]{4}|\\[^u])*')
+_HIGH_SURROGATE = re.compile(r"(?:^|[^\\])(?:\\\\)*\\u[dD][89abAB][0-9a-fA-F]{2}$")  # an unescaped "\\u"
+
+
+def _decode_str(body: str) -> str:
+    try:
+        return json.loads(f'"{body}"', strict=False)
+    except ValueError:
+        return body
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _parse_call(text: str, names: set[str] | None) -> tuple[str, str] | None:
+    """(name, canonical arguments JSON) of a call object's text, or None when it is not one.
+    ``names``: LLAMA3_JSON's bare JSON must name a tool and carry arguments to count."""
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    key = "arguments" if "arguments" in obj else "parameters"
+    if names is not None and (obj["name"] not in names or key not in obj):
+        return None
+    args = obj.get(key, {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args, parse_constant=_reject_constant)
+        except ValueError:
+            return None
+    return (obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
+
+
+def _match_seq(text: str, parts: list[str]) -> int | None:
+    """Match ``parts`` in order, whitespace allowed before each: the end index, -1 while the text
+    could still match, None when it cannot."""
+    i = 0
+    for part in parts:
+        while i < len(text) and text[i].isspace():
+            i += 1
+        chunk = text[i:i + len(part)]
+        if not part.startswith(chunk):
+            return None
+        if len(chunk) < len(part):
+            return -1
+        i += len(part)
+    return i
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def parse_tool_calls(text: str, spec: ToolSpec | None, fmt: ToolFormat) -> tuple[str, list[ToolCall]]:
+    """The whole-text form of :class:`ToolCallParser` (non-streamed replies): (content, calls)."""
+    parser = ToolCallParser(spec, fmt)
+    parser.feed(text)
+    parser.flush()
+    return parser.content, parser.tool_calls

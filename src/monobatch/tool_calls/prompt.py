@@ -1,0 +1,115 @@
+"""Tool requests' prompt side: tools and tool-call history put in the shape each format's templates expect."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import re
+from typing import Any
+
+from monobatch.errors import InvalidRequestError
+from monobatch.tokenizer.chat_template import normalize_messages
+from monobatch.tool_calls.request import ToolFormat, ToolSpec
+
+
+def generic_system_prompt(spec: ToolSpec) -> str:
+    """The system text GENERIC adds when tools are offered (see the module docstring)."""
+    tools = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in spec.tools)
+    many = "one or more calls" if spec.parallel else "exactly one call"
+    name = "<tool name>" if spec.choice in ("auto", "required") else spec.choice
+    calls = f'{{"tool_calls": [{{"name": "{name}", "arguments": {{<arguments>}}}}]}} ({many})'
+    text = f"You can call these tools (name, description and a JSON schema of the arguments):\n{tools}\n\n"
+    if spec.choice == "auto":
+        return text + ("Reply with one JSON object and nothing else, either to call tools:\n"
+                       f"{calls}\nor to answer the user in text:\n" + '{"response": "<your reply>"}')
+    must = "a tool" if spec.choice == "required" else f'the tool "{spec.choice}"'
+    return text + f"You must call {must}. Reply with one JSON object and nothing else:\n{calls}"
+
+
+def prepare_messages(messages: Any, spec: ToolSpec | None, fmt: ToolFormat) -> tuple[list[dict], dict]:
+    """The messages and extra template variables to render a tool request with.
+
+    Args:
+        messages: the request's OpenAI messages (not modified); assistant ``tool_calls`` are
+            ``[{"id", "type": "function", "function": {"name", "arguments": JSON text}}]``.
+        spec: the checked tools (None: no tools). With choice "none" no tools are rendered,
+            but tool history still is.
+        fmt: the model's format.
+
+    Returns:
+        ``(messages, kwargs)``: normalized copies (``chat_template.normalize_messages``), and
+        ``{"tools": spec.tools}`` for the formats whose templates render tools (``{}`` for
+        GENERIC, whose tools go into a system message, and when no tools are offered). For
+        HERMES/LLAMA3_JSON/MISTRAL call arguments become dicts (``tojson`` in the templates);
+        LLAMA3_JSON splits a multi-call message into one message per call (its templates allow
+        one); MISTRAL ids become 9 alphanumerics. GENERIC's rewrite is in the module docstring.
+
+    Raises:
+        InvalidRequestError: param "messages": malformed messages or ``tool_calls``.
+    """
+    msgs, out, names, tool_run = normalize_messages(messages), [], {}, None
+    active = spec is not None and spec.active
+    for i, m in enumerate(msgs):
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = [_history_call(tc, i) for tc in _listed(m["tool_calls"], i)]
+            names.update((cid, name) for cid, name, _ in calls)
+            if fmt is ToolFormat.GENERIC:
+                obj = {"tool_calls": [{"name": n, "arguments": a} for _, n, a in calls]}
+                obj |= {"content": m["content"]} if m.get("content") else {}
+                out.append({"role": "assistant", "content": json.dumps(obj, ensure_ascii=False)})
+                continue
+            mistral = fmt is ToolFormat.MISTRAL
+            shaped = [{"id": _mistral_id(c) if mistral else c, "type": "function",
+                       "function": {"name": n, "arguments": a}} for c, n, a in calls]
+            groups = [[s] for s in shaped] if fmt is ToolFormat.LLAMA3_JSON else [shaped]
+            out.extend({**m, "tool_calls": g} if k == 0 else {"role": "assistant", "content": "", "tool_calls": g}
+                       for k, g in enumerate(groups))
+        elif m["role"] == "tool" and fmt is ToolFormat.GENERIC:
+            cid = m.get("tool_call_id")
+            result = {"id": cid, "name": names.get(cid, m.get("name")), "content": m["content"]}
+            line = json.dumps({"tool_response": result}, ensure_ascii=False)
+            if tool_run is not None and tool_run == len(out) - 1:
+                out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + line}
+            else:
+                out.append({"role": "user", "content": line})
+            tool_run = len(out) - 1
+        elif m["role"] == "tool" and fmt is ToolFormat.MISTRAL and m.get("tool_call_id") is not None:
+            out.append({**m, "tool_call_id": _mistral_id(m["tool_call_id"])})
+        else:
+            out.append(m)
+    if not active:
+        return out, {}
+    if fmt is not ToolFormat.GENERIC:
+        return out, {"tools": copy.deepcopy(spec.tools)}
+    text = generic_system_prompt(spec)
+    if out and out[0]["role"] == "system":
+        return [{**out[0], "content": out[0]["content"] + "\n\n" + text}, *out[1:]], {}
+    return [{"role": "system", "content": text}, *out], {}
+
+
+def _listed(calls: Any, i: int) -> list:
+    if not isinstance(calls, list):
+        raise InvalidRequestError(f"messages[{i}].tool_calls must be a list", "messages")
+    return calls
+
+
+def _history_call(tc: Any, i: int) -> tuple[str, str, Any]:
+    """(id, name, arguments as a dict when its JSON text is an object) of one history call."""
+    fn = tc.get("function") if isinstance(tc, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise InvalidRequestError(f"messages[{i}].tool_calls: each needs function.name", "messages")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args) if args.strip() else {}
+            args = parsed if isinstance(parsed, dict) else args
+        except ValueError:
+            pass  # left as text: the template shows what the client sent
+    return str(tc.get("id") or ""), fn["name"], copy.deepcopy(args)
+
+
+def _mistral_id(call_id: Any) -> str:
+    """Mistral templates require 9 alphanumeric ids: the last 9 of the id's, else a hash."""
+    alnum = re.sub(r"[^A-Za-z0-9]", "", str(call_id))
+    return alnum[-9:] if len(alnum) >= 9 else hashlib.sha1(str(call_id).encode()).hexdigest()[:9]

@@ -1,0 +1,142 @@
+"""Tool requests: the checked ``tools`` / ``tool_choice`` fields and the model's tool format."""
+
+from __future__ import annotations
+
+import copy
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from monobatch.errors import InvalidRequestError
+
+#: The string values of ``tool_choice`` (a function name is the fourth form).
+CHOICES = ("none", "auto", "required")
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+MISTRAL_OPEN = "[TOOL_CALLS]"
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A checked tool request.
+
+    Attributes:
+        tools: ``[{"type": "function", "function": {"name", "description"?, "parameters"}}]``
+            (HF's ``apply_chat_template(tools=...)`` shape; copies of the request's).
+        choice: "none", "auto", "required" or the name of the one function to call.
+        parallel: more than one call per reply is allowed.
+    """
+
+    tools: list = field(default_factory=list)
+    choice: str = "none"
+    parallel: bool = True
+
+    @property
+    def active(self) -> bool:
+        """Tools are offered to the model (there are tools and the choice is not "none")."""
+        return bool(self.tools) and self.choice != "none"
+
+    @property
+    def allowed(self) -> list[dict]:
+        """The functions a call may name: the named one, else all."""
+        fns = [t["function"] for t in self.tools]
+        return fns if self.choice in CHOICES else [f for f in fns if f["name"] == self.choice]
+
+
+def check_tools(tools: Any = None, tool_choice: Any = None, parallel_tool_calls: Any = None) -> ToolSpec:
+    """Check OpenAI's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` request fields.
+
+    Args:
+        tools: a list of ``{"type": "function", "function": {"name", "description"?,
+            "parameters"?}}`` (``type`` may be left out; absent parameters are
+            ``{"type": "object", "properties": {}}``). None or ``[]``: no tools.
+        tool_choice: "none" | "auto" | "required" | ``{"type": "function", "function":
+            {"name": ...}}``; None means "auto" with tools, "none" without (OpenAI's default).
+        parallel_tool_calls: bool, default True.
+
+    Returns:
+        The :class:`ToolSpec`; with no tools its choice is "none".
+
+    Raises:
+        InvalidRequestError: param "tools" (not a list of objects, a type other than "function",
+            a missing/empty/duplicate name, a non-string description, parameters not an object),
+            "tool_choice" (an unknown string or shape, a name no tool has, "required" or a name
+            without tools) or "parallel_tool_calls" (not a bool).
+    """
+    if tools is not None and not isinstance(tools, list):
+        raise InvalidRequestError("tools must be a list of tool objects", "tools")
+    norm, names = [], set()
+    for i, tool in enumerate(tools or ()):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise InvalidRequestError(f"{where} must be an object", "tools")
+        if tool.get("type", "function") != "function":
+            raise InvalidRequestError(f"{where}.type must be 'function', got {tool.get('type')!r}", "tools")
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise InvalidRequestError(f"{where}.function must be an object", "tools")
+        name, desc, params = fn.get("name"), fn.get("description"), fn.get("parameters")
+        if not isinstance(name, str) or not name.strip():
+            raise InvalidRequestError(f"{where}.function.name must be a non-empty string", "tools")
+        if name in names:
+            raise InvalidRequestError(f"{where}.function.name: duplicate tool name {name!r}", "tools")
+        if desc is not None and not isinstance(desc, str):
+            raise InvalidRequestError(f"{where}.function.description must be a string", "tools")
+        if params is not None and not isinstance(params, dict):
+            raise InvalidRequestError(f"{where}.function.parameters must be a JSON schema object", "tools")
+        names.add(name)
+        entry = {"name": name} | ({"description": desc} if desc is not None else {})
+        entry["parameters"] = copy.deepcopy(params) if params is not None else {"type": "object", "properties": {}}
+        norm.append({"type": "function", "function": entry})
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise InvalidRequestError("parallel_tool_calls must be a boolean", "parallel_tool_calls")
+    choice = tool_choice
+    if choice is None:
+        choice = "auto" if norm else "none"
+    elif isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidRequestError('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                                      '"function": {"name": ...}}', "tool_choice")
+        choice = fn["name"]
+        if choice not in names:
+            raise InvalidRequestError(f"tool_choice names {choice!r}, which is not one of the tools", "tool_choice")
+    elif choice not in CHOICES:
+        raise InvalidRequestError(f"tool_choice must be one of {', '.join(CHOICES)} or a function object, "
+                                  f"got {choice!r}", "tool_choice")
+    if not norm and choice not in ("none", "auto"):
+        raise InvalidRequestError(f"tool_choice {choice!r} needs tools", "tool_choice")
+    return ToolSpec(norm, choice if norm else "none", True if parallel_tool_calls is None else parallel_tool_calls)
+
+
+class ToolFormat(enum.Enum):
+    """How a model family writes tool calls (values are vLLM's parser names; see the module
+    docstring for each one's exact text)."""
+
+    HERMES = "hermes"
+    LLAMA3_JSON = "llama3_json"
+    MISTRAL = "mistral"
+    GENERIC = "generic"
+
+
+def detect_format(template_source: str | None) -> ToolFormat:
+    """The tool format a chat template was written for.
+
+    Args:
+        template_source: the jinja2 chat template text, or None.
+
+    Returns:
+        MISTRAL when it mentions ``[TOOL_CALLS]`` (but not ``[ARGS]``, Mistral's newer
+        ``name[ARGS]{...}`` form, which gets GENERIC); HERMES for ``<tool_call>`` (but not
+        Qwen3-Coder's XML ``<function=``, GENERIC); LLAMA3_JSON for ``<|python_tag|>`` or
+        ``"parameters"`` together with ``ipython``; GENERIC otherwise (templates that know no
+        tools, such as the bundled SmolLM2's).
+    """
+    src = template_source or ""
+    if MISTRAL_OPEN in src:
+        return ToolFormat.GENERIC if "[ARGS]" in src else ToolFormat.MISTRAL
+    if HERMES_OPEN in src:
+        return ToolFormat.GENERIC if "<function=" in src else ToolFormat.HERMES
+    if PYTHON_TAG in src or ('"parameters"' in src and "ipython" in src):
+        return ToolFormat.LLAMA3_JSON
+    return ToolFormat.GENERIC

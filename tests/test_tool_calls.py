@@ -1,0 +1,515 @@
+"""Tool calling (monobatch.tool_calls): request checks, format detection, prompt rewriting, the
+enforcing constraints (compiled and matched on the bundled tokenizer) and the streaming parser
+(unit texts per format, hypothesis split-point properties, field cases G1 and G2)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from monobatch.errors import InvalidRequestError
+from monobatch.tokenizer.chat_template import ChatTemplate
+from monobatch.tool_calls import (ToolCallParser, ToolFormat, ToolSpec, check_tools, detect_format,
+                                  generic_system_prompt, parse_tool_calls, prepare_messages, tool_constraint)
+
+H, L, M, G = ToolFormat.HERMES, ToolFormat.LLAMA3_JSON, ToolFormat.MISTRAL, ToolFormat.GENERIC
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city"], "additionalProperties": False}}}
+# pydantic-style: local $refs into $defs, which must still resolve once embedded in a bigger schema
+MOVE = {"type": "function", "function": {
+    "name": "move", "parameters": {
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Point"}}, "required": ["to"],
+        "additionalProperties": False,
+        "$defs": {"Point": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                            "required": ["x", "y"], "additionalProperties": False}}}}}
+TOOLS = [WEATHER, MOVE]
+ID = re.compile(r"call_[A-Za-z0-9]{24}")
+
+
+def spec(choice=None, parallel=None, tools=TOOLS):
+    return check_tools(copy.deepcopy(tools), choice, parallel)
+
+
+def stream(text, fmt, sp=None, cuts=None):
+    """Feed ``text`` cut at ``cuts`` (default: one character at a time); returns (content, calls, deltas)."""
+    parser = ToolCallParser(sp or spec(), fmt)
+    cuts = range(1, len(text)) if cuts is None else cuts
+    bounds = [0, *sorted(set(c for c in cuts if 0 < c < len(text))), len(text)]
+    deltas = [parser.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])] + [parser.flush()]
+    assert "".join(d.content for d in deltas) == parser.content
+    return parser.content, parser.tool_calls, [c for d in deltas for c in d.calls]
+
+
+def pairs(calls):
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def call_text(fmt, calls, prefix="", ensure_ascii=False, indent=None, tag=False):
+    """What a model of ``fmt`` writes for ``calls`` ([(name, args)])."""
+    dump = lambda obj: json.dumps(obj, ensure_ascii=ensure_ascii, indent=indent)  # noqa: E731
+    if fmt is H:
+        body = "\n".join(f'<tool_call>\n{dump({"name": n, "arguments": a})}\n</tool_call>' for n, a in calls)
+        return f"{prefix}\n{body}" if prefix else body
+    if fmt is M:
+        return prefix + "[TOOL_CALLS]" + dump([{"name": n, "arguments": a} for n, a in calls])
+    if fmt is L:
+        return ("<|python_tag|>" if tag else "") + "; ".join(dump({"name": n, "parameters": a}) for n, a in calls)
+    return dump({"tool_calls": [{"name": n, "arguments": a} for n, a in calls]})
+
+
+# -- check_tools ---------------------------------------------------------------------------------
+def test_check_tools_normalizes():
+    sp = check_tools([{"function": {"name": "ping"}}, WEATHER])
+    assert sp.choice == "auto" and sp.parallel is True and sp.active
+    assert sp.tools[0] == {"type": "function", "function": {"name": "ping",
+                                                            "parameters": {"type": "object", "properties": {}}}}
+    assert check_tools(None) == ToolSpec([], "none", True) and not check_tools([], "auto").active
+    assert check_tools(TOOLS, {"type": "function", "function": {"name": "move"}}, False).choice == "move"
+    named = check_tools(TOOLS, {"type": "function", "function": {"name": "move"}})
+    assert [f["name"] for f in named.allowed] == ["move"] and len(named.tools) == 2
+    assert check_tools(TOOLS, "none").active is False
+
+
+@pytest.mark.parametrize("tools, choice, param, words", [
+    ({"name": "x"}, None, "tools", "list"),
+    (["x"], None, "tools", "object"),
+    ([{"type": "retrieval", "function": {"name": "x"}}], None, "tools", "type"),
+    ([{"type": "function"}], None, "tools", "function must be an object"),
+    ([{"type": "function", "function": {"name": ""}}], None, "tools", "name"),
+    ([{"type": "function", "function": {"description": "no name"}}], None, "tools", "name"),
+    ([WEATHER, WEATHER], None, "tools", "duplicate"),
+    ([{"type": "function", "function": {"name": "x", "parameters": "{}"}}], None, "tools", "parameters"),
+    ([{"type": "function", "function": {"name": "x", "parameters": []}}], None, "tools", "parameters"),
+    ([{"type": "function", "function": {"name": "x", "description": 3}}], None, "tools", "description"),
+    (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice", "nope"),
+    (TOOLS, "sometimes", "tool_choice", "sometimes"),
+    (TOOLS, "get_weather", "tool_choice", "get_weather"),  # a bare name is not OpenAI's named form
+    (TOOLS, {"type": "function", "name": "move"}, "tool_choice", "function"),
+    (TOOLS, {"type": "tool", "function": {"name": "move"}}, "tool_choice", "function"),
+    (None, "required", "tool_choice", "needs tools"),
+    ([], {"type": "function", "function": {"name": "move"}}, "tool_choice", "move"),
+])
+def test_check_tools_errors_name_their_field(tools, choice, param, words):
+    with pytest.raises(InvalidRequestError) as err:
+        check_tools(tools, choice)
+    assert err.value.param == param and words in str(err.value)
+
+
+def test_parallel_tool_calls_must_be_bool():
+    with pytest.raises(InvalidRequestError) as err:
+        check_tools(TOOLS, None, "yes")
+    assert err.value.param == "parallel_tool_calls"
+
+
+# -- detect_format -------------------------------------------------------------------------------
+QWEN25 = ('{%- if tools %}{{- "<tools>" }}{%- for tool in tools %}{{- tool | tojson }}{%- endfor %}'
+          '{{- "</tools>\\n\\nFor each function call, return a json object with function name and arguments within '
+          '<tool_call></tool_call> XML tags" }}{%- endif %}{%- for message in messages %}'
+          '{%- if message.role == "assistant" and message.tool_calls %}{{- "<|im_start|>assistant" }}'
+          '{%- for tool_call in message.tool_calls %}{%- if tool_call.function is defined %}'
+          '{%- set tool_call = tool_call.function %}{%- endif %}{{- "\\n<tool_call>\\n{\\"name\\": \\"" }}'
+          '{{- tool_call.name }}{{- "\\", \\"arguments\\": " }}{{- tool_call.arguments | tojson }}'
+          '{{- "}\\n</tool_call>" }}{%- endfor %}{{- "<|im_end|>\\n" }}'
+          '{%- elif message.role == "tool" %}{{- "<|im_start|>user\\n<tool_response>\\n" + message.content + '
+          '"\\n</tool_response><|im_end|>\\n" }}{%- else %}{{- "<|im_start|>" + message.role + "\\n" + message.content'
+          ' + "<|im_end|>\\n" }}{%- endif %}{%- endfor %}')
+LLAMA32 = ('{%- if tools is not none %}{{- "Environment: ipython\\n" }}{%- endif %}'
+           '{{- \'Respond in the format {"name": function name, "parameters": dictionary of argument name and its '
+           'value}.\' }}{%- for message in messages %}{%- if \'tool_calls\' in message %}'
+           '{%- if not message.tool_calls|length == 1 %}{{- raise_exception("This model only supports single '
+           'tool-calls at once!") }}{%- endif %}{%- set tool_call = message.tool_calls[0].function %}'
+           '{{- \'{"name": "\' + tool_call.name + \'", "parameters": \' }}{{- tool_call.arguments | tojson }}'
+           '{{- "}<|eot_id|>" }}{%- elif message.role == "tool" %}{{- "<|start_header_id|>ipython<|end_header_id|>'
+           '\\n\\n" + message.content + "<|eot_id|>" }}{%- else %}{{- message.role + ": " + message.content + '
+           '"<|eot_id|>" }}{%- endif %}{%- endfor %}')
+LLAMA31 = '{{- "<|python_tag|>" + tool_call.name + ".call(" }}{%- if message.role == "ipython" %}{% endif %}'
+MISTRAL = ('{%- for message in messages %}{%- if message.tool_calls is defined and message.tool_calls %}'
+           '{{- "[TOOL_CALLS][" }}{%- for tool_call in message.tool_calls %}'
+           '{%- if not tool_call.id is defined or tool_call.id|length != 9 %}{{- raise_exception("Tool call IDs '
+           'should be alphanumeric strings with length 9!") }}{%- endif %}{{- {"name": tool_call.function.name, '
+           '"arguments": tool_call.function.arguments, "id": tool_call.id} | tojson }}{%- endfor %}{{- "]</s>" }}'
+           '{%- elif message.role == "tool" %}{{- \'[TOOL_RESULTS]{"call_id": "\' + message.tool_call_id + '
+           '\'", "content": \' + message.content|tojson + "}[/TOOL_RESULTS]" }}{%- else %}'
+           '{{- "[INST] " + message.content + "[/INST]" }}{%- endif %}{%- endfor %}')
+
+
+@pytest.mark.parametrize("template, fmt", [
+    (QWEN25, H), ("Hermes: <tools></tools> ... <tool_call>\n{...}\n</tool_call>", H),
+    (LLAMA32, L), (LLAMA31, L), (MISTRAL, M), ("[AVAILABLE_TOOLS] ... [TOOL_CALLS]", M),
+    ("{{ '[TOOL_CALLS]' + name + '[ARGS]' + arguments }}", G),  # Mistral's newer form: not parsed here
+    ("<tool_call>\n<function=name>\n<parameter=x>", G),        # Qwen3-Coder XML: not parsed here
+    ("{% for m in messages %}{{ m.content }}{% endfor %}", G), ("", G), (None, G),
+])
+def test_detect_format(template, fmt):
+    assert detect_format(template) is fmt
+
+
+def test_bundled_template_is_generic(loaded):
+    assert detect_format(loaded.tokenizer.chat_template) is G
+
+
+# -- prepare_messages ----------------------------------------------------------------------------
+HISTORY = [
+    {"role": "user", "content": "Weather in Paris and Rome? Then move."},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_abcdefghijklmnopqrstuvwx", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+    {"role": "tool", "tool_call_id": "call_abcdefghijklmnopqrstuvwx", "content": "18 C"},
+    {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "21 C"}]},
+    {"role": "assistant", "content": "Paris 18 C, Rome 21 C."},
+]
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_prepare_messages_leaves_the_callers_dicts(fmt):
+    messages = copy.deepcopy(HISTORY)
+    prepare_messages(messages, spec(), fmt)
+    assert messages == HISTORY
+
+
+def test_prepare_hermes_renders_tools_and_dict_arguments():
+    msgs, kwargs = prepare_messages(HISTORY, spec(), H)
+    assert kwargs == {"tools": spec().tools}
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    text = ChatTemplate(QWEN25).render(msgs, **kwargs)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>' in text
+    assert "<tool_response>\n21 C\n</tool_response>" in text and '"name": "move"' in text
+    msgs_none, kwargs_none = prepare_messages(HISTORY, spec("none"), H)  # no tools, history still rendered
+    assert kwargs_none == {} and msgs_none == msgs
+    assert "<tools>" not in ChatTemplate(QWEN25).render(msgs_none, **kwargs_none)
+
+
+def test_prepare_llama3_splits_parallel_history():
+    msgs, kwargs = prepare_messages(HISTORY, spec(), L)
+    assert [len(m.get("tool_calls", ())) for m in msgs] == [0, 1, 1, 0, 0, 0] and "tools" in kwargs
+    text = ChatTemplate(LLAMA32).render(msgs, **kwargs)  # raises on a multi-call message
+    assert '{"name": "get_weather", "parameters": {"city": "Rome"}}<|eot_id|>' in text
+
+
+def test_prepare_mistral_ids_are_nine_alphanumerics():
+    msgs, _ = prepare_messages(HISTORY, spec(), M)
+    ids = [tc["id"] for tc in msgs[1]["tool_calls"]]
+    assert all(re.fullmatch(r"[A-Za-z0-9]{9}", i) for i in ids) and ids[0] == "pqrstuvwx"
+    assert [msgs[2]["tool_call_id"], msgs[3]["tool_call_id"]] == ids
+    text = ChatTemplate(MISTRAL).render(msgs)  # the template raises on any other id
+    assert '"arguments": {"city": "Paris"}' in text and f'"call_id": "{ids[1]}"' in text
+
+
+def test_prepare_generic_on_the_bundled_template(loaded):
+    sp = spec()
+    msgs, kwargs = prepare_messages(HISTORY, sp, G)
+    assert kwargs == {} and msgs[0] == {"role": "system", "content": generic_system_prompt(sp)}
+    assert json.loads(msgs[2]["content"]) == {"tool_calls": [
+        {"name": "get_weather", "arguments": {"city": "Paris"}},
+        {"name": "get_weather", "arguments": {"city": "Rome"}}]}
+    assert msgs[3]["role"] == "user" and [json.loads(line) for line in msgs[3]["content"].split("\n")] == [
+        {"tool_response": {"id": "call_abcdefghijklmnopqrstuvwx", "name": "get_weather", "content": "18 C"}},
+        {"tool_response": {"id": "call_2", "name": "get_weather", "content": "21 C"}}]
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant"]
+    text = loaded.tokenizer.apply_chat_template(msgs, **kwargs)
+    assert text.startswith("<|im_start|>system\nYou can call these tools") and '"name": "move"' in text
+    assert '{"response": "<your reply>"}' in text and "SmolLM" not in text
+    with_system = [{"role": "system", "content": "Be brief."}, *HISTORY]
+    first = prepare_messages(with_system, spec("required", False), G)[0][0]
+    assert first["content"].startswith("Be brief.\n\nYou can call") and "exactly one call" in first["content"]
+    assert "You must call a tool" in first["content"] and '"response"' not in first["content"]
+    none_msgs, _ = prepare_messages(HISTORY, spec("none"), G)
+    assert none_msgs[0] == HISTORY[0] and none_msgs[1]["content"].startswith('{"tool_calls"')
+
+
+def test_prepare_rejects_malformed_history():
+    bad = [{"role": "assistant", "content": None, "tool_calls": [{"id": "x", "function": {"arguments": "{}"}}]}]
+    with pytest.raises(InvalidRequestError) as err:
+        prepare_messages(bad, spec(), H)
+    assert err.value.param == "messages"
+
+
+# -- constraints on the bundled tokenizer --------------------------------------------------------
+@pytest.fixture(scope="module")
+def compiler(loaded):
+    from monobatch.engine.constraint import GrammarCompiler
+
+    return GrammarCompiler(loaded.tokenizer, loaded.tokenizer.vocab_size)
+
+
+def matches(compiler, tokenizer, so, text):
+    """Whether every token of ``text`` is accepted and the matcher then accepts (may end)."""
+    matcher = compiler.matcher(so)
+    return all(matcher.accept(t) for t in tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting
+
+
+PARIS = ("get_weather", {"city": "Paris", "unit": "c"})
+ORIGIN = ("move", {"to": {"x": 0, "y": -3}})
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_is_enforced(compiler, loaded, fmt, parallel):
+    tok, so = loaded.tokenizer, tool_constraint(spec("required", parallel), fmt, loaded.tokenizer)
+    assert so.kind == ("json_schema" if fmt is G else "lark") and so.param == "tools"
+    compiler.compile(so)
+    for calls in ([PARIS], [ORIGIN]):
+        assert matches(compiler, tok, so, call_text(fmt, calls)), calls
+        assert pairs(parse_tool_calls(call_text(fmt, calls), spec(), fmt)[1]) == calls
+    assert matches(compiler, tok, so, call_text(fmt, [PARIS, ORIGIN])) is parallel
+    for bad in ([("get_weather", {"city": 3})], [("get_weather", {"town": "Paris"})], [("fly", {})],
+                [("move", {"to": {"x": 0}})]):
+        assert not matches(compiler, tok, so, call_text(fmt, bad)), bad
+    assert not matches(compiler, tok, so, "The weather is fine.")
+    if fmt is G:  # the schema itself means the same to a JSON-schema validator
+        jsonschema.validate(json.loads(call_text(fmt, [PARIS, ORIGIN][:1 + parallel])), json.loads(so.value))
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_named_function_is_enforced(compiler, loaded, fmt):
+    named = spec({"type": "function", "function": {"name": "move"}}, False)
+    so = tool_constraint(named, fmt, loaded.tokenizer)
+    assert matches(compiler, loaded.tokenizer, so, call_text(fmt, [ORIGIN]))
+    assert not matches(compiler, loaded.tokenizer, so, call_text(fmt, [PARIS]))
+
+
+def test_generic_auto_is_calls_or_response(compiler, loaded):
+    tok, so = loaded.tokenizer, tool_constraint(spec("auto"), G)
+    assert matches(compiler, tok, so, '{"response": "It is \\"sunny\\" in Paris."}')
+    assert matches(compiler, tok, so, call_text(G, [PARIS, ORIGIN]))
+    assert not matches(compiler, tok, so, "It is sunny in Paris.")
+    assert not matches(compiler, tok, so, '{"response": 3}')
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_no_constraint_for_none_and_free_auto(fmt):
+    assert tool_constraint(spec("none"), fmt) is None and tool_constraint(None, fmt) is None
+    assert tool_constraint(check_tools(None), fmt) is None
+    assert (tool_constraint(spec("auto"), fmt) is None) is (fmt is not G)
+
+
+def test_special_token_marker_is_matched_as_the_token(compiler, loaded):
+    """A marker that is one special token of the vocabulary (Mistral's [TOOL_CALLS] is id 5 in
+    its vocab) is matched as that token, not as its text. Here a stand-in tokenizer says the
+    marker is special id 1 (the bundled vocab's <|im_start|>)."""
+    class Stub:
+        def encode(self, text, add_special_tokens=False):
+            return [1] if text == "[TOOL_CALLS]" else [7, 8]
+
+        def is_special(self, token_id):
+            return token_id == 1
+
+    so = tool_constraint(spec("required"), M, Stub())
+    assert "<[1]>" in so.value
+    body = call_text(M, [PARIS])[len("[TOOL_CALLS]"):]
+    assert matches(compiler, loaded.tokenizer, so, "<|im_start|>" + body)
+    assert not matches(compiler, loaded.tokenizer, so, "[TOOL_CALLS]" + body)
+
+
+# -- parser: unit texts --------------------------------------------------------------------------
+def test_hermes_content_and_calls():
+    text = ('Let me check both.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "move", "arguments": {"to": {"x": 1, "y": 2}}}\n</tool_call>\n')
+    content, calls = parse_tool_calls(text, spec(), H)
+    assert content == "Let me check both." and pairs(calls) == [("get_weather", {"city": "Paris"}),
+                                                                 ("move", {"to": {"x": 1, "y": 2}})]
+    assert all(ID.fullmatch(c.id) for c in calls) and calls[0].id != calls[1].id
+    assert calls[0].to_openai() == {"id": calls[0].id, "type": "function",
+                                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    between = '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>\nNow the other.\n' \
+              '<tool_call>\n{"name": "move", "arguments": {}}\n</tool_call>'
+    assert parse_tool_calls(between, spec(), H)[0] == "Now the other."
+    assert parse_tool_calls("A plain reply.\n", spec(), H) == ("A plain reply.\n", [])
+
+
+def test_hermes_variants():
+    # no arguments key, arguments as a JSON string, a missing close tag, a broken call kept as text
+    assert pairs(parse_tool_calls('<tool_call>{"name": "ping"}</tool_call>', spec(), H)[1]) == [("ping", {})]
+    text = '<tool_call>\n{"name": "move", "arguments": "{\\"to\\": 1}"}\n</tool_call>'
+    assert pairs(parse_tool_calls(text, spec(), H)[1]) == [("move", {"to": 1})]
+    content, calls = parse_tool_calls('<tool_call>\n{"name": "move", "arguments": {}}\nDone.', spec(), H)
+    assert content == "Done." and len(calls) == 1
+    content, calls = parse_tool_calls('x <tool_call> not json </tool_call> y', spec(), H)
+    assert calls == [] and content == "x <tool_call> not json </tool_call> y"
+    bad = '<tool_call>\n{"name": "move", "arguments": {"x": NaN}}\n</tool_call>'
+    assert parse_tool_calls(bad, spec(), H) == (bad, [])
+
+
+def test_mistral():
+    text = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "move", "arguments": {}}]'
+    content, calls = parse_tool_calls(text, spec(), M)
+    assert content == "" and [c.name for c in calls] == ["get_weather", "move"]
+    one = parse_tool_calls('Sure.[TOOL_CALLS]{"name": "move", "arguments": {"to": 1}}', spec(), M)
+    assert one[0] == "Sure." and pairs(one[1]) == [("move", {"to": 1})]
+    assert parse_tool_calls("[1, 2] are numbers", spec(), M) == ("[1, 2] are numbers", [])
+
+
+def test_llama3_json():
+    assert pairs(parse_tool_calls('{"name": "move", "parameters": {"to": 1}}', spec(), L)[1]) == [("move", {"to": 1})]
+    text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}} ; {"name": "move", "parameters": {}}'
+    assert [c.name for c in parse_tool_calls(text, spec(), L)[1]] == ["get_weather", "move"]
+    for plain in ('{"name": "Bob", "parameters": {}}', '{"name": "move"}', "The answer is {1}.", '{"a": [1, 2]}'):
+        assert parse_tool_calls(plain, spec(), L) == (plain, [])  # not a call: content, verbatim
+
+
+def test_generic():
+    content, calls = parse_tool_calls(call_text(G, [PARIS, ORIGIN], indent=2), spec(), G)
+    assert content == "" and pairs(calls) == [PARIS, ORIGIN]
+    escaped = '{"response": "Hi \\"you\\"\\n\\u00e9\\ud83d\\ude00"}'
+    assert parse_tool_calls(escaped, spec(), G) == ('Hi "you"\né😀', [])
+    for raw in ("Just text.", '{"answer": 42}', '{"response": 42}', "[1]"):
+        assert parse_tool_calls(raw, spec(), G) == (raw, [])  # not the format: the raw text
+    assert parse_tool_calls('{"response": "It is sunny', spec(), G) == ("It is sunny", [])
+    tricky = '{"response": "a\\\\ud83d b \\ud83d\\ude00"}'  # an escaped backslash, then a real pair
+    for cut in range(len(tricky) + 1):
+        assert stream(tricky, G, cuts=[cut])[0] == "a\\ud83d b 😀", cut
+
+
+def test_response_streams_as_it_comes():
+    parser = ToolCallParser(spec(), G)
+    assert parser.feed('{"response": "It is su').content == "It is su"
+    assert parser.feed('nny \\u00').content == "nny "  # an escape is held until complete
+    assert parser.feed('e9"}').content == "é" and parser.flush().content == ""
+    assert parser.content == "It is sunny é" and not parser.has_calls
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_no_tools_passes_everything_through(fmt):
+    text = call_text(fmt, [PARIS], prefix="Hi <tool_ca")
+    for sp in (spec("none"), check_tools(None), None):
+        parser = ToolCallParser(sp, fmt)
+        assert parser.feed(text).content == text and not parser.flush() and parser.content == text
+        assert not parser.has_calls
+
+
+# -- field cases ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_g1_a_whole_call_in_one_piece(fmt):
+    """G1: start marker, JSON and end marker arriving in ONE fed piece still give deltas with the
+    full name and arguments (never empty arguments)."""
+    parser = ToolCallParser(spec(), fmt)
+    delta = parser.feed(call_text(fmt, [ORIGIN]))
+    delta += parser.flush()
+    assert len(delta.calls) == 1 and delta.calls[0].name == "move" and ID.fullmatch(delta.calls[0].id)
+    assert json.loads(delta.calls[0].arguments) == ORIGIN[1]
+    assert delta.calls[0].arguments == parser.tool_calls[0].arguments
+    assert delta.calls[0].to_openai()["function"] == {"name": "move", "arguments": delta.calls[0].arguments}
+
+
+@pytest.mark.parametrize("fmt, text, content", [
+    (H, "Let me look.\n<tool_ca", "Let me look."),
+    (H, 'Done.<tool_call>\n{"name": "move", "arguments": {}}\n</tool_', "Done."),
+    (M, "Calling [TOOL_CA", "Calling"),
+    (L, "<|python_t", ""),
+    (H, "a <", "a <"),  # one character is text, not a marker
+])
+def test_g2_flush_never_leaks_half_a_marker(fmt, text, content):
+    """G2: the final flush drops a dangling partial control marker instead of emitting it."""
+    for cuts in (None, []):
+        assert stream(text, fmt, cuts=cuts)[0] == content
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_g2_a_call_cut_mid_json_is_no_call(fmt):
+    """G2: a stop string (or max_tokens) that cut a call mid-JSON gives no tool call and claims no
+    invalid JSON as arguments: the cut text is content, verbatim."""
+    full = call_text(fmt, [("get_weather", {"city": "Paris"})])
+    cut = full[:full.index("Par") + 2]
+    for cuts in (None, []):
+        content, calls, deltas = stream(cut, fmt, cuts=cuts)
+        assert calls == [] and deltas == [] and content == cut
+
+
+# -- parser: properties over split points ---------------------------------------------------------
+KEYS = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=6)
+NASTY = st.sampled_from(['"', "\\", "{", "}", "[", "]", "</tool_call>", "<tool_call>", "[TOOL_CALLS]",
+                         "<|python_tag|>", ";", ",", "\n", "é", "😀", "\u2028", "\x00"])
+STRINGS = st.lists(NASTY | st.text(max_size=4), max_size=5).map("".join)
+SCALARS = (STRINGS | st.integers(-10**6, 10**6) | st.booleans() | st.none()
+           | st.floats(allow_nan=False, allow_infinity=False))
+VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(KEYS, inner, max_size=3),
+                      max_leaves=8)
+ARGS = st.dictionaries(KEYS, VALUES, max_size=4)
+NAMES = st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True)
+PREFIX = st.text(st.characters(exclude_characters="<[{"), max_size=12)
+
+
+@st.composite
+def replies(draw):
+    fmt = draw(st.sampled_from(list(ToolFormat)))
+    names = draw(st.lists(NAMES, min_size=1, max_size=3, unique=True))
+    calls = draw(st.lists(st.tuples(st.sampled_from(names), ARGS), min_size=1, max_size=3))
+    sp = check_tools([{"type": "function", "function": {"name": n}} for n in names])
+    text = call_text(fmt, calls, prefix=draw(PREFIX), ensure_ascii=draw(st.booleans()),
+                     indent=draw(st.sampled_from([None, 1])), tag=draw(st.booleans()))
+    cuts = draw(st.lists(st.integers(1, max(1, len(text) - 1)), max_size=12))
+    return fmt, sp, calls, text, cuts
+
+
+PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPERTY
+@given(replies())
+def test_streamed_equals_whole_text_parse(case):
+    """Whatever the split points: the joined content and each call's joined argument pieces equal
+    the one-piece parse, and the arguments are JSON equal to the generated objects."""
+    fmt, sp, calls, text, cuts = case
+    whole_content, whole_calls = parse_tool_calls(text, sp, fmt)
+    content, got, deltas = stream(text, fmt, sp, cuts)
+    assert content == whole_content and [(c.name, c.arguments) for c in got] == [(c.name, c.arguments)
+                                                                                  for c in whole_calls]
+    assert pairs(got) == calls
+    for i, call in enumerate(got):
+        mine = [d for d in deltas if d.index == i]
+        assert mine[0].id == call.id and mine[0].name == call.name and all(d.id is None for d in mine[1:])
+        assert "".join(d.arguments for d in mine) == call.arguments
+    assert "<tool_call>" not in content and "[TOOL_CALLS]" not in content
+
+
+@PROPERTY
+@given(replies(), st.data())
+def test_a_cut_call_is_content(case, data):
+    """Cut anywhere inside the first call's JSON: no call, and the content is the text verbatim."""
+    fmt, sp, calls, text, cuts = case
+    start = text.index("{", text.index("[TOOL_CALLS]") if fmt is M else 1 if fmt is G else 0)
+    end = json.JSONDecoder().raw_decode(text, start)[1]
+    cut = text[:data.draw(st.integers(start + 1, end - 1))]
+    content, got, deltas = stream(cut, fmt, sp, [c for c in cuts if c < len(cut)])
+    assert got == [] and deltas == [] and content == cut
+
+
+@settings(max_examples=100, deadline=None)
+@given(STRINGS, st.booleans(), st.lists(st.integers(1, 60), max_size=10))
+def test_generic_response_streams_exactly(reply, ascii_only, cuts):
+    text = json.dumps({"response": reply}, ensure_ascii=ascii_only)
+    assert stream(text, G, cuts=cuts)[:2] == (reply, [])
+
+
+# -- end to end on the bundled model ---------------------------------------------------------------
+@pytest.mark.usefixtures("one_cpu_thread")
+def test_bundled_model_calls_a_tool_under_the_generic_constraint(loaded):
+    """SmolLM2 (GENERIC): with "required" the greedy reply is a valid call of an allowed tool;
+    with "auto" it is one of GENERIC's two forms, and either way the parser takes it apart."""
+    from monobatch.engine.params import SamplingParams
+    from monobatch.llm import LLM
+
+    llm, tok = LLM(loaded=loaded), loaded.tokenizer
+    fmt = detect_format(tok.chat_template)
+    for choice in ("required", "auto"):
+        sp = spec(choice, False, tools=[WEATHER])
+        messages, kwargs = prepare_messages([{"role": "user", "content": "What is the weather in Paris?"}], sp, fmt)
+        params = SamplingParams(temperature=0, max_tokens=60, structured=tool_constraint(sp, fmt, tok))
+        out = llm.generate([tok.apply_chat_template(messages, **kwargs)], params, use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop", out.text
+        content, calls, _ = stream(out.text, fmt, sp)
+        if choice == "required" or calls:
+            assert content == "" and [c.name for c in calls] == ["get_weather"]
+            jsonschema.validate(json.loads(calls[0].arguments), WEATHER["function"]["parameters"])
+        else:
+            assert content == json.loads(out.text)["response"] and content
