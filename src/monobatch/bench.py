@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import random
 import resource
 import statistics
@@ -50,6 +51,7 @@ from typing import Callable, Protocol
 import torch
 
 from monobatch.engine.finish import RowOutput
+from monobatch.engine.constraint import StructuredOutput
 from monobatch.engine.params import SamplingParams
 from monobatch.engine.scheduler import BatchScheduler
 from monobatch.engine.sequence import FinishReason, Request
@@ -138,13 +140,27 @@ def batched_metrics(traces: list[Trace], prompt_tokens: int) -> dict[str, float]
             "total_tok_s": total / (end - start), "pp_s": pp_s, "tg_s": tg_s}
 
 
-def _params(gen_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True)
+#: ``bench --constrained``'s JSON schema: an array of at least 4,096 small objects, so the grammar
+#: cannot end before ``-n`` tokens and every token is drawn under a mask (structural JSON: keys,
+#: bounded strings, integers).
+CONSTRAINED_SCHEMA = {"type": "array", "minItems": 4096, "items": {
+    "type": "object", "additionalProperties": False, "required": ["name", "value"],
+    "properties": {"name": {"type": "string", "maxLength": 16}, "value": {"type": "integer"}}}}
 
 
-def _requests(prompts: list[list[int]], gen_tokens: int, start: float) -> list[Request]:
-    return [Request(f"bench-{next(_ids)}", p, _params(gen_tokens), arrival_time=start, bypass_prefix_cache=True)
-            for p in prompts]
+def bench_constraint() -> StructuredOutput:
+    """The structured-output constraint of ``bench --constrained`` (:data:`CONSTRAINED_SCHEMA`)."""
+    return StructuredOutput.json_schema(CONSTRAINED_SCHEMA, "--constrained")
+
+
+def _params(gen_tokens: int, structured: StructuredOutput | None = None) -> SamplingParams:
+    return SamplingParams(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True, structured=structured)
+
+
+def _requests(prompts: list[list[int]], gen_tokens: int, start: float,
+              structured: StructuredOutput | None = None) -> list[Request]:
+    return [Request(f"bench-{next(_ids)}", p, _params(gen_tokens, structured), arrival_time=start,
+                    bypass_prefix_cache=True) for p in prompts]
 
 
 # -- paths ---------------------------------------------------------------------------------------
@@ -169,13 +185,14 @@ class EngineDriver:
     """The ``engine`` path: ``BatchScheduler.run`` in this thread."""
 
     name = "engine"
+    structured: StructuredOutput | None = None
 
     def __init__(self, scheduler: BatchScheduler) -> None:
         self.scheduler = scheduler
 
     def run(self, prompts: list[list[int]], gen_tokens: int) -> list[Trace]:
         start = time.perf_counter()
-        requests = _requests(prompts, gen_tokens, start)
+        requests = _requests(prompts, gen_tokens, start, self.structured)
         traces = {r.request_id: Trace(start) for r in requests}
         for out in self.scheduler.run(requests):
             _record(traces[out.request_id], out)
@@ -199,6 +216,7 @@ class ServerDriver:
     """
 
     name = "server"
+    structured: StructuredOutput | None = None
 
     def __init__(self, scheduler: BatchScheduler) -> None:
         from monobatch.server.client import MAX_SEQS_PER_REQUEST, EngineClient
@@ -213,7 +231,7 @@ class ServerDriver:
 
     async def _run(self, prompts: list[list[int]], gen_tokens: int) -> list[Trace]:
         start = time.perf_counter()
-        requests = _requests(prompts, gen_tokens, start)
+        requests = _requests(prompts, gen_tokens, start, self.structured)
         traces = [Trace(start) for _ in requests]
 
         async def read(reader, offset: int) -> None:
@@ -242,6 +260,7 @@ class HttpDriver:
     """
 
     name = "http"
+    structured: StructuredOutput | None = None  # sent as llama-server's json_schema field
 
     def __init__(self, scheduler: BatchScheduler, ready_timeout: float = 600.0) -> None:
         import httpx
@@ -275,6 +294,8 @@ class HttpDriver:
         body = {"prompt": prompt, "max_tokens": gen_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
                 "cache_prompt": False, "return_token_ids": True, "repeat_penalty": 1.0, "presence_penalty": 0.0,
                 "frequency_penalty": 0.0, "dry_multiplier": 0.0}
+        if self.structured is not None:
+            body["json_schema"] = json.loads(self.structured.value)
         base = self.server.base_url
         with transport_errors(base):
             async with self.http.stream("POST", "/v1/completions", json=body) as resp:
@@ -373,12 +394,13 @@ class BenchRow:
     setup: Setup
     metrics: dict[str, float]
     samples: dict
+    constrained: bool = False  # every request decoded under bench --constrained's JSON schema
     peak_rss_mb: float = field(default_factory=lambda: round(peak_rss_mb(), 1))
 
     def to_dict(self) -> dict:
         """The JSON object: identity, setup, metrics at the top level, then ``samples``."""
         head = {k: getattr(self, k) for k in ("label", "path", "mode", "prompt_tokens", "gen_tokens", "batch_size",
-                                              "runs")}
+                                              "runs", "constrained")}
         return {**head, **asdict(self.setup), "peak_rss_mb": self.peak_rss_mb, **self.metrics, "samples": self.samples}
 
     def table_line(self) -> str:
@@ -410,6 +432,7 @@ class BenchPlan:
     runs: int = 3
     concurrency: int = 0
     seed: int = 0
+    structured: StructuredOutput | None = None  # every request decodes under this constraint
 
     def check(self, scheduler: BatchScheduler) -> None:
         """Refuse what the loaded engine cannot run as asked.
@@ -455,8 +478,11 @@ def run_bench(scheduler: BatchScheduler, plan: BenchPlan, emit: Callable[[BenchR
         return prompts[length, i]
 
     rows: list[BenchRow] = []
+    if plan.structured is not None:
+        scheduler.engine.grammars.compile(plan.structured)
     for path in plan.paths:
         driver = open_driver(path, scheduler)
+        driver.structured = plan.structured
         try:
             for length in plan.prompt_tokens:
                 for b in plan.batch_sizes:
@@ -467,7 +493,7 @@ def run_bench(scheduler: BatchScheduler, plan: BenchPlan, emit: Callable[[BenchR
     if plan.concurrency:
         for length in plan.prompt_tokens:
             batch = [prompt(length, i) for i in range(plan.concurrency)]
-            rows.append(concurrent_vs_sequential(scheduler, setup, batch, plan.gen_tokens))
+            rows.append(concurrent_vs_sequential(scheduler, setup, batch, plan.gen_tokens, plan.structured))
             emit(rows[-1])
     return rows
 
@@ -492,12 +518,13 @@ def measure(driver: Driver, setup: Setup, prompts: list[list[int]], plan: BenchP
                    "decode_tok_s": round(statistics.median(samples["decode_tok_s"]), 1)}
     else:
         metrics = {k: round(statistics.median(samples[k]), 1) for k in ("pp_tok_s", "tg_tok_s", "total_tok_s")}
-    return BenchRow(f"{driver.name} p{length} b{b}", driver.name, "b1" if b == 1 else "batched", length,
-                    plan.gen_tokens, b, plan.runs, setup, metrics, samples)
+    json_ = " json" if plan.structured is not None else ""
+    return BenchRow(f"{driver.name} p{length} b{b}{json_}", driver.name, "b1" if b == 1 else "batched", length,
+                    plan.gen_tokens, b, plan.runs, setup, metrics, samples, plan.structured is not None)
 
 
 def concurrent_vs_sequential(scheduler: BatchScheduler, setup: Setup, prompts: list[list[int]],
-                             gen_tokens: int) -> BenchRow:
+                             gen_tokens: int, structured: StructuredOutput | None = None) -> BenchRow:
     """The prompts (greedy, EOS ignored, prefix cache bypassed) submitted at once, then the same
     prompts one after another, engine path, in one process so the two compare as a ratio.
 
@@ -510,6 +537,7 @@ def concurrent_vs_sequential(scheduler: BatchScheduler, setup: Setup, prompts: l
             tokens (as :func:`measure`, via :meth:`Trace.check`).
     """
     driver = EngineDriver(scheduler)
+    driver.structured = structured
     start = time.perf_counter()
     traces = driver.run(prompts, gen_tokens)
     concurrent = time.perf_counter() - start

@@ -68,6 +68,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dummy-weights", action="store_true", help="random weights of --shape instead of a checkpoint")
     p.add_argument("--shape", help=f"with --dummy-weights: {', '.join(SHAPES)} (default smollm2-135m)")
     p.add_argument("--json", action="store_true", help="print one JSON object per line, one per configuration")
+    p.add_argument("--constrained", action="store_true",
+                   help="decode every request under a JSON schema (structured output: an array of at least 4096 "
+                        "small objects, so the grammar cannot end before -n tokens); compare with a run without")
     add_model_args(p)
     p.set_defaults(func=run, max_num_seqs=None)  # None: max(the default, the largest --batch-size)
 
@@ -96,13 +99,18 @@ def run(ns: argparse.Namespace) -> int:
 
     plan = BenchPlan(paths=ns.path, prompt_tokens=ns.prompt_tokens, gen_tokens=ns.gen_tokens,
                      batch_sizes=ns.batch_size, runs=ns.runs, concurrency=ns.concurrency)
+    if ns.constrained:
+        from monobatch.bench import bench_constraint
+
+        plan.structured = bench_constraint()
     loaded = dummy_model(ns.shape or "smollm2-135m", ns.device, ns.dtype) if ns.dummy_weights else None
     scheduler = open_engine(ns, loaded)
     plan.check(scheduler)
     if not ns.json:
         print(Setup.of(scheduler).header())
+        constrained = ", under the --constrained JSON schema" if plan.structured else ""
         print(f"prompt {'/'.join(map(str, plan.prompt_tokens))} + gen {plan.gen_tokens} tokens (synthesized text, "
-              f"prefix cache bypassed, greedy, EOS ignored); median of {plan.runs} runs after 1 warm-up")
+              f"prefix cache bypassed, greedy, EOS ignored{constrained}); median of {plan.runs} runs after 1 warm-up")
         print(TABLE_HEADER, flush=True)
 
     def emit(row) -> None:
