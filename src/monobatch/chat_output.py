@@ -1,4 +1,8 @@
-"""Chat output: a reply's text split into reasoning and content, shared by every chat client.
+"""Chat output: a reply's text split into reasoning, content and tool calls, shared by every
+chat client (the server's chat endpoint, ``generate --chat``, ``LLM.chat``).
+
+:class:`ChatReply` runs the two splitters in order: the reasoning split below, then the tool-call
+parser (:class:`monobatch.tool_calls.ToolCallParser`) on the content.
 
 Reasoning models write their thinking inside a ``<think> ... </think>`` block before the answer.
 Some templates open the block themselves (the rendered prompt ends with ``<think>``, as
@@ -16,7 +20,9 @@ newline, the blank line before the answer).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from monobatch.tool_calls import ToolCall, ToolCallDelta, ToolCallParser, ToolFormat, ToolSpec
 
 #: The values of ``--reasoning-format`` / the request field ``reasoning_format``.
 REASONING_FORMATS = ("none", "separate")
@@ -26,17 +32,20 @@ CLOSE_TAG = "</think>"
 
 @dataclass(slots=True)
 class ChatDelta:
-    """A piece of a reply: new content and new reasoning text (either may be "")."""
+    """A piece of a reply: new content and new reasoning text (either may be ""), and tool-call
+    pieces (:class:`ChatReply` only)."""
 
     content: str = ""
     reasoning: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.content or self.reasoning)
+        return bool(self.content or self.reasoning or self.tool_calls)
 
     def __iadd__(self, other: "ChatDelta") -> "ChatDelta":
         self.content += other.content
         self.reasoning += other.reasoning
+        self.tool_calls.extend(other.tool_calls)
         return self
 
 
@@ -137,3 +146,56 @@ def split_reasoning(text: str, reasoning_format: str = "separate", in_reasoning:
     out = splitter.feed(text)
     out += splitter.flush()
     return out
+
+
+class ChatReply:
+    """One reply's streamed text as the chat API shows it: reasoning, content and tool calls.
+
+    Args:
+        reasoning_format / in_reasoning: as :class:`ReasoningSplitter`.
+        tools / fmt: the request's checked tools and the model's tool-call format; None (or
+            ``choice`` "none") passes content through.
+
+    Attributes:
+        has_reasoning: a reasoning block was opened.
+    """
+
+    def __init__(self, reasoning_format: str = "separate", in_reasoning: bool = False,
+                 tools: ToolSpec | None = None, fmt: ToolFormat = ToolFormat.GENERIC) -> None:
+        self._reasoning = ReasoningSplitter(reasoning_format, in_reasoning)
+        self._tools = ToolCallParser(tools, fmt) if tools is not None and tools.active else None
+
+    @property
+    def has_reasoning(self) -> bool:
+        return self._reasoning.has_reasoning
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        """The finished tool calls (after :meth:`flush`)."""
+        return self._tools.tool_calls if self._tools is not None else []
+
+    def feed(self, text: str) -> ChatDelta:
+        """Add the next piece of the reply; returns what can be shown now."""
+        return self._calls(self._reasoning.feed(text), final=False)
+
+    def flush(self) -> ChatDelta:
+        """End of the reply: everything still held."""
+        return self._calls(self._reasoning.flush(), final=True)
+
+    def _calls(self, parts: ChatDelta, final: bool) -> ChatDelta:
+        if self._tools is None:
+            return parts
+        tools = self._tools.feed(parts.content)
+        if final:
+            tools += self._tools.flush()
+        return ChatDelta(tools.content, parts.reasoning, tools.calls)
+
+
+def split_reply(text: str, reasoning_format: str = "separate", in_reasoning: bool = False,
+                tools: ToolSpec | None = None, fmt: ToolFormat = ToolFormat.GENERIC) -> tuple[ChatDelta, ChatReply]:
+    """The whole-text form of :class:`ChatReply` (non-streamed replies): the split and the reply
+    object (``has_reasoning``, ``tool_calls``)."""
+    reply = ChatReply(reasoning_format, in_reasoning, tools, fmt)
+    out = reply.feed(text)
+    out += reply.flush()
+    return out, reply

@@ -11,9 +11,10 @@ import argparse
 import json
 import sys
 
-from monobatch.chat_output import REASONING_FORMATS, ChatDelta, ReasoningSplitter, prompt_opens_reasoning
+from monobatch.chat_output import REASONING_FORMATS, ChatDelta, ChatReply
 from monobatch.cli.args import (add_constraint_args, add_model_args, add_sampling_args, constraint_flag, open_engine,
                                 read_prompt, sampling_flags)
+from monobatch.chat_prompt import prepare_chat
 from monobatch.engine.params import resolve_sampling
 from monobatch.errors import InvalidRequestError
 
@@ -65,9 +66,9 @@ def run(ns: argparse.Namespace) -> int:
     splitter = None
     if ns.chat:
         messages = ([{"role": "system", "content": ns.system}] if ns.system else []) + [{"role": "user", "content": prompt}]
-        prompt_ids = tok.encode_chat(messages, add_generation_prompt=True)  # message text is data (never a control token)
-        tail = tok.decode(prompt_ids[-16:], skip_special_tokens=False)
-        splitter = ReasoningSplitter(ns.reasoning_format or "separate", prompt_opens_reasoning(tail))
+        chat = prepare_chat(tok, messages)  # the chat endpoint's prompt: message text is data, never a control token
+        prompt_ids = chat.prompt_ids
+        splitter = ChatReply(ns.reasoning_format or "separate", chat.in_reasoning)
     else:
         prompt_ids = tok.encode(prompt)
     request = Request("generate-0", prompt_ids, params)

@@ -3,13 +3,15 @@ reasoning split of :mod:`monobatch.chat_output` and chat-shaped logprobs."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 
-from monobatch.chat_output import ChatDelta, ReasoningSplitter, prompt_opens_reasoning
+from monobatch.chat_output import ChatDelta, ChatReply, split_reply
+from monobatch.chat_prompt import ChatPrompt, prepare_chat
 from monobatch.engine.params import resolve_sampling
 from monobatch.errors import InvalidRequestError
 from monobatch.server.client import ResponseReader
@@ -19,20 +21,6 @@ from monobatch.server.generation import (Choice, EventStream, build_requests, ch
 from monobatch.server.protocol import ChatCompletionRequest
 from monobatch.server.state import ServerState
 from monobatch.tokenizer import Tokenizer
-
-#: Template variables a request's chat_template_kwargs may not replace.
-_RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
-#: Prompt tokens decoded to see whether the rendered prompt leaves a ``<think>`` block open.
-_TAIL_TOKENS = 16
-
-
-def template_messages(messages: list) -> list:
-    """The request's messages as the chat template gets them: OpenAI's ``developer`` role (its
-    newer name for ``system``) becomes ``system``; everything else is the template module's to
-    check. The client's dicts are not modified."""
-    return [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
-            for m in messages]
-
 
 def message_chars(messages: list) -> int:
     """Characters of the messages' text (string content and text parts), for the cheap length
@@ -50,17 +38,15 @@ def message_chars(messages: list) -> int:
 
 def chat_prompt_ids(tok: Tokenizer, messages: list, add_generation_prompt: bool,
                     template_kwargs: dict[str, Any] | None) -> list[int]:
-    """The prompt ids of a conversation: :meth:`Tokenizer.encode_chat` (one BOS at most: case
-    F2). Blocking (the template and the tokenizer): run it with :func:`off_loop`.
+    """The prompt ids of a conversation without tools (``/tokenize`` with ``messages``): the ids a
+    chat request gets (:func:`monobatch.chat_prompt.prepare_chat`). Blocking: run it with
+    :func:`off_loop`.
 
     Raises:
         InvalidRequestError: bad messages, a template's ``raise_exception``, reserved kwargs.
     """
-    kwargs = template_kwargs or {}
-    clash = sorted(_RESERVED_TEMPLATE_VARS & kwargs.keys())
-    if clash:
-        raise InvalidRequestError(f"chat_template_kwargs: may not set {', '.join(clash)}", "chat_template_kwargs")
-    return tok.encode_chat(template_messages(messages), add_generation_prompt, **kwargs)
+    return prepare_chat(tok, messages, add_generation_prompt=add_generation_prompt,
+                        template_kwargs=template_kwargs).prompt_ids
 
 
 @dataclass(slots=True)
@@ -72,14 +58,22 @@ class _Chat:
     created: int
     body: ChatCompletionRequest
     tok: Tokenizer
-    prompt_ids: list[int]
+    chat: ChatPrompt
     reasoning_format: str
-    in_reasoning: bool
 
-    def splitter(self) -> ReasoningSplitter:
-        """A fresh reasoning splitter for one choice (this request's format, and whether the
-        prompt left a ``<think>`` block open)."""
-        return ReasoningSplitter(self.reasoning_format, self.in_reasoning)
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.chat.prompt_ids
+
+    def splitter(self) -> ChatReply:
+        """A fresh reply splitter for one choice: reasoning (this request's format, and whether
+        the prompt left a ``<think>`` block open), content and tool calls."""
+        return ChatReply(self.reasoning_format, self.chat.in_reasoning, self.chat.tools, self.chat.fmt)
+
+    @staticmethod
+    def finish_reason(c: Choice, reply: ChatReply) -> str | None:
+        """``tool_calls`` when the reply called tools (OpenAI), else the engine's reason."""
+        return "tool_calls" if reply.tool_calls and c.finish_reason in ("stop", "length") else c.finish_reason
 
     def _chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
         chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
@@ -100,15 +94,17 @@ class _Chat:
         """The non-streamed body."""
         rows = []
         for c in choices:
-            splitter = self.splitter()
-            parts = splitter.feed("".join(c.text))
-            parts += splitter.flush()
+            parts, reply = split_reply("".join(c.text), self.reasoning_format, self.chat.in_reasoning,
+                                       self.chat.tools, self.chat.fmt)
             message = {"role": "assistant", "content": parts.content}
-            if splitter.has_reasoning:
+            if reply.has_reasoning:
                 message["reasoning_content"] = parts.reasoning
+            if reply.tool_calls:  # OpenAI: content null when the reply is only calls
+                message["content"] = parts.content or None
+                message["tool_calls"] = [call.to_openai() for call in reply.tool_calls]
             row = {"index": c.index, "message": message,
                    "logprobs": chat_logprobs(self.tok, c.logprobs) if self.body.logprobs else None,
-                   "finish_reason": c.finish_reason}
+                   "finish_reason": self.finish_reason(c, reply)}
             if self.body.return_token_ids:
                 row["token_ids"] = c.token_ids
             rows.append(row)
@@ -144,16 +140,30 @@ class _Chat:
             if out.finished:
                 parts += splitters[i].flush()
             wants_logprobs = self.body.logprobs and out.logprobs
-            if not (parts or out.finished or wants_logprobs):
+            for call in parts.tool_calls:  # id and name first, then the arguments (OpenAI's stream shape)
+                first = call.to_openai()
+                args = first["function"]["arguments"]
+                first["function"]["arguments"] = ""
+                yield sse(self._chunk([{"index": i, "delta": {"tool_calls": [first]}, "logprobs": None,
+                                        "finish_reason": None}]))
+                if args:
+                    yield sse(self._chunk([{"index": i, "delta": {"tool_calls": [
+                        {"index": call.index, "function": {"arguments": args}}]}, "logprobs": None,
+                        "finish_reason": None}]))
+            if not (parts.content or parts.reasoning or out.finished or wants_logprobs):
                 continue
             delta = {}
             if parts.content:
                 delta["content"] = parts.content
             if parts.reasoning:
                 delta["reasoning_content"] = parts.reasoning
+            reason = None
+            if out.finished:
+                choices[i].finish_reason = out.finish_reason.value
+                reason = self.finish_reason(choices[i], splitters[i])
             row = {"index": i, "delta": delta,
                    "logprobs": chat_logprobs(self.tok, out.logprobs) if wants_logprobs else None,
-                   "finish_reason": out.finish_reason.value if out.finished else None}
+                   "finish_reason": reason}
             if self.body.return_token_ids:
                 row["token_ids"] = pending[i]
             pending[i] = []
@@ -170,16 +180,22 @@ async def create_chat_completion(body: ChatCompletionRequest, http: HttpRequest,
     params = resolve_sampling(body.sampling_request(), state.sampling_flags, state.generation_defaults,
                               entry_point="chat")
     check_prompt_chars(message_chars(body.messages), state.max_prompt_chars, state.max_model_len, "messages")
+    chat = await off_loop(prepare_chat, tok, body.messages, tools=body.tools, tool_choice=body.tool_choice,
+                          parallel_tool_calls=body.parallel_tool_calls, add_generation_prompt=body.add_generation_prompt,
+                          template_kwargs=body.chat_template_kwargs)
+    if chat.structured is not None:  # tool_choice required / named (or the generic format's auto)
+        if params.structured is not None:
+            raise InvalidRequestError(f"tool_choice: {chat.tools.choice!r} constrains the reply to tool calls; it "
+                                      f"cannot be combined with {params.structured.param}", "tool_choice")
+        params = dataclasses.replace(params, structured=chat.structured)
+    if chat.keep_special_tokens:  # the call marker may be a control token
+        params = dataclasses.replace(params, skip_special_tokens=False)
     await compile_constraint(state.grammars, params)
-    prompt_ids = await off_loop(chat_prompt_ids, tok, body.messages, body.add_generation_prompt,
-                                body.chat_template_kwargs)
-    in_reasoning = prompt_opens_reasoning(tok.decode(prompt_ids[-_TAIL_TOKENS:], skip_special_tokens=False))
     chat_id = new_id("chatcmpl")
-    requests = build_requests(chat_id, [prompt_ids], params, body.n, arrival_time=arrival,
+    requests = build_requests(chat_id, [chat.prompt_ids], params, body.n, arrival_time=arrival,
                               bypass_prefix_cache=not body.cache_prompt)
     reader = await client.submit(requests)
-    job = _Chat(chat_id, model, created(), body, tok, prompt_ids,
-                body.reasoning_format or state.settings.reasoning_format, in_reasoning)
+    job = _Chat(chat_id, model, created(), body, tok, chat, body.reasoning_format or state.settings.reasoning_format)
     if body.stream:
         return EventStream(job.stream(reader), reader)
     return await respond(http, reader, job.collect(reader), job.response)
