@@ -36,6 +36,45 @@ def test_generate_strings_and_token_ids_in_order(llm):
     assert len(single) == 1 and single[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
 
 
+def test_vllm_prompt_dicts_mixed_with_strings_and_ids(llm):
+    """vLLM's {"prompt": ...} and {"prompt_token_ids": ...}, alone or in a list with the other forms."""
+    short = SamplingParams(temperature=0.0, max_tokens=3)
+    text = "The capital of France is"
+    ids = llm.tokenizer.encode(text)
+    outs = llm.generate([{"prompt": text}, {"prompt_token_ids": ids}, text, ids, tuple(ids)], short, use_tqdm=False)
+    assert [o.prompt for o in outs] == [text, None, text, None, None]
+    assert all(o.prompt_token_ids == ids for o in outs)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    one_text = llm.generate({"prompt": text}, short, use_tqdm=False)
+    one_ids = llm.generate({"prompt_token_ids": ids}, short, use_tqdm=False)
+    assert len(one_text) == len(one_ids) == 1 and one_text[0].prompt == text and one_ids[0].prompt is None
+    assert one_text[0].outputs[0].token_ids == one_ids[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("prompts", [
+    None, 3.5, True, 7, b"bytes", [None], [1.5], [True, False], [1, "a"], ["ok", 3], [[[1, 2]]], [[1, [2]]],
+    {"prompt": "a", "prompt_token_ids": [1]}, {"prompt": 5}, {"prompt_token_ids": "abc"},
+    {"prompt_token_ids": [1, "2"]}, {"prompt_token_ids": [True]}, {"text": "a"}, {}, [{"prompt": "a"}, {"bogus": 1}],
+    [{"prompt": None}],
+], ids=repr)
+def test_other_prompt_shapes_are_invalid_requests(llm, prompts):
+    with pytest.raises(InvalidRequestError) as raised:
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    message = str(raised.value)
+    assert "a string, a list of token ids" in message and '{"prompt": str}' in message, message
+    assert '{"prompt_token_ids": [int, ...]}' in message and raised.value.param == "prompts"
+    assert not llm.scheduler.has_unfinished()
+
+
+def test_prompt_shape_errors_say_what_is_wrong(llm):
+    with pytest.raises(InvalidRequestError, match="not both"):
+        llm.generate({"prompt": "a", "prompt_token_ids": [1]})
+    with pytest.raises(InvalidRequestError, match=r"unknown keys \['bogus'\]"):
+        llm.generate([{"prompt": "a"}, {"prompt": "b", "bogus": 1}])
+    with pytest.raises(InvalidRequestError, match=r"prompts\[1\] must be .*; got float"):
+        llm.generate(["a", 1.5])
+
+
 def test_same_ids_as_the_cli(llm, bundled_path):
     prompt = "The three primary colours are"
     res = subprocess.run([sys.executable, "-m", "monobatch", "generate", "-p", prompt, "--temperature", "0", "-n", "12",

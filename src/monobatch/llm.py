@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 from dataclasses import dataclass, field
-from typing import Any, Sequence, Union
+from typing import Any, Mapping, Sequence, Union
 
 from tqdm.auto import tqdm
 
@@ -29,7 +30,11 @@ from monobatch.engine.sequence import Request
 from monobatch.errors import InvalidRequestError
 from monobatch.loader import LoadedModel, load_model
 
-PromptType = Union[str, Sequence[int]]
+#: One prompt: text, token ids, or vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``.
+PromptType = Union[str, Sequence[int], Mapping[str, Any]]
+#: The forms one prompt may take, and what ``generate`` accepts (named by the error for any other shape).
+_ONE_PROMPT_FORMS = 'a string, a list of token ids, {"prompt": str} or {"prompt_token_ids": [int, ...]}'
+_PROMPT_FORMS = f"one prompt ({_ONE_PROMPT_FORMS}) or a non-empty list of them"
 log = logging.getLogger("monobatch")
 
 
@@ -131,17 +136,26 @@ class LLM:
         """Complete every prompt; outputs in the order of ``prompts``.
 
         Args:
-            prompts: a string, a list of token ids, or a list of either (raw completion: the
-                text is encoded as is, BOS per the model).
+            prompts: one prompt or a non-empty list of them, mixed freely. A prompt is a string,
+                a list of token ids, or vLLM's ``{"prompt": str}`` / ``{"prompt_token_ids":
+                [int, ...]}`` (exactly one of the two keys). Raw completion: text is encoded as
+                is (special-token text parsed, as llama.cpp does), BOS per the model.
             sampling_params: one for all prompts, one per prompt, or None for
                 :meth:`default_sampling_params`.
             use_tqdm: a progress bar over finished requests (shown on a terminal).
 
+        Returns:
+            One :class:`RequestOutput` per prompt, in order; ``prompt`` is the text of a text
+            prompt, None for token ids.
+
         Raises:
             InvalidRequestError / ContextLengthError: a bad prompt or parameter; nothing runs.
+                Any prompt shape other than those above (None, a number, a bool, a dict with
+                other keys or both keys, a list nested too deep) is an InvalidRequestError
+                naming the accepted forms.
         """
-        items = self._as_list(prompts)
-        encoded = [(p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in items]
+        items = self._as_prompts(prompts)
+        encoded = [(p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, p) for p in items]
         return self._run(encoded, sampling_params, use_tqdm)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
@@ -171,14 +185,19 @@ class LLM:
         return self._run(encoded, sampling_params, use_tqdm)
 
     @staticmethod
-    def _as_list(prompts) -> list[PromptType]:
-        if isinstance(prompts, str):
-            return [prompts]
-        if not isinstance(prompts, Sequence) or len(prompts) == 0:
-            raise InvalidRequestError("prompts must be a string, a list of token ids, or a non-empty list of them", "prompts")
-        if all(isinstance(t, int) for t in prompts):
-            return [prompts]  # one tokenized prompt
-        return list(prompts)
+    def _as_prompts(prompts: Any) -> list[str | list[int]]:
+        """Each prompt of ``generate``'s argument as its text or its token id list.
+
+        Raises:
+            InvalidRequestError: a shape other than :data:`_PROMPT_FORMS`.
+        """
+        if isinstance(prompts, (str, Mapping)):
+            return [_one_prompt(prompts, "prompts")]
+        if not _is_list(prompts) or len(prompts) == 0:
+            raise InvalidRequestError(f"prompts must be {_PROMPT_FORMS}; got {_shape(prompts)}", "prompts")
+        if all(_is_token_id(t) for t in prompts):
+            return [[int(t) for t in prompts]]  # one tokenized prompt
+        return [_one_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
 
     def _run(self, encoded: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None:
@@ -235,3 +254,50 @@ class LLM:
                 self.scheduler.step()
         except Exception:  # the engine is failing again: leave the aborts queued, report the first error
             pass
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_list(value: Any) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray, Mapping))
+
+
+def _shape(value: Any) -> str:
+    """A short description of a rejected value for an error message."""
+    if isinstance(value, Mapping):
+        return f"a dict with keys {sorted(map(str, value))}"
+    if _is_list(value):
+        return "an empty list" if len(value) == 0 else f"a list starting with {type(value[0]).__name__}"
+    return type(value).__name__
+
+
+def _one_prompt(value: Any, where: str) -> str | list[int]:
+    """One prompt (text or token ids; the dict forms unwrapped).
+
+    Raises:
+        InvalidRequestError: not one of :data:`_PROMPT_FORMS`' single forms.
+    """
+    if isinstance(value, Mapping):
+        keys = set(value)
+        if keys == {"prompt"} and isinstance(value["prompt"], str):
+            return value["prompt"]
+        if keys == {"prompt_token_ids"} and _is_list(value["prompt_token_ids"]) \
+                and all(_is_token_id(t) for t in value["prompt_token_ids"]):
+            return [int(t) for t in value["prompt_token_ids"]]
+        extra = sorted(map(str, keys - {"prompt", "prompt_token_ids"}))
+        if extra:
+            detail = f"unknown keys {extra}"
+        elif len(keys) == 2:
+            detail = 'give "prompt" or "prompt_token_ids", not both'
+        elif not keys:
+            detail = 'an empty dict (no "prompt" or "prompt_token_ids")'
+        else:
+            detail = '"prompt" must be a string, "prompt_token_ids" a list of integers'
+        raise InvalidRequestError(f"{where}: {detail}; a prompt is {_ONE_PROMPT_FORMS}", "prompts")
+    if isinstance(value, str):
+        return value
+    if _is_list(value) and all(_is_token_id(t) for t in value):
+        return [int(t) for t in value]
+    raise InvalidRequestError(f"{where} must be {_ONE_PROMPT_FORMS}; got {_shape(value)}", "prompts")

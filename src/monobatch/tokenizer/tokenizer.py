@@ -54,6 +54,9 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 #: Placeholder brackets for special-token text found in chat data (Supplementary Private Use
 #: Area-A: not whitespace, no case, kept as is by ``tojson``), around ``nonce:index`` in digits.
 _MARK_OPEN, _MARK_CLOSE = "\U000F0000", "\U000F0001"
+#: An added token of the plain-text copy of the backend only: text after it encodes as the text
+#: after a special token (a cut), and it is dropped from the ids.
+_MARK_CUT = "\U000F0002"
 #: Template variables that are the tokenizer's own token texts, not data.
 _SCAFFOLDING_VARS = frozenset({"bos_token", "eos_token"})
 
@@ -101,7 +104,7 @@ class Tokenizer:
         texts = sorted({tok.content for tok in added.values() if tok.special and tok.content}, key=len, reverse=True)
         self._special_text = re.compile("|".join(map(re.escape, texts))) if texts else None
         self._anchor = _cut_anchor(backend, added)
-        self._plain_backend: tokenizers.Tokenizer | None = None
+        self._plain_backend: tuple[tokenizers.Tokenizer, int] | None = None
         self._plain_lock = threading.Lock()
         named = {i for i, tok in added.items() if tok.content in _EOG_NAMES}
         eog = {self.eos_id, *extra_eog_ids, *named}
@@ -358,11 +361,14 @@ class Tokenizer:
         placeholders, each piece between them is encoded as :meth:`encode` would (special tokens
         parsed: it is scaffolding, and a piece after a cut is encoded as the text after a special
         token), and each placeholder is its original text encoded with special-token matching off
-        (``tokenizers``' ``encode_special_tokens`` on a copy of the backend). Cutting there
+        (``tokenizers``' ``encode_special_tokens`` on a copy of the backend; also encoded as text
+        after a cut, and never to a special id even where merges could build one). Cutting there
         changes nothing else: tokenization cuts at a special token's text anyway. Added tokens
         that are not special (GGUF user-defined tokens, e.g. ``<think>`` in some vocabularies)
         are ordinary vocabulary and still match in data, as in any text; so do special tokens
-        the template's filters create out of other text (``|lower``, two fields joined).
+        the template's filters create out of other text (``|lower``, two fields joined). A
+        filter the template applies to a string (``|upper``, ``|e``) does not reach the typed
+        special-token text in it: that text goes in as typed.
 
         Args:
             messages: OpenAI-style messages (see ``chat_template.normalize_messages``).
@@ -414,33 +420,58 @@ class Tokenizer:
                                       "text; remove the special-token text from the messages", param="messages")
         # a piece after a cut follows an anchor special token, as it would follow the special
         # token's text in the rendered prompt (a SentencePiece "first" space prefix stays off)
-        anchor_text = self._anchor[1] if self._anchor else ""
+        anchor_id, anchor_text = self._anchor or (None, "")
         texts = [p if k == 0 or not p else anchor_text + p for k, p in enumerate(pieces)]
         encoded = [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=False)]
         for k in range(1, len(encoded)):
             if pieces[k] and anchor_text:
-                if encoded[k][:1] == [self._anchor[0]]:
+                if encoded[k][:1] == [anchor_id]:
                     encoded[k] = encoded[k][1:]
                 else:  # cannot happen with a checked anchor; encode the piece alone
                     encoded[k] = self._backend.encode_batch([pieces[k]], add_special_tokens=False)[0].ids
-        distinct = sorted({originals[i] for i in hidden})
-        plain = dict(zip(distinct, (e.ids for e in self._plain().encode_batch(distinct, add_special_tokens=False))))
+        at_start = not pieces[0]  # the first placeholder opens the prompt
+        plain = self._plain_ids([(originals[i], at_start and n == 0) for n, i in enumerate(hidden)])
         ids = list(encoded[0])
-        for i, piece_ids in zip(hidden, encoded[1:]):
-            ids += plain[originals[i]]
+        for n, piece_ids in enumerate(encoded[1:]):
+            ids += plain[n]
             ids += piece_ids
         if self.add_bos and (not ids or ids[0] != self.bos_id):
             ids.insert(0, self.bos_id)
         return ids
 
-    def _plain(self) -> tokenizers.Tokenizer:
-        """A copy of the backend that tokenizes special-token text as plain text (made on first
-        use; added tokens that are not special still match)."""
+    def _plain_ids(self, items: list[tuple[str, bool]]) -> list[list[int]]:
+        """Each ``(text, at_start)`` tokenized as plain text: no special-token matching, encoded
+        as the text after a cut unless ``at_start``. Never a special id: should the vocabulary's
+        merges build one out of plain text, the text is encoded one character at a time.
+
+        Raises:
+            InvalidRequestError: even single characters give a special id.
+        """
+        backend, cut_id = self._plain()
+        distinct = sorted(set(items))
+        batch = [text if at_start else _MARK_CUT + text for text, at_start in distinct]
+        out = {}
+        for (text, at_start), enc in zip(distinct, backend.encode_batch(batch, add_special_tokens=False)):
+            ids = [i for i in enc.ids if i != cut_id]
+            if any(i in self._special_ids for i in ids):
+                spread = ("" if at_start else _MARK_CUT) + _MARK_CUT.join(text)
+                ids = [i for i in backend.encode_batch([spread], add_special_tokens=False)[0].ids if i != cut_id]
+                if any(i in self._special_ids for i in ids):
+                    raise InvalidRequestError(f"the text {text!r} in the messages cannot be tokenized as plain text "
+                                              "(this vocabulary only has its special token for it)", param="messages")
+            out[text, at_start] = ids
+        return [out[item] for item in items]
+
+    def _plain(self) -> tuple[tokenizers.Tokenizer, int]:
+        """A copy of the backend that tokenizes special-token text as plain text, and the id of
+        its cut mark (an added token of the copy only, dropped from every result). Made on first
+        use; added tokens that are not special still match."""
         with self._plain_lock:
             if self._plain_backend is None:
                 plain = tokenizers.Tokenizer.from_str(self._backend.to_str())
                 plain.encode_special_tokens = True
-                self._plain_backend = plain
+                plain.add_tokens([tokenizers.AddedToken(_MARK_CUT, special=False, normalized=False)])
+                self._plain_backend = (plain, plain.token_to_id(_MARK_CUT))
             return self._plain_backend
 
 
