@@ -138,3 +138,29 @@ def test_a_failed_step_leaves_nothing_behind(loaded, monkeypatch):
     s = llm.scheduler
     assert not s.has_unfinished() and s.kv.usage().used_blocks == 0
     assert llm.generate("Hello", GREEDY)[0].outputs[0].token_ids
+
+
+def test_structured_output_and_tools_through_the_python_api(llm):
+    """SamplingParams.structured constrains LLM.generate / LLM.chat as it does the server; tools
+    with tool_choice "required" give a parsed call whose arguments match the tool's schema."""
+    import json
+
+    from monobatch import SamplingParams, StructuredOutput
+    from monobatch.errors import InvalidRequestError
+
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"]}
+    sp = SamplingParams(temperature=0, max_tokens=30, structured=StructuredOutput.json_schema(schema))
+    out = llm.chat([{"role": "user", "content": "Pick a colour."}], sp)[0].outputs[0]
+    assert out.finish_reason == "stop" and json.loads(out.text)["colour"] in ("red", "green", "blue")
+    gen = llm.generate("Pick a colour:", SamplingParams(temperature=0, max_tokens=8,
+                                                         structured=StructuredOutput.choice(["red", "blue"])))
+    assert gen[0].outputs[0].text in ("red", "blue")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}]
+    res = llm.chat([{"role": "user", "content": "Weather in Rome?"}], SamplingParams(temperature=0, max_tokens=60),
+                   tools=tools, tool_choice="required", parallel_tool_calls=False)[0].outputs[0]
+    assert len(res.tool_calls) == 1 and res.tool_calls[0].name == "get_weather"
+    assert isinstance(json.loads(res.tool_calls[0].arguments)["city"], str)
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate("x", SamplingParams(max_tokens=2, structured=StructuredOutput.regex("[0-9")))
+    assert info.value.param == "regex"

@@ -270,7 +270,7 @@ BAD_BODIES = [
     ("/v1/chat/completions", {"top_k": -5}, "top_k"),
     ("/v1/chat/completions", {"stop": 7}, "stop"),
     ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
     ("/v1/chat/completions", {"frobnicate": 1}, "frobnicate"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),

@@ -65,7 +65,7 @@ def test_prompt_opens_reasoning():
     (CompletionRequest, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream is true"),
     (CompletionRequest, {"prompt": "x", "logit_bias": {"1": "a"}}, "logit_bias", "logit_bias.1"),
     (CompletionRequest, {}, "prompt", "prompt: Field required"),
-    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice",
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "functions": []}, "functions",
      "not supported"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 1.1,
                              "repeat_penalty": 1.2}, "repeat_penalty", "conflicts"),

@@ -13,6 +13,7 @@ and the CLI use, so a request gives the same tokens here as there.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import numbers
@@ -22,6 +23,7 @@ from typing import Any, Mapping, Sequence, Union
 from tqdm.auto import tqdm
 
 from monobatch import defaults
+from monobatch.chat_output import split_reply
 from monobatch.engine.engine import Engine, EngineConfig
 from monobatch.engine.finish import RequestMetrics
 from monobatch.engine.params import SamplingParams, resolve_sampling
@@ -48,6 +50,9 @@ class CompletionOutput:
         token_ids: generated token ids.
         finish_reason: ``stop`` | ``length`` | ``loop`` | ``abort``.
         logprobs: per token ``(token_id, logprob, [(alt_id, alt_logprob), ...])`` when asked.
+        tool_calls: :meth:`LLM.chat` with tools: the calls parsed from ``text``
+            (:class:`monobatch.tool_calls.ToolCall`: id, name, arguments as JSON text;
+            ``.to_openai()`` gives the API's shape); None otherwise.
     """
 
     index: int
@@ -55,6 +60,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    tool_calls: list | None = None
 
 
 @dataclass(slots=True)
@@ -160,29 +166,52 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True, *, tools: list[dict] | None = None,
+             tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Answer one conversation or a list of them through the model's chat template.
 
         Args:
             messages: ``[{"role": ..., "content": ...}, ...]`` or a list of such lists (roles
-                system/user/assistant/tool, OpenAI's shape).
-            sampling_params: as for :meth:`generate`.
+                system/user/assistant/tool, OpenAI's shape; assistant ``tool_calls`` too).
+            sampling_params: as for :meth:`generate` (``structured`` constrains the reply).
             use_tqdm: a progress bar over finished requests (shown on a terminal).
             add_generation_prompt: end the prompt with the template's assistant header.
+            tools, tool_choice, parallel_tool_calls: OpenAI's tool-calling fields, as the
+                server's chat endpoint takes them (``required`` and a named function are enforced
+                by a grammar); each output's ``tool_calls`` holds the parsed calls.
+            chat_template_kwargs: extra template variables.
 
         Returns:
             One :class:`RequestOutput` per conversation, in order (``prompt`` is None; the
             rendered ids are in ``prompt_token_ids``).
 
         Raises:
-            InvalidRequestError: a malformed conversation or a model without a chat template.
+            InvalidRequestError: a malformed conversation or tools, a model without a chat
+                template, a tool_choice that constrains combined with ``structured``.
         """
+        from monobatch.chat_prompt import prepare_chat
+
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list of conversations or of messages", "messages")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        encoded = [(None, self.tokenizer.encode_chat(c, add_generation_prompt=add_generation_prompt))
-                   for c in conversations]
-        return self._run(encoded, sampling_params, use_tqdm)
+        chats = [prepare_chat(self.tokenizer, c, tools=tools, tool_choice=tool_choice,
+                              parallel_tool_calls=parallel_tool_calls, add_generation_prompt=add_generation_prompt,
+                              template_kwargs=chat_template_kwargs) for c in conversations]
+        params = self._params_for(sampling_params, len(chats))
+        for i, (chat, sp) in enumerate(zip(chats, params)):
+            if chat.structured is not None:
+                if sp.structured is not None:
+                    raise InvalidRequestError(f"tool_choice {chat.tools.choice!r} constrains the reply to tool calls; "
+                                              "it cannot be combined with SamplingParams.structured", "tool_choice")
+                params[i] = dataclasses.replace(sp, structured=chat.structured,
+                                                skip_special_tokens=sp.skip_special_tokens and not chat.keep_special_tokens)
+        outs = self._run([(None, chat.prompt_ids) for chat in chats], params, use_tqdm)
+        for chat, out in zip(chats, outs):
+            if chat.tools.active:
+                _, reply = split_reply(out.outputs[0].text, "none", False, chat.tools, chat.fmt)
+                out.outputs[0].tool_calls = reply.tool_calls
+        return outs
 
     @staticmethod
     def _as_prompts(prompts: Any) -> list[str | list[int]]:
@@ -199,15 +228,22 @@ class LLM:
             return [[int(t) for t in prompts]]  # one tokenized prompt
         return [_one_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
 
-    def _run(self, encoded: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _params_for(self, sampling_params, n: int) -> list[SamplingParams]:
+        """One SamplingParams per prompt (see :meth:`generate`)."""
         if sampling_params is None:
-            params = [self.default_sampling_params()] * len(encoded)
-        elif isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(encoded)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(encoded):
-                raise InvalidRequestError(f"{len(params)} sampling_params for {len(encoded)} prompts", "sampling_params")
+            return [self.default_sampling_params()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise InvalidRequestError(f"{len(params)} sampling_params for {n} prompts", "sampling_params")
+        return params
+
+    def _run(self, encoded: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        params = self._params_for(sampling_params, len(encoded))
+        for sp in params:  # a bad constraint is refused before anything runs
+            if sp.structured is not None:
+                self.scheduler.engine.grammars.compile(sp.structured)
         results: dict[str, RequestOutput] = {}
         asked: dict[str, SamplingParams] = {}
         added: list[str] = []
