@@ -35,10 +35,10 @@ def _count_launches(scheduler):
     engine, counts = scheduler.engine, {"launch": 0, "ahead": 0}
     real = engine.launch
 
-    def launch(batch, rows, ahead=0, token_ids=None):
+    def launch(batch, rows, ahead=0, token_ids=None, defer_draw=False):
         counts["launch"] += 1
         counts["ahead"] += ahead
-        return real(batch, rows, ahead, token_ids)
+        return real(batch, rows, ahead, token_ids, defer_draw)
 
     engine.launch = launch
     return counts

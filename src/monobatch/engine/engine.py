@@ -37,13 +37,16 @@ class PendingStep:
         tokens: ``[R]`` int64 draws on the device (the next step's input ids).
         host: ``[R]`` int64 copy on the host (page-locked on CUDA), valid once ``ready`` is done.
         ready: CUDA event recorded after the copy (None on CPU: the copy is synchronous).
+        logits: ``[R, V]`` on the device while the draw is deferred (``tokens``/``host`` None):
+            constrained rows, whose masks need the previous step's tokens accepted first.
     """
 
     batch: StepBatch
     rows: list[Sequence]
-    tokens: torch.Tensor
-    host: torch.Tensor
+    tokens: torch.Tensor | None
+    host: torch.Tensor | None
     ready: torch.cuda.Event | None
+    logits: torch.Tensor | None = None  # a deferred draw's input until :meth:`Engine.draw_deferred`
 
 
 @dataclass(slots=True)
@@ -277,7 +280,7 @@ class Engine:
 
     @torch.inference_mode()
     def launch(self, batch: StepBatch, rows: list[Sequence], ahead: int = 0,
-               token_ids: torch.Tensor | None = None) -> PendingStep:
+               token_ids: torch.Tensor | None = None, defer_draw: bool = False) -> PendingStep:
         """Forward ``batch`` and draw one token per row on the device, without waiting for it:
         the draws are copied to the host behind an event (read by :meth:`resolve`).
 
@@ -286,14 +289,32 @@ class Engine:
             rows: R sequences, every one :attr:`SamplerState.history_free`.
             ahead: draws of these rows not yet resolved (0 or 1); ``token_ids`` then holds the
                 last of them, on the device, and the KV commit is left to the caller.
+            defer_draw: only queue the forward; :meth:`draw_deferred` draws once the rows'
+                previous tokens are accepted (rows with a structured-output grammar:
+                :attr:`SamplerState.grammar_only`).
 
         Returns:
-            The :class:`PendingStep` (its ``tokens`` can feed the next step at once).
+            The :class:`PendingStep` (its ``tokens`` can feed the next step at once, unless the
+            draw is deferred).
 
         Raises:
             as :meth:`forward` (the KV store's errors) and :meth:`RowSampler.draw`.
         """
         logits = self.forward(batch, token_ids)
+        if defer_draw:
+            return PendingStep(batch, rows, None, None, None, logits)
+        return self._draw_async(batch, rows, logits, ahead)
+
+    @torch.inference_mode()
+    def draw_deferred(self, pending: PendingStep) -> None:
+        """Draw a deferred step's tokens now that every row's earlier tokens are accepted: the
+        grammar masks are computed on the host while the forward runs, then the draws and their
+        copy to the host are queued behind it (fills ``tokens``, ``host``, ``ready``)."""
+        drawn = self._draw_async(pending.batch, pending.rows, pending.logits, 0)
+        pending.tokens, pending.host, pending.ready, pending.logits = drawn.tokens, drawn.host, drawn.ready, None
+
+    def _draw_async(self, batch: StepBatch, rows: list[Sequence], logits: torch.Tensor, ahead: int) -> PendingStep:
+        """Draw on the device and queue the copy of the draws to the host behind an event."""
         masked = self.finisher.ban_early_stops(logits, rows, ahead)
         if self.row_tile:  # deterministic mode: one row per draw, as in step()
             tokens = torch.cat([self.sampler.draw(masked[r:r + 1], [seq.sampler], ahead)

@@ -128,6 +128,15 @@ class SamplerState:
             and self.grammar is None and self.params.logprobs is None
 
     @property
+    def grammar_only(self) -> bool:
+        """True when the next draw depends on the generated tokens only through the grammar
+        matcher (no penalty, DRY or logprobs): async scheduling can still launch the next
+        forward first and draw once the previous token is accepted (a deferred draw,
+        :meth:`monobatch.engine.engine.Engine.draw_deferred`)."""
+        return self.grammar is not None and self._repeat_window is None and not self._count_generated \
+            and self.dry is None and self.params.logprobs is None
+
+    @property
     def plain_greedy(self) -> bool:
         """True for greedy draws with no logit_bias, penalty or logprobs: the draw is the argmax."""
         p = self.params
@@ -204,7 +213,8 @@ class _Plan:
         self.top_n: list[int | None] = []
         # 0. the grammar masks, computed here on the host: the step's forward is already queued,
         # so on CUDA this overlaps it
-        grammar_rows = [r for r, s in enumerate(states) if s.grammar is not None]
+        # (a stopped matcher belongs to a sequence that just ended: its row is dropped, no mask)
+        grammar_rows = [r for r, s in enumerate(states) if s.grammar is not None and not s.grammar.is_stopped]
         if grammar_rows:
             mask = fill_bitmasks([states[r].grammar for r in grammar_rows], vocab_size)  # (M, W) int32
             if mask.shape[1] % 2:
@@ -331,7 +341,9 @@ class RowSampler:
 
     def draw(self, logits: torch.Tensor, states: list[SamplerState], ahead: int = 0) -> torch.Tensor:
         """The draws of :meth:`sample` as a device tensor, with no host sync (async scheduling:
-        the next step's input). Only for :attr:`SamplerState.history_free` states.
+        the next step's input). For :attr:`SamplerState.history_free` states with ``ahead`` >= 0,
+        and for :attr:`SamplerState.grammar_only` ones whose every token is accepted (``ahead``
+        0: the deferred draw).
 
         Args:
             logits: (R, V) as :meth:`sample`.

@@ -18,7 +18,11 @@ Async scheduling (``Engine.async_scheduling``, on for CUDA; vLLM's async schedul
 overlap scheduler): a decode step whose rows draw without looking at their history
 (:attr:`SamplerState.history_free`) is launched and left pending; the next :meth:`step` launches
 step N+1 — same sequences, input ids taken from N's draws on the device — *before* reading N's
-draws back, then runs N's finish step while the device computes N+1. Step N+1's KV commit
+draws back, then runs N's finish step while the device computes N+1. Rows with a
+structured-output grammar (:attr:`SamplerState.grammar_only`) take part too, with the draw of
+N+1 deferred: its forward is queued first, then N's tokens are read and accepted into the
+matchers, and the masks of N+1 are computed on the host while that forward runs
+(:meth:`Engine.draw_deferred`). Step N+1's KV commit
 waits until N's ids are known. A sequence that ends at N (a stop id or string) had one row too
 many in N+1: that row is dropped. Anything else — an admission, a prefill, a sequence that
 ends by length at N, a penalty or logprobs — resolves N first and plans normally. Outputs come
@@ -218,6 +222,8 @@ class BatchScheduler:
             try:
                 ahead = self._launch_ahead(pending)
                 outputs += self._finish_pending(pending, ahead)
+                if ahead is not None and ahead.tokens is None:  # its grammar masks needed N's tokens
+                    self.engine.draw_deferred(ahead)
             except BaseException:
                 # N's draws (and N+1's) are lost with the error: end their sequences (abort, KV
                 # freed); outputs already due are kept for the next step.
@@ -290,8 +296,9 @@ class BatchScheduler:
             self._account(seq, len(rows))
             seq.num_computed += 1
         batch = self.engine.build_batch(chunks)
+        defer = any(seq.sampler.grammar is not None for seq in rows)  # draw once N's tokens are accepted
         try:
-            return self.engine.launch(batch, rows, ahead=1, token_ids=pending.tokens)
+            return self.engine.launch(batch, rows, ahead=1, token_ids=pending.tokens, defer_draw=defer)
         except BaseException:
             for seq in rows:
                 seq.num_computed -= 1
@@ -311,8 +318,9 @@ class BatchScheduler:
     @staticmethod
     def _overlappable(rows: list[Sequence]) -> bool:
         """True when every row's next draw can be made before its last token is known on the
-        host (:attr:`SamplerState.history_free`)."""
-        return bool(rows) and all(seq.sampler.history_free for seq in rows)
+        host (:attr:`SamplerState.history_free`), or right after it is accepted while the next
+        forward runs (:attr:`SamplerState.grammar_only`: a deferred draw)."""
+        return bool(rows) and all(seq.sampler.history_free or seq.sampler.grammar_only for seq in rows)
 
     def _account(self, seq: Sequence, batch_seqs: int) -> None:
         """Batch evidence for the request's metrics."""
