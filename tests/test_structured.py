@@ -379,3 +379,28 @@ def test_async_scheduling_with_constrained_rows_equals_sync(make_scheduler, prom
     for rid in sync:
         assert overlapped[rid][1] == sync[rid][1], rid
     assert sched.kv.usage().used_blocks == 0
+
+
+def test_the_greedy_mask_path_equals_the_full_chain(loaded):
+    """Greedy rows under grammars skip the stage tables (RowSampler._masked); their draws equal the
+    argmax of the full chain's logits (RowSampler.transform), beside plain and sampled rows."""
+    from monobatch.engine.constraint import GrammarCompiler, StructuredOutput
+    from monobatch.engine.params import SamplingParams
+    from monobatch.engine.sampler import RowSampler, SamplerState
+
+    tok = loaded.tokenizer
+    grammars = GrammarCompiler(tok, tok.vocab_size)
+    spec = StructuredOutput.json_schema(SCHEMAS[19][0])
+    torch.manual_seed(3)
+    logits = torch.randn(4, tok.vocab_size) * 4
+    states = [SamplerState(SamplingParams(temperature=0), [1], 0, grammar=grammars.matcher(spec)),
+              SamplerState(SamplingParams(temperature=0), [1], 0),
+              SamplerState(SamplingParams(temperature=0), [1], 0, grammar=grammars.matcher(spec))]
+    for t in tok.encode('{"city": "Pa', add_special_tokens=False):
+        assert states[2].grammar.accept(t)
+    sampler = RowSampler(tok.vocab_size)
+    fast = sampler.draw(logits[:3], states).tolist()
+    assert fast == sampler.transform(logits[:3], states).argmax(dim=-1).tolist()
+    assert tok.decode([fast[0]]).startswith("{")
+    mixed = states + [SamplerState(SamplingParams(temperature=0.7, seed=1), [1], 1, grammar=grammars.matcher(spec))]
+    assert sampler.draw(logits, mixed).tolist()[:3] == fast  # the full chain (a sampled row present)

@@ -316,21 +316,32 @@ def fill_bitmasks(matchers: Sequence[GrammarMatcher], vocab_size: int) -> np.nda
     return out
 
 
-def apply_bitmask(x: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Set the logits of disallowed tokens to ``-inf`` in the given rows.
+_POW2: dict[torch.device, torch.Tensor] = {}
+
+
+def _pow2(device: torch.device) -> torch.Tensor:
+    """``[32]`` int32 bit ``i`` set in entry ``i`` (entry 31 is the sign bit), cached per device."""
+    t = _POW2.get(device)
+    if t is None:
+        t = _POW2[device] = torch.tensor([1 << i if i < 31 else -(1 << 31) for i in range(32)],
+                                         dtype=torch.int32).to(device)
+    return t
+
+
+def apply_bitmask(x: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set the logits of disallowed tokens to ``-inf`` in the given rows (three kernels).
 
     Args:
         x: ``(R, V)`` float32 logits, changed in place.
-        rows: ``(M,)`` int64 row indices of the constrained rows.
+        rows: ``(M,)`` int64 row indices of the constrained rows; None: every row (M = R).
         bitmask: ``(M, W)`` int32 on ``x``'s device, W * 32 >= V (see :func:`fill_bitmasks`).
 
     Returns:
         x.
     """
     V = x.shape[1]
-    shifts = torch.arange(32, device=x.device, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :V].bool()  # (M, V)
-    if rows.shape[0] == x.shape[0]:
-        return x.masked_fill_(~allowed, float("-inf"))
-    x[rows] = x[rows].masked_fill(~allowed, float("-inf"))
+    banned = ((bitmask.unsqueeze(-1) & _pow2(x.device)) == 0).flatten(1)[:, :V]  # (M, V) bool
+    if rows is None or rows.shape[0] == x.shape[0]:
+        return x.masked_fill_(banned, float("-inf"))
+    x[rows] = x[rows].masked_fill(banned, float("-inf"))
     return x

@@ -363,6 +363,9 @@ class RowSampler:
         and its uploaded tensors (None for an all plain-greedy batch) for logprobs."""
         if all(s.plain_greedy for s in states):  # the common case: one argmax, no plan to upload
             return argmax(self._raw(logits, copy=False)), None, None
+        if all(s.plain_greedy or (s.grammar_only and s.params.temperature == 0.0 and not s.params.logit_bias)
+               for s in states):  # greedy under grammars: the masks, one copy, one argmax
+            return argmax(self._masked(logits, states)), None, None
         R = logits.shape[0]
         plan = _Plan(states, self.vocab_size, ahead)
         t = plan.upload(logits.device)
@@ -373,6 +376,22 @@ class RowSampler:
             drawn = st.gumbel_argmax(g.z, g.keys, g.ids)
             tok = drawn if g.rows.shape[0] == R else tok.index_copy_(0, g.rows, drawn)
         return tok, plan, t
+
+    def _masked(self, logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
+        """The raw logits with each live grammar's mask applied (stage 0 alone, for rows that
+        need nothing else): the bitmasks and their row indices go to the device in one copy."""
+        x = self._raw(logits, copy=True)
+        rows = [r for r, s in enumerate(states) if s.grammar is not None and not s.grammar.is_stopped]
+        if not rows:
+            return x
+        mask = fill_bitmasks([states[r].grammar for r in rows], self.vocab_size)  # (M, W) int32
+        every = len(rows) == len(states)
+        buf = torch.from_numpy(mask.ravel() if every else np.concatenate([np.array(rows, np.int32), mask.ravel()]))
+        if x.device.type != "cpu":
+            buf = buf.pin_memory().to(x.device, non_blocking=True)
+        head = 0 if every else len(rows)
+        row_t = None if every else buf[:head].long()
+        return apply_bitmask(x, row_t, buf[head:].view(len(rows), mask.shape[1]))
 
     def transform(self, logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
         """The logits each row's draw sees, for tests and the parity report.
