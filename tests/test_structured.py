@@ -401,6 +401,11 @@ def test_the_greedy_mask_path_equals_the_full_chain(loaded):
     sampler = RowSampler(tok.vocab_size)
     fast = sampler.draw(logits[:3], states).tolist()
     assert fast == sampler.transform(logits[:3], states).argmax(dim=-1).tolist()
+    assert fast == sampler._masked(logits[:3], states).argmax(dim=-1).tolist()
+    # a row whose best token the grammar allows: the check passes, no mask is computed
+    allowed_best = logits[:1].clone()
+    allowed_best[0, tok.encode("{", add_special_tokens=False)[0]] = 1e4
+    assert sampler.draw(allowed_best, states[:1]).tolist() == [tok.encode("{", add_special_tokens=False)[0]]
     assert tok.decode([fast[0]]).startswith("{")
     mixed = states + [SamplerState(SamplingParams(temperature=0.7, seed=1), [1], 1, grammar=grammars.matcher(spec))]
     assert sampler.draw(logits, mixed).tolist()[:3] == fast  # the full chain (a sampled row present)

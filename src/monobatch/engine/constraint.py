@@ -170,6 +170,10 @@ class GrammarMatcher:
         in an error state: :attr:`is_stopped` is True)."""
         return bool(self._m.consume_token(int(token_id)))
 
+    def allows(self, token_id: int) -> bool:
+        """Whether ``token_id`` may come next (the matcher is not advanced)."""
+        return self._m.validate_tokens([int(token_id)]) == 1
+
     @property
     def is_stopped(self) -> bool:
         """The grammar has ended (or failed): no further token can be accepted."""

@@ -364,8 +364,8 @@ class RowSampler:
         if all(s.plain_greedy for s in states):  # the common case: one argmax, no plan to upload
             return argmax(self._raw(logits, copy=False)), None, None
         if all(s.plain_greedy or (s.grammar_only and s.params.temperature == 0.0 and not s.params.logit_bias)
-               for s in states):  # greedy under grammars: the masks, one copy, one argmax
-            return argmax(self._masked(logits, states)), None, None
+               for s in states):  # greedy under grammars: the best token first, masks only where refused
+            return self._greedy_checked(logits, states), None, None
         R = logits.shape[0]
         plan = _Plan(states, self.vocab_size, ahead)
         t = plan.upload(logits.device)
@@ -376,6 +376,34 @@ class RowSampler:
             drawn = st.gumbel_argmax(g.z, g.keys, g.ids)
             tok = drawn if g.rows.shape[0] == R else tok.index_copy_(0, g.rows, drawn)
         return tok, plan, t
+
+    def _greedy_checked(self, logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
+        """Greedy draws of rows that need no stage but the grammar mask, checked first
+        (llama.cpp's common_sampler_sample: try the sampled token against the grammar, fall back
+        to the full mask only when it is refused). The argmax of the masked logits is the raw
+        argmax whenever the grammar allows that token (masking only lowers other tokens, and the
+        raw argmax is the first maximum), so the result equals :meth:`_masked`'s argmax; most
+        steps of a JSON answer then compute no mask. Costs one device-to-host read of the
+        argmax (the draw is not left on the device alone).
+
+        Returns:
+            ``[R]`` int64 token ids on the logits' device.
+        """
+        x = self._raw(logits, copy=False)
+        first = argmax(x)
+        rows = [r for r, s in enumerate(states) if s.grammar is not None and not s.grammar.is_stopped]
+        if not rows:
+            return first
+        picks = first.tolist()  # the one sync
+        refused = [r for r in rows if not states[r].grammar.allows(picks[r])]
+        if not refused:
+            return first
+        sub = self._masked(x.index_select(0, torch.tensor(refused, device=x.device)),
+                           [states[r] for r in refused])
+        again = argmax(sub).tolist()
+        for r, t in zip(refused, again):
+            picks[r] = t
+        return torch.tensor(picks, dtype=torch.int64, device=x.device)
 
     def _masked(self, logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
         """The raw logits with each live grammar's mask applied (stage 0 alone, for rows that
