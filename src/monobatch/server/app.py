@@ -4,7 +4,9 @@ callers (``run``/``chat``, tests) alike.
 Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/tokenize``,
 ``/detokenize`` and the API docs (``/docs``, ``/redoc``, ``/openapi.json``) — all behind
 ``--api-key`` when set — and ``/health`` and ``/metrics`` (open). Handlers only parse, tokenize
-(off the event loop), submit and shape: decoding happens on the engine thread.
+(off the event loop), submit and shape: decoding happens on the engine thread. Each route
+declares what it answers (``responses=``, :mod:`monobatch.server.openapi`), so ``/openapi.json``
+describes the server as it is.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import time
 from contextlib import asynccontextmanager
 from typing import Callable
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from monobatch import __version__
@@ -25,12 +27,14 @@ from monobatch.server import chat, completions
 from monobatch.server.chat import chat_prompt_ids, message_chars
 from monobatch.server.errors import error_body, install_handlers
 from monobatch.server.generation import check_prompt_chars, created, off_loop
-from monobatch.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from monobatch.server.openapi import PROTECTED_PREFIXES, install_openapi, route_responses
+from monobatch.server.protocol import (MODEL_MARKER, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                       TokenizeRequest)
 from monobatch.server.state import ServerSettings, ServerState
 from monobatch.tokenizer import Tokenizer
 
 #: Path prefixes that need the API key (when one is set).
-_PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/docs", "/redoc", "/openapi.json")
+_PROTECTED = PROTECTED_PREFIXES
 
 
 class Gate:
@@ -102,6 +106,16 @@ class Gate:
         return replay, None
 
 
+_DESCRIPTION = """OpenAI-compatible API of the monobatch engine, with the sampling extensions of llama.cpp
+and vLLM (reference: docs/server-api.md).
+
+- Request bodies are JSON objects; a field not listed is a 400, `null` means absent.
+- Every error is `{"error": {"message", "type", "param", "code"}}` (ErrorResponse) with a 4xx
+  status, 500 only for a bug or an engine failure; a validation error is a 400, never a 422.
+- Value ranges in the request schemas are the ones the engine checks.
+"""
+
+
 def create_app(settings: ServerSettings, load: Callable[[], BatchScheduler]) -> FastAPI:
     """Build the server app.
 
@@ -123,42 +137,47 @@ def create_app(settings: ServerSettings, load: Callable[[], BatchScheduler]) -> 
         yield
         state.shutdown()
 
-    app = FastAPI(title="monobatch", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="monobatch", version=__version__, lifespan=lifespan, description=_DESCRIPTION)
     app.state.monobatch = state
     app.add_middleware(Gate, settings=settings)
     if settings.allowed_origins:  # outermost: a preflight (no key) is answered before the Gate
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_credentials=False,
                            allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
     install_handlers(app)
+    install_openapi(app, settings, state)
 
-    @app.post("/v1/completions")
+    def doc(route: str) -> dict:
+        """The OpenAPI keywords of one route: no inferred response model, its real responses."""
+        return {"response_model": None, "responses": route_responses(route, settings)}
+
+    @app.post("/v1/completions", summary="Complete a prompt (text or token ids), streamed or not", **doc("completions"))
     async def post_completions(body: CompletionRequest, request: Request) -> Response:
         return await completions.create_completion(body, request, state)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", summary="Answer a conversation, streamed or not", **doc("chat"))
     async def post_chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await chat.create_chat_completion(body, request, state)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", summary="The served model names", **doc("models"))
     async def get_models() -> dict:
         state.require_client()
         return {"object": "list", "data": [_model_card(state, name) for name in state.names]}
 
-    @app.get("/v1/models/{model_id:path}")
-    async def get_model(model_id: str) -> dict:
+    @app.get("/v1/models/{model_id:path}", summary="One served model", **doc("model"))
+    async def get_model(model_id: str = Path(json_schema_extra={"x-monobatch": MODEL_MARKER})) -> dict:
         state.require_client()
         return _model_card(state, state.check_model(model_id))
 
-    @app.get("/health")
+    @app.get("/health", summary="200 once the model is loaded and the engine runs (open)", **doc("health"))
     async def health() -> Response:
         state.require_client()
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", summary="Prometheus metrics (open)", response_class=PlainTextResponse, **doc("metrics"))
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", summary="Text or messages to token ids", **doc("tokenize"))
     async def tokenize(body: TokenizeRequest) -> dict:
         state.require_client()
         state.check_model(body.model)
@@ -178,7 +197,7 @@ def create_app(settings: ServerSettings, load: Callable[[], BatchScheduler]) -> 
             out["token_strs"] = [tok.token_bytes(t).decode("utf-8", errors="replace") for t in ids]
         return out
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", summary="Token ids to text", **doc("detokenize"))
     async def detokenize(body: DetokenizeRequest) -> dict:
         state.require_client()
         state.check_model(body.model)

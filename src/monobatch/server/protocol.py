@@ -9,18 +9,29 @@ Value ranges are checked once, by :class:`monobatch.engine.params.SamplingParams
 checks only JSON types, the fields that never reach it (``n``, ``echo``, ``top_logprobs``), and
 where the HTTP API differs from the CLI (``max_tokens`` -1 is the CLI's "no limit", a 400 here
 as in OpenAI and vLLM).
+
+The JSON schemas of these models are the request bodies of ``/openapi.json``: the ranges the
+engine checks are written into them (``json_schema_extra``: documented here, still checked and
+worded by SamplingParams), every optional field of a body that drops nulls accepts ``null``,
+the refused fields are listed as ``null``-only properties, and ``additionalProperties: false``
+comes from ``extra="forbid"``; cross-field rules (``stream_options`` needs ``stream``, one input
+of ``/tokenize``, ...) are ``allOf`` clauses. ``x-monobatch`` markers (a served model name, a token
+id, prompt text) are filled in by :mod:`monobatch.server.openapi` once the model is loaded.
+Integer fields take a whole number written ``2.0`` (JSON Schema counts it as an integer).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import copy
+from typing import Annotated, Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from monobatch.chat_output import REASONING_FORMATS
 from monobatch.engine.constraint import StructuredOutput
 from monobatch.errors import InvalidRequestError
+from monobatch.tokenizer.chat_template import ROLES
 
 #: Fields of the OpenAI (or vLLM) API this server refuses with a 400 unless null, per endpoint.
 UNSUPPORTED_COMPLETION_FIELDS = ("suffix", "best_of", "prompt_logprobs", "lora_request", "guided_decoding_backend",
@@ -33,6 +44,180 @@ MAX_N = 128
 #: Most alternatives per token (``logprobs`` / ``top_logprobs``), as SamplingParams allows.
 MAX_LOGPROBS = 20
 ReasoningFormat = Literal[REASONING_FORMATS]  # type: ignore[valid-type]
+#: Seeds are in ``[0, 2**63)`` (SamplingParams); as an exclusive bound it survives FastAPI's float
+#: conversion of schema bounds exactly (2**63 - 1 would not).
+SEED_LIMIT = 2**63
+#: ``x-monobatch`` marker values (see :mod:`monobatch.server.openapi`).
+MODEL_MARKER, TOKEN_ID_MARKER, PROMPT_TEXT_MARKER = "model", "token-id", "prompt-text"
+
+
+def _whole_float(value: Any) -> Any:
+    """``2.0`` as ``2``: JSON has one number type and JSON Schema counts 2.0 as an integer, so an
+    integer field takes it; ``2.5``, ``"2"`` and ``true`` stay refused (strict)."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+#: An integer field: strict, but a whole JSON number written with a fraction (``2.0``) counts.
+JsonInt = Annotated[int, BeforeValidator(_whole_float)]
+#: The same with bounds, for optional fields (bounds first: so the JSON schema reads minimum/maximum).
+TokenCount = Annotated[int, Field(ge=0), BeforeValidator(_whole_float)]
+LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), BeforeValidator(_whole_float)]
+
+
+# -- JSON-schema annotations (the OpenAPI document; validation is unchanged) -----------------------
+def _branches(schema: dict) -> list[dict]:
+    """The non-null alternatives of a field's schema (itself when it is no union)."""
+    options = schema.get("anyOf")
+    if options is None:
+        return [schema]
+    return [b for b in options if b.get("type") != "null"]
+
+
+def _bounds(description: str, **keywords: Any) -> Callable[[dict], None]:
+    """A ``json_schema_extra`` that documents a field (``description``) and adds JSON-schema
+    ``keywords`` (``minimum``, ``exclusiveMinimum``, ...) to its non-null alternatives. Only the
+    schema changes: the value is still checked (and the 400 worded) where it is today."""
+
+    def extra(schema: dict) -> None:
+        schema["description"] = description
+        for branch in _branches(schema):
+            branch.update(keywords)
+
+    return extra
+
+
+def _items(description: str, items: dict, **keywords: Any) -> Callable[[dict], None]:
+    """A ``json_schema_extra`` for a list field: ``items`` replaces the item schema (and
+    ``keywords`` are added) in every array alternative."""
+
+    def extra(schema: dict) -> None:
+        schema["description"] = description
+        for branch in _branches(schema):
+            if branch.get("type") == "array":
+                branch.update(items=copy.deepcopy(items), **keywords)
+
+    return extra
+
+
+def _accepts_null(schema: dict) -> bool:
+    return schema.get("type") == "null" or any(b.get("type") == "null" for b in schema.get("anyOf", ()))
+
+
+def _null_is_absent(schema: dict, cls: type) -> None:
+    """Model-level ``json_schema_extra`` of a body that drops null values: every optional
+    property accepts null (it means "absent"), and the refused fields (``cls.refused_fields``)
+    are properties that only null may take."""
+    required = set(schema.get("required", ()))
+    props = schema.setdefault("properties", {})
+    for name, prop in list(props.items()):
+        if name in required or _accepts_null(prop):
+            continue
+        meta = {k: prop.pop(k) for k in ("title", "description", "default") if k in prop}
+        props[name] = {"anyOf": [prop, {"type": "null"}], **meta}
+    for name in getattr(cls, "refused_fields", ()):
+        props[name] = {"type": "null", "title": name.replace("_", " ").title(),
+                       "description": "Not supported by monobatch: any value but null is a 400."}
+    rules = getattr(cls, "schema_rules", ())
+    if rules:
+        schema["allOf"] = copy.deepcopy(list(rules))
+
+
+def _absent(*names: str) -> dict:
+    """JSON schema: each of ``names`` is absent or null."""
+    return {"properties": {name: {"type": "null"} for name in names}}
+
+
+def _given(name: str, schema: dict) -> dict:
+    """JSON schema: ``name`` is present and matches ``schema`` (a non-null one)."""
+    return {"required": [name], "properties": {name: schema}}
+
+
+def _rules(*rules: dict) -> Callable[[dict], None]:
+    """A model-level ``json_schema_extra``: cross-field rules the model checks (``allOf``)."""
+
+    def extra(schema: dict) -> None:
+        schema.setdefault("allOf", []).extend(copy.deepcopy(list(rules)))
+
+    return extra
+
+
+def _drop_nulls(data: Any) -> Any:
+    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+_TOKEN_ID = {"type": "integer", "minimum": 0, "x-monobatch": TOKEN_ID_MARKER}
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+#: An assistant message's tool call, as monobatch.tool_calls checks history calls.
+_HISTORY_CALL = {"type": "object", "required": ["function"],
+                 "properties": {"type": {"const": "function"},
+                                "function": {"type": "object", "required": ["name"],
+                                             "properties": {"name": {"type": "string"}}}}}
+#: One chat message, as monobatch.tokenizer.chat_template.normalize_messages checks it (keys
+#: beyond role and content pass to the template).
+MESSAGE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "role in system, developer (rendered as system), user, assistant, tool; content a string or "
+                   "a list of text parts (joined with newlines). An assistant message with tool_calls ([{id, type: "
+                   "function, function: {name, arguments}}]) may leave content out. Other keys (name, tool_call_id, "
+                   "...) pass to the chat template.",
+    "required": ["role"],
+    "properties": {"role": {"enum": sorted(ROLES)},
+                   "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART},
+                                         {"type": "null"}]}},
+    "allOf": [
+        {"anyOf": [{"required": ["content"], "properties": {"content": {"anyOf": [
+                        {"type": "string"}, {"type": "array", "items": _TEXT_PART}]}}},
+                   {"required": ["tool_calls"], "properties": {"role": {"const": "assistant"},
+                                                               "tool_calls": {"type": "array", "minItems": 1}}}]},
+        {"anyOf": [{"properties": {"role": {"enum": sorted(ROLES - {"assistant"})}}},
+                   {"properties": {"tool_calls": {"type": ["array", "null"], "items": _HISTORY_CALL}}}]},
+    ],
+}
+
+
+#: One tool, as monobatch.tool_calls.check_tools checks it.
+TOOL_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["function"],
+    "properties": {"type": {"const": "function"},
+                   "function": {"type": "object", "required": ["name"],
+                                "properties": {"name": {"type": "string", "pattern": "\\S"},
+                                               "description": {"type": "string"},
+                                               "parameters": {"type": "object",
+                                                              "description": "A JSON schema of the arguments."}}}}}
+
+
+def _tool_choice_schema(schema: dict) -> None:
+    schema["description"] = ("OpenAI's: none, auto, required or {type: function, function: {name}} (a tool's name); "
+                             "required and a name need tools. Default: auto with tools, none without.")
+    for branch in _branches(schema):
+        if branch.get("type") == "object":
+            branch.update(required=["type", "function"],
+                          properties={"type": {"const": "function"},
+                                      "function": {"type": "object", "required": ["name"],
+                                                   "properties": {"name": {"type": "string"}}}})
+
+
+def _stop_schema(schema: dict) -> None:
+    schema["description"] = "Stop strings (non-empty), matched on the text across tokens."
+    for branch in _branches(schema):
+        (branch if branch.get("type") == "string" else branch["items"])["minLength"] = 1
+
+
+def _logit_bias_schema(schema: dict) -> None:
+    schema["description"] = "Token id (decimal digits, inside the vocabulary) -> bias in [-100, 100]."
+    for branch in _branches(schema):
+        branch.update(propertyNames={"pattern": "^[0-9]+$"},
+                      additionalProperties={"type": "number", "minimum": -100, "maximum": 100})
+
+
+def _model_name(schema: dict) -> None:
+    schema["description"] = "A served model name (GET /v1/models); another name is a 404 model_not_found. " \
+                            "Absent, null or empty: the first served name."
+    for branch in _branches(schema):
+        branch["x-monobatch"] = MODEL_MARKER
 
 
 def _refuse(fields: tuple[str, ...]):
@@ -59,8 +244,15 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     """``stream_options``: ``include_usage`` adds one usage chunk before ``[DONE]``."""
 
-    include_usage: bool = False
-    include_obfuscation: bool = False  # OpenAI's padding field: nothing to obfuscate here
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_null_is_absent)
+
+    include_usage: bool = Field(False, description="One extra chunk with the usage (and no choices) before [DONE].")
+    include_obfuscation: bool = Field(False, description="OpenAI's padding field: accepted, ignored.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        return _drop_nulls(data)
 
 
 class JsonSchemaFormat(_Body):
@@ -78,6 +270,10 @@ class JsonSchemaFormat(_Body):
 class ResponseFormat(_Body):
     """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object) or
     ``json_schema`` (the reply matches ``json_schema.schema``)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_rules({"anyOf": [
+        {"allOf": [{"properties": {"type": {"const": "json_schema"}}}, _given("json_schema", {"type": "object"})]},
+        {"properties": {"type": {"enum": ["text", "json_object"]}, "json_schema": {"type": "null"}}}]}))
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -101,7 +297,13 @@ class StructuredOutputsParams(_Body):
     grammar: str | None = None
     json_object: bool | None = None
 
-    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True, json_schema_extra=_rules({"anyOf": [
+        *({"allOf": [_given(kind, {"type": kinds}), _absent(*(k for k in ("json", "regex", "choice", "grammar")
+                                                              if k != kind)),
+                     {"properties": {"json_object": {"enum": [False, None]}}}]}
+          for kind, kinds in (("json", ["object", "string"]), ("regex", "string"), ("choice", "array"),
+                              ("grammar", "string"))),
+        {"allOf": [_given("json_object", {"const": True}), _absent("json", "regex", "choice", "grammar")]}]}))
 
 
 #: The request fields that carry an output constraint (one per request at most).
@@ -117,47 +319,71 @@ def _grammar(text: str, param: str) -> StructuredOutput:
 class SamplingFields(_Body):
     """Sampling and stopping fields shared by both generation endpoints."""
 
-    model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=0)  # -1 (the CLI's no limit) is a 400, as in OpenAI
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_null_is_absent)
+    #: Cross-field rules in the JSON schema (checked by the validators below).
+    schema_rules: ClassVar[tuple[dict, ...]] = (
+        {"anyOf": [_absent("stream_options"), _given("stream", {"const": True})]},)
+
+    model: str | None = Field(None, json_schema_extra=_model_name)
+    n: JsonInt = Field(1, ge=1, le=MAX_N, description="Choices per prompt; prompts x n is at most 256 (and at "
+                                                      "most --max-num-seqs + --max-queue when --max-queue is set).")
+    stream: bool = Field(False, description="Answer with server-sent events (text/event-stream).")
+    stream_options: StreamOptions | None = Field(None, description="Only with stream: true.")
+    max_tokens: TokenCount | None = Field(None, description=(  # -1 (the CLI's no limit) is a 400, as in OpenAI
+        "Most tokens to generate (default: 16 for completions, no limit for chat: until an end-of-generation "
+        "token or the context end). Prompt + max_tokens may exceed the context: the reply then ends with "
+        "finish_reason length there."))
+    temperature: float | None = Field(None, json_schema_extra=_bounds("0 = greedy (argmax).", minimum=0))
+    top_p: float | None = Field(None, json_schema_extra=_bounds("Nucleus sampling; 1 = off.", exclusiveMinimum=0,
+                                                                maximum=1))
+    stop: str | list[str] | None = Field(None, json_schema_extra=_stop_schema)
+    seed: JsonInt | None = Field(None, json_schema_extra=_bounds(
+        "Reproducible sampling; with n > 1 choice j uses seed + j.", minimum=0, exclusiveMaximum=SEED_LIMIT))
+    presence_penalty: float | None = Field(None, json_schema_extra=_bounds("Over generated tokens.", minimum=-2,
+                                                                           maximum=2))
+    frequency_penalty: float | None = Field(None, json_schema_extra=_bounds("Over generated tokens.", minimum=-2,
+                                                                            maximum=2))
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra=_logit_bias_schema)
+    user: str | None = Field(None, description="Accepted, unused.")
     # -- llama.cpp / vLLM extensions --
-    top_k: int | None = None
-    min_p: float | None = None
-    typical_p: float | None = None
-    repetition_penalty: float | None = None
-    repeat_penalty: float | None = None  # llama.cpp's name for repetition_penalty
-    repeat_last_n: int | None = None
-    dry_multiplier: float | None = None
-    dry_base: float | None = None
-    dry_allowed_length: int | None = None
-    dry_penalty_last_n: int | None = None
-    dry_sequence_breakers: list[str] | None = None
-    ignore_eos: bool | None = None
-    min_tokens: int | None = None
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
-    cache_prompt: bool = True  # llama.cpp: false = do not adopt cached prefix blocks
-    return_token_ids: bool = False  # vLLM: token ids of the prompt and of each choice
+    top_k: JsonInt | None = Field(None, json_schema_extra=_bounds("0 or -1 = off.", minimum=-1))
+    min_p: float | None = Field(None, json_schema_extra=_bounds("Relative to the most likely token; 0 = off.",
+                                                                minimum=0, maximum=1))
+    typical_p: float | None = Field(None, json_schema_extra=_bounds("1 = off.", exclusiveMinimum=0, maximum=1))
+    repetition_penalty: float | None = Field(None, json_schema_extra=_bounds(
+        "vLLM's name for repeat_penalty (both with different values is a 400); 1 = off.", exclusiveMinimum=0))
+    repeat_penalty: float | None = Field(None, json_schema_extra=_bounds(  # llama.cpp's name for repetition_penalty
+        "llama.cpp's name for repetition_penalty; over prompt + output within repeat_last_n; 1 = off.",
+        exclusiveMinimum=0))
+    repeat_last_n: JsonInt | None = Field(None, json_schema_extra=_bounds("0 = off, -1 = the whole context.",
+                                                                          minimum=-1))
+    dry_multiplier: float | None = Field(None, json_schema_extra=_bounds("DRY; 0 = off.", minimum=0))
+    dry_base: float | None = Field(None, json_schema_extra=_bounds("DRY.", minimum=1))
+    dry_allowed_length: JsonInt | None = Field(None, json_schema_extra=_bounds("DRY.", minimum=0))
+    dry_penalty_last_n: JsonInt | None = Field(None, json_schema_extra=_bounds(
+        "DRY; 0 = off, -1 = the whole context.", minimum=-1))
+    dry_sequence_breakers: list[str] | None = Field(None, json_schema_extra=_items(
+        "DRY; non-empty strings, replacing the defaults.", {"type": "string", "minLength": 1}))
+    ignore_eos: bool | None = Field(None, description="Keep generating past end-of-generation tokens.")
+    min_tokens: JsonInt | None = Field(None, json_schema_extra=_bounds(
+        "At most max_tokens; end-of-generation and stop token ids are masked until then.", minimum=0))
+    stop_token_ids: list[JsonInt] | None = Field(None, json_schema_extra=_items(
+        "Token ids (inside the vocabulary) that end the reply with finish_reason stop.", _TOKEN_ID))
+    include_stop_str_in_output: bool | None = Field(None, description="Keep the matched stop string in the text.")
+    skip_special_tokens: bool | None = Field(None, description="Leave special tokens out of the text (default true).")
+    cache_prompt: bool = Field(True, description="llama.cpp's: false = do not adopt cached prefix blocks.")
+    return_token_ids: bool = Field(False, description="vLLM's: token_ids per choice, and prompt_token_ids.")
     # -- structured outputs: one constraint per request (OpenAI, vLLM, llama.cpp names) --
-    response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputsParams | None = None
-    guided_json: dict[str, Any] | str | None = None  # vLLM's older names
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = Field(None, min_length=1)
-    guided_grammar: str | None = None
-    json_schema: dict[str, Any] | None = None  # llama-server's
-    grammar: str | None = None  # llama-server's (GBNF)
+    response_format: ResponseFormat | None = Field(None, description="OpenAI's output constraint (one constraint "
+                                                                     "field per request).")
+    structured_outputs: StructuredOutputsParams | None = Field(None, description="vLLM's output constraint: exactly "
+                                                                                 "one of its fields.")
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's older name: a JSON schema.")
+    guided_regex: str | None = Field(None, description="vLLM's older name: a regular expression.")
+    guided_choice: list[str] | None = Field(None, min_length=1, description="vLLM's older name: one of these strings.")
+    guided_grammar: str | None = Field(None, description="vLLM's older name: a grammar (GBNF or Lark).")
+    json_schema: dict[str, Any] | None = Field(None, description="llama-server's: a JSON schema.")
+    grammar: str | None = Field(None, description="llama-server's: a GBNF grammar.")
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingFields":
@@ -239,13 +465,37 @@ class SamplingFields(_Body):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+def _prompt_schema(schema: dict) -> None:
+    """``prompt``: lists are never empty; token ids are >= 0 (and inside the vocabulary)."""
+    schema["description"] = ("A string, a list of strings, a list of token ids or a list of token-id lists (one "
+                             "choice set per prompt, choice index = prompt index * n + j). An empty prompt or list "
+                             "is a 400.")
+    for branch in _branches(schema):
+        if branch.get("type") == "string":
+            branch["x-monobatch"] = PROMPT_TEXT_MARKER
+        if branch.get("type") != "array":
+            continue
+        branch["minItems"] = 1
+        item = branch["items"]
+        if item.get("type") == "string":
+            item["x-monobatch"] = PROMPT_TEXT_MARKER
+        elif item.get("type") == "integer":
+            branch["items"] = copy.deepcopy(_TOKEN_ID)
+        elif item.get("type") == "array":
+            branch["items"] = {"type": "array", "items": copy.deepcopy(_TOKEN_ID), "minItems": 1}
+
+
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of token ids
     or a list of token-id lists (one choice set per prompt)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    refused_fields: ClassVar[tuple[str, ...]] = UNSUPPORTED_COMPLETION_FIELDS
+
+    prompt: str | list[str] | list[JsonInt] | list[list[JsonInt]] = Field(json_schema_extra=_prompt_schema)
+    echo: bool = Field(False, description="Prepend the prompt to the text.")
+    logprobs: LogprobCount | None = Field(None, description=(
+        "The chosen token's logprob and this many alternatives (legacy shape, with text_offset); with echo the "
+        "prompt's tokens too."))
 
     drop_unsupported = _refuse(UNSUPPORTED_COMPLETION_FIELDS)
 
@@ -254,17 +504,30 @@ class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``. ``messages`` are checked by the chat-template module
     (roles, text parts); ``max_completion_tokens`` wins over the deprecated ``max_tokens``."""
 
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=0)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
-    reasoning_format: ReasoningFormat | None = None  # llama.cpp: overrides --reasoning-format
+    refused_fields: ClassVar[tuple[str, ...]] = UNSUPPORTED_CHAT_FIELDS
+    schema_rules: ClassVar[tuple[dict, ...]] = (
+        *SamplingFields.schema_rules,
+        {"anyOf": [_absent("top_logprobs"), _given("logprobs", {"const": True})]},
+        {"anyOf": [{"properties": {"tool_choice": {"enum": ["none", "auto", None]}}},
+                   _given("tools", {"type": "array", "minItems": 1})]})
+
+    messages: list[dict[str, Any]] = Field(min_length=1, json_schema_extra=_items(
+        "The conversation, rendered by the model's chat template.", MESSAGE_SCHEMA))
+    max_completion_tokens: TokenCount | None = Field(None, description="Wins over max_tokens.")
+    logprobs: bool = Field(False, description="Per-token logprobs in OpenAI's chat shape.")
+    top_logprobs: LogprobCount | None = Field(None, description="Alternatives per token; needs logprobs: true.")
+    add_generation_prompt: bool = Field(True, description="End the rendered prompt with the assistant header.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description=(
+        "Extra template variables; may not set messages, add_generation_prompt, bos_token or eos_token."))
+    reasoning_format: ReasoningFormat | None = Field(None, description=(  # llama.cpp: overrides --reasoning-format
+        "separate: a <think> block goes to reasoning_content; none: it stays in content. Default: the server's "
+        "--reasoning-format."))
     # -- tool calling (OpenAI): checked by monobatch.tool_calls.check_tools --
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[dict[str, Any]] | None = Field(None, json_schema_extra=_items(
+        "OpenAI's function tools (names unique).", TOOL_SCHEMA))
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = Field(
+        None, json_schema_extra=_tool_choice_schema)
+    parallel_tool_calls: bool | None = Field(None, description="OpenAI's: allow several calls in one reply.")
 
     drop_unsupported = _refuse(UNSUPPORTED_CHAT_FIELDS)
 
@@ -296,21 +559,34 @@ class TokenizeRequest(_Body):
     (the template's special tokens, one BOS at most): either field may be true, never false.
     """
 
-    model: str | None = None
-    prompt: str | None = None
-    content: str | None = None
-    messages: list[dict[str, Any]] | None = Field(None, min_length=1)
-    add_special_tokens: bool | None = None
-    add_special: bool | None = None
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
-    return_token_strs: bool = False
-    with_pieces: bool = False
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_null_is_absent)
+    schema_rules: ClassVar[tuple[dict, ...]] = ({"anyOf": [
+        {"allOf": [_given(name, {"type": kind}), _absent(*({"prompt", "content", "messages"} - {name}))]}
+        for name, kind in (("prompt", "string"), ("content", "string"), ("messages", "array"))]},
+        {"anyOf": [_absent("add_special"), _absent("add_special_tokens"),
+                   {"properties": {"add_special": {"const": True}, "add_special_tokens": {"const": True}}},
+                   {"properties": {"add_special": {"const": False}, "add_special_tokens": {"const": False}}}]},
+        {"anyOf": [_absent("messages"), {"properties": {"add_special": {"enum": [True, None]},
+                                                        "add_special_tokens": {"enum": [True, None]}}}]})
+
+    model: str | None = Field(None, json_schema_extra=_model_name)
+    prompt: str | None = Field(None, description="vLLM's input (give exactly one of prompt, content, messages).")
+    content: str | None = Field(None, description="llama.cpp's input.")
+    messages: list[dict[str, Any]] | None = Field(None, min_length=1, json_schema_extra=_items(
+        "vLLM's chat input: the ids a chat request with these messages gets.", MESSAGE_SCHEMA))
+    add_special_tokens: bool | None = Field(None, description="vLLM's (default true for prompt); with messages it "
+                                                              "cannot be false.")
+    add_special: bool | None = Field(None, description="llama.cpp's (default false for content); conflicts with a "
+                                                       "different add_special_tokens.")
+    add_generation_prompt: bool = Field(True, description="With messages.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="With messages.")
+    return_token_strs: bool = Field(False, description="Add token_strs.")
+    with_pieces: bool = Field(False, description="tokens becomes [{id, piece}].")
 
     @model_validator(mode="before")
     @classmethod
     def _drop_nulls(cls, data: Any) -> Any:
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+        return _drop_nulls(data)
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
@@ -340,5 +616,5 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     """``POST /detokenize``: ``{"tokens": [ids]}`` (vLLM and llama.cpp)."""
 
-    model: str | None = None
-    tokens: list[int]
+    model: str | None = Field(None, json_schema_extra=_model_name)
+    tokens: list[JsonInt] = Field(json_schema_extra=_items("Token ids inside the vocabulary.", _TOKEN_ID))
