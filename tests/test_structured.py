@@ -337,6 +337,7 @@ def test_regex_choice_and_grammar_fields(server, fields, check):
     ({"grammar": "root ::= ("}, "grammar"),
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": "a{1000}{1000}"}, "guided_regex"),  # llguidance's lexer limit, hit at the first mask
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_constraints_are_400s_naming_the_field_before_any_sse_byte(server, fields, param, stream):
@@ -409,3 +410,35 @@ def test_the_greedy_mask_path_equals_the_full_chain(loaded):
     assert tok.decode([fast[0]]).startswith("{")
     mixed = states + [SamplerState(SamplingParams(temperature=0.7, seed=1), [1], 1, grammar=grammars.matcher(spec))]
     assert sampler.draw(logits, mixed).tolist()[:3] == fast  # the full chain (a sampled row present)
+
+
+def test_a_schema_nested_too_deep_is_an_invalid_request():
+    from monobatch.engine.constraint import StructuredOutput
+    from monobatch.errors import InvalidRequestError
+
+    schema: dict = {"type": "object"}
+    for _ in range(5000):
+        schema = {"type": "object", "properties": {"a": schema}}
+    with pytest.raises(InvalidRequestError) as info:
+        StructuredOutput.json_schema(schema, "response_format")
+    assert info.value.param == "response_format"
+
+
+def test_padded_logit_columns_and_a_grammar(loaded):
+    """A model whose lm_head has more columns than the tokenizer has tokens (HF exports pad it):
+    the mask covers the tokenizer's ids, the padded columns stay -inf, nothing crashes."""
+    from monobatch.engine.constraint import GrammarCompiler, StructuredOutput
+    from monobatch.engine.params import SamplingParams
+    from monobatch.engine.sampler import RowSampler, SamplerState
+
+    tok = loaded.tokenizer
+    grammars = GrammarCompiler(tok, tok.vocab_size)
+    spec = StructuredOutput.choice(["yes", "no"])
+    logits = torch.randn(2, tok.vocab_size + 200)
+    logits[:, tok.vocab_size:] = 1e6  # a padded column must never win
+    states = [SamplerState(SamplingParams(temperature=0), [1], 0, grammar=grammars.matcher(spec)),
+              SamplerState(SamplingParams(temperature=0.8, seed=2), [1], 2, grammar=grammars.matcher(spec))]
+    sampler = RowSampler(tok.vocab_size)
+    for token in sampler.draw(logits, states).tolist():
+        assert token < tok.vocab_size and tok.decode([token]) in ("y", "n", "yes", "no", "ye")
+    assert sampler.sample(logits, states).token_ids[0] < tok.vocab_size

@@ -7,6 +7,7 @@ The reply side (reasoning split, tool-call parsing) is :mod:`monobatch.chat_outp
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,7 @@ from monobatch.tool_calls import ToolFormat, ToolSpec, check_tools, detect_forma
 
 if TYPE_CHECKING:
     from monobatch.engine.constraint import StructuredOutput
+    from monobatch.engine.params import SamplingParams
     from monobatch.tokenizer import Tokenizer
 
 #: Template variables a request's chat_template_kwargs may not replace.
@@ -45,8 +47,33 @@ class ChatPrompt:
     @property
     def keep_special_tokens(self) -> bool:
         """Whether the reply must be decoded with its special tokens: a format whose call marker
-        may be a control token (Mistral's ``[TOOL_CALLS]``, Llama's ``<|python_tag|>``)."""
-        return self.tools.active and self.fmt in (ToolFormat.MISTRAL, ToolFormat.LLAMA3_JSON)
+        may be a control token (Mistral's ``[TOOL_CALLS]``, Llama's ``<|python_tag|>``, a
+        vocabulary where ``<tool_call>`` is special)."""
+        return self.tools.active and self.fmt is not ToolFormat.GENERIC
+
+    def apply(self, params: "SamplingParams") -> "SamplingParams":
+        """``params`` for this turn: the tool constraint (``tool_choice`` "required", a named
+        function, the generic format's "auto") and the special tokens the parser must see.
+
+        Raises:
+            InvalidRequestError: a tool constraint and another output constraint in one request.
+        """
+        changes: dict[str, Any] = {}
+        if self.structured is not None:
+            if params.structured is not None:
+                raise InvalidRequestError(f"tool_choice: {self.tools.choice!r} constrains the reply to tool calls "
+                                          f"(or, in the generic format, to its JSON); it cannot be combined with "
+                                          f"{params.structured.param}", "tool_choice")
+            changes["structured"] = self.structured
+        if self.keep_special_tokens:
+            changes["skip_special_tokens"] = False
+        return dataclasses.replace(params, **changes) if changes else params
+
+    def finish_reason(self, engine_reason: str | None, has_calls: bool) -> str | None:
+        """OpenAI's ``finish_reason``: ``tool_calls`` when a reply that ended by itself called
+        tools, unless ``tool_choice`` named the function (OpenAI answers ``stop`` then)."""
+        named = self.tools.choice not in ("none", "auto", "required")
+        return "tool_calls" if has_calls and engine_reason == "stop" and not named else engine_reason
 
 
 def template_messages(messages: list) -> list:
@@ -82,7 +109,10 @@ def prepare_chat(tok: "Tokenizer", messages: list, *, tools: Any = None, tool_ch
         raise InvalidRequestError(f"chat_template_kwargs: may not set {', '.join(clash)}", "chat_template_kwargs")
     spec = check_tools(tools, tool_choice, parallel_tool_calls)
     fmt = detect_format(tok.chat_template)
-    rendered, extra = prepare_messages(template_messages(messages), spec, fmt)
+    if spec.tools:  # tools in the request: the format renders them and the tool history
+        rendered, extra = prepare_messages(template_messages(messages), spec, fmt)
+    else:  # none: the messages reach the template as they are (its own rules, raise_exception too)
+        rendered, extra = template_messages(messages), {}
     ids = tok.encode_chat(rendered, add_generation_prompt, **{**kwargs, **extra})
     from monobatch.chat_output import prompt_opens_reasoning
 

@@ -13,7 +13,6 @@ and the CLI use, so a request gives the same tokens here as there.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import numbers
@@ -198,18 +197,11 @@ class LLM:
         chats = [prepare_chat(self.tokenizer, c, tools=tools, tool_choice=tool_choice,
                               parallel_tool_calls=parallel_tool_calls, add_generation_prompt=add_generation_prompt,
                               template_kwargs=chat_template_kwargs) for c in conversations]
-        params = self._params_for(sampling_params, len(chats))
-        for i, (chat, sp) in enumerate(zip(chats, params)):
-            if chat.structured is not None:
-                if sp.structured is not None:
-                    raise InvalidRequestError(f"tool_choice {chat.tools.choice!r} constrains the reply to tool calls; "
-                                              "it cannot be combined with SamplingParams.structured", "tool_choice")
-                params[i] = dataclasses.replace(sp, structured=chat.structured,
-                                                skip_special_tokens=sp.skip_special_tokens and not chat.keep_special_tokens)
+        params = [chat.apply(sp) for chat, sp in zip(chats, self._params_for(sampling_params, len(chats)))]
         outs = self._run([(None, chat.prompt_ids) for chat in chats], params, use_tqdm)
         for chat, out in zip(chats, outs):
-            if chat.tools.active:
-                _, reply = split_reply(out.outputs[0].text, "none", False, chat.tools, chat.fmt)
+            if chat.tools.active:  # parsed as the chat endpoint parses (reasoning split first)
+                _, reply = split_reply(out.outputs[0].text, "separate", chat.in_reasoning, chat.tools, chat.fmt)
                 out.outputs[0].tool_calls = reply.tool_calls
         return outs
 

@@ -96,7 +96,11 @@ class StructuredOutput:
             schema = {} if schema else {"not": {}}
         if not isinstance(schema, dict):
             raise InvalidRequestError(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param)
-        return cls("json_schema", json.dumps(schema, ensure_ascii=False), param)
+        try:
+            return cls("json_schema", json.dumps(schema, ensure_ascii=False), param)
+        except (RecursionError, ValueError, TypeError) as exc:  # nested too deep, a cycle, a non-JSON value
+            raise InvalidRequestError(f"{param}: the schema cannot be serialized as JSON ({type(exc).__name__})",
+                                      param) from None
 
     @classmethod
     def json_object(cls, param: str = "response_format") -> "StructuredOutput":
@@ -176,8 +180,14 @@ class GrammarMatcher:
 
     @property
     def is_stopped(self) -> bool:
-        """The grammar has ended (or failed): no further token can be accepted."""
+        """The grammar has ended (or failed: see :attr:`error`): no further token can be accepted."""
         return bool(self._m.is_stopped() or self._m.is_error())
+
+    @property
+    def failed(self) -> bool:
+        """The matcher is in an error state (a resource limit hit mid-answer): the answer is not
+        known to match, so the sequence must not end as a success."""
+        return bool(self._m.is_error())
 
     @property
     def is_accepting(self) -> bool:
@@ -224,6 +234,21 @@ class GrammarCompiler:
 
         grammar = spec.grammar_text()
         matcher = llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
+        if not matcher.is_error():
+            # llguidance builds its lexer lazily, at the first masks: build them here, on this worker
+            # thread and within the timeout -- the first mask, then one step past an allowed token on
+            # a copy -- so a regex that explodes (``a{1000}{1000}``) is refused now rather than
+            # failing or stalling the engine thread at the first steps (copies share the lexer)
+            allowed = np.flatnonzero(np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8),
+                                                   bitorder="little")[:self.vocab_size])
+            first = next((int(t) for t in allowed if int(t) not in self._tokenizer.eog_ids), None)
+            if first is not None and not matcher.is_error():
+                probe = matcher.deep_copy()
+                probe.consume_token(first)
+                if not probe.is_error():
+                    probe.compute_bitmask()
+                if probe.is_error():
+                    raise InvalidRequestError(f"{spec.param}: {_first_line(probe.get_error())}", spec.param)
         if matcher.is_error():
             raise InvalidRequestError(f"{spec.param}: {_first_line(matcher.get_error())}", spec.param)
         return matcher
@@ -343,9 +368,11 @@ def apply_bitmask(x: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Ten
     Returns:
         x.
     """
-    V = x.shape[1]
-    banned = ((bitmask.unsqueeze(-1) & _pow2(x.device)) == 0).flatten(1)[:, :V]  # (M, V) bool
+    # columns past the mask's (a padded lm_head's) are no token's: the sampler has set them to -inf
+    n = min(x.shape[1], bitmask.shape[1] * 32)
+    banned = ((bitmask.unsqueeze(-1) & _pow2(x.device)) == 0).flatten(1)[:, :n]  # (M, n) bool
     if rows is None or rows.shape[0] == x.shape[0]:
-        return x.masked_fill_(banned, float("-inf"))
-    x[rows] = x[rows].masked_fill(banned, float("-inf"))
+        x[:, :n].masked_fill_(banned, float("-inf"))
+        return x
+    x[rows, :n] = x[rows, :n].masked_fill(banned, float("-inf"))
     return x

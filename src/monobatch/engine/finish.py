@@ -9,6 +9,7 @@ complete, stop-string prefixes held back); set ``finish_reason``.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -16,6 +17,8 @@ import torch
 
 from monobatch.engine.sampler import SampleOutput
 from monobatch.engine.sequence import FinishReason, Sequence, SeqStatus
+
+log = logging.getLogger("monobatch")
 
 
 @dataclass(slots=True)
@@ -181,6 +184,10 @@ class FinishStep:
         if token in p.stop_token_ids or (token in self.eog_ids and not p.ignore_eos):
             return FinishReason.STOP
         grammar = seq.sampler.grammar
+        if grammar is not None and grammar.failed:
+            log.warning("request %s: its grammar failed mid-answer (%s); ended as abort", seq.request_id,
+                        (grammar.error or "").splitlines()[0][:200])
+            return FinishReason.ABORT  # never a "stop" that claims the text matches
         if grammar is not None and (grammar.is_stopped or token in self.eog_ids):
             return FinishReason.STOP  # the grammar has terminated (it accepted the end, or nothing can follow)
         if self.is_looping(seq.output_ids, p.loop_window):

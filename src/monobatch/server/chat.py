@@ -3,7 +3,6 @@ reasoning split of :mod:`monobatch.chat_output` and chat-shaped logprobs."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -13,7 +12,6 @@ from fastapi.responses import Response
 from monobatch.chat_output import ChatDelta, ChatReply, split_reply
 from monobatch.chat_prompt import ChatPrompt, prepare_chat
 from monobatch.engine.params import resolve_sampling
-from monobatch.errors import InvalidRequestError
 from monobatch.server.client import ResponseReader
 from monobatch.server.generation import (Choice, EventStream, build_requests, chat_logprobs, check_prompt_chars,
                                          compile_constraint, created, new_id, off_loop, respond, sse, stream_frame,
@@ -70,10 +68,9 @@ class _Chat:
         the prompt left a ``<think>`` block open), content and tool calls."""
         return ChatReply(self.reasoning_format, self.chat.in_reasoning, self.chat.tools, self.chat.fmt)
 
-    @staticmethod
-    def finish_reason(c: Choice, reply: ChatReply) -> str | None:
-        """``tool_calls`` when the reply called tools (OpenAI), else the engine's reason."""
-        return "tool_calls" if reply.tool_calls and c.finish_reason in ("stop", "length") else c.finish_reason
+    def finish_reason(self, c: Choice, reply: ChatReply) -> str | None:
+        """``tool_calls`` when the reply called tools (:meth:`ChatPrompt.finish_reason`)."""
+        return self.chat.finish_reason(c.finish_reason, bool(reply.tool_calls))
 
     def _chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
         chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
@@ -140,6 +137,12 @@ class _Chat:
             if out.finished:
                 parts += splitters[i].flush()
             wants_logprobs = self.body.logprobs and out.logprobs
+            reason = self.finish_reason(choices[i], splitters[i]) if out.finished else None
+            text = parts.content or parts.reasoning or wants_logprobs
+            if text or (out.finished and not parts.tool_calls):  # text before any call it preceded
+                yield self._row(i, parts, out.logprobs if wants_logprobs else None,
+                                None if parts.tool_calls else reason, pending[i])
+                pending[i] = []
             for call in parts.tool_calls:  # id and name first, then the arguments (OpenAI's stream shape)
                 first = call.to_openai()
                 args = first["function"]["arguments"]
@@ -150,24 +153,22 @@ class _Chat:
                     yield sse(self._chunk([{"index": i, "delta": {"tool_calls": [
                         {"index": call.index, "function": {"arguments": args}}]}, "logprobs": None,
                         "finish_reason": None}]))
-            if not (parts.content or parts.reasoning or out.finished or wants_logprobs):
-                continue
-            delta = {}
-            if parts.content:
-                delta["content"] = parts.content
-            if parts.reasoning:
-                delta["reasoning_content"] = parts.reasoning
-            reason = None
-            if out.finished:
-                choices[i].finish_reason = out.finish_reason.value
-                reason = self.finish_reason(choices[i], splitters[i])
-            row = {"index": i, "delta": delta,
-                   "logprobs": chat_logprobs(self.tok, out.logprobs) if wants_logprobs else None,
-                   "finish_reason": reason}
-            if self.body.return_token_ids:
-                row["token_ids"] = pending[i]
-            pending[i] = []
-            yield sse(self._chunk([row]))
+            if out.finished and parts.tool_calls:
+                yield self._row(i, ChatDelta(), None, reason, pending[i])
+                pending[i] = []
+
+    def _row(self, i: int, parts: ChatDelta, logprobs: list | None, reason: str | None, token_ids: list[int]) -> str:
+        """One SSE chunk of choice ``i``: its text, logprobs, finish_reason and token ids."""
+        delta = {}
+        if parts.content:
+            delta["content"] = parts.content
+        if parts.reasoning:
+            delta["reasoning_content"] = parts.reasoning
+        row = {"index": i, "delta": delta, "logprobs": chat_logprobs(self.tok, logprobs) if logprobs else None,
+               "finish_reason": reason}
+        if self.body.return_token_ids:
+            row["token_ids"] = token_ids
+        return sse(self._chunk([row]))
 
 
 async def create_chat_completion(body: ChatCompletionRequest, http: HttpRequest, state: ServerState) -> Response:
@@ -183,13 +184,7 @@ async def create_chat_completion(body: ChatCompletionRequest, http: HttpRequest,
     chat = await off_loop(prepare_chat, tok, body.messages, tools=body.tools, tool_choice=body.tool_choice,
                           parallel_tool_calls=body.parallel_tool_calls, add_generation_prompt=body.add_generation_prompt,
                           template_kwargs=body.chat_template_kwargs)
-    if chat.structured is not None:  # tool_choice required / named (or the generic format's auto)
-        if params.structured is not None:
-            raise InvalidRequestError(f"tool_choice: {chat.tools.choice!r} constrains the reply to tool calls; it "
-                                      f"cannot be combined with {params.structured.param}", "tool_choice")
-        params = dataclasses.replace(params, structured=chat.structured)
-    if chat.keep_special_tokens:  # the call marker may be a control token
-        params = dataclasses.replace(params, skip_special_tokens=False)
+    params = chat.apply(params)  # the tool constraint; special tokens kept for a marker format
     await compile_constraint(state.grammars, params)
     chat_id = new_id("chatcmpl")
     requests = build_requests(chat_id, [chat.prompt_ids], params, body.n, arrival_time=arrival,
