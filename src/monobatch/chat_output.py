@@ -23,6 +23,7 @@ import enum
 from dataclasses import dataclass, field
 
 from monobatch.tool_calls import ToolCall, ToolCallDelta, ToolCallParser, ToolFormat, ToolSpec
+from monobatch.tool_calls.parser import partial_suffix
 
 #: The values of ``--reasoning-format`` / the request field ``reasoning_format``.
 REASONING_FORMATS = ("none", "separate")
@@ -107,7 +108,7 @@ class ReasoningSplitter:
                     self._held = self._held[end + len(CLOSE_TAG):]
                     self._state, self._strip = _State.CONTENT, True
                     continue
-                keep = _partial_suffix(self._held, CLOSE_TAG)
+                keep = partial_suffix(self._held, CLOSE_TAG)
                 out.reasoning += self._visible(self._held[:len(self._held) - keep])
                 self._held = self._held[len(self._held) - keep:]
                 break
@@ -130,14 +131,6 @@ class ReasoningSplitter:
             text = text.lstrip()
             self._strip = not text
         return text
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def split_reasoning(text: str, reasoning_format: str = "separate", in_reasoning: bool = False) -> ChatDelta:

@@ -311,9 +311,16 @@ CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "gu
                      "guided_grammar", "json_schema", "grammar")
 
 
-def _grammar(text: str, param: str) -> StructuredOutput:
-    """A ``grammar`` field: GBNF (llama.cpp) or, when it looks like one, an llguidance Lark grammar."""
-    return StructuredOutput("grammar", text, param)
+def _constraint(kind: str, value: Any, param: str) -> StructuredOutput:
+    """One constraint field's :class:`StructuredOutput`: ``json`` (a schema), ``regex``, ``choice``,
+    ``grammar`` (GBNF, or an llguidance Lark grammar) or ``json_object``."""
+    if kind == "json":
+        return StructuredOutput.json_schema(value, param)
+    if kind == "choice":
+        return StructuredOutput.choice(value, param)
+    if kind == "json_object":
+        return StructuredOutput.json_object(param)
+    return StructuredOutput(kind, value, param)
 
 
 class SamplingFields(_Body):
@@ -426,33 +433,20 @@ class SamplingFields(_Body):
                                                                            "response_format.json_schema.schema")))
         so = self.structured_outputs
         if so is not None:
-            kinds = []
-            if so.json_ is not None:
-                kinds.append(("structured_outputs.json", StructuredOutput.json_schema(so.json_, "structured_outputs.json")))
-            if so.regex is not None:
-                kinds.append(("structured_outputs.regex", StructuredOutput("regex", so.regex, "structured_outputs.regex")))
-            if so.choice is not None:
-                kinds.append(("structured_outputs.choice", StructuredOutput.choice(so.choice, "structured_outputs.choice")))
-            if so.grammar is not None:
-                kinds.append(("structured_outputs.grammar", _grammar(so.grammar, "structured_outputs.grammar")))
-            if so.json_object:
-                kinds.append(("structured_outputs.json_object", StructuredOutput.json_object("structured_outputs.json_object")))
+            kinds = [(f"structured_outputs.{name}", _constraint(kind, value, f"structured_outputs.{name}"))
+                     for name, kind, value in (("json", "json", so.json_), ("regex", "regex", so.regex),
+                                               ("choice", "choice", so.choice), ("grammar", "grammar", so.grammar),
+                                               ("json_object", "json_object", so.json_object or None))
+                     if value is not None]
             if not kinds:
                 raise InvalidRequestError("structured_outputs: give one of json, regex, choice, grammar or json_object",
                                           "structured_outputs")
             found += kinds
-        if self.guided_json is not None:
-            found.append(("guided_json", StructuredOutput.json_schema(self.guided_json, "guided_json")))
-        if self.guided_regex is not None:
-            found.append(("guided_regex", StructuredOutput("regex", self.guided_regex, "guided_regex")))
-        if self.guided_choice is not None:
-            found.append(("guided_choice", StructuredOutput.choice(self.guided_choice, "guided_choice")))
-        if self.guided_grammar is not None:
-            found.append(("guided_grammar", _grammar(self.guided_grammar, "guided_grammar")))
-        if self.json_schema is not None:
-            found.append(("json_schema", StructuredOutput.json_schema(self.json_schema, "json_schema")))
-        if self.grammar is not None:
-            found.append(("grammar", _grammar(self.grammar, "grammar")))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar"), ("json_schema", "json"), ("grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, _constraint(kind, value, name)))
         if len(found) > 1:
             names = [name for name, _ in found]
             raise InvalidRequestError(f"{names[0]}: one output constraint per request; this one has "

@@ -127,7 +127,7 @@ class ToolCallParser:
         out, held, state = ToolDelta(), self._held, self._state
         self._held, self._state = "", "plain"
         if state in ("text", "start") and self._fmt is not ToolFormat.GENERIC:
-            keep = _partial_suffix(held, self._marker or PYTHON_TAG)
+            keep = partial_suffix(held, self._marker or PYTHON_TAG)
             held = held[:-keep].rstrip() if keep >= 2 else held
             self._emit(out, held.rstrip() if self._calls else held)
         elif state in ("start", "open", "mopen", "call"):
@@ -144,7 +144,7 @@ class ToolCallParser:
         elif state == "text":  # HERMES / MISTRAL: content until the marker
             k = held.find(self._marker)
             if k < 0:
-                piece = held[:len(held) - _partial_suffix(held, self._marker)].rstrip()
+                piece = held[:len(held) - partial_suffix(held, self._marker)].rstrip()
                 self._emit(out, piece)
                 self._held = held[len(piece):]
                 return False
@@ -316,7 +316,7 @@ def _match_seq(text: str, parts: list[str]) -> int | None:
     return i
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
