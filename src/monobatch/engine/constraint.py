@@ -34,11 +34,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
-import torch
 
 from monobatch.errors import InvalidRequestError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch is imported where a mask is applied: the CLI's parser imports this module
+    import torch
+
     from monobatch.tokenizer import Tokenizer
 
 #: The kinds a :class:`StructuredOutput` may have.
@@ -350,6 +351,8 @@ _POW2: dict[torch.device, torch.Tensor] = {}
 
 def _pow2(device: torch.device) -> torch.Tensor:
     """``[32]`` int32 bit ``i`` set in entry ``i`` (entry 31 is the sign bit), cached per device."""
+    import torch
+
     t = _POW2.get(device)
     if t is None:
         t = _POW2[device] = torch.tensor([1 << i if i < 31 else -(1 << 31) for i in range(32)],
