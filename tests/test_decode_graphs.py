@@ -162,9 +162,14 @@ def test_static_decode_path_matches_eager(loaded):
         kv.cache.zero_()
     assert _run(static, prompts) == _run(eager, prompts)
     assert static_engine.graphs.replays > 0
-    # Same block allocation order on both sides: the pools hold the same K/V (not the scratch block).
+    # Same block allocation order on both sides: the pools hold the same K/V (not the scratch block),
+    # up to float32 rounding: the padded step's projections are a GEMM of 4 rows, the eager step's of
+    # 3, and the CPU BLAS picks its kernel (and summation order) by the row count. The bound is the
+    # accumulation error of a K = 576 dot product in float32 (K * eps ~ 7e-5, relative), not 1e-5,
+    # which a fresh clone once missed by 1.3e-5 (the fast mode is not batch-invariant; ADR 0002).
     used = static_engine.kv.pool.num_blocks * static_engine.kv.block_size
-    torch.testing.assert_close(static_engine.kv.cache[:, :, :used], eager.engine.kv.cache[:, :, :used], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(static_engine.kv.cache[:, :, :used], eager.engine.kv.cache[:, :, :used],
+                               rtol=2e-4, atol=2e-4)
     assert static_engine.kv.usage().used_blocks == 0  # every sequence freed its blocks
 
 
