@@ -61,9 +61,12 @@ class ChatPrompt:
         changes: dict[str, Any] = {}
         if self.structured is not None:
             if params.structured is not None:
-                raise InvalidRequestError(f"tool_choice: {self.tools.choice!r} constrains the reply to tool calls "
-                                          f"(or, in the generic format, to its JSON); it cannot be combined with "
-                                          f"{params.structured.param}", "tool_choice")
+                why = ("this model's chat template has no tool-call format, so with tools its reply is "
+                       "constrained to the generic tool JSON" if self.tools.choice == "auto" else
+                       f"tool_choice {self.tools.choice!r} constrains the reply to tool calls")
+                raise InvalidRequestError(f"tool_choice: {why}, which cannot be combined with "
+                                          f"{params.structured.param} (set tool_choice to \"none\" for a "
+                                          "constrained answer)", "tool_choice")
             changes["structured"] = self.structured
         if self.keep_special_tokens:
             changes["skip_special_tokens"] = False
