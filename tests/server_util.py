@@ -154,3 +154,15 @@ def free_port_is_bindable(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def assert_400_naming(server: Server, path: str, body: dict, param: str) -> dict:
+    """``body`` is an OpenAI-shaped JSON 400 (before any SSE byte when streamed) whose ``param``
+    or message names ``param``; the server then still answers a small completion. Returns the error."""
+    resp = server.post(path, body)
+    assert resp.status_code == 400, resp.text
+    assert resp.headers["content-type"].startswith("application/json")
+    err = resp.json()["error"]
+    assert err["type"] == "invalid_request_error" and param in (err.get("param") or "") + err["message"], err
+    assert server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2}).status_code == 200
+    return err

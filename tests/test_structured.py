@@ -18,7 +18,7 @@ import torch
 jsonschema = pytest.importorskip("jsonschema")
 
 from schemas import SCHEMAS
-from server_util import shared_server
+from server_util import assert_400_naming, shared_server
 from test_server import MAIN_ARGS
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -341,14 +341,8 @@ def test_regex_choice_and_grammar_fields(server, fields, check):
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_constraints_are_400s_naming_the_field_before_any_sse_byte(server, fields, param, stream):
-    resp = server.post("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 4, "stream": stream, **fields})
-    assert resp.status_code == 400, resp.text
-    assert resp.headers["content-type"].startswith("application/json")
-    err = resp.json()["error"]
-    assert err["type"] == "invalid_request_error" and param in (err["param"] or "") + err["message"], err
-    # the server keeps serving
-    ok = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
-    assert ok.status_code == 200
+    assert_400_naming(server, "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 4, "stream": stream,
+                                                       **fields}, param)
 
 
 def test_constrained_length_stop_on_the_server(server):

@@ -13,7 +13,7 @@ import json
 import jsonschema
 import pytest
 
-from server_util import shared_server
+from server_util import assert_400_naming, shared_server
 from test_server import MAIN_ARGS
 
 openai = pytest.importorskip("openai")
@@ -153,9 +153,5 @@ def test_stop_string_inside_the_arguments_gives_no_call(client, model):
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_tools_are_400s_naming_the_field(server, fields, param, stream):
-    resp = server.post("/v1/chat/completions", {"messages": ASK, "max_tokens": 4, "stream": stream, **fields})
-    assert resp.status_code == 400, resp.text
-    assert resp.headers["content-type"].startswith("application/json")
-    err = resp.json()["error"]
-    assert param in (err.get("param") or "") + err["message"], err
-    assert server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2}).status_code == 200
+    assert_400_naming(server, "/v1/chat/completions", {"messages": ASK, "max_tokens": 4, "stream": stream, **fields},
+                      param)
