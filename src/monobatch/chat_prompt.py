@@ -73,10 +73,11 @@ class ChatPrompt:
         return dataclasses.replace(params, **changes) if changes else params
 
     def finish_reason(self, engine_reason: str | None, has_calls: bool) -> str | None:
-        """OpenAI's ``finish_reason``: ``tool_calls`` when a reply that ended by itself called
-        tools, unless ``tool_choice`` named the function (OpenAI answers ``stop`` then)."""
+        """OpenAI's ``finish_reason``: ``tool_calls`` when the reply holds complete calls (a call is
+        parsed only once its JSON is complete, so also when ``max_tokens`` came right after it),
+        unless ``tool_choice`` named the function (OpenAI answers ``stop`` then)."""
         named = self.tools.choice not in ("none", "auto", "required")
-        return "tool_calls" if has_calls and engine_reason == "stop" and not named else engine_reason
+        return "tool_calls" if has_calls and engine_reason in ("stop", "length") and not named else engine_reason
 
 
 def template_messages(messages: list) -> list:
