@@ -241,18 +241,22 @@ class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
-class StreamOptions(_Body):
+class _NullIsAbsent(_Body):
+    """A body whose null values are dropped before validation (null = absent)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        return _drop_nulls(data)
+
+
+class StreamOptions(_NullIsAbsent):
     """``stream_options``: ``include_usage`` adds one usage chunk before ``[DONE]``."""
 
     model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_null_is_absent)
 
     include_usage: bool = Field(False, description="One extra chunk with the usage (and no choices) before [DONE].")
     include_obfuscation: bool = Field(False, description="OpenAI's padding field: accepted, ignored.")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_nulls(cls, data: Any) -> Any:
-        return _drop_nulls(data)
 
 
 class JsonSchemaFormat(_Body):
@@ -543,7 +547,7 @@ class ChatCompletionRequest(SamplingFields):
         return out
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_NullIsAbsent):
     """``POST /tokenize``: vLLM's (``prompt`` or ``messages``, ``add_special_tokens``,
     ``return_token_strs``) and llama.cpp's (``content``, ``add_special``, ``with_pieces``) shapes.
 
@@ -576,11 +580,6 @@ class TokenizeRequest(_Body):
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="With messages.")
     return_token_strs: bool = Field(False, description="Add token_strs.")
     with_pieces: bool = Field(False, description="tokens becomes [{id, piece}].")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_nulls(cls, data: Any) -> Any:
-        return _drop_nulls(data)
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
