@@ -1,0 +1,96 @@
+"""The varlen paged attention kernel (kernels/varlen_attention.py) against attend_chunk, the eager
+path's attention, on each chunk's gathered keys; and its batch invariance (a row's bits depend on
+its keys alone). Runs in Triton's CPU interpreter where Triton is installed, and on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import run_in_triton_interpreter
+from monobatch.kv.attention import attend_chunk
+
+
+def _case(chunks, n_q, n_kv, hd, bs, dtype, device, seed=0):
+    """A pool holding every chunk's keys (positions 0 .. pos+len-1, blocks shuffled), queries for
+    the chunks' new tokens, and the metadata of one step over them (``chunks``: (pos, len))."""
+    from monobatch.kernels.varlen_attention import build_meta
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-(p + n) // bs) for p, n in chunks]
+    blocks = sum(need) + 2
+    k = torch.randn(blocks * bs, n_kv, hd, generator=g).to(device, dtype)
+    v = torch.randn(blocks * bs, n_kv, hd, generator=g).to(device, dtype)
+    perm = torch.randperm(blocks, generator=g).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at:at + n])
+        at += n
+    T = sum(n for _, n in chunks)
+    q = torch.randn(T, n_q, hd, generator=g).to(device, dtype)
+    starts, s = [], 0
+    for _, n in chunks:
+        starts.append(s)
+        s += n
+    return q, k, v, tables, [(st, n, p) for st, (p, n) in zip(starts, chunks)]
+
+
+def _oracle(q, k, v, tables, layout, bs, window=0):
+    out = torch.empty_like(q)
+    for table, (st, n, p) in zip(tables, layout):
+        slots = (torch.tensor(table)[:, None] * bs + torch.arange(bs)).reshape(-1)[:p + n].to(q.device)
+        if window:  # row by row: each row sees its last `window` keys
+            for i in range(n):
+                lo = max(0, p + i - window + 1)
+                out[st + i:st + i + 1] = attend_chunk(q[st + i:st + i + 1], k[slots[lo:p + i + 1]],
+                                                      v[slots[lo:p + i + 1]], p + i - lo)
+        else:
+            out[st:st + n] = attend_chunk(q[st:st + n], k[slots], v[slots], p)
+    return out
+
+
+def check(device: str = "cpu", dtype=torch.float32) -> str:
+    """Every path on small shapes: chunks of one token (decode rows), short and long prompt chunks,
+    a chunk continuing a cache (pos > 0), GQA groups of 4 and 3 (padded to 4), a sliding window;
+    then batch invariance: each chunk alone gives the bits it gives inside the step."""
+    from monobatch.kernels.varlen_attention import build_meta, tokens_per_tile, varlen_paged_attention
+    tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
+    bs = 16
+    for n_q, n_kv, chunks, window in [
+        (8, 2, [(0, 1), (37, 1), (0, 70), (100, 33), (5, 1)], 0),
+        (9, 3, [(0, 130), (64, 1), (200, 17)], 0),
+        (8, 2, [(0, 150), (90, 40), (300, 1)], 48),
+    ]:
+        q, k, v, tables, layout = _case(chunks, n_q, n_kv, 64, bs, dtype, device)
+        ref = _oracle(q, k, v, tables, layout, bs, window)
+        for det in (False, True):
+            bt = tokens_per_tile(n_q, n_kv, det)
+            meta = build_meta(layout, tables, bt, torch.device(device))
+            out = varlen_paged_attention(q, k, v, meta, bs, window=window)
+            torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+            if det:  # batch invariance: each chunk alone, each token alone as a decode row
+                for table, (st, n, p) in zip(tables, layout):
+                    alone = varlen_paged_attention(q[st:st + n], k, v, build_meta([(0, n, p)], [table], bt,
+                                                   torch.device(device)), bs, window=window)
+                    assert torch.equal(alone, out[st:st + n]), "a chunk alone differs from itself in the step"
+                    i = n - 1
+                    row = varlen_paged_attention(q[st + i:st + i + 1], k, v,
+                                                 build_meta([(0, 1, p + i)], [table], bt, torch.device(device)),
+                                                 bs, window=window)
+                    # On the GPU a row's MMA arithmetic does not depend on its place in the tile, so
+                    # a decode row has the bits of the same token's prefill row. The CPU interpreter's
+                    # numpy matmul picks its kernel by a row's place in a block: close, not equal.
+                    if device == "cuda":
+                        assert torch.equal(row, out[st + i:st + i + 1]), "a decode row differs from the prefill row"
+                    else:
+                        torch.testing.assert_close(row, out[st + i:st + i + 1], rtol=tol, atol=tol)
+    return "ok"
+
+
+def test_varlen_attention_in_interpreter():
+    run_in_triton_interpreter("test_varlen_attention", "check")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_attention_cuda(dtype):
+    assert check("cuda", dtype) == "ok"
