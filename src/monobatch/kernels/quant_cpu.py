@@ -1,0 +1,81 @@
+"""The packed-weight CPU matmuls (``csrc/quant_cpu.cpp``), compiled on this machine.
+
+The C++ source is built once with torch's extension builder (g++, ``-O3 -march=native``, OpenMP
+through torch's own runtime, so ``torch.set_num_threads`` / ``-t`` governs it) into
+``$MONOBATCH_KERNEL_CACHE`` (default ``~/.cache/monobatch/kernels``); ``make run`` builds it at
+install (``python -m monobatch.kernels.quant_cpu``), and a later run loads the cached module (a
+changed source is rebuilt). Nothing prebuilt is fetched. Where no compiler is found the loader
+falls back to dequantized weights and says so (:func:`available`).
+
+Layouts and numerics: see the C++ file's header and :mod:`monobatch.quant.formats`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).parent / "csrc" / "quant_cpu.cpp"
+NAME = "monobatch_quant_cpu"
+
+
+def cache_dir() -> Path:
+    """Where the compiled module lives (``$MONOBATCH_KERNEL_CACHE`` or ``~/.cache/monobatch/kernels``)."""
+    root = os.environ.get("MONOBATCH_KERNEL_CACHE") or Path.home() / ".cache" / "monobatch" / "kernels"
+    return Path(root) / f"torch-{torch.__version__}"
+
+
+@functools.cache
+def module() -> ModuleType:
+    """The compiled extension (built on first use when not cached; tens of seconds once).
+
+    Raises:
+        RuntimeError: the build failed (no compiler, no ninja, ...).
+    """
+    from torch.utils import cpp_extension
+
+    build = cache_dir()
+    build.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(
+        name=NAME, sources=[str(SOURCE)], build_directory=str(build),
+        extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernels load (built now if needed); logs once why not."""
+    try:
+        module()
+        return True
+    except Exception as e:  # a compiler or ninja missing: the packed path is then unavailable
+        log.warning("packed CPU kernels unavailable (%s); weights are dequantized at load", str(e).splitlines()[0])
+        return False
+
+
+def gemm(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group: int,
+         q4: bool) -> torch.Tensor:
+    """``x @ W.T`` for packed ``W`` ``[N, K]``: x float32 ``[M, K]`` -> float32 ``[M, N]`` (few rows).
+
+    Args:
+        qs: uint8 ``[N, K/2]`` (``q4``) or int8 ``[N, K]``.
+        scale, minimum: float32 ``[N, K/group]``.
+    """
+    return module().gemm(x, qs, scale, minimum, group, q4)
+
+
+def dequant(qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group: int, q4: bool,
+            out: torch.Tensor) -> torch.Tensor:
+    """Packed rows as float32 into ``out`` ``[N, K]`` (contiguous); returns ``out``."""
+    module().dequant(qs, scale, minimum, group, q4, out)
+    return out
+
+
+if __name__ == "__main__":  # `make run` builds the kernels here, once
+    logging.basicConfig(level=logging.INFO)
+    print(f"packed CPU kernels: {'built' if available() else 'NOT available'} in {cache_dir()}")

@@ -1,0 +1,147 @@
+"""GGUF block types -> the two resident packed layouts, repacked once at load, exactly.
+
+Every packed type is, per group of G consecutive input columns of a row, ``w = q * scale + min``
+with small integers q (ggml's own formulas, read from the block's bytes):
+
+| GGUF type | file block | resident layout | scale | min |
+| --- | --- | --- | --- | --- |
+| Q4_0 | 32: fp16 d, 16 B nibbles | Q4, G 32 (bytes kept) | d | -8 d |
+| Q4_1 | 32: fp16 d, fp16 m, 16 B | Q4, G 32 (bytes kept) | d | m |
+| Q4_K | 256: fp16 d, dmin, 12 B 6-bit (sc, m) x 8, 128 B | Q4, G 32 (nibbles re-ordered) | d sc | -dmin m |
+| Q8_0 | 32: fp16 d, 32 int8 | Q8, G 32 | d | -0.0 |
+| Q5_0 | 32: fp16 d, 4 B high bits, 16 B | Q8, G 32, q - 16 | d | -0.0 |
+| Q5_K | 256: as Q4_K + 32 B high bits | Q8, G 32, q in 0..31 | d sc | -dmin m |
+| Q6_K | 256: 128 B low, 64 B high, 16 int8 sc, fp16 d | Q8, G 16, q - 32 | d sc | -0.0 |
+
+Layouts (what :mod:`monobatch.kernels.quant_cpu` reads): **Q4**: ``qs`` uint8 ``[N, K/2]``, in
+each 32-column group byte j = column j (low nibble) | column j+16 (high nibble); **Q8**: ``qs``
+int8 ``[N, K]``; both with ``scale`` and ``min`` float32 ``[N, K/G]``. Every scale and min above is
+exact in float32 (an fp16 times an integer of at most 8 bits), so ``fma(q, scale, min)`` rounds
+once, as gguf-py's ``d * q - dm`` does: the dequantized layouts are bitwise gguf-py's dequantization
+(tests/test_quant.py; Q4_0's zeros aside: gguf-py's ``d * (q - 8)`` is -0.0 where d < 0, ours +0.0,
+an equal value). Resident bytes per weight: Q4 0.75, Q8 1.25 (G 32) or 1.5 (G 16): the 5-
+and 6-bit types are widened to a byte per weight (a 5/6-bit kernel is future work, ADR 0006).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import Q4_K as _GGUF_Q4_K
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A resident layout: 4-bit nibbles (``q4``) or int8, and the group size G (16 or 32)."""
+
+    q4: bool
+    group: int
+
+    @property
+    def name(self) -> str:
+        """``Q4/32``, ``Q8/32`` or ``Q8/16``."""
+        return f"{'Q4' if self.q4 else 'Q8'}/{self.group}"
+
+
+Q4 = Layout(True, 32)
+Q8 = Layout(False, 32)
+Q8_16 = Layout(False, 16)
+
+#: The GGUF types held packed, and the layout each becomes. Others are dequantized at load.
+PACKED_TYPES: dict[T, Layout] = {T.Q4_0: Q4, T.Q4_1: Q4, T.Q4_K: Q4, T.Q8_0: Q8, T.Q5_0: Q8,
+                                 T.Q5_K: Q8, T.Q6_K: Q8_16}
+
+
+@dataclass(slots=True)
+class Repacked:
+    """One tensor's rows in a resident layout (numpy; the torch side is PackedWeight).
+
+    Attributes:
+        qs: uint8 ``[N, K/2]`` (Q4) or int8 ``[N, K]`` (Q8).
+        scale, minimum: float32 ``[N, K/G]``.
+    """
+
+    layout: Layout
+    qs: np.ndarray
+    scale: np.ndarray
+    minimum: np.ndarray
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Two bytes per row -> float32 ``[nb, 1]``."""
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _nibbles_q4_0_order(q: np.ndarray) -> np.ndarray:
+    """q ``[..., 32]`` in 0..15 -> ``[..., 16]`` bytes, column j low | column j+16 high."""
+    return (q[..., :16] | (q[..., 16:] << np.uint8(4))).astype(np.uint8)
+
+
+def _k_scales(raw: np.ndarray, d: np.ndarray, dmin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 scale bytes -> (d * sc, -dmin * m), float32 ``[nb, 8]`` (gguf-py unpacks the 6 bits)."""
+    sc, m = _GGUF_Q4_K.get_scale_min(np.ascontiguousarray(raw))
+    return d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+
+
+def _blocks(qtype: T, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Raw blocks uint8 ``[nb, type_size]`` -> (q ``[nb, bs]`` uint8/int8 in column order, or
+    Q4's packed bytes ``[nb, bs/2]``; scale, min float32 ``[nb, bs/G]``)."""
+    nb = blocks.shape[0]
+    zero1 = np.full((nb, 1), -0.0, np.float32)  # -0.0: q * s + (-0.0) keeps the product's sign of zero
+    if qtype == T.Q4_0:
+        d = _f16(blocks[:, :2])
+        return blocks[:, 2:], d, -8 * d
+    if qtype == T.Q4_1:
+        return blocks[:, 4:], _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    if qtype == T.Q8_0:
+        return blocks[:, 2:].view(np.int8), _f16(blocks[:, :2]), zero1
+    if qtype == T.Q5_0:
+        qh = np.ascontiguousarray(blocks[:, 2:6]).view(np.uint32) >> np.arange(32, dtype=np.uint32)
+        qs = blocks[:, 6:]
+        ql = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+        q = (ql | ((qh & 1).astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
+        return q, _f16(blocks[:, :2]), zero1
+    if qtype in (T.Q4_K, T.Q5_K):
+        d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+        scale, minimum = _k_scales(blocks[:, 4:16], d, dmin)
+        qs = blocks[:, -128:].reshape(nb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+        q = (qs & 0x0F).reshape(nb, 8, 32)  # sub-block 2c: low nibbles of chunk c, 2c+1: high
+        if qtype == T.Q4_K:
+            return _nibbles_q4_0_order(q).reshape(nb, 128), scale, minimum
+        qh = blocks[:, 16:48].reshape(nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+        q = (q | ((qh & 1) << 4)).astype(np.int8)
+        return q.reshape(nb, 256), scale, minimum
+    if qtype == T.Q6_K:
+        ql = blocks[:, :128].reshape(nb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+        ql = (ql & 0x0F).reshape(nb, 8, 32)
+        qh = blocks[:, 128:192].reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+        qh = (qh & 0x03).reshape(nb, 8, 32)
+        q = (ql | (qh << 4)).astype(np.int8) - np.int8(32)
+        d = _f16(blocks[:, 208:210])
+        return q.reshape(nb, 256), d * blocks[:, 192:208].view(np.int8).astype(np.float32), np.full((nb, 16), -0.0, np.float32)
+    raise ValueError(f"{qtype.name} has no packed layout")
+
+
+def repack(qtype: T, data: np.ndarray, k: int) -> Repacked:
+    """A GGUF tensor's raw rows -> its resident layout.
+
+    Args:
+        qtype: one of :data:`PACKED_TYPES`.
+        data: uint8 ``[N, bytes per row]`` (gguf-py's ``ReaderTensor.data`` of a 2-D tensor).
+        k: the row length K in weights (a multiple of the type's block size).
+
+    Returns:
+        :class:`Repacked` with N rows.
+    """
+    layout = PACKED_TYPES[qtype]
+    block, size = GGML_QUANT_SIZES[qtype]
+    n = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(n * (k // block), size)
+    q, scale, minimum = _blocks(qtype, blocks)
+    width = k // 2 if layout.q4 else k
+    return Repacked(layout, np.ascontiguousarray(q).reshape(n, width),
+                    np.ascontiguousarray(scale, np.float32).reshape(n, k // layout.group),
+                    np.ascontiguousarray(minimum, np.float32).reshape(n, k // layout.group))

@@ -1,0 +1,161 @@
+"""PackedWeight: a linear layer's ``[N, K]`` weight held in its packed layout, and its matmul.
+
+A weight is one or more row ranges ("parts", each in one layout of :mod:`monobatch.quant.formats`):
+a fused projection whose pieces came in different GGUF types (a Q4_K_M file's Q4_K q/k beside a
+Q6_K v) keeps each piece packed as it came, and the matmul concatenates the parts' outputs.
+
+The matmul (:meth:`PackedWeight.matmul`), on CPU:
+
+- up to :data:`GEMV_ROWS` rows (decode steps, small batches): the packed kernel
+  (:func:`monobatch.kernels.quant_cpu.gemm`), which dequantizes in registers and accumulates in
+  float32; a row's result depends on that row alone, whatever M is.
+- more rows (prefill): the part is dequantized into float32 (at most :data:`DEQUANT_CHUNK_BYTES`
+  at a time, freed after the step) and multiplied by ``F.linear``, so prefill keeps the BLAS GEMM's
+  speed; the dequantized rows are bitwise the dequant path's weights.
+
+CUDA has no packed kernel yet: the loader keeps dequantize-at-load there (:func:`packed_supported`);
+a CUDA kernel slots in at :meth:`PackedWeight.matmul`'s device branch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from monobatch.kernels import quant_cpu
+from monobatch.quant.formats import Layout, Repacked
+
+#: Most rows the packed kernel takes; more go through dequantize-then-GEMM (measured, ADR 0006).
+GEMV_ROWS = 8
+#: Float32 bytes dequantized at a time for the GEMM path (one FFN matrix of a small model at once).
+DEQUANT_CHUNK_BYTES = 16 << 20
+
+
+def packed_supported(device: torch.device) -> bool:
+    """Whether weights can be held packed on ``device`` (CPU with the compiled kernels)."""
+    return device.type == "cpu" and quant_cpu.available()
+
+
+@dataclass(slots=True)
+class PackedPart:
+    """``rows`` consecutive output rows in one layout (torch tensors of :class:`Repacked`'s shapes)."""
+
+    layout: Layout
+    qs: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        """N of this part."""
+        return self.qs.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes."""
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.scale, self.minimum))
+
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """x float32 ``[M, K]`` -> float32 ``[M, rows]`` with the packed kernel."""
+        return quant_cpu.gemm(x, self.qs, self.scale, self.minimum, self.layout.group, self.layout.q4)
+
+    def dequantize(self, lo: int, hi: int, k: int) -> torch.Tensor:
+        """Rows ``lo:hi`` as float32 ``[hi - lo, K]``."""
+        out = torch.empty(hi - lo, k, dtype=torch.float32)
+        return quant_cpu.dequant(self.qs[lo:hi], self.scale[lo:hi], self.minimum[lo:hi], self.layout.group,
+                                 self.layout.q4, out)
+
+    def take(self, ids: torch.Tensor, k: int) -> torch.Tensor:
+        """Rows ``ids`` (int64 ``[T]``) as float32 ``[T, K]`` (an embedding lookup)."""
+        out = torch.empty(ids.shape[0], k, dtype=torch.float32)
+        return quant_cpu.dequant(self.qs[ids], self.scale[ids], self.minimum[ids], self.layout.group,
+                                 self.layout.q4, out)
+
+
+class PackedWeight:
+    """A weight ``[N, K]`` held packed (parts stacked along N).
+
+    Args:
+        parts: the row ranges in order; adjacent parts of one layout should be merged by
+            :meth:`from_repacked`.
+        k: K, the input width.
+        types: the GGUF type names the parts came from (for display).
+    """
+
+    def __init__(self, parts: list[PackedPart], k: int, types: tuple[str, ...]) -> None:
+        self.parts = parts
+        self.k = k
+        self.types = types
+
+    @classmethod
+    def from_repacked(cls, pieces: list[tuple[Repacked, str]], k: int) -> "PackedWeight":
+        """Stack repacked row ranges (each with its GGUF type name), merging neighbours of one layout."""
+        merged: list[tuple[Layout, list[Repacked]]] = []
+        for rep, _ in pieces:
+            if merged and merged[-1][0] == rep.layout:
+                merged[-1][1].append(rep)
+            else:
+                merged.append((rep.layout, [rep]))
+        parts = [PackedPart(layout, *(torch.from_numpy(np.concatenate([getattr(r, f) for r in reps]))
+                                      for f in ("qs", "scale", "minimum")))
+                 for layout, reps in merged]
+        return cls(parts, k, tuple(dict.fromkeys(t for _, t in pieces)))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(N, K)``."""
+        return sum(p.rows for p in self.parts), self.k
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes of every part."""
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the packed bytes live."""
+        return self.parts[0].qs.device
+
+    def __repr__(self) -> str:
+        return f"PackedWeight({self.shape[0]}x{self.k}, {'+'.join(self.types)}, {self.nbytes} B)"
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``F.linear(x, W, bias)``: x ``[..., K]`` -> ``[..., N]`` in ``out_dtype`` (None: x's dtype).
+
+        Raises:
+            NotImplementedError: x on a device without a packed kernel (CUDA, for now).
+        """
+        if x.device.type != "cpu":
+            raise NotImplementedError(f"no packed matmul on {x.device.type} yet")
+        lead, K = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, K).float()
+        if x2.shape[0] <= GEMV_ROWS:
+            outs = [p.gemm(x2) for p in self.parts]
+        else:
+            outs = [self._dequant_gemm(x2, p) for p in self.parts]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(out_dtype or x.dtype).view(*lead, y.shape[-1])
+
+    def _dequant_gemm(self, x: torch.Tensor, part: PackedPart) -> torch.Tensor:
+        """x float32 ``[M, K]`` @ part^T through float32 chunks of the part's rows: ``[M, rows]``."""
+        step = max(1, DEQUANT_CHUNK_BYTES // (4 * self.k))
+        if part.rows <= step:
+            return F.linear(x, part.dequantize(0, part.rows, self.k))
+        return torch.cat([F.linear(x, part.dequantize(lo, min(lo + step, part.rows), self.k))
+                          for lo in range(0, part.rows, step)], dim=-1)
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` (int64 ``[T]``) in ``dtype``: ``[T, K]`` (``F.embedding`` of the dequantized W)."""
+        if len(self.parts) == 1:
+            return self.parts[0].take(ids, self.k).to(dtype)
+        return self.dequantize()[ids].to(dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole weight as float32 ``[N, K]`` (tests, and the fallback to dense weights)."""
+        return torch.cat([p.dequantize(0, p.rows, self.k) for p in self.parts])

@@ -1,0 +1,148 @@
+"""Packed GGUF weights on CPU: every packed type against gguf-py's dequantization.
+
+Random blocks (every byte pattern is a valid block once its fp16 scales are finite) of each type,
+so the K-quants, which gguf-py cannot quantize, are covered as well as the types it can; plus the
+bundled model's real Q4_1 and Q8_0 tensors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize, quantize
+
+from monobatch.kernels import quant_cpu
+from monobatch.quant import packed
+from monobatch.quant.formats import PACKED_TYPES, repack
+from monobatch.quant.packed import PackedWeight
+
+pytestmark = pytest.mark.skipif(not quant_cpu.available(), reason="packed CPU kernels did not build")
+
+#: |packed - float64 reference| / max |reference| bound for a float32 dot product of K terms
+#: (K * 2^-24 with K = 512, times 4 for the group sums): the packed kernels' documented tolerance.
+REL_TOL = 4 * 512 * 2.0**-24
+
+
+def random_blocks(qtype: T, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """``n`` rows of ``k`` weights of ``qtype`` as raw bytes ``[n, row bytes]``: random bits, fp16
+    scale fields set to finite values of either sign."""
+    rng = np.random.default_rng(seed)
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    b = rng.integers(0, 256, (n * k // bs, ts), dtype=np.uint8)
+    nb = b.shape[0]
+
+    def f16(scale: float) -> np.ndarray:
+        return (rng.standard_normal(nb) * scale).astype(np.float16).view(np.uint8).reshape(nb, 2)
+
+    scale_fields = {T.Q4_0: [0], T.Q8_0: [0], T.Q5_0: [0], T.Q4_1: [0, 2], T.Q4_K: [0, 2], T.Q5_K: [0, 2],
+                    T.Q6_K: [208]}[qtype]
+    for off in scale_fields:
+        b[:, off:off + 2] = f16(0.01)
+    return b.reshape(n, -1)
+
+
+def as_packed(qtype: T, data: np.ndarray, k: int) -> PackedWeight:
+    return PackedWeight.from_repacked([(repack(qtype, data, k), qtype.name)], k)
+
+
+@pytest.mark.parametrize("qtype", list(PACKED_TYPES), ids=lambda t: t.name)
+def test_repack_is_gguf_dequantize(qtype):
+    """Equal values; bitwise too, except Q4_0's zeros: gguf-py's ``d * (q - 8)`` is -0.0 where d < 0,
+    ``fma(q, d, -8 d)`` is +0.0."""
+    n, k = 24, 512
+    data = random_blocks(qtype, n, k)
+    ref = dequantize(data, qtype).reshape(n, k).astype(np.float32)
+    got = as_packed(qtype, data, k).dequantize().numpy()
+    assert np.array_equal(got, ref)
+    if qtype != T.Q4_0:
+        assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", list(PACKED_TYPES), ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 3, 8, 40])
+def test_matmul_matches_float64_reference(qtype, rows):
+    n, k = 40, 512
+    data = random_blocks(qtype, n, k, seed=rows)
+    w = torch.from_numpy(dequantize(data, qtype).reshape(n, k)).double()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(n)
+    ref = x.double() @ w.T + bias.double()
+    got = as_packed(qtype, data, k).matmul(x, bias)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    assert ((got.double() - ref).abs().max() / ref.abs().max()).item() <= REL_TOL
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q6_K], ids=lambda t: t.name)
+def test_rows_do_not_depend_on_their_neighbours(qtype):
+    """A row's output is bitwise the same alone and inside any batch up to GEMV_ROWS."""
+    n, k = 40, 256
+    w = as_packed(qtype, random_blocks(qtype, n, k), k)
+    x = torch.randn(packed.GEMV_ROWS, k)
+    full = w.matmul(x)
+    for m in range(packed.GEMV_ROWS):
+        assert torch.equal(w.matmul(x[m:m + 1])[0], full[m])
+    other = x.clone()
+    other[1:] = torch.randn(packed.GEMV_ROWS - 1, k)
+    assert torch.equal(w.matmul(other)[0], full[0])
+
+
+def test_gemm_path_is_the_dense_linear():
+    """Above GEMV_ROWS the product is F.linear of the dequantized weight, bit for bit."""
+    n, k = 48, 256
+    data = random_blocks(T.Q4_K, n, k)
+    w = as_packed(T.Q4_K, data, k)
+    x = torch.randn(packed.GEMV_ROWS + 5, k)
+    dense = torch.from_numpy(dequantize(data, T.Q4_K).reshape(n, k))
+    assert torch.equal(w.matmul(x), torch.nn.functional.linear(x, dense))
+
+
+def test_mixed_parts_and_embedding():
+    """A fused weight of two types (Q4_K rows over Q6_K rows) and row lookups."""
+    k = 256
+    a, b = random_blocks(T.Q4_K, 16, k, 1), random_blocks(T.Q6_K, 8, k, 2)
+    w = PackedWeight.from_repacked([(repack(T.Q4_K, a, k), "Q4_K"), (repack(T.Q6_K, b, k), "Q6_K")], k)
+    assert w.shape == (24, k) and len(w.parts) == 2 and w.types == ("Q4_K", "Q6_K")
+    dense = torch.from_numpy(np.concatenate([dequantize(a, T.Q4_K), dequantize(b, T.Q6_K)]).reshape(24, k))
+    x = torch.randn(2, k)
+    ref = x.double() @ dense.double().T
+    assert ((w.matmul(x).double() - ref).abs().max() / ref.abs().max()).item() <= REL_TOL
+    ids = torch.tensor([3, 20, 3])
+    assert torch.equal(w.embedding(ids, torch.float32), dense[ids])
+    single = as_packed(T.Q4_K, a, k)
+    assert torch.equal(single.embedding(ids[[0, 2]], torch.float32), dense[[3, 3]])
+
+
+def test_quantized_by_gguf_py():
+    """Tensors quantized by gguf-py itself (the types it can quantize) round-trip through the layout."""
+    k = 256
+    x = np.random.default_rng(3).standard_normal((8, k)).astype(np.float32)
+    for qtype in (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0):
+        data = quantize(x, qtype)
+        ref = dequantize(data, qtype).reshape(8, k)
+        assert np.array_equal(as_packed(qtype, data, k).dequantize().numpy(), ref)
+
+
+@pytest.mark.slow
+def test_bundled_model_tensors():
+    """The bundled GGUF's real Q4_1 (FFN) and Q8_0 (embedding) tensors."""
+    from monobatch.loader import bundled_model_path
+    from monobatch.loader.gguf_file import open_gguf
+
+    path = bundled_model_path()
+    if path is None:
+        pytest.skip("bundled model not installed")
+    reader = open_gguf(path)
+    tensors = {t.name: t for t in reader.tensors}
+    for name, rows in (("blk.0.ffn_down.weight", 576), ("token_embd.weight", 512)):
+        t = tensors[name]
+        qtype, k = T(int(t.tensor_type)), int(t.shape[0])
+        data = np.asarray(t.data[:rows])
+        w = as_packed(qtype, data, k)
+        ref = dequantize(data, qtype).reshape(rows, k)
+        assert np.array_equal(w.dequantize().numpy(), ref)
+        x = torch.randn(1, k)
+        exp = x.double() @ torch.from_numpy(ref).double().T
+        assert ((w.matmul(x).double() - exp).abs().max() / exp.abs().max()).item() <= 4 * k * 2.0**-24
