@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from helpers import run_in_triton_interpreter
+from monobatch.kernels import common
 
 ROOT = Path(__file__).resolve().parents[1]
 NAN, INF = float("nan"), float("inf")
@@ -43,7 +44,6 @@ def check_interpreter() -> str:
     1000) and several (V = 5003: 5 chunks, a masked tail; V = 49152: 24), R = 0, 1, 3 and the
     special rows of :func:`_cases`, padded rows (row stride > V), repeat calls (the counters are
     left zeroed, same result); other dtypes go to torch."""
-    from monobatch.kernels import gemv
     from monobatch.kernels.argmax import argmax
     g = torch.Generator().manual_seed(0)
     for V in (1000, 5003, 49152):
@@ -52,9 +52,9 @@ def check_interpreter() -> str:
             got = argmax(x)
             assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1)), (V, got, x.argmax(dim=-1))
             assert torch.equal(argmax(x), got)
-            counters = gemv._COUNTERS.get(torch.device("cpu"))
+            counters = common.COUNTERS.get(torch.device("cpu"))
             assert counters is None or int(counters.abs().sum()) == 0
-    assert torch.device("cpu") in gemv._COUNTERS  # the split path ran (not torch's argmax)
+    assert torch.device("cpu") in common.COUNTERS  # the split path ran (not torch's argmax)
     assert argmax(torch.empty(0, 5003)).shape == (0,)
     xb = torch.randn(2, 3000, generator=g).bfloat16()
     assert torch.equal(argmax(xb), xb.argmax(dim=-1))
@@ -111,9 +111,8 @@ def test_matches_torch_on_cuda(V):
     if V > 1000:
         x = _cases(V, torch.Generator().manual_seed(1)).cuda()
         assert all(torch.equal(A.argmax(x), x.argmax(dim=-1)) for _ in range(3))
-    from monobatch.kernels import gemv as G
     for drop_counters in (False, True):
-        saved = G._COUNTERS.pop(x.device, None) if drop_counters else None
+        saved = common.COUNTERS.pop(x.device, None) if drop_counters else None
         try:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
@@ -126,6 +125,6 @@ def test_matches_torch_on_cuda(V):
                 assert torch.equal(out, x.argmax(dim=-1))
         finally:
             if saved is not None:
-                G._COUNTERS[x.device] = saved
-    counters = G._COUNTERS.get(x.device)
+                common.COUNTERS[x.device] = saved
+    counters = common.COUNTERS.get(x.device)
     assert counters is None or int(counters.abs().sum()) == 0

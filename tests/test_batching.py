@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers import first_divergence, new_scheduler, run_requests
-from monobatch.engine.batch import StepBatch
+from monobatch.batch import StepBatch
 from monobatch.engine.engine import Engine, EngineConfig
 from monobatch.engine.params import SamplingParams
 from monobatch.engine.sequence import Request

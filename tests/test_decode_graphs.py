@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from helpers import run_in_triton_interpreter
+from monobatch.kernels import common
 from monobatch.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from monobatch.engine.engine import Engine, EngineConfig
 from monobatch.engine.params import SamplingParams
@@ -91,7 +92,6 @@ def _check_triton_interpreter() -> str:
     keys (one direct, one merged), B=16 (1 split), and G = 3 query heads per KV head (padded
     rows). Each case runs twice with the same counters: identical bits (the merge's order does
     not depend on the arrival order) and the counters are left zeroed for the next call."""
-    from monobatch.kernels import gemv
     from monobatch.kernels.paged_decode import num_splits, paged_decode_triton, store_kv
     cpu = torch.device("cpu")
     cases = [((3, 32, 8, 64, 16, [1, 513, 1100]), 2), ((1, 6, 2, 64, 16, [1100]), 16),
@@ -101,7 +101,7 @@ def _check_triton_interpreter() -> str:
         assert num_splits(dims[0], dims[2], tables.shape[1] * 16, cpu) == splits
         first = paged_decode_triton(q, k, v, tables, seq_lens, 16)
         torch.testing.assert_close(first, _oracle(q, k, v, tables, seq_lens, 16), rtol=1e-4, atol=1e-4)
-        assert int(gemv._COUNTERS[cpu].abs().sum()) == 0  # reset by each merging program
+        assert int(common.COUNTERS[cpu].abs().sum()) == 0  # reset by each merging program
         assert torch.equal(paged_decode_triton(q, k, v, tables, seq_lens, 16), first)
     kc, vc = torch.zeros(40, 2, 64), torch.zeros(40, 2, 64)
     kv = torch.randn(3, 6, 64)
@@ -133,8 +133,7 @@ def test_triton_kernel_on_cuda(dtype):
         torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
         for _ in range(3):  # the fused merge: same bits whichever partition finishes last
             assert torch.equal(paged_decode_triton(*case, 16), out)
-        from monobatch.kernels.gemv import _COUNTERS
-        assert int(_COUNTERS[case[0].device].abs().sum()) == 0  # left zeroed for the next call
+        assert int(common.COUNTERS[case[0].device].abs().sum()) == 0  # left zeroed for the next call
         _check_fused_store(lens, dtype, "cuda")
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from monobatch.engine.batch import StepBatch
+from monobatch.batch import StepBatch
 from helpers import new_scheduler
 from monobatch.engine.finish import FinishStep, LOOP_MAX_PERIOD, RowOutput
 from monobatch.engine.params import SamplingParams

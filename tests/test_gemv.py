@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import run_in_triton_interpreter
+from monobatch.kernels import common
 
 ROOT = Path(__file__).resolve().parents[1]
 # (N, K) of the decode linears: qkv, o, gate_up, down, lm_head
@@ -66,7 +67,7 @@ def check_interpreter() -> str:
             assert torch.equal(G.gemv(gu, w2, b2, config=cfg, gated=True), G.gemv(silu_mul(gu), w2, b2, config=cfg))
     with pytest.raises(ValueError):
         G.gemv(wide[:, :2 * K + 1], w2, gated=True)
-    assert int(G._COUNTERS[torch.device("cpu")].abs().sum()) == 0
+    assert int(common.COUNTERS[torch.device("cpu")].abs().sum()) == 0
     assert G.gemv(x[:0], w).shape == (0, N)
     return "ok"
 
@@ -183,7 +184,7 @@ def test_configs_on_cuda_are_exact_and_repeatable(cfg):
         assert _rel_err(y, (x.double() @ w.double().t()).float()) < 1e-2
         assert all(torch.equal(y, G.gemv(x, w, config=cfg)) for _ in range(3))
         for drop_counters in (False, True):
-            saved = G._COUNTERS.pop(x.device, None) if drop_counters else None
+            saved = common.COUNTERS.pop(x.device, None) if drop_counters else None
             try:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
@@ -195,4 +196,4 @@ def test_configs_on_cuda_are_exact_and_repeatable(cfg):
                     assert torch.equal(out, y)
             finally:
                 if saved is not None:
-                    G._COUNTERS[x.device] = saved
+                    common.COUNTERS[x.device] = saved

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from helpers import run_in_triton_interpreter
 
-from monobatch.models.llama import RMSNorm
+from monobatch.models.layers import RMSNorm
 from monobatch.models.rope import apply_rope
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from monobatch.engine.batch import StepBatch
+from monobatch.batch import StepBatch
 from monobatch.kv.attention import attend_chunk
 from monobatch.kv.dense import DenseKv
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from monobatch.engine.batch import StepBatch
+from monobatch.batch import StepBatch
 from monobatch.errors import InsufficientMemoryError
 from monobatch.kv import block_pool
 from monobatch.kv.block_pool import BlockPool

@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from monobatch.engine.batch import StepBatch  # noqa: E402
+from monobatch.batch import StepBatch  # noqa: E402
 from monobatch.kv.dense import DenseKv  # noqa: E402
 from monobatch.loader import gguf_file, hf_dir  # noqa: E402
 

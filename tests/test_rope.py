@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from monobatch.engine.batch import StepBatch
+from monobatch.batch import StepBatch
 from monobatch.kv.dense import DenseKv
 from monobatch.models.rope import RotaryEmbedding, rope_inv_freq
 

@@ -28,9 +28,9 @@ import logging
 
 import torch
 
-from monobatch.engine.batch import StepBatch
+from monobatch.batch import StepBatch
 from monobatch.kv.paged import DecodeStep, PagedKv
-from monobatch.models.llama import LlamaModel
+from monobatch.models.layers import DecoderModel
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class DecodeGraphs:
         capture: False runs the same static-buffer forward without a graph (CPU, tests).
     """
 
-    def __init__(self, model: LlamaModel, kv: PagedKv, max_batch: int, capture: bool = True) -> None:
+    def __init__(self, model: DecoderModel, kv: PagedKv, max_batch: int, capture: bool = True) -> None:
         self.model, self.kv = model, kv
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
@@ -150,9 +150,9 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        table = self.model.rope.table
-        if table is not None and not any(t is table for t in self.rope_tables):
-            self.rope_tables.append(table)  # another Engine on this model may replace it (a longer context)
+        for table in (rope.table for rope in self.model.ropes):
+            if table is not None and not any(t is table for t in self.rope_tables):
+                self.rope_tables.append(table)  # another Engine on this model may replace it (a longer context)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self.model(batch, self.kv)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from monobatch import defaults
-from monobatch.engine.batch import StepBatch
+from monobatch.batch import StepBatch
 from monobatch.engine.constraint import GrammarCompiler
 from monobatch.engine.cuda_graphs import DecodeGraphs
 from monobatch.engine.finish import FinishStep, RowOutput
@@ -135,7 +135,7 @@ class Engine:
         self.max_model_len = min(self.config.max_model_len or args.max_position_embeddings,
                                  args.max_position_embeddings)
         # every position a step can hold; before the KV pool takes its share of the free memory
-        self.model.rope.build_table(self.max_model_len, self.model.dtype)
+        self.model.build_rope_tables(self.max_model_len, self.model.dtype)
         self.kv: KvStore = self._make_kv()
         self.row_tile = defaults.DETERMINISTIC_ROW_TILE.get(self.device.type, 8) if self.config.deterministic else 0
         # A padded embedding (HF exports round it up) has rows no token owns: never draw them.

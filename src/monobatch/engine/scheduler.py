@@ -42,7 +42,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
-from monobatch.engine.batch import Chunk, StepBatch
+from monobatch.batch import Chunk, StepBatch
 from monobatch.engine.engine import Engine, PendingStep
 from monobatch.engine.finish import RequestMetrics, RowOutput
 from monobatch.engine.metrics import SchedulerStats

@@ -6,8 +6,8 @@ a vocabulary of 49152, 32 for 128256), one program per (row, chunk) reduces its 
 first index) and stores it in an fp32/int64 workspace ``[R, C]``, and the partials are reduced in
 the same launch: each program bumps an int32 counter of its row and the one completing the count
 reduces the row's C partials in chunk order and writes the index ("last program reduces", as the
-split-K of :mod:`monobatch.kernels.gemv`, whose per-device counter buffer it shares and leaves
-zeroed). A row of one chunk is written directly. One launch, no host sync, no data-dependent
+split-K of :mod:`monobatch.kernels.gemv`, with the per-device counter buffer of
+:func:`monobatch.kernels.common.counters`, left zeroed). A row of one chunk is written directly. One launch, no host sync, no data-dependent
 allocation: CUDA-graph capturable.
 
 The result is exactly ``torch.argmax(x, dim=-1)``'s: the first index of the maximum; NaN counts
@@ -22,8 +22,7 @@ import os
 
 import torch
 
-from monobatch.kernels.gemv import _counters
-from monobatch.kernels.paged_decode import triton, tl
+from monobatch.kernels.common import counters, tl, triton
 
 _ON = os.environ.get("MONOBATCH_TRITON_ARGMAX", "1") != "0"
 #: Chunks a row is cut into at most while 4096-column chunks suffice (up to 131072 columns);
@@ -90,7 +89,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[R]`` int64 on x's device, as torch.argmax: the first index of each row's maximum, the
         first NaN's index where a row has a NaN, 0 for a row of -inf. The split counters are
-        :func:`monobatch.kernels.gemv._counters`' per-device buffer (left zeroed; calls on
+        :func:`monobatch.kernels.common.counters`' per-device buffer (left zeroed; calls on
         several streams at once are not supported).
     """
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # tests run the kernel on CPU tensors
@@ -106,7 +105,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     if C > 1:
         ws_v = torch.empty((R, C), dtype=torch.float32, device=x.device)
         ws_i = torch.empty((R, C), dtype=torch.int64, device=x.device)
-        cnt = _counters(x.device, R)
+        cnt = counters(x.device, R)
     else:  # one chunk: the program writes the index itself (no workspace, no counter)
         ws_v = ws_i = cnt = out
     _argmax_kernel[(R, C)](x, out, ws_v, ws_i, cnt, V, x.stride(0), C, BLOCK=block,

@@ -20,7 +20,7 @@ import os
 import torch
 
 from monobatch.kernels import pdl
-from monobatch.kernels.paged_decode import triton, tl
+from monobatch.kernels.common import tl, triton
 
 _ON = os.environ.get("MONOBATCH_FUSED_KERNELS", "1") != "0"
 
@@ -132,7 +132,7 @@ if triton is not None:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019) of ``x`` ``[..., D]`` with ``weight`` ``[D]``: one program
-    per row; same shape and dtype as ``x``. Reference: :class:`monobatch.models.llama.RMSNorm`."""
+    per row; same shape and dtype as ``x``. Reference: :class:`monobatch.models.layers.RMSNorm`."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
@@ -154,7 +154,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
         ``(s, rms_norm(s))``: two new tensors of ``x``'s shape and dtype (nothing is written in
         place: ``x`` may be a view others still read, e.g. a deterministic-mode tile, and new
         buffers are always safe under CUDA-graph capture). Reference:
-        :meth:`monobatch.models.llama.RMSNorm.add_forward`.
+        :meth:`monobatch.models.layers.RMSNorm.add_forward`.
     """
     assert x.shape == delta.shape and x.dtype == delta.dtype, (x.shape, delta.shape, x.dtype, delta.dtype)
     shape = x.shape
@@ -222,7 +222,7 @@ def rope_qk(qkv: torch.Tensor, n_q_heads: int, n_kv_heads: int, head_dim: int,
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's gate (Shazeer 2020): ``silu(gate) * up`` for ``gate_up`` = cat(gate, up) ``[T, 2F]``
-    -> ``[T, F]``. Reference: :class:`monobatch.models.llama.MLP`."""
+    -> ``[T, F]``. Reference: :class:`monobatch.models.layers.GatedMLP`."""
     T, F2 = gate_up.shape
     F = F2 // 2
     if gate_up.stride(-1) != 1:

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from monobatch.kernels import pdl
+from monobatch.kernels.common import COUNTERS, counters, tl, triton
 from monobatch.kernels.fused import enabled as fused_enabled, silu_mul
-from monobatch.kernels.paged_decode import triton, tl
 
 if triton is not None:
     from monobatch.kernels.fused import silu_mul_math
@@ -41,8 +41,6 @@ if triton is not None:
 _ON = os.environ.get("MONOBATCH_TRITON_GEMV", "1") != "0"
 #: Most rows (tokens) the kernel takes; more go to cuBLAS (compute-bound territory).
 MAX_M = 16
-#: Split-K counters kept per device (N tiles); a launch with more tiles gets fresh zeroed ones.
-_MAX_TILES = 1 << 16
 #: SM count of an H100/H200: a constant, so the heuristic does not depend on the GPU found.
 _SMS = 132
 
@@ -136,7 +134,6 @@ PDL_CONFIGS: dict[tuple[int, int, int, str], tuple[int, int, int, int, int, bool
     (16384, 2048, 1, "bfloat16"): (4, 2048, 1, 8, 1, False),  # llama-1b gate_up M=1: 0.984x
 }
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
 _MM_OUT_DTYPE: bool | None = None  # torch.mm(out_dtype=) support (torch >= 2.8), found on first use
 
 
@@ -173,17 +170,6 @@ def slices(K: int, block_k: int, splits: int) -> tuple[int, int]:
     nk = -(-K // block_k)
     k_per = -(-nk // max(1, min(splits, nk))) * block_k
     return k_per, -(-K // k_per)
-
-
-def _counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Zeroed int32 split-K counters, >= ``tiles``: the per-device buffer (made on first use outside
-    a graph capture, never freed: graphs keep its address; the kernel leaves it zeroed), else a
-    zeroed tensor per call (a captured memset). Assumes one stream at a time runs split-K here."""
-    buf = _COUNTERS.get(device)
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if buf is None and not capturing:
-        buf = _COUNTERS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
-    return buf if buf is not None and tiles <= _MAX_TILES else torch.zeros(tiles, dtype=torch.int32, device=device)
 
 
 if triton is not None:
@@ -319,7 +305,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     k_per, splits = slices(K, block_k, splits)
     tiles = -(-N // block_n)
     ws = torch.empty((splits, M, N) if splits > 1 else (1,), dtype=torch.float32, device=x.device)
-    cnt = _counters(x.device, tiles) if splits > 1 else _COUNTERS.get(x.device)
+    cnt = counters(x.device, tiles) if splits > 1 else COUNTERS.get(x.device)
     cnt = ws.new_empty(1, dtype=torch.int32) if cnt is None else cnt  # unused without split-K
     _gemv_kernel[(tiles, splits)](
         x, weight, y if bias is None else bias.contiguous(), y, ws, cnt, M, N, K, k_per, splits,
@@ -386,7 +372,7 @@ def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             return gemv(x2, weight, bias, None, cfg, gated=True).view(*gate_up.shape[:-1], N)
     if fused_enabled(gate_up):
         act = silu_mul(gate_up.reshape(-1, 2 * K)).view(*gate_up.shape[:-1], K)
-    else:  # the torch reference (models.llama.MLP's CPU path)
+    else:  # the torch reference (models.layers.GatedMLP's CPU path)
         gate, up = gate_up.split(K, dim=-1)
         act = F.silu(gate) * up
     return linear(act, weight, bias)

@@ -16,8 +16,8 @@ Two implementations of one contract:
   same launch: each program holding keys stores its fp32 partial (output and log-sum-exp) and
   bumps an int32 counter of its (sequence, KV head); the program completing the count merges the
   partials in partition order (the bits do not depend on which program ended last), writes the
-  output and zeroes the counter ("last program reduces", as the split-K of :mod:`monobatch.kernels.gemv`,
-  whose per-device counter buffer it shares). A sequence whose keys fit one partition writes its
+  output and zeroes the counter ("last program reduces", as the split-K of :mod:`monobatch.kernels.gemv`;
+  both use :func:`monobatch.kernels.common.counters`). A sequence whose keys fit one partition writes its
   output directly (the same bits as a merge of one partition). Only the sequence's real keys are
   read; ``splits`` grows as the batch shrinks, so a B=1 decode keeps every SM busy at any context
   length. GQA: a program computes all query heads of its KV head. One launch, no host sync:
@@ -38,12 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from monobatch.kernels import pdl
-
-try:  # Triton ships with CUDA builds of torch; CPU-only installs have none.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = tl = None
+from monobatch.kernels.common import counters, tl, triton
 
 
 def _splits_setting(text: str) -> tuple[int, int]:
@@ -253,7 +248,7 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     compute and store nothing, and the merge (in the same launch, by the last partition of each
     sequence and KV head to finish) reads only the ones holding keys, so the work follows the
     real lengths. float32 inputs use IEEE (not TF32) products. The split counters are
-    :func:`monobatch.kernels.gemv._counters`' per-device buffer (left zeroed by every launch;
+    :func:`monobatch.kernels.common.counters`' per-device buffer (left zeroed by every launch;
     calls on several streams at once are not supported).
 
     Raises:
@@ -272,8 +267,7 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     o_part = torch.empty(B, n_q, parts, hd, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, n_q, parts, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    from monobatch.kernels.gemv import _counters  # (gemv imports this module: not at the top)
-    counters = _counters(q.device, B * n_kv)
+    cnt = counters(q.device, B * n_kv)
     store = k_new is not None
     if store:
         rows = (B, n_kv, hd)
@@ -286,7 +280,7 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k_new = v_new = q  # unused
         slot_mapping = seq_lens
     _partition_kernel[(B, n_kv, parts)](
-        q, k_cache, v_cache, block_tables, seq_lens, o_part, lse, out, counters, k_new, v_new, slot_mapping,
+        q, k_cache, v_cache, block_tables, seq_lens, o_part, lse, out, cnt, k_new, v_new, slot_mapping,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),

@@ -28,11 +28,7 @@ import os
 
 import torch
 
-try:  # as monobatch.kernels.paged_decode (which imports this module)
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = tl = None
+from monobatch.kernels.common import tl, triton
 
 ON = os.environ.get("MONOBATCH_PDL", "1") != "0"
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from monobatch import defaults
-from monobatch.engine.batch import StepBatch
+from monobatch.batch import StepBatch
 from monobatch.errors import InsufficientMemoryError
 from monobatch.kv.attention import attend_chunk
 from monobatch.kv.store import KvStore, KvUsage

@@ -28,7 +28,7 @@ from typing import NoReturn, Sequence
 
 import torch
 
-from monobatch.engine.batch import StepBatch
+from monobatch.batch import StepBatch
 from monobatch.errors import InsufficientMemoryError
 from monobatch.kernels.paged_decode import paged_decode_attention
 from monobatch.kv.attention import attend_chunk

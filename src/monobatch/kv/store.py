@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from monobatch.engine.batch import Chunk, StepBatch
+from monobatch.batch import Chunk, StepBatch
 
 
 @dataclass(slots=True)

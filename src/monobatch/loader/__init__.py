@@ -15,7 +15,7 @@ import torch
 
 from monobatch.errors import InvalidRequestError, ModelNotFoundError
 from monobatch.models.args import ModelArgs
-from monobatch.models.llama import LlamaModel
+from monobatch.models.layers import DecoderModel
 
 if TYPE_CHECKING:
     from monobatch.tokenizer import Tokenizer
@@ -38,7 +38,7 @@ class LoadedModel:
         load_seconds: wall time of :func:`load_model`.
     """
 
-    model: LlamaModel
+    model: DecoderModel
     tokenizer: Tokenizer
     path: Path
     generation_defaults: dict[str, Any] = field(default_factory=dict)

@@ -20,10 +20,12 @@ from gguf.quants import dequantize
 
 from monobatch.errors import UnsupportedModelError
 from monobatch.loader.weights import WeightFiller, check_memory, new_model, progress_bar
-from monobatch.models.args import SUPPORTED_MODEL_TYPES, ModelArgs
-from monobatch.models.llama import LlamaModel
+from monobatch.models import registry
+from monobatch.models.args import ModelArgs
+from monobatch.models.layers import DecoderModel
 
-#: GGUF tensor name -> HF name (``{i}`` is the layer index). llama.cpp's tensor naming.
+#: GGUF tensor name -> HF name (``{i}`` is the layer index). llama.cpp's tensor naming; a family
+#: whose names differ lists them in its ``GGUF_LAYER_NAMES`` (:mod:`monobatch.models.registry`).
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -48,13 +50,15 @@ def field(reader: GGUFReader, key: str, default: Any = None) -> Any:
     return default if f is None else f.contents()
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """llama.cpp tensor name -> HF name; None for tensors the forward does not use."""
+def hf_name(gguf_name: str, model_type: str = "llama") -> str | None:
+    """llama.cpp tensor name -> HF name for ``model_type``'s family; None for tensors the forward
+    does not use."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    names = {**_LAYER_NAMES, **getattr(registry.family(model_type), "GGUF_LAYER_NAMES", {})}
+    if m and m.group(2) in names:
+        return f"layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -62,13 +66,12 @@ def model_args(reader: GGUFReader) -> ModelArgs:
     """ModelArgs from GGUF metadata (``{arch}.block_count`` etc., llama.cpp's key names).
 
     Raises:
-        UnsupportedModelError: an architecture outside the Llama family, or partial RoPE.
+        UnsupportedModelError: an architecture no family runs (:mod:`monobatch.models.registry`),
+            or partial RoPE.
     """
     arch = field(reader, "general.architecture")
-    model_type = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}.get(arch)
-    if model_type is None:
-        raise UnsupportedModelError(
-            f"unsupported architecture {arch!r} in GGUF; monobatch runs {', '.join(SUPPORTED_MODEL_TYPES)}")
+    model_type = registry.model_type_of_gguf(arch)
+    fam = registry.family(model_type)
     names = {t.name for t in reader.tensors}
     heads = int(field(reader, f"{arch}.attention.head_count"))
     hidden = int(field(reader, f"{arch}.embedding_length"))
@@ -82,7 +85,8 @@ def model_args(reader: GGUFReader) -> ModelArgs:
         scaling = {"rope_type": kind, "factor": float(field(reader, f"{arch}.rope.scaling.factor", 1.0)),
                    "original_max_position_embeddings": field(reader, f"{arch}.rope.scaling.original_context_length")}
     tokens = field(reader, "tokenizer.ggml.tokens")
-    return ModelArgs(
+    extra = fam.gguf_args(lambda key, default=None: field(reader, key, default), arch) if hasattr(fam, "gguf_args") else {}
+    return fam.Args(
         model_type=model_type,
         hidden_size=hidden,
         num_hidden_layers=int(field(reader, f"{arch}.block_count")),
@@ -98,6 +102,7 @@ def model_args(reader: GGUFReader) -> ModelArgs:
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
+        **extra,
     )
 
 
@@ -138,8 +143,8 @@ def dequantize_tensor(t: Any, rows_per_chunk: int = 4096) -> np.ndarray:
 
 
 def load_gguf_model(reader: GGUFReader, device: torch.device, dtype: torch.dtype,
-                    progress: bool = True, args: ModelArgs | None = None) -> LlamaModel:
-    """Build and fill a LlamaModel from an open GGUF file (``args`` from :func:`model_args`,
+                    progress: bool = True, args: ModelArgs | None = None) -> DecoderModel:
+    """Build and fill a model of the file's family from an open GGUF file (``args`` from :func:`model_args`,
     read here when not given, so the caller may drop the parsed metadata first).
 
     Raises:
@@ -155,7 +160,7 @@ def load_gguf_model(reader: GGUFReader, device: torch.device, dtype: torch.dtype
     bar = progress_bar(sum(int(t.n_bytes) for t in reader.tensors), "loading weights", progress)
     with bar:
         for t in reader.tensors:
-            name = hf_name(t.name)
+            name = hf_name(t.name, args.model_type)
             if name is not None:
                 w = dequantize_tensor(t)
                 if permute and (".q_proj." in name or ".k_proj." in name):

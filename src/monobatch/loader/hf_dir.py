@@ -14,7 +14,8 @@ from safetensors import safe_open
 from monobatch.errors import ModelNotFoundError, UnsupportedModelError
 from monobatch.loader.weights import WeightFiller, check_memory, new_model, progress_bar
 from monobatch.models.args import ModelArgs
-from monobatch.models.llama import LlamaModel
+from monobatch.models import registry
+from monobatch.models.layers import DecoderModel
 
 #: HF generation_config.json key -> SamplingParams field (vLLM reads the same keys).
 _GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -74,7 +75,11 @@ def check_config_types(config: dict[str, Any], path: Path) -> None:
     Raises:
         UnsupportedModelError: ``PATH: FIELD must be ..., got VALUE``.
     """
-    for f in dataclasses.fields(ModelArgs):
+    model_type = config.get("model_type")
+    fields = dataclasses.fields(ModelArgs)
+    if isinstance(model_type, str) and registry.ALIASES.get(model_type, model_type) in registry.FAMILIES:
+        fields = dataclasses.fields(registry.family(model_type).Args)  # the family's own fields too
+    for f in fields:
         if f.name == "extra" or f.name not in config:
             continue
         value = config[f.name]
@@ -134,8 +139,8 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
     return out
 
 
-def load_hf_model(folder: Path, device: torch.device, dtype: torch.dtype, progress: bool = True) -> LlamaModel:
-    """Build and fill a LlamaModel from a Hugging Face folder, one tensor at a time.
+def load_hf_model(folder: Path, device: torch.device, dtype: torch.dtype, progress: bool = True) -> DecoderModel:
+    """Build and fill a model of the config's family from a Hugging Face folder, one tensor at a time.
 
     Raises:
         ModelNotFoundError, UnsupportedModelError, InsufficientMemoryError.
@@ -144,6 +149,7 @@ def load_hf_model(folder: Path, device: torch.device, dtype: torch.dtype, progre
     check_memory(args, dtype, device)
     model = new_model(args, device, dtype)
     filler = WeightFiller(model)
+    hf_tensor = getattr(registry.family(args.model_type), "hf_tensor", None)  # the family's conversion, if any
     files = _tensor_files(folder)
     by_file: dict[Path, list[str]] = {}
     for name, file in files.items():
@@ -156,6 +162,6 @@ def load_hf_model(folder: Path, device: torch.device, dtype: torch.dtype, progre
                     if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and args.tie_word_embeddings):
                         continue
                     t = st.get_tensor(name)
-                    filler.fill(name, t)
+                    filler.fill(name, t if hf_tensor is None else hf_tensor(name, t))
                     bar.update(t.numel() * t.element_size())
     return filler.finish()

@@ -1,4 +1,4 @@
-"""Filling a LlamaModel from HF-named tensors, whatever the file format, with a memory check."""
+"""Filling a model (any family) from HF-named tensors, whatever the file format, with a memory check."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from tqdm import tqdm
 
 from monobatch.errors import InsufficientMemoryError, UnsupportedModelError
 from monobatch.models.args import ModelArgs
-from monobatch.models.llama import PACKED, LlamaModel
+from monobatch.models import registry
+from monobatch.models.layers import PACKED, DecoderModel
 
 #: Fraction of the free memory the dequantized weights may take; the rest is left for the KV
 #: cache, activations and the OS.
@@ -41,13 +42,15 @@ def check_memory(args: ModelArgs, dtype: torch.dtype, device: torch.device) -> i
 
 
 def new_model(args: ModelArgs, device: torch.device, dtype: torch.dtype,
-              freq_factors: torch.Tensor | None = None) -> LlamaModel:
-    """An unfilled model with its parameters allocated (uninitialised) on ``device`` in ``dtype``."""
+              freq_factors: torch.Tensor | None = None) -> DecoderModel:
+    """An unfilled model of ``args``' family (:mod:`monobatch.models.registry`) with its parameters
+    allocated (uninitialised) on ``device`` in ``dtype``."""
     with torch.device("meta"):
-        model = LlamaModel(args, freq_factors)
+        model = registry.family(args.model_type).Model(args, freq_factors)
     model.to_empty(device=device)
     model.to(dtype=dtype)
-    model.rope.to(device)
+    for rope in model.ropes:
+        rope.to(device)
     return model
 
 
@@ -56,7 +59,7 @@ class WeightFiller:
     into a model's (packed) parameters, converting dtype and device, and tracks what is missing.
     """
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: DecoderModel) -> None:
         self.model = model
         self.params = dict(model.named_parameters())
         self.args = model.args
@@ -95,7 +98,7 @@ class WeightFiller:
         if self._parts[target] == parts:
             self.filled.add(target)
 
-    def finish(self) -> LlamaModel:
+    def finish(self) -> DecoderModel:
         """Check every parameter was filled.
 
         Raises:

@@ -1,23 +1,22 @@
-"""Model hyper-parameters for the Llama family, read from HF config.json or GGUF metadata."""
+"""Model hyper-parameters shared by every family, read from HF config.json or GGUF metadata.
+
+A family with more (Gemma 3) subclasses :class:`ModelArgs`; :meth:`ModelArgs.from_dict` builds
+the family's class through the registry (:mod:`monobatch.models.registry`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 from monobatch.errors import UnsupportedModelError
-
-log = logging.getLogger(__name__)
-
-#: HF `model_type` values the Llama forward runs, and the extras each one turns on.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+from monobatch.models import registry
 
 
 @dataclass(slots=True)
 class ModelArgs:
-    """Shapes and options of a Llama-family decoder (names follow HF's LlamaConfig).
+    """Shapes and options of a decoder (names follow HF's LlamaConfig).
 
     ``attention_bias`` is Qwen2's q/k/v bias; ``qk_norm`` is Qwen3's per-head RMSNorm on q and k.
     ``rope_scaling`` is HF's dict (``rope_type``: linear | llama3 | yarn) or None.
@@ -41,13 +40,13 @@ class ModelArgs:
     hidden_act: str = "silu"
     extra: dict[str, Any] = field(default_factory=dict)
 
+    #: ``hidden_act`` values the family's MLP runs.
+    ACTIVATIONS: ClassVar[tuple[str, ...]] = ("silu",)
+
     def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(
-                f"unsupported architecture {self.model_type!r}; monobatch runs {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        if self.hidden_act != "silu":
-            raise UnsupportedModelError(f"unsupported activation {self.hidden_act!r} (only silu)")
+        self.model_type = registry.canonical(self.model_type)
+        if self.hidden_act not in self.ACTIVATIONS:
+            raise UnsupportedModelError(f"unsupported activation {self.hidden_act!r} (only {', '.join(self.ACTIVATIONS)})")
         if not self.head_dim:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
@@ -56,16 +55,23 @@ class ModelArgs:
             self.qk_norm = True
 
     @classmethod
-    def from_dict(cls, config: Mapping[str, Any]) -> "ModelArgs":
-        """Build from an HF config.json dict, ignoring keys this forward does not use (mlx-lm style).
+    def field_default(cls, name: str) -> Any:
+        """A field's default value (a slots class has no class attribute to read it from)."""
+        return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+    @staticmethod
+    def from_dict(config: Mapping[str, Any]) -> "ModelArgs":
+        """Build the family's args (:mod:`monobatch.models.registry`) from an HF config.json dict,
+        ignoring keys the forward does not use (mlx-lm style); the family's ``adjust_config``
+        applies its own rules.
 
         Raises:
-            UnsupportedModelError: an architecture outside :data:`SUPPORTED_MODEL_TYPES`.
+            UnsupportedModelError: an architecture outside :data:`registry.SUPPORTED_MODEL_TYPES`.
         """
+        fam = registry.family(str(config.get("model_type")))
+        cls = fam.Args
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in config.items() if k in names and k != "extra"}
-        if config.get("model_type") == "qwen2":
-            kwargs.setdefault("attention_bias", True)
         # HF moved rope parameters into `rope_parameters` (transformers 5); read either.
         rope = config.get("rope_parameters") or {}
         if "rope_theta" not in kwargs and "rope_theta" in rope:
@@ -77,17 +83,7 @@ class ModelArgs:
                 kwargs.pop(key, None)
         if "num_key_value_heads" not in kwargs and "num_attention_heads" in kwargs:
             kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]  # HF: no GQA
-        window = config.get("sliding_window")
-        uses_window = config.get("use_sliding_window", config.get("model_type") not in ("qwen2", "qwen3"))  # HF defaults
-        default_context = next(f.default for f in dataclasses.fields(cls) if f.name == "max_position_embeddings")
-        context = kwargs.get("max_position_embeddings", default_context)  # (a slots class has no class attribute)
-        if window and uses_window and window < context:
-            if kwargs.get("rope_scaling") and not kwargs["rope_scaling"].get("original_max_position_embeddings"):
-                kwargs["rope_scaling"] = {**kwargs["rope_scaling"], "original_max_position_embeddings": context}
-            # Sliding-window attention is not implemented: within the window it equals full
-            # attention, so cap the context there rather than compute wrong logits past it.
-            log.warning("sliding-window attention (%d tokens) is not implemented: context capped to %d", window, window)
-            kwargs["max_position_embeddings"] = int(window)
+        fam.adjust_config(dict(config), kwargs)
         return cls(**kwargs)
 
     @property
@@ -106,3 +102,8 @@ class ModelArgs:
             per_layer += 2 * hd
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return self.vocab_size * d + L * per_layer + d + head
+
+    def layer_windows(self) -> tuple[int, ...]:
+        """Per layer, the sliding window its attention sees (the last N positions), 0 = every
+        position (full attention). The KV store reads it (:class:`monobatch.kv.store.KvStore`)."""
+        return (0,) * self.num_hidden_layers

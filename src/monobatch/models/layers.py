@@ -1,0 +1,251 @@
+"""The layers every model family is built from (mlx-lm's layout: each family file states only
+what differs, see :mod:`monobatch.models.registry`).
+
+Everything here is batch-native over a flat :class:`~monobatch.batch.StepBatch`: ``[T, ...]``
+rows of any number of sequences. Attention's projections live here; the attention itself runs in
+the KV store (:meth:`monobatch.kv.store.KvStore.attend`), the only way a model touches its cache.
+
+Shape letters: T tokens in the step, R rows that want logits, D hidden size, H query heads,
+K KV heads, hd head dim, F FFN size, V vocab.
+
+Weights are held packed (nano-vllm style): ``qkv_proj`` = cat(q, k, v) rows and
+``gate_up_proj`` = cat(gate, up) rows. The loaders fill them from HF names (:data:`PACKED`),
+whatever the file format.
+
+The residual stream is carried as (residual, pending delta), as in vLLM's Llama: a sublayer's
+output is not added where it is made but by the norm that follows it,
+:meth:`RMSNorm.add_forward`, which is one fused kernel on CUDA
+(:func:`monobatch.kernels.fused.add_rms_norm`). The torch path runs the same ops in the same
+order as the plain pre-norm block (an add in the model dtype, then the norm), so its results are
+bitwise those of ``x = x + sublayer(norm(x))``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from monobatch.batch import StepBatch
+from monobatch.kernels import fused, gemv
+from monobatch.models.args import ModelArgs
+from monobatch.models.rope import RotaryEmbedding, apply_rope, rope_inv_freq
+
+#: HF tensor suffix -> (packed parameter, index of its slice). Read by the loaders.
+PACKED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+def rowwise(tile: int, fn, *xs: torch.Tensor):
+    """Apply a row-wise ``fn`` to ``xs`` (each ``[T, ...]``), in fixed tiles when ``tile`` > 0.
+
+    Deterministic mode (``tile`` = N): the rows are zero-padded to a multiple of N and ``fn`` runs
+    on ``[N, ...]`` tiles only, so every GEMM, reduction and vectorised activation has the same
+    shape whatever the batch holds, and a row's result depends on that row alone (a 1-row GEMM
+    differs bitwise from the same row inside a larger one; see the ADR). ``tile`` 0 is one call.
+
+    Returns:
+        ``fn``'s output (a tensor or a tuple of tensors), ``T`` rows each.
+    """
+    T = xs[0].shape[0]
+    if tile <= 0 or T == 0:
+        return fn(*xs)
+    pad = -T % tile
+    if pad:
+        xs = tuple(torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) for x in xs)
+    tiles = [fn(*(x[i:i + tile] for x in xs)) for i in range(0, T + pad, tile)]
+    if isinstance(tiles[0], tuple):
+        return tuple(torch.cat(parts)[:T] for parts in zip(*tiles))
+    return torch.cat(tiles)[:T]
+
+
+def param(*shape: int) -> nn.Parameter:
+    """An uninitialised parameter (torch.empty: no random init; the loader fills every one)."""
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), weight ``[out, in]``; no init (the loader fills it)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = param(out_features, in_features)
+        self.bias = param(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[T, in]`` -> ``[T, out]`` (few-row inputs on CUDA: :func:`monobatch.kernels.gemv.linear`)."""
+        return gemv.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019), computed in float32 like HF's LlamaRMSNorm: ``weight *
+    (x / rms(x))``. Gemma's ``(1 + weight)`` form is this norm with ``1 + weight`` stored (GGUF
+    files hold it so; the HF loader adds the 1, :func:`monobatch.models.gemma3.hf_tensor`)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = param(dim)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[..., dim]`` -> same shape and dtype (one fused kernel on CUDA: :mod:`monobatch.kernels.fused`)."""
+        if fused.enabled(x):
+            return fused.rms_norm(x, self.weight, self.eps)
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual add then norm: x and delta ``[..., dim]`` (one dtype) -> ``(s, norm(s))`` with
+        ``s = x + delta`` in that dtype; one fused kernel on CUDA (:func:`fused.add_rms_norm`,
+        new tensors, ``x`` is not written)."""
+        if fused.enabled(x):
+            return fused.add_rms_norm(x, delta, self.weight, self.eps)
+        x = x + delta
+        return x, self.forward(x)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention's projections: packed QKV, optional qkv bias (Qwen2) and q/k norm
+    (Qwen3, Gemma 3). The attention itself runs in the KV store (:meth:`KvStore.attend`).
+
+    Args:
+        args: the model's shapes (``attention_bias``, ``qk_norm``).
+        layer: this layer's index (the KV store's layer).
+        q_scale: multiplies q after RoPE when not 1.0, so the store's softmax scale
+            ``1/sqrt(hd)`` becomes the family's (Gemma's ``query_pre_attn_scalar ** -0.5``).
+    """
+
+    def __init__(self, args: ModelArgs, layer: int, q_scale: float = 1.0) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.hd = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.q_size, self.kv_size = self.n_heads * self.hd, self.n_kv * self.hd
+        self.q_scale = q_scale
+        self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.attention_bias)
+        self.o_proj = Linear(self.q_size, args.hidden_size)
+        self.q_norm = RMSNorm(self.hd, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, args.rms_norm_eps) if args.qk_norm else None
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x ``[T, D]`` (normed), cos/sin ``[T, hd]`` -> q ``[T, H, hd]``, k and v ``[T, K, hd]``
+        (norms and RoPE applied). On CUDA without q/k norm, q and k are rotated in one launch
+        straight from the packed projection (:func:`fused.rope_qk`); v is a view of it."""
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)  # (T, (H + 2K) hd)
+        if self.q_norm is None and self.q_scale == 1.0 and fused.enabled(qkv):
+            q, k = fused.rope_qk(qkv, self.n_heads, self.n_kv, self.hd, cos, sin)
+            return q, k, qkv[:, self.q_size + self.kv_size:].view(T, self.n_kv, self.hd)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.n_heads, self.hd)  # (T, H, hd)
+        k = k.view(T, self.n_kv, self.hd)  # (T, K, hd)
+        v = v.reshape(T, self.n_kv, self.hd)  # (T, K, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos, sin)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        return q, apply_rope(k, cos, sin), v
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU, tanh approximation (HF's ``gelu_pytorch_tanh``): ``[...]`` -> same shape and dtype."""
+    return F.gelu(x, approximate="tanh")
+
+
+class GatedMLP(nn.Module):
+    """Gated feed-forward (Shazeer 2020): ``down(act(gate(x)) * up(x))``, gate and up packed.
+    ``act`` SiLU is SwiGLU (Llama; the CUDA path fuses it into the down GEMV); GELU-tanh is
+    GeGLU (Gemma)."""
+
+    def __init__(self, args: ModelArgs, act: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> None:
+        super().__init__()
+        self.ffn = args.intermediate_size
+        self.act = act
+        self.gate_up_proj = Linear(args.hidden_size, 2 * self.ffn)
+        self.down_proj = Linear(self.ffn, args.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[T, D]`` -> ``[T, D]``."""
+        gate_up = self.gate_up_proj(x)  # (T, 2F)
+        if self.act is F.silu and fused.enabled(gate_up):  # the SiLU inside the down GEMV where it runs
+            return gemv.gated_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
+        gate, up = gate_up.split(self.ffn, dim=-1)  # (T, F) each
+        return self.down_proj(self.act(gate) * up)
+
+
+def make_rope(args: ModelArgs, theta: float, scaling: dict | None,
+              freq_factors: torch.Tensor | None = None) -> RotaryEmbedding:
+    """A :class:`RotaryEmbedding` of the model's head dim for base ``theta`` and ``scaling``."""
+    inv_freq, scale = rope_inv_freq(args.head_dim, theta, scaling, args.max_position_embeddings, freq_factors)
+    return RotaryEmbedding(inv_freq, scale)
+
+
+class DecoderModel(nn.Module):
+    """What every family's model shares: embeddings ``[V, D]``, ``layers``, the final ``norm``, the
+    LM head (tied to the embeddings when the checkpoint has none), the RoPE tables, and
+    :meth:`logits`. A family sets ``self.layers`` and ``self.ropes`` and writes ``forward``.
+
+    Attributes:
+        ropes: every :class:`RotaryEmbedding` the layers read (one, or Gemma's local and global).
+    """
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = param(args.vocab_size, args.hidden_size)  # (V, D)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size)
+        self.ropes: tuple[RotaryEmbedding, ...] = ()
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live."""
+        return self.embed_tokens.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Compute (and KV) dtype."""
+        return self.embed_tokens.dtype
+
+    def to_device(self, device: torch.device, dtype: torch.dtype) -> "DecoderModel":
+        """Move and cast the weights; the RoPE tables stay float32 until :meth:`build_rope_tables`."""
+        self.to(device=device, dtype=dtype)
+        for rope in self.ropes:
+            rope.to(device)
+        return self
+
+    def build_rope_tables(self, length: int, dtype: torch.dtype) -> None:
+        """Precompute cos/sin of positions ``0 .. length-1`` for every RoPE (:meth:`RotaryEmbedding.build_table`)."""
+        for rope in self.ropes:
+            rope.build_table(length, dtype)
+
+    def logits(self, batch: StepBatch, residual: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """The last layer's carried stream -> ``[R, V]`` float32 logits of ``batch.logit_rows``.
+
+        Args:
+            residual, delta: ``[T, D]`` each (delta None: nothing pending, e.g. no layers).
+        """
+        head = self.embed_tokens if self.lm_head is None else self.lm_head.weight
+        # (R, D) -> (R, V): only rows that want logits; the last MLP output is added to those rows only
+        if batch.logit_rows.shape[0] != batch.num_tokens:  # else every row, in order (StepBatch's rows ascend)
+            rows = batch.logit_rows
+            residual, delta = residual[rows], None if delta is None else delta[rows]
+        if delta is None:
+            return rowwise(batch.row_tile, lambda x: self._logits(self.norm(x), head), residual)
+        return rowwise(batch.row_tile, lambda r, d: self._logits(self.norm.add_forward(r, d)[1], head),
+                       residual, delta)
+
+    def _logits(self, x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        """``x @ head.T`` as float32 ``[R, V]``: with 16-bit weights on CUDA the GEMM writes float32
+        directly (:func:`monobatch.kernels.gemv.linear` with ``out_dtype``), so logits are not
+        rounded to bfloat16 (which ties tokens whose logits differ by less than ~0.1)."""
+        return gemv.linear(x, head, out_dtype=torch.float32)
