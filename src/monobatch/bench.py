@@ -359,7 +359,7 @@ class Setup:
         return cls(model=loaded.name, device=str(loaded.model.device),
                    dtype=str(loaded.model.dtype).removeprefix("torch."), threads=torch.get_num_threads(),
                    kv_storage=config.kv_storage, prefill_chunk=config.prefill_chunk, max_num_seqs=config.max_num_seqs,
-                   step_token_budget=config.token_budget, deterministic=config.deterministic,
+                   step_token_budget=scheduler.plan.token_budget, deterministic=config.deterministic,
                    engine=scheduler.engine.describe(), load_s=round(loaded.load_seconds, 3),
                    weight_mb=round(loaded.weight_bytes / 1e6, 1))
 

@@ -20,6 +20,7 @@ from monobatch.engine.finish import FinishStep, RowOutput
 from monobatch.engine.sampler import RowSampler, SampleOutput, token_logprobs
 from monobatch.engine.sequence import Sequence
 from monobatch.errors import InsufficientMemoryError, InvalidRequestError
+from monobatch.kernels import invariant_gemm
 from monobatch.kernels.paged_decode import triton_usable
 from monobatch.kv.dense import DenseKv
 from monobatch.kv.paged import PagedKv
@@ -58,8 +59,9 @@ class EngineConfig:
         max_model_len: context length in tokens (None = the model's).
         max_num_seqs: sequences running at once.
         prefill_chunk: prompt tokens of one sequence computed per step.
-        max_num_batched_tokens: tokens per step across all sequences (None = prefill_chunk,
-            raised to max_num_seqs so every running decode fits).
+        max_num_batched_tokens: tokens per step across all sequences (None: prefill_chunk, or
+            ``defaults.STEP_TOKEN_BUDGET`` for the device where larger, raised to max_num_seqs so
+            every running decode fits; :meth:`token_budget`).
         kv_storage: ``paged`` (block pool + prefix cache) or ``dense`` (a buffer per sequence).
         kv_cache_memory: paged pool size in bytes (None: ``defaults.KV_CACHE_MEMORY_CPU`` on CPU,
             ``defaults.KV_CACHE_GPU_FRACTION`` of free memory on CUDA).
@@ -107,10 +109,10 @@ class EngineConfig:
         if self.block_size < 1:
             raise InvalidRequestError("block_size must be >= 1", "block_size")
 
-    @property
-    def token_budget(self) -> int:
-        """Tokens one step may compute."""
-        return self.max_num_batched_tokens or max(self.prefill_chunk, self.max_num_seqs)
+    def token_budget(self, device_type: str = "cpu") -> int:
+        """Tokens one step may compute on a device of ``device_type``."""
+        return self.max_num_batched_tokens or max(self.prefill_chunk, self.max_num_seqs,
+                                                  defaults.STEP_TOKEN_BUDGET.get(device_type, 0))
 
 
 def _size(nbytes: int) -> str:
@@ -137,7 +139,13 @@ class Engine:
         # every position a step can hold; before the KV pool takes its share of the free memory
         self.model.build_rope_tables(self.max_model_len, self.model.dtype)
         self.kv: KvStore = self._make_kv()
-        self.row_tile = defaults.DETERMINISTIC_ROW_TILE.get(self.device.type, 8) if self.config.deterministic else 0
+        # Deterministic mode on CUDA (Triton): batch-invariant kernels at full batch — the GEMMs of
+        # kernels.invariant_gemm, the varlen attention's one tile for every row; elsewhere fixed
+        # row tiles (StepBatch.row_tile) and one query row per attention call.
+        self.invariant = self.config.deterministic and triton_usable(self.device, args.head_dim)
+        self.row_tile = (defaults.DETERMINISTIC_ROW_TILE.get(self.device.type, 8)
+                         if self.config.deterministic and not self.invariant else 0)
+        self.kv.batch_invariant = self.invariant
         # A padded embedding (HF exports round it up) has rows no token owns: never draw them.
         self.vocab_size = min(args.vocab_size, self.tokenizer.vocab_size)
         self.sampler = RowSampler(self.vocab_size)
@@ -146,7 +154,7 @@ class Engine:
         self.graphs = DecodeGraphs(self.model, self.kv, self.config.max_num_seqs) if self._graphs_usable() else None
 
     def _graphs_usable(self) -> bool:
-        """CUDA graphs for decode steps: on CUDA, paged storage, fast mode, kernel usable."""
+        """CUDA graphs for decode steps: on CUDA, paged storage, kernel usable, not row tiles."""
         return (self.config.cuda_graphs and not self.row_tile and isinstance(self.kv, PagedKv)
                 and triton_usable(self.device, self.model.args.head_dim))
 
@@ -165,7 +173,8 @@ class Engine:
 
     def describe(self) -> str:
         """One line for a start-up log: the KV store, its capacity and the numerics mode."""
-        mode = f"deterministic (row tiles of {self.row_tile})" if self.row_tile else "fast (not batch-invariant)"
+        mode = ("deterministic (batch-invariant kernels)" if self.invariant else
+                f"deterministic (row tiles of {self.row_tile})" if self.row_tile else "fast (not batch-invariant)")
         graphs = f"; CUDA graphs for decode steps of up to {self.graphs.max_batch} sequences" if self.graphs else ""
         overlap = "; async scheduling" if self.async_scheduling else ""
         return f"{self.kv.describe()}; context {self.max_model_len} tokens; mode {mode}{graphs}{overlap}"
@@ -213,6 +222,7 @@ class Engine:
         batch = StepBatch.build([(0, list(token_ids), 0, True)], self.device, self.row_tile)
         if all_positions:
             batch.logit_rows = torch.arange(len(token_ids), device=self.device)
+        scratch.batch_invariant = self.invariant
         scratch.prepare(batch)
         with self._on_device():
             logits = self.model(batch, scratch)[:, : self.vocab_size]  # no padded columns
@@ -266,15 +276,19 @@ class Engine:
                 self.kv.commit(batch)
             return logits
 
+    @contextlib.contextmanager
     def _on_device(self):
         """Make the model's GPU the current CUDA device (Triton kernels, streams and graph
-        capture use the current device, which need not be the tensors')."""
-        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        capture use the current device, which need not be the tensors'), with the
+        batch-invariant GEMMs on in deterministic mode (:func:`invariant_gemm.mode`)."""
+        with (torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()), \
+                invariant_gemm.mode(self.invariant):
+            yield
 
     @property
     def async_scheduling(self) -> bool:
         """Whether the scheduler may overlap steps (config; default: on CUDA, except in
-        deterministic mode, which runs eagerly)."""
+        row-tiled deterministic mode, which runs eagerly)."""
         on = self.config.async_scheduling
         return self.device.type == "cuda" and not self.row_tile if on is None else on
 
@@ -316,7 +330,7 @@ class Engine:
     def _draw_async(self, batch: StepBatch, rows: list[Sequence], logits: torch.Tensor, ahead: int) -> PendingStep:
         """Draw on the device and queue the copy of the draws to the host behind an event."""
         masked = self.finisher.ban_early_stops(logits, rows, ahead)
-        if self.row_tile:  # deterministic mode: one row per draw, as in step()
+        if self.config.deterministic:  # one row per draw, as in step()
             tokens = torch.cat([self.sampler.draw(masked[r:r + 1], [seq.sampler], ahead)
                                 for r, seq in enumerate(rows)])
         else:
@@ -371,7 +385,7 @@ class Engine:
         if not rows:
             return []
         masked = self.finisher.ban_early_stops(logits, rows)
-        if not self.row_tile:
+        if not self.config.deterministic:
             return self.finisher.apply(rows, self.sampler.sample(masked, [s.sampler for s in rows], model_logits=logits))
         # Deterministic mode: one row per sampler call, so no reduction sees a neighbour's row.
         return [out for r, seq in enumerate(rows) for out in self.finisher.apply(

@@ -83,7 +83,7 @@ class BatchScheduler:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.config = engine.config
-        self.plan = PrefillPlan(engine.config.prefill_chunk, engine.config.token_budget)
+        self.plan = PrefillPlan(engine.config.prefill_chunk, engine.config.token_budget(engine.device.type))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._done: list[RowOutput] = []  # outputs produced outside a forward (max_tokens 0, abort)

@@ -31,7 +31,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from monobatch.kernels import pdl
+from monobatch.kernels import invariant_gemm, pdl
 from monobatch.kernels.common import COUNTERS, counters, tl, triton
 from monobatch.kernels.fused import enabled as fused_enabled, silu_mul
 
@@ -335,6 +335,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ``torch.mm(out_dtype=)`` on CUDA, torch >= 2.8; otherwise the 16-bit result, converted)."""
     global _MM_OUT_DTYPE
     N, K = weight.shape
+    if invariant_gemm.usable(x, weight):  # deterministic mode: rows independent of M
+        return invariant_gemm.linear(x.reshape(-1, K), weight, bias, out_dtype).view(*x.shape[:-1], N)
     if usable(x, weight) and out_dtype in (None, x.dtype, torch.float32):
         x2 = x.reshape(-1, K)
         cfg = choose(N, K, x2.shape[0], x.dtype, pdl.enabled(x.device))
@@ -365,7 +367,7 @@ def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     N, K = weight.shape
     if gate_up.shape[-1] != 2 * K:
         raise ValueError(f"gate_up has {gate_up.shape[-1]} columns; the weight takes {K} (gate_up: 2 x that)")
-    if usable(gate_up, weight, gated=True):
+    if usable(gate_up, weight, gated=True) and not invariant_gemm.ACTIVE:
         x2 = gate_up.reshape(-1, 2 * K)
         cfg = choose(N, K, x2.shape[0], gate_up.dtype, pdl.enabled(gate_up.device))
         if cfg is not None:

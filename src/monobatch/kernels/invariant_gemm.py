@@ -1,0 +1,145 @@
+"""Batch-invariant GEMM: ``y = x @ W^T (+ b)`` whose every output row has the same bits whatever
+the number of rows M — the linear layer of ``--deterministic`` on CUDA.
+
+cuBLAS picks its kernel, tile and split-K from M, so a row's sum over K is ordered differently in a
+1-row decode GEMM and a 2,048-row prefill GEMM (He et al., "Defeating Nondeterminism in LLM
+Inference", Thinking Machines 2025; SGLang's and vLLM's batch-invariant modes replace the GEMMs
+for that reason). Here one Triton kernel computes every row with one reduction order: the K axis
+is walked in ascending ``tl.dot`` steps accumulating into the same fp32 accumulator
+(``acc = dot(a, b, acc)``), no split-K, so the sequence of MMA k-steps a row sees depends on K
+alone. The M and N tiles are free to follow M for speed *if* the MMA instructions they lower to
+give a row the same bits (mma.sync for small tiles, wgmma from 64 rows on Hopper):
+:data:`CONFIGS` lists the tiles, and ``scripts/check_gemm_invariance.py`` checks on the GPU that
+every one of them gives every row the same bits as every other — :data:`CONFIGS` keeps only tiles
+that passed there.
+
+Inputs bf16/fp16 (fp32 accumulation); float32 inputs use IEEE products.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from monobatch.kernels.common import tl, triton
+
+#: (max M, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), by ascending M bound; the last
+#: entry serves any larger M. Few rows (decode) stream the weight: narrow N tiles so that even a
+#: 2,048-wide output has 128 programs (no split-K: it would change the reduction order); many rows
+#: take wgmma-sized tiles. A tile may change only with scripts/check_gemm_invariance.py passing on
+#: the target GPU (the module docstring says why; on the H200 every tile it lists gave every row
+#: the same bits).
+CONFIGS: tuple[tuple[int, int, int, int, int, int], ...] = (
+    (16, 16, 32, 128, 4, 4),
+    (64, 64, 64, 64, 4, 4),
+    (1 << 62, 128, 128, 64, 8, 3),
+)
+#: Few-row outputs at most this wide use 16-column tiles (more programs for the narrow layers).
+NARROW_N = 4096
+
+
+#: True inside :func:`mode` (True): :func:`monobatch.kernels.gemv.linear` and ``gated_linear``
+#: route CUDA GEMMs here. Set per forward by the engine in deterministic mode (as the
+#: batch-invariant modes of SGLang and vLLM swap the matmul for the whole forward).
+ACTIVE = False
+
+
+@contextlib.contextmanager
+def mode(on: bool):
+    """Within the block, CUDA linear layers use this module's GEMM when ``on`` (restored after)."""
+    global ACTIVE
+    before, ACTIVE = ACTIVE, bool(on) or ACTIVE
+    try:
+        yield
+    finally:
+        ACTIVE = before
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when :data:`ACTIVE` and the kernel can take these operands (CUDA, Triton, 2-D
+    weight with unit stride along K, one dtype)."""
+    return (ACTIVE and triton is not None and x.is_cuda and weight.dim() == 2 and weight.stride(1) == 1
+            and x.dtype == weight.dtype and x.shape[-1] == weight.shape[1])
+
+
+def config_for(m: int, n: int) -> tuple[int, int, int, int, int]:
+    """The tile ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for an ``[m, n]`` output."""
+    for bound, bm, bn, bk, warps, stages in CONFIGS:
+        if m <= bound:
+            if bm == 16 and n <= NARROW_N:
+                bn = 16
+            return bm, bn, bk, warps, stages
+    return tuple(CONFIGS[-1][1:])  # type: ignore[return-value]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gemm_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+                     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     GROUP_M: tl.constexpr, IEEE: tl.constexpr):
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BM)
+        num_n = tl.cdiv(N, BN)
+        group = GROUP_M * num_n  # grouped launch order: neighbouring programs share W tiles in L2
+        first_m = (pid // group) * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % group) % size_m
+        pid_n = (pid % group) // size_m
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        offs_k = tl.arange(0, BK)
+        mmask = offs_m < M
+        nmask = offs_n < N
+        x_ptr = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+        w_ptr = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k in range(0, K, BK):  # ascending K, one accumulator: the order every row sees
+            kmask = (k + offs_k) < K
+            a = tl.load(x_ptr, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(w_ptr, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+            x_ptr += BK
+            w_ptr += BK
+        if HAS_BIAS:
+            acc = acc + tl.load(B + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        y_ptr = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None, config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` with batch-invariant rows.
+
+    Args:
+        x: ``[M, K]`` (unit stride along K), on CUDA.
+        weight: ``[N, K]`` (unit stride along K), x's dtype.
+        bias: ``[N]`` or None.
+        out_dtype: the output dtype (default x's; float32 for logits).
+        config: force a tile (``scripts/check_gemm_invariance.py``); default :func:`config_for`.
+
+    Returns:
+        ``[M, N]`` in ``out_dtype``.
+
+    Raises:
+        RuntimeError: Triton is not installed.
+    """
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    M, K = x.shape
+    N = weight.shape[0]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
+    if M == 0:
+        return y
+    bm, bn, bk, warps, stages = config or config_for(M, N)
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    _gemm_kernel[grid](x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0),
+                       y.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8,
+                       IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+    return y
