@@ -2,6 +2,11 @@
 
 Dense storage has no blocks and so no prefix cache: every prompt is computed in full (see the
 ADR). It is the fastest layout at B=1 — attention reads a contiguous slice, no gather.
+
+On CUDA (Triton) each chunk's attention is the varlen kernel paged storage runs
+(:func:`monobatch.kernels.varlen_attention.varlen_paged_attention`), reading the buffer as
+blocks of :data:`~monobatch.defaults.DENSE_KV_GROWTH` tokens in order, so dense and paged storage
+compute a token with the same kernel and tile — the same bits under ``--deterministic``.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import torch
 from monobatch import defaults
 from monobatch.batch import StepBatch
 from monobatch.errors import InsufficientMemoryError
+from monobatch.kernels.paged_decode import triton_usable
+from monobatch.kernels.varlen_attention import VarlenMeta, build_meta, tokens_per_tile, varlen_paged_attention
 from monobatch.kv.attention import attend_chunk
 from monobatch.kv.store import KvStore, KvUsage
 
@@ -28,6 +35,9 @@ class DenseKv(KvStore):
         self.growth = growth
         self._buf: dict[int, torch.Tensor] = {}
         self._len: dict[int, int] = {}
+        #: the varlen kernel on CUDA; the chunk layouts of the prepared step, built at its first layer
+        self.varlen = triton_usable(self.device, head_dim)
+        self._metas: list[VarlenMeta] | None = None
 
     def seq_len(self, seq_id: int) -> int:
         return self._len.get(seq_id, 0)
@@ -76,15 +86,24 @@ class DenseKv(KvStore):
             self.check_chunk(c)
             self._reserve(c.seq_id, c.end_pos)
             self._len.setdefault(c.seq_id, 0)
+        self._metas = None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         out = torch.empty_like(q)
-        for c in batch.chunks:
+        if self.varlen and self._metas is None:  # the step's first layer: each chunk's layout
+            bt, g = tokens_per_tile(q.shape[1], self.num_kv_heads, self.batch_invariant or batch.row_tile > 0), self.growth
+            self._metas = [build_meta([(0, c.length, c.pos)], [list(range(-(-c.end_pos // g)))], bt, self.device)
+                           for c in batch.chunks]
+        for i, c in enumerate(batch.chunks):
             s, e = c.start, c.start + c.length
             cache = self._buf[c.seq_id][layer]  # (2, cap, n_kv, hd)
             cache[0, c.pos:c.end_pos] = k[s:e]
             cache[1, c.pos:c.end_pos] = v[s:e]
-            out[s:e] = attend_chunk(q[s:e], cache[0, :c.end_pos], cache[1, :c.end_pos], c.pos, batch.row_tile > 0)
+            if self.varlen:  # the buffer as blocks of `growth` tokens, block i = tokens i*g .. (i+1)*g - 1
+                out[s:e] = varlen_paged_attention(q[s:e], cache[0], cache[1], self._metas[i], self.growth)
+            else:
+                out[s:e] = attend_chunk(q[s:e], cache[0, :c.end_pos], cache[1, :c.end_pos], c.pos,
+                                        batch.row_tile > 0)
         return out
 
     def commit(self, batch: StepBatch) -> None:

@@ -11,6 +11,11 @@ step in :meth:`PagedKv.prepare`) and reads each sequence's keys with one gather,
 sequence's keys arrive as ``[S, n_kv, hd]`` exactly as dense storage hands them to
 :func:`monobatch.kv.attention.attend_chunk` (a plain torch gather).
 
+On CUDA (Triton) a step's attention is instead one launch per layer for all its chunks
+(:func:`monobatch.kernels.varlen_attention.varlen_paged_attention`): the new K/V rows are stored
+with one :func:`~monobatch.kernels.paged_decode.store_kv` and every query row reads its keys from
+the pool through its block table, with no gather and no per-chunk work on the host or device.
+
 A decode-only step can instead run from static device tensors (:class:`DecodeStep`: slot mapping,
 block tables, lengths) through :func:`monobatch.kernels.paged_decode.paged_decode_attention`,
 which needs no host work — the form a CUDA graph captures (:mod:`monobatch.engine.cuda_graphs`).
@@ -26,14 +31,39 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NoReturn, Sequence
 
+import numpy as np
 import torch
 
 from monobatch.batch import StepBatch
 from monobatch.errors import InsufficientMemoryError
-from monobatch.kernels.paged_decode import paged_decode_attention
+from monobatch.kernels.paged_decode import paged_decode_attention, store_kv, triton_usable
+from monobatch.kernels.varlen_attention import VarlenMeta, build_meta, tokens_per_tile, varlen_paged_attention
 from monobatch.kv.attention import attend_chunk
 from monobatch.kv.block_pool import ROOT_HASH, BlockPool, block_hash
 from monobatch.kv.store import KvStore, KvUsage
+
+
+@dataclass(slots=True)
+class _EagerStep:
+    """A prepared step outside the static decode path.
+
+    Attributes:
+        batch: the step.
+        write: ``[T]`` int64 pool slot of each new token (device).
+        gather: ``[sum S]`` int64 slots of every chunk's keys, in chunk order (torch path; None on
+            the varlen path).
+        spans: ``(offset in gather, S)`` per chunk (torch path).
+        tables: each chunk's block ids (varlen path: the metadata is built at the first layer,
+            which knows the query heads).
+        meta: the varlen layout, once built.
+    """
+
+    batch: StepBatch
+    write: torch.Tensor
+    gather: torch.Tensor | None
+    spans: list[tuple[int, int]]
+    tables: list[list[int]]
+    meta: VarlenMeta | None = None
 
 
 @dataclass(slots=True)
@@ -87,7 +117,11 @@ class PagedKv(KvStore):
         self._len: dict[int, int] = {}
         self._tokens: dict[int, list[int]] = {}  # cached token ids, to key full blocks
         self._keys: dict[int, list[bytes]] = {}  # prefix-cache keys of the sequence's full blocks
-        self._step: tuple[StepBatch, torch.Tensor, torch.Tensor, list[tuple[int, int]]] | DecodeStep | None = None
+        self._step: _EagerStep | DecodeStep | None = None
+        #: one varlen launch per layer for a step's chunks (CUDA with Triton); else the torch path
+        self.varlen = triton_usable(self.device, head_dim)
+        self._meta_of: DecodeStep | None = None  # the static decode step _meta was built for
+        self._meta: VarlenMeta | None = None
         self.scratch_block = num_blocks  # never allocated: see DecodeStep
         self.max_blocks_per_seq = -(-max_seq_len // block_size)
         self.paged_attention_calls = 0  # attend() calls, one per layer per step (`monobatch parity` reads it)
@@ -184,23 +218,33 @@ class PagedKv(KvStore):
                 has no free or evictable block left.
         """
         bs = self.block_size
-        arange = torch.arange(bs)
-        write, gather, spans = [], [], []
+        write, gather, spans, tables = [], [], [], []
         offset = 0
         for c in batch.chunks:
             self.check_chunk(c)
             if not self.reserve(c.seq_id, c.end_pos):
                 self._pool_full()
-            table = torch.tensor(self._table[c.seq_id], dtype=torch.int64)
-            slots = (table[:, None] * bs + arange).reshape(-1)[:c.end_pos]  # slot of each position
-            write.append(slots[c.pos:])
-            gather.append(slots)
-            spans.append((offset, c.end_pos))
-            offset += c.end_pos
+            table = self._table[c.seq_id]
+            tables.append(table[:-(-c.end_pos // bs)])
+            first = c.pos // bs  # the slots of positions pos .. end_pos - 1 (the chunk's new tokens)
+            blocks = np.asarray(table[first:-(-c.end_pos // bs)], dtype=np.int64)
+            slots = (blocks[:, None] * bs + np.arange(bs)).reshape(-1)
+            write.append(slots[c.pos - first * bs:c.end_pos - first * bs])
+            if not self.varlen:
+                every = (np.asarray(tables[-1], dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
+                gather.append(every[:c.end_pos])
+                spans.append((offset, c.end_pos))
+                offset += c.end_pos
         if not batch.chunks:
             self._step = None
             return
-        self._step = (batch, torch.cat(write).to(self.device), torch.cat(gather).to(self.device), spans)
+        slots = torch.from_numpy(np.concatenate(write + gather))
+        if self.device.type == "cuda":
+            slots = slots.pin_memory().to(self.device, non_blocking=True)
+        else:
+            slots = slots.to(self.device)
+        T = batch.num_tokens
+        self._step = _EagerStep(batch, slots[:T], None if self.varlen else slots[T:], spans, tables)
 
     def prepare_decode(self, batch: StepBatch, host: DecodeStep, device: DecodeStep) -> None:
         """:meth:`prepare` for a decode-only ``batch`` into static tensors: each row's slot, block
@@ -231,7 +275,7 @@ class PagedKv(KvStore):
         host.seq_lens.copy_(torch.as_tensor(lens + [1] * pad, dtype=torch.int32))
         if pad:
             host.block_tables[n:, 0] = self.scratch_block
-        self._step = device
+        self._step, self._meta_of = device, None
 
     def _pool_full(self) -> NoReturn:
         u = self.usage()
@@ -241,25 +285,48 @@ class PagedKv(KvStore):
 
     def bind_decode(self, step: DecodeStep) -> None:
         """Make :meth:`attend` read ``step`` as it stands (graph capture and warm-up)."""
-        self._step = step
+        self._step, self._meta_of = step, None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         self.paged_attention_calls += 1
         k_cache, v_cache = self.cache[layer, 0], self.cache[layer, 1]  # (slots, n_kv, hd)
         if isinstance(self._step, DecodeStep):  # static decode step: no host work (capturable)
             step = self._step
+            if self.batch_invariant and self.varlen:  # the kernel and tile prefill rows run
+                store_kv(k, v, k_cache, v_cache, step.slot_mapping)
+                return varlen_paged_attention(q, k_cache, v_cache, self._decode_meta(step, q.shape[1]), self.block_size)
             return paged_decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, self.block_size,
                                           k, v, step.slot_mapping)  # (stores k and v first)
-        assert self._step is not None and self._step[0] is batch, "prepare(batch) first"
-        _, write, gather, spans = self._step
-        k_cache.index_copy_(0, write, k)
-        v_cache.index_copy_(0, write, v)
-        keys, values = k_cache[gather], v_cache[gather]  # (sum of S, n_kv, hd): every chunk's keys
+        step = self._step
+        assert isinstance(step, _EagerStep) and step.batch is batch, "prepare(batch) first"
+        if self.varlen:
+            if step.meta is None:  # the first layer of the step: lay the chunks out as tiles
+                bt = tokens_per_tile(q.shape[1], self.num_kv_heads, self.batch_invariant or batch.row_tile > 0)
+                step.meta = build_meta([(c.start, c.length, c.pos) for c in batch.chunks], step.tables, bt,
+                                       self.device)
+            store_kv(k, v, k_cache, v_cache, step.write)
+            return varlen_paged_attention(q, k_cache, v_cache, step.meta, self.block_size)
+        k_cache.index_copy_(0, step.write, k)
+        v_cache.index_copy_(0, step.write, v)
+        keys, values = k_cache[step.gather], v_cache[step.gather]  # (sum of S, n_kv, hd): every chunk's keys
         out = torch.empty_like(q)
-        for c, (o, S) in zip(batch.chunks, spans):
+        for c, (o, S) in zip(batch.chunks, step.spans):
             s, e = c.start, c.start + c.length
             out[s:e] = attend_chunk(q[s:e], keys[o:o + S], values[o:o + S], c.pos, batch.row_tile > 0)
         return out
+
+    def _decode_meta(self, step: DecodeStep, num_q_heads: int) -> VarlenMeta:
+        """The varlen layout of a static decode step (row b = chunk b = tile b, one token at
+        position ``seq_lens[b] - 1``, in the deterministic tile), built on the device at the
+        step's first layer (a graph captures it once per replay) and reused by its other layers;
+        :meth:`prepare_decode` and :meth:`bind_decode` drop it."""
+        if self._meta_of is not step:
+            B = step.seq_lens.shape[0]
+            rows = torch.arange(B, dtype=torch.int32, device=self.device)
+            self._meta = VarlenMeta(step.block_tables, rows, torch.ones_like(rows), step.seq_lens - 1, rows,
+                                    torch.zeros_like(rows), tokens_per_tile(num_q_heads, self.num_kv_heads, True))
+            self._meta_of = step
+        return self._meta
 
     def commit(self, batch: StepBatch) -> None:
         """Advance each sequence and key the blocks that became full in the prefix cache."""

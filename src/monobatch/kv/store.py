@@ -61,6 +61,11 @@ class KvStore(ABC):
     #: attend() calls that read paged storage (one per layer per step); 0 for dense storage.
     paged_attention_calls: int = 0
 
+    #: Deterministic mode on CUDA (set by the engine): every step's attention, decode steps
+    #: included, runs the varlen kernel with its one deterministic tile, so a token's bits do not
+    #: depend on the step it is computed in (:mod:`monobatch.kernels.varlen_attention`).
+    batch_invariant: bool = False
+
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.num_layers = num_layers
