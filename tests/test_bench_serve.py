@@ -41,6 +41,8 @@ def test_json_result(server):
     assert out["total_output_tokens"] == 6 * 6 and out["usage_from_server"] is True
     assert 6 * 24 * 0.7 <= out["total_input_tokens"] <= 6 * 24 * 1.3  # --input-len is approximate
     assert out["duration_s"] > 0
+    assert out["client_cpu_s"] > 0  # the client's own CPU time: near duration_s, the client limits the run
+    assert out["client_cpu_util"] == pytest.approx(out["client_cpu_s"] / out["duration_s"], abs=0.01)
     assert out["request_throughput"] == pytest.approx(6 / out["duration_s"], rel=1e-2)
     assert out["output_throughput"] == pytest.approx(36 / out["duration_s"], rel=1e-2)
     assert out["total_token_throughput"] == pytest.approx(
@@ -195,3 +197,49 @@ def test_silent_server_read_timeout_names_the_seconds():
 
         got = asyncio.run(one())
     assert not got.ok and got.error == f"the server at {base} sent nothing for 0.5 s"
+
+
+def test_preflight_sizes_prompts_with_llama_servers_tokenize():
+    """llama-server's /tokenize takes ``content`` and answers a token list without ``count``
+    (and no tokens to the vLLM-shaped body): preflight counts that list, so its prompts are sized
+    by the model's tokenizer as for monobatch and vLLM, not by the 1.3 tokens-a-word fallback."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from monobatch.bench_serve import FALLBACK_TOKENS_PER_WORD, ServeBenchConfig, preflight
+
+    bodies: list[dict] = []
+
+    class LlamaServerLike(BaseHTTPRequestHandler):
+        def log_message(self, *args):  # quiet
+            pass
+
+        def answer(self, payload: dict) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self.answer({"object": "list", "data": [{"id": "llama-1b-f16.gguf", "object": "model"}]})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            bodies.append(body)
+            words = len(body["content"].split()) if "content" in body else 0
+            self.answer({"tokens": list(range(2 * words))})  # 2 tokens a word; [] without content
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), LlamaServerLike)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        cfg = ServeBenchConfig(base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", timeout=10)
+        model, tokens_per_word = preflight(cfg)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert model == "llama-1b-f16.gguf"
+    assert tokens_per_word == 2.0 != FALLBACK_TOKENS_PER_WORD
+    assert [sorted(b) for b in bodies] == [["add_special_tokens", "model", "prompt"], ["add_special", "content"]]
+    assert bodies[1]["add_special"] is False

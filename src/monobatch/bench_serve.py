@@ -29,8 +29,9 @@ Definitions (vLLM's):
 
 Prompts: random English-like sentences (:mod:`monobatch.synth`, seeded by ``--seed``), so no two
 prompts share a prefix the prefix cache could reuse. Their length in words comes from one
-``POST /tokenize`` of a sample (the tokens one word costs on this model; 1.3 when the server has
-no ``/tokenize``), so ``--input-len`` is approximate; ``total_input_tokens`` is the server's count (``usage``). With
+``POST /tokenize`` of a sample (the tokens one word costs on this model: vLLM's and monobatch's
+body and ``count`` answer, else llama-server's ``content`` body and ``tokens`` list; 1.3 when the
+server has no ``/tokenize``), so ``--input-len`` is approximate; ``total_input_tokens`` is the server's count (``usage``). With
 ``--endpoint chat`` the text is one user message, and the chat template adds its tokens.
 
 A request that fails (cannot connect, an HTTP error status, an error event, a stream cut short) is
@@ -40,7 +41,9 @@ successful requests.
 ``--json`` prints the result as one JSON object on one line (settings and results, vLLM's key
 names: ``request_throughput``, ``output_throughput``, ``total_token_throughput``,
 ``mean_ttft_ms``, ``median_ttft_ms``, ``p90_ttft_ms``, ``p99_ttft_ms``, ``std_ttft_ms``, the
-same for ``tpot``, ``itl`` and ``e2el``; the duration is ``duration_s``), so
+same for ``tpot``, ``itl`` and ``e2el``; the duration is ``duration_s``; ``client_cpu_s`` and
+``client_cpu_util`` are this process's CPU time during the timed part and its share of the
+duration: near 1, the client may be what limits the throughput), so
 ``scripts/bench_rounds.py`` can take it as an arm.
 """
 
@@ -170,8 +173,12 @@ def latency_stats(name: str, seconds: list[float]) -> dict[str, float | None]:
 
 
 def summarize(cfg: ServeBenchConfig, model: str, results: list[RequestResult], duration: float,
-              tokens_per_word: float) -> dict[str, Any]:
-    """The JSON result: settings, then counts, throughputs and latency statistics."""
+              tokens_per_word: float, client_cpu_s: float | None = None) -> dict[str, Any]:
+    """The JSON result: settings, then counts, throughputs and latency statistics.
+
+    ``client_cpu_s``: this process's CPU time during the timed requests (all threads). Near
+    ``duration_s`` (``client_cpu_util`` near 1) the client, not the server, may be what limits the
+    throughput: one Python process parses every stream event."""
     ok = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
     errors: dict[str, int] = {}
@@ -197,6 +204,8 @@ def summarize(cfg: ServeBenchConfig, model: str, results: list[RequestResult], d
         "output_throughput": round(total_out / duration, 3) if duration > 0 else None,
         "total_token_throughput": round((total_in + total_out) / duration, 3) if duration > 0 else None,
         "usage_from_server": all(r.usage_from_server for r in ok) if ok else None,
+        "client_cpu_s": round(client_cpu_s, 3) if client_cpu_s is not None else None,
+        "client_cpu_util": round(client_cpu_s / duration, 3) if client_cpu_s is not None and duration > 0 else None,
     }
     out.update(latency_stats("ttft", [r.ttft for r in ok]))
     out.update(latency_stats("tpot", tpots))
@@ -263,12 +272,27 @@ def preflight(cfg: ServeBenchConfig) -> tuple[str, float]:
         if not model:
             raise BenchServeError(f"{cfg.root}/v1/models lists no model; pass --model NAME")
         sample = synthesize_prompts(1, 400, cfg.seed + 7919, 1.0)[0]
-        count = client.count_tokens(model, sample)
+        count = client.count_tokens(model, sample) or llama_server_token_count(cfg, sample)
     except ClientError as exc:
         raise BenchServeError(str(exc)) from None
     finally:
         client.close()
     return model, count / len(sample.split()) if count else FALLBACK_TOKENS_PER_WORD
+
+
+def llama_server_token_count(cfg: ServeBenchConfig, text: str) -> int | None:
+    """Tokens ``text`` makes on a llama-server, whose ``POST /tokenize`` takes llama.cpp's body
+    (``content``, ``add_special``) and answers ``{"tokens": [...]}`` without a ``count`` (to the
+    vLLM-shaped body :meth:`ChatClient.count_tokens` sends, it answers no tokens). None when the
+    server cannot tell. Without it prompts for llama-server would be sized by the fallback
+    tokens-per-word, not by the model's tokenizer, and differ from those another server gets."""
+    try:
+        r = httpx.post(f"{cfg.root}/tokenize", json={"content": text, "add_special": False},
+                       headers=cfg.headers(), timeout=httpx.Timeout(cfg.timeout, connect=CONNECT_TIMEOUT))
+        tokens = r.json().get("tokens") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return len(tokens) if isinstance(tokens, list) and tokens else None
 
 
 def request_body(cfg: ServeBenchConfig, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
@@ -334,8 +358,9 @@ async def send_request(http: httpx.AsyncClient, cfg: ServeBenchConfig, body: dic
 
 
 async def _run(cfg: ServeBenchConfig, model: str, prompts: list[str],
-               warmups: list[str]) -> tuple[list[RequestResult], float]:
-    """The warm-ups one at a time, then the timed requests at their arrival times; (results, duration)."""
+               warmups: list[str]) -> tuple[list[RequestResult], float, float]:
+    """The warm-ups one at a time, then the timed requests at their arrival times; (results,
+    duration, this process's CPU seconds during the timed part)."""
     slots = cfg.max_concurrency or cfg.num_prompts
     limits = httpx.Limits(max_connections=slots + 1, max_keepalive_connections=slots + 1)
     timeout = httpx.Timeout(cfg.timeout, connect=CONNECT_TIMEOUT, pool=None)
@@ -353,6 +378,7 @@ async def _run(cfg: ServeBenchConfig, model: str, prompts: list[str],
         arrivals = arrival_times(len(prompts), cfg.request_rate, cfg.burstiness, random.Random(cfg.seed + 1))
         bodies = [request_body(cfg, model, p, cfg.output_len) for p in prompts]
         tasks = []
+        cpu_start = time.process_time()
         start = time.perf_counter()
         for at, body in zip(arrivals, bodies):
             delay = start + at - time.perf_counter()
@@ -361,7 +387,8 @@ async def _run(cfg: ServeBenchConfig, model: str, prompts: list[str],
             tasks.append(asyncio.create_task(limited(body)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return list(results), duration
+        cpu = time.process_time() - cpu_start
+    return list(results), duration, cpu
 
 
 def validate(cfg: ServeBenchConfig) -> None:
@@ -404,5 +431,5 @@ def bench_serve(cfg: ServeBenchConfig, log=None) -> dict[str, Any]:
     print(f"bench-serve: {cfg.num_prompts} requests to {model} at {cfg.root}{cfg.path} (~{cfg.input_len} + "
           f"{cfg.output_len} tokens, rate {rate}, max concurrency {cfg.max_concurrency or 'none'})",
           file=log or sys.stderr, flush=True)
-    results, duration = asyncio.run(_run(cfg, model, prompts, warmups))
-    return summarize(cfg, model, results, duration, tokens_per_word)
+    results, duration, cpu = asyncio.run(_run(cfg, model, prompts, warmups))
+    return summarize(cfg, model, results, duration, tokens_per_word, cpu)

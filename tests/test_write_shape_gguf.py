@@ -1,0 +1,60 @@
+"""scripts/write_shape_gguf.py: the F16 GGUF of a named shape that llama.cpp and monobatch both run
+(issue 16's side by side) reads back through monobatch's loader as the dummy shape, and the
+tokenizer-only file carries everything the shape's file needs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from server_util import ROOT
+
+SCRIPT = ROOT / "scripts" / "write_shape_gguf.py"
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+
+
+def test_shape_gguf_reads_back_as_the_dummy_shape(tmp_path, bundled_path):
+    from gguf import GGUFReader
+
+    from monobatch.loader import load_model
+    from monobatch.loader.gguf_file import model_args, open_gguf
+    from monobatch.models.shapes import SHAPES
+    from monobatch.tokenizer import Tokenizer
+
+    tok = tmp_path / "tok.gguf"
+    res = run("--tokenizer-only", "--tokenizer-from", str(bundled_path), "-o", str(tok))
+    assert res.returncode == 0, res.stderr
+    assert tok.stat().st_size < 4 * 2**20  # small enough to carry to the GPU machine
+    assert not GGUFReader(str(tok)).tensors
+
+    out = tmp_path / "smollm2-1layer.gguf"
+    res = run("--shape", "smollm2-135m", "--num-layers", "1", "--tokenizer-from", str(tok), "-o", str(out), "--check")
+    assert res.returncode == 0, res.stderr
+    assert "reads" in res.stdout and "dummy shape" in res.stdout
+
+    reader = open_gguf(out)
+    args = model_args(reader)
+    shape = SHAPES["smollm2-135m"]
+    for key, value in shape.items():
+        want = 1 if key == "num_hidden_layers" else value
+        assert getattr(args, key) == want, key
+    bundled = GGUFReader(str(bundled_path))
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.chat_template"):
+        assert reader.fields[key].contents() == bundled.fields[key].contents(), key
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["token_embd.weight"] == "F16" and types["blk.0.attn_norm.weight"] == "F32"
+    assert "output.weight" not in types  # tied embeddings
+
+    loaded = load_model(out, device="cpu", progress=False)
+    assert loaded.args.num_hidden_layers == 1 and loaded.tokenizer.vocab_size == shape["vocab_size"]
+    text = "The capital of France is"
+    assert loaded.tokenizer.encode(text) == Tokenizer.from_gguf(bundled).encode(text)
+
+
+def test_vocabulary_size_mismatch_is_refused(tmp_path, bundled_path):
+    res = run("--shape", "tiny", "--tokenizer-from", str(bundled_path), "-o", str(tmp_path / "t.gguf"))
+    assert res.returncode != 0 and "tokens, the shape needs 512" in res.stderr
