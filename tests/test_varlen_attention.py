@@ -94,3 +94,74 @@ def test_varlen_attention_in_interpreter():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_varlen_attention_cuda(dtype):
     assert check("cuda", dtype) == "ok"
+
+
+def check_stores(device: str = "cpu") -> str:
+    """PagedKv and DenseKv on the varlen kernel against their torch path (``varlen`` False), over
+    three steps of one layer: two prompts in chunks (one continuing a cache hit's blocks), then
+    a mixed step of decode rows and a prompt chunk; in both modes (deterministic: ``row_tile``)."""
+    from monobatch.batch import StepBatch
+    from monobatch.kv.dense import DenseKv
+    from monobatch.kv.paged import PagedKv
+    g = torch.Generator().manual_seed(1)
+    n_q, n_kv, hd = 8, 2, 64
+    steps = [[(1, 40, 0), (2, 70, 0)], [(1, 1, 40), (2, 30, 70), (3, 33, 0)], [(1, 1, 41), (2, 1, 100), (3, 1, 33)]]
+    for tile in (0, 8):
+        outs = {}
+        for name in ("paged", "dense"):
+            for varlen in (False, True):
+                if name == "paged":
+                    kv = PagedKv(1, n_kv, hd, 256, torch.float32, torch.device(device), num_blocks=64, block_size=16)
+                else:
+                    kv = DenseKv(1, n_kv, hd, 256, torch.float32, torch.device(device), growth=32)
+                kv.varlen = varlen
+                g.manual_seed(1)
+                res = []
+                for step in steps:
+                    batch = StepBatch.build([(s, [5] * n, p, True) for s, n, p in step], device, row_tile=tile)
+                    T = batch.num_tokens
+                    q, k, v = (torch.randn(T, h, hd, generator=g).to(device) for h in (n_q, n_kv, n_kv))
+                    kv.prepare(batch)
+                    res.append(kv.attend(0, q, k, v, batch))
+                    kv.commit(batch)
+                outs[name, varlen] = torch.cat(res)
+        for key, out in outs.items():
+            torch.testing.assert_close(out, outs["paged", False], rtol=2e-5, atol=2e-5, msg=str(key))
+        if device == "cuda" and tile:  # one kernel and tile for both storages: the same bits
+            assert torch.equal(outs["paged", True], outs["dense", True])
+    return "ok"
+
+
+def test_stores_on_varlen_kernel_in_interpreter():
+    run_in_triton_interpreter("test_varlen_attention", "check_stores")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_stores_on_varlen_kernel_cuda():
+    assert check_stores("cuda") == "ok"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_deterministic_mode_same_tokens_everywhere_cuda():
+    """--deterministic on CUDA (batch-invariant kernels): dense and paged storage, CUDA graphs and
+    eager decode, alone and batched, chunked prefill: the same greedy ids (a graph captured on
+    padding must recompute the decode layout from each replay's inputs)."""
+    from monobatch.engine.params import SamplingParams
+    from monobatch.llm import LLM
+    from monobatch.loader.dummy import dummy_model
+    loaded = dummy_model("tiny", "cuda")
+    prompts = [[(31 * i + 7 * j) % 500 + 1 for j in range(5 + 9 * i)] for i in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def run(batch=True, **kw):
+        llm = LLM(loaded=loaded, deterministic=True, **kw)
+        if batch:
+            return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        return [llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+
+    ref = run(batch=False, kv_storage="dense")
+    assert run(kv_storage="dense") == ref
+    assert run(batch=False, kv_storage="paged") == ref
+    assert run(kv_storage="paged") == ref
+    assert run(kv_storage="paged", enforce_eager=True) == ref
+    assert run(kv_storage="paged", prefill_chunk=3) == ref

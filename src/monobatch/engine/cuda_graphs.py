@@ -154,6 +154,10 @@ class DecodeGraphs:
             if table is not None and not any(t is table for t in self.rope_tables):
                 self.rope_tables.append(table)  # another Engine on this model may replace it (a longer context)
         graph = torch.cuda.CUDAGraph()
+        # bound again: whatever the store derived from the step's tensors during the warm-up
+        # (the varlen layout of deterministic mode) is derived inside the graph, so every replay
+        # recomputes it from the values copied in, not from the warm-up's padding
+        self.kv.bind_decode(step)
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self.model(batch, self.kv)
         return graph, logits

@@ -330,7 +330,7 @@ class Engine:
     def _draw_async(self, batch: StepBatch, rows: list[Sequence], logits: torch.Tensor, ahead: int) -> PendingStep:
         """Draw on the device and queue the copy of the draws to the host behind an event."""
         masked = self.finisher.ban_early_stops(logits, rows, ahead)
-        if self.config.deterministic:  # one row per draw, as in step()
+        if self._per_row_draws(rows):  # one row per draw, as in step()
             tokens = torch.cat([self.sampler.draw(masked[r:r + 1], [seq.sampler], ahead)
                                 for r, seq in enumerate(rows)])
         else:
@@ -343,6 +343,13 @@ class Engine:
             ready = torch.cuda.Event()
             ready.record()
         return PendingStep(batch, rows, tokens, host, ready)
+
+    def _per_row_draws(self, rows: list[Sequence]) -> bool:
+        """Deterministic mode samples one row per sampler call, so no reduction over a row (a
+        softmax's sum, a top-p cumsum) sees a neighbour's row — except when every row is a plain
+        greedy draw: an argmax is exact whatever the batch (the row's maximum, ties to the lowest
+        id), so the batch draws at once."""
+        return self.config.deterministic and not all(seq.sampler.plain_greedy for seq in rows)
 
     def resolve(self, pending: PendingStep) -> list[RowOutput]:
         """Wait for a launched step's draws and run the finish step on the rows still running (a
@@ -385,7 +392,7 @@ class Engine:
         if not rows:
             return []
         masked = self.finisher.ban_early_stops(logits, rows)
-        if not self.config.deterministic:
+        if not self._per_row_draws(rows):
             return self.finisher.apply(rows, self.sampler.sample(masked, [s.sampler for s in rows], model_logits=logits))
         # Deterministic mode: one row per sampler call, so no reduction sees a neighbour's row.
         return [out for r, seq in enumerate(rows) for out in self.finisher.apply(
