@@ -121,6 +121,13 @@ class DecodeGraphs:
                          seq_ids=torch.zeros(size, dtype=torch.int64), logit_rows=self.logit_rows[:size], chunks=(),
                          position_bound=self.kv.max_seq_len)  # prepare_decode checks each row's position
 
+    def capture_all(self) -> None:
+        """Capture every size now (a server's start-up, as vLLM does): a lazy capture costs the
+        first step of its size ~0.1 s, which a burst of new requests would see as TTFT."""
+        for size in self.sizes:
+            if size not in self.graphs:
+                self.graphs[size] = self._graph(size)
+
     def _graph(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
         """Capture the forward at ``size`` rows (after two warm-up runs on a side stream, which
         also settle lazy initialisation such as cuBLAS workspaces and Triton compilation).

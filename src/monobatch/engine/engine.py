@@ -153,6 +153,14 @@ class Engine:
         self.finisher = FinishStep(self.tokenizer.eog_ids, self.max_model_len)
         self.graphs = DecodeGraphs(self.model, self.kv, self.config.max_num_seqs) if self._graphs_usable() else None
 
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Capture the CUDA graphs of every decode batch size now rather than on first use (the
+        server calls this before it reports ready); nothing without graphs."""
+        if self.graphs is not None:
+            with self._on_device():
+                self.graphs.capture_all()
+
     def _graphs_usable(self) -> bool:
         """CUDA graphs for decode steps: on CUDA, paged storage, kernel usable, not row tiles."""
         return (self.config.cuda_graphs and not self.row_tile and isinstance(self.kv, PagedKv)
