@@ -6,8 +6,8 @@ configs and row counts on this GPU? And cuBLAS's (torch.mm)? Plus each config's 
 For every weight shape of the named model shapes: x ``[512, K]`` bf16 random; each candidate tile
 computes ``x[:M] @ W^T`` for M in (1, 3, 16, 17, 64, 100, 512); every row must equal the same row
 of the first candidate at M = 512 (bitwise). Prints one JSON object: per shape and candidate the
-rows that differ (0 = invariant), and the median time (us) at M = 1, 64 and 2048 for each
-candidate and for torch.mm.
+rows that differ (0 = invariant), and the GPU time (us, CUDA-graph replays: no launch overhead)
+at M = 1, 64 and 2048 for each candidate and for torch.mm.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from monobatch.kernels import invariant_gemm
 from monobatch.models.shapes import SHAPES
 
 CANDIDATES = [
-    (16, 32, 128, 4, 4), (16, 16, 128, 4, 4), (16, 16, 256, 4, 3), (16, 64, 64, 4, 4), (16, 32, 64, 4, 3), (32, 64, 64, 4, 4), (64, 64, 64, 4, 4),
+    (16, 32, 128, 4, 4), (16, 16, 128, 4, 4), (16, 16, 256, 4, 3), (16, 16, 512, 4, 2), (16, 32, 256, 4, 3),
+    (16, 16, 128, 2, 4), (16, 64, 64, 4, 4), (16, 32, 64, 4, 3), (32, 64, 64, 4, 4), (64, 64, 64, 4, 4),
     (64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 32, 4, 4),
 ]
 ROWS = (1, 3, 16, 17, 64, 100, 512)
@@ -35,16 +36,23 @@ def weight_shapes(name: str) -> list[tuple[int, int]]:
 
 
 def timed(fn, reps: int = 20) -> float:
+    """GPU time of one call (us): ``reps`` calls captured in a CUDA graph, the median of 5 replays
+    / reps (launch overhead excluded, as inside the decode graphs)."""
     for _ in range(3):
         fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
     times = []
-    for _ in range(reps):
+    for _ in range(5):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        graph.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1000)
+        times.append(a.elapsed_time(b) * 1000 / reps)
     return sorted(times)[len(times) // 2]
 
 
