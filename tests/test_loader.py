@@ -14,13 +14,17 @@ from monobatch.errors import InsufficientMemoryError, ModelNotFoundError, Unsupp
 from monobatch.loader import gguf_file, hf_dir
 from monobatch.loader.weights import check_memory
 from monobatch.models.args import ModelArgs
+from monobatch.models.layers import Linear
+from monobatch.quant.packed import PackedWeight, packed_weights
 from monobatch.models.rope import rope_inv_freq
 
 
 def test_bundled_weight_types_load_exactly(bundled_path, loaded):
-    """Every weight type in the bundled file (Q4_1, Q8_0, F32) holds gguf-py's dequantized values."""
+    """Every weight type in the bundled file (Q4_1, Q8_0, F32) holds gguf-py's dequantized values
+    (packed weights: once dequantized, tests/test_quant.py has the packed matmul)."""
     reader = gguf_file.open_gguf(bundled_path)
-    params = {**dict(loaded.model.named_parameters()), "embed_tokens.weight": loaded.model.embed_tokens}
+    params = {**dict(loaded.model.named_parameters()), "embed_tokens.weight": loaded.model.embed_tokens,
+              **{f"{n}.weight": m.weight for n, m in loaded.model.named_modules() if isinstance(m, Linear)}}
     checked = {}
     for t in reader.tensors:
         name = gguf_file.hf_name(t.name)
@@ -28,7 +32,8 @@ def test_bundled_weight_types_load_exactly(bundled_path, loaded):
         if t.tensor_type.name in checked or name not in params:
             continue
         ref = dequantize(t.data, t.tensor_type).reshape(tuple(int(n) for n in reversed(t.shape)))
-        np.testing.assert_array_equal(params[name].detach().numpy(), ref)
+        w = params[name]
+        np.testing.assert_array_equal((w.dequantize() if isinstance(w, PackedWeight) else w.detach()).numpy(), ref)
         checked[t.tensor_type.name] = name
     assert set(checked) == {"Q4_1", "Q8_0", "F32"}, checked
 
@@ -38,7 +43,11 @@ def test_model_args_from_bundled_metadata(loaded):
     assert (a.hidden_size, a.num_hidden_layers, a.num_attention_heads, a.num_key_value_heads) == (576, 30, 9, 3)
     assert a.tie_word_embeddings and loaded.model.lm_head is None
     assert a.rope_theta == 100000.0 and a.max_position_embeddings == 8192
-    assert loaded.weight_bytes == a.num_parameters() * 4
+    dense = sum(p.numel() for p in loaded.model.parameters())
+    packed = packed_weights(loaded.model)
+    assert loaded.weights == "packed" and len(packed) == 30 * 4 + 1  # every projection and the tied embedding
+    assert loaded.weight_bytes == dense * 4 + sum(w.nbytes for w in packed)
+    assert dense + sum(w.shape[0] * w.shape[1] for w in packed) == a.num_parameters()
 
 
 def test_memory_check_refuses_what_cannot_fit():

@@ -17,6 +17,8 @@ gguf = pytest.importorskip("gguf")
 from monobatch.batch import StepBatch  # noqa: E402
 from monobatch.kv.dense import DenseKv  # noqa: E402
 from monobatch.loader import gguf_file, hf_dir  # noqa: E402
+from monobatch.quant.formats import PACKED_TYPES  # noqa: E402
+from monobatch.quant.packed import PackedWeight  # noqa: E402
 
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -152,19 +154,26 @@ def test_gguf_f32_matches_transformers(tmp_path):
 
 @pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_gguf_weight_types_load_exactly(qtype, tmp_path):
-    """Each weight type gguf-py can write loads to exactly gguf-py's dequantized values."""
+    """Each weight type gguf-py can write loads to exactly gguf-py's dequantized values (packed
+    types held packed, compared once dequantized; Q5_1 has no packed layout)."""
     hf = make_hf("llama", tmp_path / "hf")
     expected = write_gguf(hf, tmp_path / "m.gguf", gguf.GGMLQuantizationType[qtype])
     reader = gguf_file.open_gguf(tmp_path / "m.gguf")
     assert {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2} == {qtype}
     model = gguf_file.load_gguf_model(reader, torch.device("cpu"), torch.float32, progress=False)
     layer = model.layers[0]
+    packed = qtype in {t.name for t in PACKED_TYPES}
+    assert layer.self_attn.qkv_proj.packed == packed and isinstance(model.embed_tokens, PackedWeight) == packed
+
+    def dense(w):
+        return (w.dequantize() if isinstance(w, PackedWeight) else w).numpy()
+
     q, kv = 64, 32
-    qkv = layer.self_attn.qkv_proj.weight
-    np.testing.assert_array_equal(qkv[:q].numpy(), expected["model.layers.0.self_attn.q_proj.weight"])
-    np.testing.assert_array_equal(qkv[q:q + kv].numpy(), expected["model.layers.0.self_attn.k_proj.weight"])
-    np.testing.assert_array_equal(model.embed_tokens.numpy(), expected["model.embed_tokens.weight"])
-    np.testing.assert_array_equal(layer.mlp.down_proj.weight.numpy(), expected["model.layers.0.mlp.down_proj.weight"])
+    qkv = dense(layer.self_attn.qkv_proj.weight)
+    np.testing.assert_array_equal(qkv[:q], expected["model.layers.0.self_attn.q_proj.weight"])
+    np.testing.assert_array_equal(qkv[q:q + kv], expected["model.layers.0.self_attn.k_proj.weight"])
+    np.testing.assert_array_equal(dense(model.embed_tokens), expected["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(dense(layer.mlp.down_proj.weight), expected["model.layers.0.mlp.down_proj.weight"])
 
 
 def test_hf_folder_end_to_end_with_padded_vocab(tmp_path):

@@ -125,6 +125,25 @@ def test_quantized_by_gguf_py():
         assert np.array_equal(as_packed(qtype, data, k).dequantize().numpy(), ref)
 
 
+def test_tiny_gguf_forward_packed_equals_dequant(tmp_path):
+    """A tiny Q4_0 llama GGUF (untied head, packed too): the packed model's logits are the dequant
+    model's within float32 error, for prefill chunks above GEMV_ROWS (the GEMM path) and 3-row
+    steps (the GEMV); the logits rows always go through the GEMV."""
+    from test_models_tiny import make_hf, our_logits, write_gguf
+
+    from monobatch.loader import gguf_file
+
+    write_gguf(make_hf("llama", tmp_path / "hf"), tmp_path / "m.gguf", T.Q4_0)
+    cpu = torch.device("cpu")
+    models = {w: gguf_file.load_gguf_model(gguf_file.open_gguf(tmp_path / "m.gguf"), cpu, torch.float32,
+                                           progress=False, weights=w) for w in ("packed", "dequant")}
+    assert models["packed"].lm_head.packed and not models["dequant"].lm_head.packed
+    ids = list(range(3, 3 + 2 * (packed.GEMV_ROWS + 4)))
+    for prompt in (ids, ids[:6]):
+        torch.testing.assert_close(our_logits(models["packed"], prompt), our_logits(models["dequant"], prompt),
+                                   atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.slow
 def test_bundled_model_tensors():
     """The bundled GGUF's real Q4_1 (FFN) and Q8_0 (embedding) tensors."""
@@ -146,3 +165,38 @@ def test_bundled_model_tensors():
         x = torch.randn(1, k)
         exp = x.double() @ torch.from_numpy(ref).double().T
         assert ((w.matmul(x).double() - exp).abs().max() / exp.abs().max()).item() <= 4 * k * 2.0**-24
+
+
+#: A packed/dequant divergence is allowed only where the dequant path's top-2 logits are this close
+#: (float32 products in another order move a logit by ~1e-5; the oracle tests' tie bound is 1e-4).
+NEAR_TIE = 1e-3
+
+
+@pytest.mark.slow
+def test_bundled_greedy_packed_equals_dequant(loaded, make_scheduler):
+    """The oracle tests' held-in prompts: greedy tokens of the packed model (the session default)
+    equal the dequantized model's, or diverge only at a logged near-tie."""
+    import logging
+
+    from helpers import first_divergence, run_requests
+    from test_oracle import ALL, N_TOKENS, prompt_ids
+
+    from monobatch.engine.engine import Engine
+    from monobatch.engine.params import SamplingParams
+    from monobatch.engine.scheduler import BatchScheduler
+    from monobatch.loader import load_model
+
+    assert loaded.weights == "packed"
+    dequant = load_model(None, device="cpu", dtype="float32", progress=False, weights="dequant")
+    assert dequant.weights == "dequant" and dequant.weight_bytes > 4 * loaded.weight_bytes
+    sp = SamplingParams(max_tokens=min(N_TOKENS, 32), temperature=0.0, ignore_eos=True)
+    prompts = [prompt_ids(loaded.tokenizer, text, chat) for text, chat in ALL]
+    ours = run_requests(make_scheduler(), prompts, sp)
+    ref = run_requests(BatchScheduler(Engine(dequant)), prompts, sp)
+    engine = Engine(dequant)
+    for ids, a, b in zip(prompts, ours, ref):
+        i = first_divergence(a, b)
+        if i is not None:
+            margin = engine.top2_margin(ids + b[:i])
+            logging.getLogger(__name__).warning("packed vs dequant: diverged at %d (%d vs %d), margin %.2e", i, a[i], b[i], margin)
+            assert margin < NEAR_TIE

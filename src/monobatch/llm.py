@@ -114,13 +114,14 @@ class LLM:
                  prefill_chunk: int = defaults.PREFILL_CHUNK, max_num_batched_tokens: int | None = None,
                  kv_storage: str = defaults.KV_STORAGE, kv_cache_memory: int | None = None,
                  deterministic: bool = False, enforce_eager: bool = False, async_scheduling: bool | None = None,
-                 chat_template: str | None = None,
+                 chat_template: str | None = None, weights: str | None = None,
                  progress: bool = True, loaded: LoadedModel | None = None) -> None:
         config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk,
                               max_num_batched_tokens=max_num_batched_tokens, kv_storage=kv_storage,
                               kv_cache_memory=kv_cache_memory, deterministic=deterministic,
                               cuda_graphs=not enforce_eager, async_scheduling=async_scheduling)
-        self.loaded = loaded or load_model(model, device, dtype, chat_template=chat_template, progress=progress)
+        self.loaded = loaded or load_model(model, device, dtype, chat_template=chat_template, progress=progress,
+                                           weights=weights)
         self.scheduler = BatchScheduler(Engine(self.loaded, config))
         log.info("%s", self.scheduler.engine.describe())
         self._ids = itertools.count()

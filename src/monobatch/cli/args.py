@@ -102,6 +102,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", type=_device, help="auto | cpu | cuda[:N] (default: auto)")
     g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="auto | float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on CUDA)")
+    g.add_argument("--weights", choices=("packed", "dequant"), default=None,
+                   help="packed: a GGUF's quantized weights stay packed in memory, dequantized inside the matmul "
+                        "(default; CPU; on CUDA dequantized for now); dequant: every weight dequantized at load")
     g.add_argument("-c", "--ctx-size", type=int, default=0, help="context length in tokens (0 = the model's)")
     g.add_argument("-t", "--threads", type=int, default=-1, help="CPU threads (-1 = torch's default)")
     g.add_argument("--prefill-chunk", type=int, default=defaults.PREFILL_CHUNK,
@@ -276,7 +279,8 @@ def open_engine(ns: argparse.Namespace, loaded: "LoadedModel | None" = None) -> 
         torch.set_num_threads(ns.threads)
     if loaded is None:
         template = load_chat_template(ns.chat_template, ns.chat_template_file)
-        loaded = load_model(ns.model, ns.device, ns.dtype, chat_template=template, progress=not ns.no_progress)
+        loaded = load_model(ns.model, ns.device, ns.dtype, chat_template=template, progress=not ns.no_progress,
+                            weights=ns.weights)
     engine = Engine(loaded, config)
     logging.getLogger("monobatch").info("%s", engine.describe())  # serve shows it at start (--log-level info)
     if ns.ctx_size and ns.ctx_size > engine.max_model_len:

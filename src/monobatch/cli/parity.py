@@ -112,7 +112,8 @@ def _run(ns: argparse.Namespace) -> int:
         torch.set_num_threads(ns.threads)
     base = EngineConfig(**engine_settings(ns))
     template = load_chat_template(ns.chat_template, ns.chat_template_file)
-    loaded = load_model(ns.model, ns.device, ns.dtype, chat_template=template, progress=not ns.no_progress)
+    loaded = load_model(ns.model, ns.device, ns.dtype, chat_template=template, progress=not ns.no_progress,
+                        weights=ns.weights)
     tty = sys.stderr.isatty()
     report = run_parity(loaded, base, prompt=ns.prompt or DEFAULT_PROMPT, configs=configs,
                         max_tokens=ns.max_tokens, batch_prefill_chunk=ns.batch_prefill_chunk,

@@ -180,12 +180,14 @@ class Engine:
         return batch if self.graphs is not None and self.graphs.handles(batch) else batch.to(self.device)
 
     def describe(self) -> str:
-        """One line for a start-up log: the KV store, its capacity and the numerics mode."""
+        """One line for a start-up log: the weights (packed or dequantized, resident bytes), the KV
+        store, its capacity and the numerics mode."""
         mode = ("deterministic (batch-invariant kernels)" if self.invariant else
                 f"deterministic (row tiles of {self.row_tile})" if self.row_tile else "fast (not batch-invariant)")
         graphs = f"; CUDA graphs for decode steps of up to {self.graphs.max_batch} sequences" if self.graphs else ""
         overlap = "; async scheduling" if self.async_scheduling else ""
-        return f"{self.kv.describe()}; context {self.max_model_len} tokens; mode {mode}{graphs}{overlap}"
+        return (f"{self.loaded.describe_weights()}; {self.kv.describe()}; context {self.max_model_len} tokens; "
+                f"mode {mode}{graphs}{overlap}")
 
     def _make_kv(self) -> KvStore:
         """The KV store the config names; a paged pool is sized from ``kv_cache_memory``.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 from pathlib import Path
 from types import ModuleType
 
@@ -40,6 +41,10 @@ def module() -> ModuleType:
     """
     from torch.utils import cpp_extension
 
+    if shutil.which("ninja") is None:  # the `ninja` package's binary, when the venv's bin is not on PATH
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     build = cache_dir()
     build.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load(

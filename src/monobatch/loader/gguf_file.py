@@ -1,15 +1,21 @@
 """GGUF checkpoints (llama.cpp's format), read with the ``gguf`` package.
 
-Each tensor is dequantized on its own by ``gguf.quants.dequantize`` (every type gguf-py can
-dequantize) and copied into the model's compute dtype, so peak memory is the final weights plus
-one float32 tensor. llama.cpp's converter permutes the Q and K rows of ``llama`` checkpoints for
+With ``weights="packed"`` (the default where the packed kernels run: CPU) every 2-D weight of a
+packed type (:data:`monobatch.quant.formats.PACKED_TYPES`) stays packed: its blocks are repacked
+once into a resident layout (:func:`monobatch.quant.formats.repack`) and held as a
+:class:`~monobatch.quant.packed.PackedWeight` (ADR 0006). Every other tensor, and every tensor
+with ``weights="dequant"``, is dequantized on its own by ``gguf.quants.dequantize`` (every type
+gguf-py can dequantize) and copied into the model's compute dtype, so peak memory is the final
+weights plus one float32 tensor. llama.cpp's converter permutes the Q and K rows of ``llama`` checkpoints for
 its interleaved RoPE; we undo it (as transformers' GGUF loader does) and run HF's rotate-half
 RoPE, so GGUF and safetensors checkpoints share one forward.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +25,18 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from monobatch.errors import UnsupportedModelError
-from monobatch.loader.weights import WeightFiller, check_memory, new_model, progress_bar
+from monobatch.loader.weights import WeightFiller, check_memory, new_model, param_target, progress_bar
 from monobatch.models import registry
 from monobatch.models.args import ModelArgs
 from monobatch.models.layers import DecoderModel
+from monobatch.quant.formats import PACKED_TYPES, repack, resident_bytes
+from monobatch.quant.packed import packed_supported
+
+log = logging.getLogger(__name__)
+#: ``--weights`` values: held packed where a kernel runs them, or dequantized at load.
+WEIGHT_MODES = ("packed", "dequant")
+#: Types that are not quantized: dequantizing them is only a cast (norms, F16 files).
+_FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 
 #: GGUF tensor name -> HF name (``{i}`` is the layer index). llama.cpp's tensor naming; a family
 #: whose names differ lists them in its ``GGUF_LAYER_NAMES`` (:mod:`monobatch.models.registry`).
@@ -142,32 +156,76 @@ def dequantize_tensor(t: Any, rows_per_chunk: int = 4096) -> np.ndarray:
     return out
 
 
+def packed_targets(reader: GGUFReader, args: ModelArgs) -> set[str]:
+    """The parameters to hold packed: those every one of whose GGUF tensors (a fused qkv has
+    three) is a 2-D tensor of a packed type."""
+    ok: dict[str, bool] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name, args.model_type)
+        if name is not None:
+            target = param_target(name, args)[0]
+            packable = GGMLQuantizationType(int(t.tensor_type)) in PACKED_TYPES and len(t.shape) == 2
+            ok[target] = ok.get(target, True) and packable
+    return {target for target, packable in ok.items() if packable}
+
+
+def _log_weights(kinds: Counter, weights: str, pack: bool) -> None:
+    """One line: which types were packed and which dequantized; quantized types left dense while
+    packing (no packed layout for them) also get a warning."""
+    packed = ", ".join(f"{t} x{n}" for (t, p), n in sorted(kinds.items()) if p)
+    dense = ", ".join(f"{t} x{n}" for (t, p), n in sorted(kinds.items()) if not p)
+    unpacked = sorted({t for t, p in kinds if not p and GGMLQuantizationType[t] not in _FLOAT_TYPES})
+    if pack and unpacked:
+        log.warning("weights: %s have no packed kernel; dequantized at load", ", ".join(unpacked))
+    log.info("weights %s: packed %s; dequantized %s", weights, packed or "none", dense or "none")
+
+
 def load_gguf_model(reader: GGUFReader, device: torch.device, dtype: torch.dtype,
-                    progress: bool = True, args: ModelArgs | None = None) -> DecoderModel:
+                    progress: bool = True, args: ModelArgs | None = None, weights: str = "packed") -> DecoderModel:
     """Build and fill a model of the file's family from an open GGUF file (``args`` from :func:`model_args`,
     read here when not given, so the caller may drop the parsed metadata first).
+
+    Args:
+        weights: ``packed`` (packed types stay packed where :func:`packed_supported`; on CUDA, for
+            now, dequantized, said in the log) or ``dequant``.
 
     Raises:
         UnsupportedModelError, InsufficientMemoryError: see :func:`model_args`, :func:`check_memory`.
     """
     args = args or model_args(reader)
-    check_memory(args, dtype, device)
+    pack = weights == "packed" and packed_supported(device)
+    if weights == "packed" and not pack:
+        log.warning("weights: no packed kernels on %s yet; dequantized at load into %s", device.type,
+                    str(dtype).removeprefix("torch."))
+    packed = packed_targets(reader, args) if pack else set()
+    elt = torch.tensor([], dtype=dtype).element_size()
+    used = [(t, hf_name(t.name, args.model_type)) for t in reader.tensors]
+    used = [(t, name, param_target(name, args)[0] in packed) for t, name in used if name is not None]
+    need = sum(resident_bytes(GGMLQuantizationType(int(t.tensor_type)), int(t.n_elements)) if p
+               else int(t.n_elements) * elt for t, _, p in used)
+    check_memory(args, dtype, device, need, "packed weights" if packed else None)
     rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     freq_factors = torch.from_numpy(dequantize_tensor(rope_freqs).copy()) if rope_freqs is not None else None
     model = new_model(args, device, dtype, freq_factors)
     filler = WeightFiller(model)
     permute = args.model_type in ("llama", "mistral")
-    bar = progress_bar(sum(int(t.n_bytes) for t in reader.tensors), "loading weights", progress)
+    kinds: Counter = Counter()
+    bar = progress_bar(sum(int(t.n_bytes) for t, _, _ in used), "loading weights", progress)
     with bar:
-        for t in reader.tensors:
-            name = hf_name(t.name, args.model_type)
-            if name is not None:
-                w = dequantize_tensor(t)
-                if permute and (".q_proj." in name or ".k_proj." in name):
-                    n = args.num_attention_heads if ".q_proj." in name else args.num_key_value_heads
-                    w = unpermute_qk(w, n)
+        for t, name, held in used:
+            qtype = GGMLQuantizationType(int(t.tensor_type))
+            kinds[qtype.name, held] += 1
+            shape = tuple(int(n) for n in reversed(t.shape))
+            w = np.asarray(t.data).reshape(shape[0], -1) if held else dequantize_tensor(t)
+            if permute and (".q_proj." in name or ".k_proj." in name):
+                n = args.num_attention_heads if ".q_proj." in name else args.num_key_value_heads
+                w = unpermute_qk(w, n)  # a row permutation: packed rows move as the float rows do
+            if held:
+                filler.fill_packed(name, repack(qtype, w, shape[-1]), qtype.name)
+            else:
                 filler.fill(name, w)
             bar.update(int(t.n_bytes))
+    _log_weights(kinds, weights, pack)
     return filler.finish()
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import resource
 import sys
+
 import numpy as np
 import psutil
 import torch
@@ -11,7 +13,9 @@ from tqdm import tqdm
 from monobatch.errors import InsufficientMemoryError, UnsupportedModelError
 from monobatch.models.args import ModelArgs
 from monobatch.models import registry
-from monobatch.models.layers import PACKED, DecoderModel
+from monobatch.models.layers import PACKED, DecoderModel, hold_packed
+from monobatch.quant.formats import Repacked
+from monobatch.quant.packed import PackedWeight
 
 #: Fraction of the free memory the dequantized weights may take; the rest is left for the KV
 #: cache, activations and the OS.
@@ -25,17 +29,29 @@ def available_memory(device: torch.device) -> int:
     return int(psutil.virtual_memory().available)
 
 
-def check_memory(args: ModelArgs, dtype: torch.dtype, device: torch.device) -> int:
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far, in bytes (getrusage: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def check_memory(args: ModelArgs, dtype: torch.dtype, device: torch.device, need: int | None = None,
+                 held: str | None = None) -> int:
     """Refuse to load weights that would not fit; returns the bytes the weights will take.
+
+    Args:
+        need: the weights' resident bytes when known (packed weights); default: every parameter in ``dtype``.
+        held: how they are held, for the message (default: the dtype's name).
 
     Raises:
         InsufficientMemoryError: weights need more than ``MEMORY_HEADROOM`` of free memory.
     """
-    need = args.num_parameters() * torch.tensor([], dtype=dtype).element_size()
+    if need is None:
+        need = args.num_parameters() * torch.tensor([], dtype=dtype).element_size()
     free = available_memory(device)
     if need > MEMORY_HEADROOM * free:
         raise InsufficientMemoryError(
-            f"the weights need {need / 2**30:.2f} GiB as {str(dtype).removeprefix('torch.')} on {device.type}, "
+            f"the weights need {need / 2**30:.2f} GiB as {held or str(dtype).removeprefix('torch.')} on {device.type}, "
             f"but only {free / 2**30:.2f} GiB is free; try a smaller model or --dtype bfloat16"
         )
     return need
@@ -54,6 +70,23 @@ def new_model(args: ModelArgs, device: torch.device, dtype: torch.dtype,
     return model
 
 
+def param_target(name: str, args: ModelArgs) -> tuple[str, slice | None, int]:
+    """HF name (``model.`` prefix optional) -> (our parameter's name, its row slice or None, how
+    many slices make it whole): q/k/v fill ``qkv_proj``, gate/up fill ``gate_up_proj``."""
+    name = name.removeprefix("model.")
+    if name == "embed_tokens.weight":
+        return "embed_tokens", None, 1
+    q, kv, f = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim, args.intermediate_size
+    slices = {"self_attn.qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)], "mlp.gate_up_proj": [(0, f), (f, 2 * f)]}
+    for hf, (packed, idx) in PACKED.items():
+        marker = f".{hf}."
+        if marker in name:
+            prefix, suffix = name.split(marker)
+            lo, hi = slices[packed][idx]
+            return f"{prefix}.{packed}.{suffix}", slice(lo, hi), len(slices[packed])
+    return name, None, 1
+
+
 class WeightFiller:
     """Copies HF-named tensors (``layers.3.self_attn.q_proj.weight``; ``model.`` prefix optional)
     into a model's (packed) parameters, converting dtype and device, and tracks what is missing.
@@ -64,28 +97,12 @@ class WeightFiller:
         self.params = dict(model.named_parameters())
         self.args = model.args
         self.filled: set[str] = set()
-        a = self.args
-        q, kv, f = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim, a.intermediate_size
-        self._slices = {"self_attn.qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
-                        "mlp.gate_up_proj": [(0, f), (f, 2 * f)]}
         self._parts: dict[str, int] = {}
-
-    def _target(self, name: str) -> tuple[str, slice | None, int]:
-        """HF name -> (our parameter name, its row slice or None, slices that make it whole)."""
-        name = name.removeprefix("model.")
-        if name == "embed_tokens.weight":
-            return "embed_tokens", None, 1
-        for hf, (packed, idx) in PACKED.items():
-            marker = f".{hf}."
-            if marker in name:
-                prefix, suffix = name.split(marker)
-                lo, hi = self._slices[packed][idx]
-                return f"{prefix}.{packed}.{suffix}", slice(lo, hi), len(self._slices[packed])
-        return name, None, 1
+        self._packed: dict[str, dict[int, tuple[Repacked, str]]] = {}
 
     def fill(self, name: str, value: np.ndarray | torch.Tensor) -> None:
         """Copy one tensor. Raises UnsupportedModelError on an unknown name or a shape mismatch."""
-        target, rows, parts = self._target(name)
+        target, rows, parts = param_target(name, self.args)
         param = self.params.get(target)
         if param is None:
             raise UnsupportedModelError(f"unexpected tensor {name!r} for a {self.args.model_type} model")
@@ -96,6 +113,32 @@ class WeightFiller:
         dst.copy_(src)
         self._parts[target] = self._parts.get(target, 0) + 1
         if self._parts[target] == parts:
+            self.filled.add(target)
+
+    def fill_packed(self, name: str, value: Repacked, qtype: str) -> None:
+        """Take one tensor's packed rows (of GGUF type ``qtype``); once every slice of its fused
+        parameter has come, the parameter is replaced by one :class:`PackedWeight`
+        (:func:`monobatch.models.layers.hold_packed`). Every slice of a fused parameter must come
+        packed (the loader decides per parameter).
+
+        Raises:
+            UnsupportedModelError: an unknown name or a shape mismatch.
+        """
+        target, rows, parts = param_target(name, self.args)
+        param = self.params.get(target)
+        if param is None:
+            raise UnsupportedModelError(f"unexpected tensor {name!r} for a {self.args.model_type} model")
+        n_rows = param.shape[0] if rows is None else rows.stop - rows.start
+        k = value.qs.shape[1] * (2 if value.layout.q4 else 1)
+        if (value.qs.shape[0], k) != (n_rows, param.shape[1]):
+            raise UnsupportedModelError(f"tensor {name!r} has shape {(value.qs.shape[0], k)}, expected {(n_rows, param.shape[1])}")
+        pieces = self._packed.setdefault(target, {})
+        pieces[0 if rows is None else rows.start] = (value, qtype)
+        if len(pieces) == parts:
+            module_name, _, attr = target.rpartition(".")
+            module = self.model.get_submodule(module_name) if module_name else self.model
+            hold_packed(module, attr, PackedWeight.from_repacked([pieces[i] for i in sorted(pieces)], k))
+            del self._packed[target]
             self.filled.add(target)
 
     def finish(self) -> DecoderModel:

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from monobatch.batch import StepBatch
@@ -239,7 +238,7 @@ class Model(DecoderModel):
         Returns:
             ``[R, V]`` float32 logits for ``batch.logit_rows``, in their order.
         """
-        x = F.embedding(batch.token_ids, self.embed_tokens)  # (T, D)
+        x = self.embed(batch.token_ids)  # (T, D)
         x = x * torch.tensor(self.args.hidden_size ** 0.5, dtype=x.dtype)  # HF: the scale in the weights' dtype
         pos, bound = batch.positions, batch.position_bound
         rope = {False: self.rope.cos_sin(pos, x.dtype, bound), True: self.rope_local.cos_sin(pos, x.dtype, bound)}

@@ -32,6 +32,7 @@ from monobatch.batch import StepBatch
 from monobatch.kernels import fused, gemv
 from monobatch.models.args import ModelArgs
 from monobatch.models.rope import RotaryEmbedding, apply_rope, rope_inv_freq
+from monobatch.quant.packed import PackedWeight
 
 #: HF tensor suffix -> (packed parameter, index of its slice). Read by the loaders.
 PACKED = {
@@ -71,17 +72,48 @@ def param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+def matmul(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``: x ``[..., K]``, weight ``[N, K]`` dense or packed -> ``[..., N]``
+    in ``out_dtype`` (None: x's dtype). The one product every layer and the LM head call: a dense
+    weight goes to :func:`monobatch.kernels.gemv.linear`, a :class:`PackedWeight` to its
+    dequantizing kernel (:meth:`PackedWeight.matmul`)."""
+    if isinstance(weight, PackedWeight):
+        return weight.matmul(x, bias, out_dtype)
+    return gemv.linear(x, weight, bias, out_dtype=out_dtype)
+
+
+def hold_packed(module: nn.Module, name: str, weight: PackedWeight) -> None:
+    """Replace ``module``'s parameter ``name`` (an unfilled ``[N, K]``) by a packed weight of that shape.
+
+    Raises:
+        ValueError: the shapes differ.
+    """
+    dense = getattr(module, name)
+    if tuple(dense.shape) != weight.shape:
+        raise ValueError(f"packed weight {weight.shape} for a parameter of shape {tuple(dense.shape)}")
+    delattr(module, name)  # the parameter's (never touched) storage goes with it
+    setattr(module, name, weight)
+
+
 class Linear(nn.Module):
-    """y = x W^T (+ b), weight ``[out, in]``; no init (the loader fills it)."""
+    """y = x W^T (+ b), weight ``[out, in]``: a dense parameter (no init; the loader fills it) or,
+    once the loader calls :func:`hold_packed`, a :class:`PackedWeight`; either way through
+    :func:`matmul`."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
-        self.weight = param(out_features, in_features)
+        self.weight: torch.Tensor | PackedWeight = param(out_features, in_features)
         self.bias = param(out_features) if bias else None
+
+    @property
+    def packed(self) -> bool:
+        """Whether the weight is held packed."""
+        return isinstance(self.weight, PackedWeight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, in]`` -> ``[T, out]`` (few-row inputs on CUDA: :func:`monobatch.kernels.gemv.linear`)."""
-        return gemv.linear(x, self.weight, self.bias)
+        return matmul(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -176,7 +208,7 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, D]`` -> ``[T, D]``."""
         gate_up = self.gate_up_proj(x)  # (T, 2F)
-        if self.act is F.silu and fused.enabled(gate_up):  # the SiLU inside the down GEMV where it runs
+        if self.act is F.silu and fused.enabled(gate_up) and not self.down_proj.packed:  # SiLU inside the down GEMV
             return gemv.gated_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
         gate, up = gate_up.split(self.ffn, dim=-1)  # (T, F) each
         return self.down_proj(self.act(gate) * up)
@@ -190,9 +222,10 @@ def make_rope(args: ModelArgs, theta: float, scaling: dict | None,
 
 
 class DecoderModel(nn.Module):
-    """What every family's model shares: embeddings ``[V, D]``, ``layers``, the final ``norm``, the
-    LM head (tied to the embeddings when the checkpoint has none), the RoPE tables, and
-    :meth:`logits`. A family sets ``self.layers`` and ``self.ropes`` and writes ``forward``.
+    """What every family's model shares: embeddings ``[V, D]`` (dense, or a :class:`PackedWeight`
+    read through :meth:`embed`), ``layers``, the final ``norm``, the LM head (tied to the
+    embeddings when the checkpoint has none), the RoPE tables, and :meth:`logits`. A family sets
+    ``self.layers`` and ``self.ropes`` and writes ``forward``.
 
     Attributes:
         ropes: every :class:`RotaryEmbedding` the layers read (one, or Gemma's local and global).
@@ -201,7 +234,7 @@ class DecoderModel(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.embed_tokens = param(args.vocab_size, args.hidden_size)  # (V, D)
+        self.embed_tokens: torch.Tensor | PackedWeight = param(args.vocab_size, args.hidden_size)  # (V, D)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size)
         self.ropes: tuple[RotaryEmbedding, ...] = ()
@@ -209,12 +242,18 @@ class DecoderModel(nn.Module):
     @property
     def device(self) -> torch.device:
         """Where the weights live."""
-        return self.embed_tokens.device
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        """Compute (and KV) dtype."""
-        return self.embed_tokens.dtype
+        """Compute (and KV) dtype (the norms are always held in it, packed weights or not)."""
+        return self.norm.weight.dtype
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids int64 ``[T]`` -> their embedding rows ``[T, D]`` in the compute dtype."""
+        if isinstance(self.embed_tokens, PackedWeight):
+            return self.embed_tokens.embedding(token_ids, self.dtype)
+        return F.embedding(token_ids, self.embed_tokens)
 
     def to_device(self, device: torch.device, dtype: torch.dtype) -> "DecoderModel":
         """Move and cast the weights; the RoPE tables stay float32 until :meth:`build_rope_tables`."""
@@ -244,8 +283,8 @@ class DecoderModel(nn.Module):
         return rowwise(batch.row_tile, lambda r, d: self._logits(self.norm.add_forward(r, d)[1], head),
                        residual, delta)
 
-    def _logits(self, x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor, head: torch.Tensor | PackedWeight) -> torch.Tensor:
         """``x @ head.T`` as float32 ``[R, V]``: with 16-bit weights on CUDA the GEMM writes float32
         directly (:func:`monobatch.kernels.gemv.linear` with ``out_dtype``), so logits are not
         rounded to bfloat16 (which ties tokens whose logits differ by less than ~0.1)."""
-        return gemv.linear(x, head, out_dtype=torch.float32)
+        return matmul(x, head, out_dtype=torch.float32)

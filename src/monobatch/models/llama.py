@@ -118,7 +118,7 @@ class Model(DecoderModel):
         Returns:
             ``[R, V]`` float32 logits for ``batch.logit_rows``, in their order.
         """
-        x = F.embedding(batch.token_ids, self.embed_tokens)  # (T, D)
+        x = self.embed(batch.token_ids)  # (T, D)
         cos, sin = self.rope.cos_sin(batch.positions, x.dtype, batch.position_bound)  # (T, hd) each
         residual, delta = x, None
         for layer in self.layers:

@@ -125,6 +125,12 @@ def _blocks(qtype: T, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
     raise ValueError(f"{qtype.name} has no packed layout")
 
 
+def resident_bytes(qtype: T, n_weights: int) -> int:
+    """Bytes ``n_weights`` of ``qtype`` take once repacked (q plus float32 scale and min a group)."""
+    layout = PACKED_TYPES[qtype]
+    return n_weights // (2 if layout.q4 else 1) + n_weights // layout.group * 8
+
+
 def repack(qtype: T, data: np.ndarray, k: int) -> Repacked:
     """A GGUF tensor's raw rows -> its resident layout.
 

@@ -29,7 +29,7 @@ from monobatch.kernels import quant_cpu
 from monobatch.quant.formats import Layout, Repacked
 
 #: Most rows the packed kernel takes; more go through dequantize-then-GEMM (measured, ADR 0006).
-GEMV_ROWS = 8
+GEMV_ROWS = 16
 #: Float32 bytes dequantized at a time for the GEMM path (one FFN matrix of a small model at once).
 DEQUANT_CHUNK_BYTES = 16 << 20
 
@@ -159,3 +159,13 @@ class PackedWeight:
     def dequantize(self) -> torch.Tensor:
         """The whole weight as float32 ``[N, K]`` (tests, and the fallback to dense weights)."""
         return torch.cat([p.dequantize(0, p.rows, self.k) for p in self.parts])
+
+
+def packed_weights(model: torch.nn.Module) -> list[PackedWeight]:
+    """Every PackedWeight a model's modules hold (attributes, not parameters)."""
+    return [v for m in model.modules() for v in vars(m).values() if isinstance(v, PackedWeight)]
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Resident bytes of a model's weights: its parameters plus its packed weights."""
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(w.nbytes for w in packed_weights(model))

@@ -69,8 +69,9 @@ inline void row_dot(const uint8_t* qrow, const float* sc, const float* mn, const
   const int64_t ng = K / G;
   float acc_s[mt];
 #ifdef MB_AVX2
-  __m256 acc[mt];
-  for (int i = 0; i < mt; ++i) acc[i] = _mm256_setzero_ps();
+  // Two accumulators (even and odd groups) and a tree-shaped dot a group: short dependency chains.
+  __m256 acc[2][mt];
+  for (int i = 0; i < mt; ++i) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
     __m256 w[G / 8];
     if (Q4) {
@@ -81,12 +82,15 @@ inline void row_dot(const uint8_t* qrow, const float* sc, const float* mn, const
     const __m256 s = _mm256_broadcast_ss(sc + g);
     for (int i = 0; i < mt; ++i) {
       const float* xp = x + (m0 + i) * K + g * G;
-      __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xp));
-      for (int v = 1; v < G / 8; ++v) t = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(xp + 8 * v), t);
-      acc[i] = _mm256_fmadd_ps(t, s, acc[i]);
+      __m256 t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xp + 8), _mm256_mul_ps(w[0], _mm256_loadu_ps(xp)));
+      if (G == 32) {
+        const __m256 u = _mm256_fmadd_ps(w[G / 8 - 1], _mm256_loadu_ps(xp + 24), _mm256_mul_ps(w[2 % (G / 8)], _mm256_loadu_ps(xp + 16)));
+        t = _mm256_add_ps(t, u);
+      }
+      acc[g & 1][i] = _mm256_fmadd_ps(t, s, acc[g & 1][i]);
     }
   }
-  for (int i = 0; i < mt; ++i) acc_s[i] = hsum(acc[i]);
+  for (int i = 0; i < mt; ++i) acc_s[i] = hsum(_mm256_add_ps(acc[0][i], acc[1][i]));
 #else
   for (int i = 0; i < mt; ++i) {
     float a = 0.f;
