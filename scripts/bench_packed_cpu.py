@@ -79,7 +79,7 @@ def main() -> int:
             fns = {"dense": lambda: F.linear(x, dense),
                    "torch_int8": lambda: torch.ops.aten._weight_int8pack_mm(x, w8, s8),
                    "packed": lambda: part.gemm(x),
-                   "dequant_gemm": lambda: pw._dequant_gemm(x, part)}
+                   "dequant_gemm": lambda: pw.dequant_gemm(x, part)}
             if qtype == T.Q4_1:
                 fns["torch_int4"] = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w4, 32, sz)
             for c in cands:

@@ -26,10 +26,12 @@ def main(out: Path) -> int:
     for lb in sorted(out.glob("llama_bench_r*.jsonl")):
         r = lb.stem.removeprefix("llama_bench_r")
         ll = {(x["n_prompt"], x["n_gen"]): x["avg_ts"] for x in jsonl(lb)}
-        ours = {w: {x["prompt_tokens"]: x for x in jsonl(out / f"monobatch_{w}_r{r}.jsonl")} for w in ("packed", "dequant")}
+        gen = next((g for p, g in ll if p == 0), 0)
+        ours = {w: {x["prompt_tokens"]: x for x in jsonl(f)} if (f := out / f"monobatch_{w}_r{r}.jsonl").exists() else {}
+                for w in ("packed", "dequant")}
         for name, ref, key, metric in (("prefill 128", ll.get((128, 0)), 128, "prefill_tok_s"),
                                        ("prefill 512", ll.get((512, 0)), 512, "prefill_tok_s"),
-                                       ("decode 128 (prompt 128)", ll.get((0, 128)), 128, "decode_tok_s")):
+                                       (f"decode {gen} (prompt 128)", ll.get((0, gen)), 128, "decode_tok_s")):
             cells = []
             for w in ("packed", "dequant"):
                 v = ours[w].get(key, {}).get(metric)

@@ -136,14 +136,15 @@ class PackedWeight:
         if x2.shape[0] <= GEMV_ROWS:
             outs = [p.gemm(x2) for p in self.parts]
         else:
-            outs = [self._dequant_gemm(x2, p) for p in self.parts]
+            outs = [self.dequant_gemm(x2, p) for p in self.parts]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if bias is not None:
             y = y + bias.float()
         return y.to(out_dtype or x.dtype).view(*lead, y.shape[-1])
 
-    def _dequant_gemm(self, x: torch.Tensor, part: PackedPart) -> torch.Tensor:
-        """x float32 ``[M, K]`` @ part^T through float32 chunks of the part's rows: ``[M, rows]``."""
+    def dequant_gemm(self, x: torch.Tensor, part: PackedPart) -> torch.Tensor:
+        """The GEMM path: x float32 ``[M, K]`` @ part^T, the part dequantized into float32 a chunk of
+        rows at a time (:data:`DEQUANT_CHUNK_BYTES`) for ``F.linear``: ``[M, rows]``."""
         step = max(1, DEQUANT_CHUNK_BYTES // (4 * self.k))
         if part.rows <= step:
             return F.linear(x, part.dequantize(0, part.rows, self.k))

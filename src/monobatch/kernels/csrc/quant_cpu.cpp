@@ -25,6 +25,10 @@
 namespace {
 
 constexpr int MT = 4;  // x rows per pass over a weight row
+// Least work (weights x rows, ~0.4 ms on one core) a thread is given: a parallel region costs a
+// wake-up of the other threads, which on a busy machine can take a whole scheduler slice (ms), so a
+// decode step's small GEMVs run on one thread and only the large ones (the LM head) are split.
+constexpr int64_t MIN_THREAD_WORK = int64_t(1) << 21;
 
 #ifdef MB_AVX2
 inline float hsum(__m256 v) {
@@ -124,8 +128,7 @@ void gemm_impl(const float* x, const uint8_t* qs, const float* sc, const float* 
       xsum[m * ng + g] = s;
     }
   const float* xs = xsum.data();
-  // Grain: enough rows of W per task that a task is a few microseconds of work.
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K * M));
+  const int64_t grain = std::max<int64_t>(1, MIN_THREAD_WORK / std::max<int64_t>(1, K * M));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* qrow = qs + n * row_bytes;
