@@ -14,6 +14,7 @@ RoPE, so GGUF and safetensors checkpoints share one forward.
 from __future__ import annotations
 
 import logging
+import mmap
 import re
 from collections import Counter
 from pathlib import Path
@@ -169,6 +170,21 @@ def packed_targets(reader: GGUFReader, args: ModelArgs) -> set[str]:
     return {target for target, packable in ok.items() if packable}
 
 
+def _drop_pages(reader: GGUFReader, t: Any) -> None:
+    """Give a copied tensor's file pages back (``MADV_DONTNEED`` on the read-only map): otherwise
+    every page read stays resident until the file is unmapped, and the peak RSS of loading holds
+    the whole file beside the weights. A page shared with the next tensor is read again from the
+    page cache when that tensor is."""
+    m = getattr(reader.data, "_mmap", None)  # numpy.memmap's mmap object
+    if m is None or not hasattr(m, "madvise"):
+        return
+    start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+    try:
+        m.madvise(mmap.MADV_DONTNEED, start, int(t.data_offset) + int(t.n_bytes) - start)
+    except (OSError, ValueError):
+        pass
+
+
 def _log_weights(kinds: Counter, weights: str, pack: bool) -> None:
     """One line: which types were packed and which dequantized; quantized types left dense while
     packing (no packed layout for them) also get a warning."""
@@ -224,6 +240,8 @@ def load_gguf_model(reader: GGUFReader, device: torch.device, dtype: torch.dtype
                 filler.fill_packed(name, repack(qtype, w, shape[-1]), qtype.name)
             else:
                 filler.fill(name, w)
+            del w
+            _drop_pages(reader, t)
             bar.update(int(t.n_bytes))
     _log_weights(kinds, weights, pack)
     return filler.finish()

@@ -99,8 +99,10 @@ class PackedWeight:
                 merged[-1][1].append(rep)
             else:
                 merged.append((rep.layout, [rep]))
-        parts = [PackedPart(layout, *(torch.from_numpy(np.concatenate([getattr(r, f) for r in reps]))
-                                      for f in ("qs", "scale", "minimum")))
+        def stack(arrays: list[np.ndarray]) -> torch.Tensor:  # one piece: its own (fresh) array, no copy
+            return torch.from_numpy(arrays[0] if len(arrays) == 1 else np.concatenate(arrays))
+
+        parts = [PackedPart(layout, *(stack([getattr(r, f) for r in reps]) for f in ("qs", "scale", "minimum")))
                  for layout, reps in merged]
         return cls(parts, k, tuple(dict.fromkeys(t for _, t in pieces)))
 
