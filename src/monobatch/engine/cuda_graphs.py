@@ -39,10 +39,11 @@ class DecodeInputs:
     """Every input of a decode-only step in one flat buffer, so that staging them on the host and
     copying them to the device is one memcpy (five small copies cost ~15 µs of GPU time a step).
 
-    Layout for ``rows`` rows of ``blocks`` blocks, as typed views of one uint8 buffer::
+    Layout for ``rows`` rows of ``blocks`` blocks in ``groups`` layer groups (1 without sliding
+    windows; :class:`~monobatch.kv.paged.DecodeStep`), as typed views of one uint8 buffer::
 
-        int64: token_ids [rows] | positions [rows] | slot_mapping [rows]
-        int32: seq_lens [rows] | (padding to 16 bytes) | block_tables [rows, blocks]
+        int64: token_ids [rows] | positions [rows] | slot_mapping [groups, rows]
+        int32: seq_lens [rows] | (padding to 16 bytes) | block_tables [rows, groups, blocks]
 
     so the first ``size`` rows of everything lie in the first :meth:`nbytes` ``(size)`` bytes.
 
@@ -51,14 +52,16 @@ class DecodeInputs:
         step: the :class:`DecodeStep` views (slot mapping, block tables, lengths).
     """
 
-    def __init__(self, rows: int, blocks: int, device: torch.device | str, pin: bool = False) -> None:
-        self._head = -(-(3 * rows * 8 + rows * 4) // 16) * 16  # bytes before the block tables (16-aligned)
-        self._row_bytes = blocks * 4
+    def __init__(self, rows: int, blocks: int, device: torch.device | str, pin: bool = False, groups: int = 1) -> None:
+        words_end = (2 + groups) * rows * 8
+        self._head = -(-(words_end + rows * 4) // 16) * 16  # bytes before the block tables (16-aligned)
+        self._row_bytes = groups * blocks * 4
         self.buf = torch.zeros(self._head + rows * self._row_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
-        words = self.buf[:3 * rows * 8].view(torch.int64)
-        self.token_ids, self.positions, slot_mapping = words.split(rows)
-        seq_lens = self.buf[3 * rows * 8:3 * rows * 8 + rows * 4].view(torch.int32)
-        block_tables = self.buf[self._head:].view(torch.int32).view(rows, blocks)
+        words = self.buf[:words_end].view(torch.int64)
+        self.token_ids, self.positions = words[:rows], words[rows:2 * rows]
+        slot_mapping = words[2 * rows:].view(groups, rows)
+        seq_lens = self.buf[words_end:words_end + rows * 4].view(torch.int32)
+        block_tables = self.buf[self._head:].view(torch.int32).view(rows, groups, blocks)
         self.step = DecodeStep(slot_mapping, block_tables, seq_lens)
         seq_lens.fill_(1)
 
@@ -97,8 +100,9 @@ class DecodeGraphs:
         self.capture = capture
         device = model.device
         n, blocks = self.max_batch, kv.max_blocks_per_seq
-        self.inputs = DecodeInputs(n, blocks, device)  # what the graphs read
-        self.host = DecodeInputs(n, blocks, "cpu", pin=device.type == "cuda")  # staged here, one copy a step
+        groups = len(kv.groups)  # layer groups: one block table per group (sliding windows, ADR 0005)
+        self.inputs = DecodeInputs(n, blocks, device, groups=groups)  # what the graphs read
+        self.host = DecodeInputs(n, blocks, "cpu", pin=device.type == "cuda", groups=groups)  # staged here, one copy a step
         self.token_ids, self.positions, self.step = self.inputs.token_ids, self.inputs.positions, self.inputs.step
         self.logit_rows = torch.arange(n, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}  # None: capture failed

@@ -22,6 +22,7 @@ from monobatch.engine.sequence import Sequence
 from monobatch.errors import InsufficientMemoryError, InvalidRequestError
 from monobatch.kernels import invariant_gemm
 from monobatch.kernels.paged_decode import triton_usable
+from monobatch.kv.block_manager import blocks_per_sequence, layer_groups
 from monobatch.kv.dense import DenseKv
 from monobatch.kv.paged import PagedKv
 from monobatch.kv.store import KvStore
@@ -198,10 +199,15 @@ class Engine:
         args, cfg = self.model.args, self.config
         shape = (args.num_hidden_layers, args.num_key_value_heads, args.head_dim, self.max_model_len,
                  self.model.dtype, self.model.device)
+        windows = args.layer_windows()  # sliding-window layers (ADR 0005); all 0 for most models
         if cfg.kv_storage == "dense":
-            return DenseKv(*shape)
-        token_bytes = KvStore.token_bytes(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, self.model.dtype)
-        context_blocks = -(-self.max_model_len // cfg.block_size)
+            return DenseKv(*shape, windows=windows)
+        groups = layer_groups(windows)
+        block_bytes = cfg.block_size * KvStore.token_bytes(len(groups[0].layers), args.num_key_value_heads,
+                                                           args.head_dim, self.model.dtype)
+        # what one sequence may hold at once: a context, its local layers' windows and one step's chunk
+        chunk = min(cfg.prefill_chunk, cfg.token_budget(self.device.type))
+        context_blocks = blocks_per_sequence(windows, self.max_model_len, cfg.block_size, chunk)
         memory = cfg.kv_cache_memory
         if memory is None and self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -209,14 +215,14 @@ class Engine:
             free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             memory = int(free * defaults.KV_CACHE_GPU_FRACTION)
         elif memory is None:
-            memory = max(defaults.KV_CACHE_MEMORY_CPU, context_blocks * cfg.block_size * token_bytes)
-        num_blocks = memory // (cfg.block_size * token_bytes)
+            memory = max(defaults.KV_CACHE_MEMORY_CPU, context_blocks * block_bytes)
+        num_blocks = memory // block_bytes
         if num_blocks < context_blocks:
             raise InsufficientMemoryError(
-                f"the KV cache memory ({_size(memory)}) holds {num_blocks * cfg.block_size} tokens, fewer than one "
-                f"context of {self.max_model_len} tokens ({_size(context_blocks * cfg.block_size * token_bytes)}); "
+                f"the KV cache memory ({_size(memory)}) holds {num_blocks * cfg.block_size // len(groups)} tokens, "
+                f"fewer than one context of {self.max_model_len} tokens ({_size(context_blocks * block_bytes)}); "
                 "raise --kv-cache-memory or lower -c/--ctx-size")
-        return PagedKv(*shape, num_blocks=num_blocks, block_size=cfg.block_size)
+        return PagedKv(*shape, num_blocks=num_blocks, block_size=cfg.block_size, windows=windows)
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int], all_positions: bool = False) -> torch.Tensor:
@@ -228,7 +234,7 @@ class Engine:
         """
         args = self.model.args
         scratch = DenseKv(args.num_hidden_layers, args.num_key_value_heads, args.head_dim,
-                          max(len(token_ids), 1), self.model.dtype, self.model.device)
+                          max(len(token_ids), 1), self.model.dtype, self.model.device, windows=args.layer_windows())
         batch = StepBatch.build([(0, list(token_ids), 0, True)], self.device, self.row_tile)
         if all_positions:
             batch.logit_rows = torch.arange(len(token_ids), device=self.device)

@@ -87,7 +87,7 @@ def num_splits(batch: int, n_kv: int, max_keys: int, device: torch.device) -> in
 
 
 def paged_decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                       seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+                       seq_lens: torch.Tensor, block_size: int, window: int = 0) -> torch.Tensor:
     """Reference paged decode attention (gather + masked SDPA).
 
     Args:
@@ -96,6 +96,8 @@ def paged_decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         block_tables: ``[B, nb]`` int32/int64 block ids in position order (unused entries any valid id).
         seq_lens: ``[B]`` int keys each sequence attends to (its newest token included), >= 1.
         block_size: tokens per block.
+        window: a sliding-window layer's window (only keys ``seq_len - window .. seq_len - 1``
+            are seen; the table's entries before them may be any valid id); 0 = every key.
 
     Returns:
         ``[B, n_q, hd]`` in q's dtype.
@@ -108,7 +110,12 @@ def paged_decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
              + torch.arange(block_size, device=q.device)).reshape(B, nb * block_size)  # (B, S)
     keys = k_cache[slots].transpose(1, 2)  # (B, n_kv, S, hd)
     values = v_cache[slots].transpose(1, 2)
-    mask = torch.arange(nb * block_size, device=q.device)[None, :] < seq_lens.long()[:, None]  # (B, S)
+    key_pos = torch.arange(nb * block_size, device=q.device)[None, :]
+    mask = key_pos < seq_lens.long()[:, None]  # (B, S)
+    if window:  # entries before the window may be released blocks (the scratch block): never read them
+        mask &= key_pos >= seq_lens.long()[:, None] - window
+        keys = keys.masked_fill(~mask[:, None, :, None], 0.0)
+        values = values.masked_fill(~mask[:, None, :, None], 0.0)
     qg = q.view(B, n_kv, g, hd)
     out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask[:, None, None, :])  # (B, n_kv, g, hd)
     return out.reshape(B, n_q, hd)
@@ -121,7 +128,7 @@ if triton is not None:
                           stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, stride_knb, stride_knh,
                           stride_vnb, stride_vnh,
                           stride_ob, stride_oh, stride_op, stride_lb, stride_lh, stride_outb, stride_outh,
-                          scale, NKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
+                          scale, window, NKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
                           BS: tl.constexpr, SPLITS: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
                           STAGES: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
         b = tl.program_id(0)
@@ -129,9 +136,11 @@ if triton is not None:
         part = tl.program_id(2)
         pdl.wait_prior(PDL)
         seq_len = tl.load(LENS + b)
-        part_len = tl.cdiv(tl.cdiv(seq_len, SPLITS), BN) * BN  # this sequence's partition length
-        nparts = tl.cdiv(seq_len, part_len)  # partitions holding keys (the others do nothing)
-        start = part * part_len
+        # keys lo .. seq_len - 1: all of them, or a sliding window's last `window` (ADR 0005)
+        lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+        part_len = tl.cdiv(tl.cdiv(seq_len - lo, SPLITS), BN) * BN  # this sequence's partition length
+        nparts = tl.cdiv(seq_len - lo, part_len)  # partitions holding keys (the others do nothing)
+        start = lo + part * part_len
         end = tl.minimum(start + part_len, seq_len)
         offs_g = tl.arange(0, G_PAD)
         offs_d = tl.arange(0, HD)
@@ -235,7 +244,8 @@ if triton is not None:
 
 def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, block_size: int, k_new: torch.Tensor | None = None,
-                        v_new: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
+                        v_new: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
+                        window: int = 0) -> torch.Tensor:
     """Split-K paged decode attention in Triton; same contract as :func:`paged_decode_torch`.
 
     With ``k_new``/``v_new`` (``[B, n_kv, hd]``, unit stride along hd) and ``slot_mapping``
@@ -247,7 +257,9 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     for a captured graph; their length follows each sequence's own length, partitions past it
     compute and store nothing, and the merge (in the same launch, by the last partition of each
     sequence and KV head to finish) reads only the ones holding keys, so the work follows the
-    real lengths. float32 inputs use IEEE (not TF32) products. The split counters are
+    real lengths. ``window`` > 0 (a sliding-window layer): the partitions cover only the keys
+    ``seq_len - window .. seq_len - 1``, so table entries before them are never read (paged
+    storage points released blocks at the scratch block). float32 inputs use IEEE (not TF32) products. The split counters are
     :func:`monobatch.kernels.common.counters`' per-device buffer (left zeroed by every launch;
     calls on several streams at once are not supported).
 
@@ -256,9 +268,9 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         ValueError: ``k_new``/``v_new`` not ``[B, n_kv, hd]`` in the pool's dtype with unit stride
             along hd, or ``slot_mapping`` missing or not ``[B]``.
     """
+    B, n_q, hd = q.shape
     if triton is None:
         raise RuntimeError("Triton is not installed")
-    B, n_q, hd = q.shape
     n_kv = k_cache.shape[1]
     if hd & (hd - 1):
         raise RuntimeError(f"head_dim {hd} is not a power of two")
@@ -284,7 +296,7 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), 1.0 / math.sqrt(hd), NKV=n_kv, G=g,
+        out.stride(0), out.stride(1), 1.0 / math.sqrt(hd), int(window), NKV=n_kv, G=g,
         G_PAD=max(16, triton.next_power_of_2(g)), HD=hd, BS=block_size, SPLITS=parts, BN=BLOCK_N,
         IEEE=q.dtype == torch.float32, STAGES=KV_STAGES, STORE=store, **pdl.launch(q.device))
     return out
@@ -315,17 +327,18 @@ def triton_usable(device: torch.device, head_dim: int) -> bool:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, block_size: int, k_new: torch.Tensor | None = None,
-                           v_new: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
+                           v_new: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
+                           window: int = 0) -> torch.Tensor:
     """Paged decode attention: the Triton kernel where usable, else the torch reference.
-    Contract: :func:`paged_decode_torch`. With ``k_new``, ``v_new`` and ``slot_mapping`` the step's
-    new rows are first written to the pool (:func:`store_kv`; inside the attention launch on the
-    Triton path, see :func:`paged_decode_triton`)."""
+    Contract: :func:`paged_decode_torch` (``window``: a sliding-window layer's). With ``k_new``,
+    ``v_new`` and ``slot_mapping`` the step's new rows are first written to the pool
+    (:func:`store_kv`; inside the attention launch on the Triton path, see :func:`paged_decode_triton`)."""
     if triton_usable(q.device, q.shape[-1]):
         fold = FOLD_STORE and k_new is not None and k_new.stride(-1) == 1 and v_new.stride(-1) == 1
         if k_new is not None and not fold:
             store_kv(k_new, v_new, k_cache, v_cache, slot_mapping)
         return paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, block_size,
-                                   *((k_new, v_new, slot_mapping) if fold else ()))
+                                   *((k_new, v_new, slot_mapping) if fold else ()), window=window)
     if k_new is not None:
         store_kv(k_new, v_new, k_cache, v_cache, slot_mapping)
-    return paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, block_size)
+    return paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, block_size, window)

@@ -158,10 +158,13 @@ if triton is not None:
         acc = tl.zeros([R, HD], tl.float32)
         hi = pos0 + tl.minimum(off + BT, q_len)  # keys [lo, hi): up to the tile's last position
         # sliding window (window > 0): the first key any row of the tile may see, block-aligned
-        lo = tl.where(window > 0, tl.maximum(pos0 + off - window + 1, 0) // BN * BN, 0)
+        first = tl.where(window > 0, tl.maximum(pos0 + off - window + 1, 0), 0)
+        lo = first // BN * BN
         for n in tl.range(lo, hi, BN, num_stages=STAGES):
             offs_n = n + tl.arange(0, BN)
-            nmask = offs_n < hi
+            # keys before `first` are no row's: not loaded (paged storage may have released their
+            # blocks, whose table entries then point at the scratch block; ADR 0005)
+            nmask = (offs_n < hi) & (offs_n >= first)
             blk = tl.load(TABLES + c * stride_tb + offs_n // BS, mask=nmask, other=0).to(tl.int64)
             kv_off = (blk * BS + offs_n % BS)[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
             k = tl.load(K + kv_off, mask=nmask[:, None], other=0.0)  # (BN, HD)

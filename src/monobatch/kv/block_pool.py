@@ -114,10 +114,18 @@ class BlockPool:
         self._key[block] = (key, parent, tuple(token_ids))
         self._by_hash[key] = block
 
-    def lookup(self, key: bytes, parent: bytes, token_ids: Sequence[int]) -> int | None:
-        """The cached block for this prefix, taken with one more reference; None on a miss."""
+    def find(self, key: bytes, parent: bytes, token_ids: Sequence[int]) -> int | None:
+        """The cached block for this prefix (its key, parent key and token ids all match), taking
+        no reference; None on a miss."""
         block = self._by_hash.get(key)
         if block is None or self._key[block] != (key, parent, tuple(token_ids)):
+            return None
+        return block
+
+    def lookup(self, key: bytes, parent: bytes, token_ids: Sequence[int]) -> int | None:
+        """The cached block for this prefix, taken with one more reference; None on a miss."""
+        block = self.find(key, parent, token_ids)
+        if block is None:
             return None
         if self.ref[block] == 0:
             del self._evictable[block]

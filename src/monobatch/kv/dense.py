@@ -3,13 +3,19 @@
 Dense storage has no blocks and so no prefix cache: every prompt is computed in full (see the
 ADR). It is the fastest layout at B=1 — attention reads a contiguous slice, no gather.
 
-On CUDA (Triton) each chunk's attention is the varlen kernel paged storage runs
+On CUDA (Triton) each chunk's attention (one launch per chunk and layer) is the varlen kernel
+paged storage runs
 (:func:`monobatch.kernels.varlen_attention.varlen_paged_attention`), reading the buffer as
 blocks of :data:`~monobatch.defaults.DENSE_KV_GROWTH` tokens in order, so dense and paged storage
 compute a token with the same kernel and tile — the same bits under ``--deterministic``.
+
+A sliding-window layer (ADR 0005) reads only its window of the buffer; the buffer keeps every
+position (without blocks there is nothing to give back).
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -30,8 +36,9 @@ class DenseKv(KvStore):
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
-                 dtype: torch.dtype, device: torch.device, growth: int = defaults.DENSE_KV_GROWTH) -> None:
-        super().__init__(num_layers, num_kv_heads, head_dim, max_seq_len, dtype, device)
+                 dtype: torch.dtype, device: torch.device, growth: int = defaults.DENSE_KV_GROWTH,
+                 windows: Sequence[int] | None = None) -> None:
+        super().__init__(num_layers, num_kv_heads, head_dim, max_seq_len, dtype, device, windows)
         self.growth = growth
         self._buf: dict[int, torch.Tensor] = {}
         self._len: dict[int, int] = {}
@@ -100,10 +107,12 @@ class DenseKv(KvStore):
             cache[0, c.pos:c.end_pos] = k[s:e]
             cache[1, c.pos:c.end_pos] = v[s:e]
             if self.varlen:  # the buffer as blocks of `growth` tokens, block i = tokens i*g .. (i+1)*g - 1
-                out[s:e] = varlen_paged_attention(q[s:e], cache[0], cache[1], self._metas[i], self.growth)
+                out[s:e] = varlen_paged_attention(q[s:e], cache[0], cache[1], self._metas[i], self.growth,
+                                                  window=self.windows[layer])
             else:
-                out[s:e] = attend_chunk(q[s:e], cache[0, :c.end_pos], cache[1, :c.end_pos], c.pos,
-                                        batch.row_tile > 0)
+                ks = self.key_start(layer, c.pos)  # 0 unless a window hides the oldest positions
+                out[s:e] = attend_chunk(q[s:e], cache[0, ks:c.end_pos], cache[1, ks:c.end_pos], c.pos,
+                                        batch.row_tile > 0, self.windows[layer], ks)
         return out
 
     def commit(self, batch: StepBatch) -> None:

@@ -24,6 +24,13 @@ Rows that pad a captured batch write to a scratch block past the pool that no se
 Blocks are reference-counted (:class:`monobatch.kv.block_pool.BlockPool`): ``fork`` shares every
 block, and a block that is shared or keyed in the prefix cache is copied before a sequence writes
 into it (copy-on-write, done in :meth:`PagedKv.reserve`).
+
+Sliding-window layers (ADR 0005): the layers are cut into groups of equal size
+(:func:`monobatch.kv.block_manager.layer_groups`), each with its own block table per sequence
+over the one pool, and the pool's layer axis is a group's layers (``pool[i]`` is the ``i``-th
+layer of whichever group owns a block). A local group's blocks are released once they leave its
+window (:class:`~monobatch.kv.block_manager.BlockManager` keeps the tables); a model without
+windows has one group of all its layers — the layout above.
 """
 
 from __future__ import annotations
@@ -39,29 +46,31 @@ from monobatch.errors import InsufficientMemoryError
 from monobatch.kernels.paged_decode import paged_decode_attention, store_kv, triton_usable
 from monobatch.kernels.varlen_attention import VarlenMeta, build_meta, tokens_per_tile, varlen_paged_attention
 from monobatch.kv.attention import attend_chunk
-from monobatch.kv.block_pool import ROOT_HASH, BlockPool, block_hash
+from monobatch.kv.block_manager import BlockManager, layer_groups
 from monobatch.kv.store import KvStore, KvUsage
 
 
 @dataclass(slots=True)
 class _EagerStep:
-    """A prepared step outside the static decode path.
+    """A prepared step outside the static decode path, one layer group's part of it (a model
+    without windows has one group).
 
     Attributes:
         batch: the step.
         write: ``[T]`` int64 pool slot of each new token (device).
         gather: ``[sum S]`` int64 slots of every chunk's keys, in chunk order (torch path; None on
             the varlen path).
-        spans: ``(offset in gather, S)`` per chunk (torch path).
+        spans: ``(offset in gather, S, key_start)`` per chunk (torch path): the chunk's keys are
+            positions ``key_start .. end_pos - 1`` (``key_start`` > 0 only past a window).
         tables: each chunk's block ids (varlen path: the metadata is built at the first layer,
-            which knows the query heads).
+            which knows the query heads; released blocks of a local group are the scratch block).
         meta: the varlen layout, once built.
     """
 
     batch: StepBatch
     write: torch.Tensor
     gather: torch.Tensor | None
-    spans: list[tuple[int, int]]
+    spans: list[tuple[int, int, int]]
     tables: list[list[int]]
     meta: VarlenMeta | None = None
 
@@ -72,8 +81,10 @@ class DecodeStep:
     the real ones are padding).
 
     Attributes:
-        slot_mapping: ``[B]`` int64, the pool slot each row's new K/V is written to.
-        block_tables: ``[B, nb]`` int32, each row's block ids (``nb`` = blocks of a full context).
+        slot_mapping: ``[G, B]`` int64, per layer group, the pool slot each row's new K/V is
+            written to (G = 1 without sliding windows).
+        block_tables: ``[B, G, nb]`` int32, each row's block ids per group (``nb`` = blocks of a
+            full context; a local group's released blocks are the scratch block).
         seq_lens: ``[B]`` int32, keys each row attends to (its new token included).
     """
 
@@ -83,7 +94,11 @@ class DecodeStep:
 
     def rows(self, n: int) -> "DecodeStep":
         """The first ``n`` rows (views: same memory, so a graph captured on them sees new values)."""
-        return DecodeStep(self.slot_mapping[:n], self.block_tables[:n], self.seq_lens[:n])
+        return DecodeStep(self.slot_mapping[:, :n], self.block_tables[:n], self.seq_lens[:n])
+
+    def group(self, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Group ``g``'s ``(slot_mapping [B], block_tables [B, nb])`` (views)."""
+        return self.slot_mapping[g], self.block_tables[:, g]
 
 
 class PagedKv(KvStore):
@@ -91,98 +106,88 @@ class PagedKv(KvStore):
 
     Args:
         num_layers, num_kv_heads, head_dim, max_seq_len, dtype, device: see :class:`KvStore`.
-        num_blocks: blocks in the pool (``num_blocks * block_size`` tokens in all).
+        num_blocks: blocks in the pool (``num_blocks * block_size`` tokens of one layer group
+            each; with one group, of every layer).
         block_size: tokens per block (16 by default, like vLLM and llama.cpp's server).
+        windows: per layer, its sliding window (0 = full attention); see :class:`KvStore`.
 
     Raises:
         InsufficientMemoryError: the pool cannot be allocated.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
-                 dtype: torch.dtype, device: torch.device, num_blocks: int, block_size: int = 16) -> None:
-        super().__init__(num_layers, num_kv_heads, head_dim, max_seq_len, dtype, device)
+                 dtype: torch.dtype, device: torch.device, num_blocks: int, block_size: int = 16,
+                 windows: Sequence[int] | None = None) -> None:
+        super().__init__(num_layers, num_kv_heads, head_dim, max_seq_len, dtype, device, windows)
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.block_size = block_size
+        self.groups = layer_groups(self.windows)
+        #: layer -> (its group, its index in the pool's layer axis)
+        self._where = {layer: (g, i) for g, grp in enumerate(self.groups) for i, layer in enumerate(grp.layers)}
+        group_layers = len(self.groups[0].layers)
+        #: bytes of one block (block_size tokens of one group's layers, K and V)
+        self.block_bytes = block_size * self.token_bytes(group_layers, num_kv_heads, head_dim, dtype)
         try:
-            self.pool = BlockPool(num_blocks)
+            self.blocks = BlockManager(num_blocks, block_size, self.groups, self._copy_block)
+            self.pool = self.blocks.pool
             # one scratch block past the pool: padding rows of a captured decode write there
-            self.cache = torch.empty(num_layers, 2, (num_blocks + 1) * block_size, num_kv_heads, head_dim,
+            self.cache = torch.empty(group_layers, 2, (num_blocks + 1) * block_size, num_kv_heads, head_dim,
                                      dtype=dtype, device=self.device)
         except (RuntimeError, MemoryError) as e:  # MemoryError: the host cannot hold the block lists
             raise InsufficientMemoryError(
                 f"cannot allocate the KV pool ({num_blocks} blocks, "
-                f"{num_blocks * block_size * self.bytes_per_token / 2**20:.0f} MiB); lower --kv-cache-memory") from e
-        self._table: dict[int, list[int]] = {}
-        self._len: dict[int, int] = {}
-        self._tokens: dict[int, list[int]] = {}  # cached token ids, to key full blocks
-        self._keys: dict[int, list[bytes]] = {}  # prefix-cache keys of the sequence's full blocks
-        self._step: _EagerStep | DecodeStep | None = None
+                f"{num_blocks * self.block_bytes / 2**20:.0f} MiB); lower --kv-cache-memory") from e
+        self._step: list[_EagerStep] | DecodeStep | None = None
         #: one varlen launch per layer for a step's chunks (CUDA with Triton); else the torch path
         self.varlen = triton_usable(self.device, head_dim)
         self._meta_of: DecodeStep | None = None  # the static decode step _meta was built for
-        self._meta: VarlenMeta | None = None
+        self._meta: dict[int, VarlenMeta] = {}  # per layer group
         self.scratch_block = num_blocks  # never allocated: see DecodeStep
         self.max_blocks_per_seq = -(-max_seq_len // block_size)
         self.paged_attention_calls = 0  # attend() calls, one per layer per step (`monobatch parity` reads it)
 
     # -- queries --------------------------------------------------------------------------------
     def seq_len(self, seq_id: int) -> int:
-        return self._len.get(seq_id, 0)
+        return self.blocks.seq_len(seq_id)
 
     def num_sequences(self) -> int:
-        return len(self._table)
+        return self.blocks.num_sequences()
 
-    def block_table(self, seq_id: int) -> list[int]:
-        """Block ids of ``seq_id`` in position order (a copy)."""
-        return list(self._table.get(seq_id, ()))
+    def block_table(self, seq_id: int, group: int = 0) -> list[int | None]:
+        """Block ids of ``seq_id`` in position order for layer group ``group`` (a copy; None: a
+        local group's block released past its window)."""
+        return self.blocks.table(seq_id, group)
 
     def capacity_tokens(self) -> int:
-        return self.pool.num_blocks * self.block_size
+        """Tokens the pool holds in every layer group at once."""
+        return self.pool.num_blocks * self.block_size // len(self.groups)
 
     def usage(self) -> KvUsage:
         used = self.pool.num_referenced
-        return KvUsage(used, self.pool.num_blocks, used * self.block_size * self.bytes_per_token, self.pool.num_evictable)
+        return KvUsage(used, self.pool.num_blocks, used * self.block_bytes, self.pool.num_evictable)
 
     def describe(self) -> str:
-        n, bs = self.pool.num_blocks, self.block_size
-        return (f"KV cache: paged, {n} blocks x {bs} tokens = {n * bs} tokens "
-                f"({n * bs * self.bytes_per_token / 2**20:.0f} MiB, {str(self.dtype).removeprefix('torch.')}), "
-                "prefix cache on")
+        n, bs, dtype = self.pool.num_blocks, self.block_size, str(self.dtype).removeprefix('torch.')
+        if len(self.groups) == 1:
+            return (f"KV cache: paged, {n} blocks x {bs} tokens = {n * bs} tokens "
+                    f"({n * self.block_bytes / 2**20:.0f} MiB, {dtype}), prefix cache on")
+        local = sorted({g.window for g in self.groups if g.window})
+        return (f"KV cache: paged, {n} blocks x {bs} tokens x {len(self.groups[0].layers)} layers "
+                f"({n * self.block_bytes / 2**20:.0f} MiB, {dtype}) shared by {len(self.groups)} layer groups; "
+                f"sliding window {'/'.join(map(str, local))} on {sum(1 for w in self.windows if w)} of "
+                f"{self.num_layers} layers (blocks released past it); prefix cache on")
 
     # -- allocation -------------------------------------------------------------------------------
-    def _needs_copy(self, seq_id: int) -> bool:
-        """True when the block holding the next position is shared or cached (copy before writing).
-        Blocks past it are never shared: fork shares only blocks holding tokens."""
-        n, table = self._len.get(seq_id, 0), self._table.get(seq_id, [])
-        if n // self.block_size >= len(table):
-            return False
-        block = table[n // self.block_size]
-        return self.pool.ref[block] > 1 or self.pool.is_cached(block)
-
     def reserve(self, seq_id: int, num_tokens: int) -> bool:
-        """Allocate blocks (and copy a shared tail block) so ``seq_id`` can hold ``num_tokens``.
-        Returns False, allocating nothing, when the pool has too few free + evictable blocks."""
-        table = self._table.get(seq_id, [])
-        if num_tokens <= self._len.get(seq_id, 0):
-            return True
-        copy = self._needs_copy(seq_id)
-        need = max(-(-num_tokens // self.block_size) - len(table), 0) + copy
-        if need > self.pool.num_available:
-            return False
-        table = self._table.setdefault(seq_id, table)
-        self._len.setdefault(seq_id, 0)
-        self._tokens.setdefault(seq_id, [])
-        self._keys.setdefault(seq_id, [])
-        if copy:
-            i = self._len[seq_id] // self.block_size
-            old, new = table[i], self.pool.allocate()
-            self._block(new).copy_(self._block(old))
-            self.pool.release(old)
-            table[i] = new
-        while len(table) * self.block_size < num_tokens:
-            table.append(self.pool.allocate())
-        return True
+        """Allocate blocks (and copy a shared tail block) so ``seq_id`` can hold ``num_tokens``, in
+        every layer group. Returns False, allocating nothing, when the pool has too few free +
+        evictable blocks."""
+        return self.blocks.reserve(seq_id, num_tokens)
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's K/V (copy-on-write)."""
+        self._block(dst).copy_(self._block(src))
 
     def _block(self, block: int) -> torch.Tensor:
         """The slots of one block across layers: ``[layers, 2, bs, n_kv, hd]`` (a view)."""
@@ -190,23 +195,9 @@ class PagedKv(KvStore):
         return self.cache[:, :, block * bs:(block + 1) * bs]
 
     def adopt_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
-        if self._table.get(seq_id):
-            raise ValueError(f"sequence {seq_id} already holds KV")
-        bs, parent = self.block_size, ROOT_HASH
-        table, keys = [], []
-        for i in range(len(token_ids) // bs):
-            ids = token_ids[i * bs:(i + 1) * bs]
-            key = block_hash(parent, ids)
-            block = self.pool.lookup(key, parent, ids)
-            if block is None:
-                break
-            table.append(block)
-            keys.append(key)
-            parent = key
-        n = len(table) * bs
-        self._table[seq_id], self._keys[seq_id] = table, keys
-        self._len[seq_id], self._tokens[seq_id] = n, list(token_ids[:n])
-        return n
+        """See :meth:`KvStore.adopt_prefix`; with sliding windows, only a prefix whose window every
+        local group still holds (:meth:`BlockManager.adopt_prefix`, ADR 0005)."""
+        return self.blocks.adopt_prefix(seq_id, token_ids)
 
     # -- a step -------------------------------------------------------------------------------------
     def prepare(self, batch: StepBatch) -> None:
@@ -218,33 +209,45 @@ class PagedKv(KvStore):
                 has no free or evictable block left.
         """
         bs = self.block_size
-        write, gather, spans, tables = [], [], [], []
-        offset = 0
         for c in batch.chunks:
             self.check_chunk(c)
             if not self.reserve(c.seq_id, c.end_pos):
                 self._pool_full()
-            table = self._table[c.seq_id]
-            tables.append(table[:-(-c.end_pos // bs)])
-            first = c.pos // bs  # the slots of positions pos .. end_pos - 1 (the chunk's new tokens)
-            blocks = np.asarray(table[first:-(-c.end_pos // bs)], dtype=np.int64)
-            slots = (blocks[:, None] * bs + np.arange(bs)).reshape(-1)
-            write.append(slots[c.pos - first * bs:c.end_pos - first * bs])
-            if not self.varlen:
-                every = (np.asarray(tables[-1], dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
-                gather.append(every[:c.end_pos])
-                spans.append((offset, c.end_pos))
-                offset += c.end_pos
         if not batch.chunks:
             self._step = None
             return
-        slots = torch.from_numpy(np.concatenate(write + gather))
+        parts, sizes, steps = [], [], []
+        for g, grp in enumerate(self.groups):
+            write, gather, spans, tables = [], [], [], []
+            offset = 0
+            for c in batch.chunks:
+                table = self.blocks.table(c.seq_id, g)[:-(-c.end_pos // bs)]
+                tables.append([self.scratch_block if b is None else b for b in table])
+                first = c.pos // bs  # the slots of positions pos .. end_pos - 1 (the chunk's new tokens)
+                blocks = np.asarray(table[first:], dtype=np.int64)
+                slots = (blocks[:, None] * bs + np.arange(bs)).reshape(-1)
+                write.append(slots[c.pos - first * bs:c.end_pos - first * bs])
+                if not self.varlen:
+                    ks = self.key_start(grp.layers[0], c.pos)  # the keys the chunk sees: ks .. end_pos - 1
+                    held = np.asarray(self.blocks.blocks(c.seq_id, g, ks, c.end_pos), dtype=np.int64)
+                    every = (held[:, None] * bs + np.arange(bs)).reshape(-1)
+                    gather.append(every[ks - ks // bs * bs:c.end_pos - ks // bs * bs])
+                    spans.append((offset, c.end_pos - ks, ks))
+                    offset += c.end_pos - ks
+            parts += write + gather
+            sizes.append((batch.num_tokens, offset))
+            steps.append(_EagerStep(batch, None, None, spans, tables))  # slots filled below, one copy for all
+        flat = torch.from_numpy(np.concatenate(parts))
         if self.device.type == "cuda":
-            slots = slots.pin_memory().to(self.device, non_blocking=True)
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
         else:
-            slots = slots.to(self.device)
-        T = batch.num_tokens
-        self._step = _EagerStep(batch, slots[:T], None if self.varlen else slots[T:], spans, tables)
+            flat = flat.to(self.device)
+        at = 0
+        for step, (T, S) in zip(steps, sizes):
+            step.write, at = flat[at:at + T], at + T
+            if not self.varlen:
+                step.gather, at = flat[at:at + S], at + S
+        self._step = steps
 
     def prepare_decode(self, batch: StepBatch, host: DecodeStep, device: DecodeStep) -> None:
         """:meth:`prepare` for a decode-only ``batch`` into static tensors: each row's slot, block
@@ -257,24 +260,24 @@ class PagedKv(KvStore):
             ValueError: a chunk that is not one token, or a gap / overflow of the context.
             InsufficientMemoryError: the pool has no free or evictable block left.
         """
-        bs, n = self.block_size, len(batch.chunks)
-        slots, lens = [], []
+        bs, n, G = self.block_size, len(batch.chunks), len(self.groups)
+        slots, lens = [[] for _ in range(G)], []
         for i, c in enumerate(batch.chunks):
             if c.length != 1:
                 raise ValueError("prepare_decode takes one token per sequence")
             self.check_chunk(c)
             if not self.reserve(c.seq_id, c.end_pos):
                 self._pool_full()
-            table = self._table[c.seq_id]
-            slots.append(table[c.pos // bs] * bs + c.pos % bs)
             lens.append(c.end_pos)
-            width = len(table)
-            host.block_tables[i, :width] = torch.as_tensor(table, dtype=torch.int32)
-        pad = host.slot_mapping.shape[0] - n
-        host.slot_mapping.copy_(torch.as_tensor(slots + [self.scratch_block * bs] * pad, dtype=torch.int64))
+            for g in range(G):
+                table = [self.scratch_block if b is None else b for b in self.blocks.table(c.seq_id, g)]
+                slots[g].append(table[c.pos // bs] * bs + c.pos % bs)
+                host.block_tables[i, g, :len(table)] = torch.as_tensor(table, dtype=torch.int32)
+        pad = host.slot_mapping.shape[1] - n
+        host.slot_mapping.copy_(torch.as_tensor([s + [self.scratch_block * bs] * pad for s in slots], dtype=torch.int64))
         host.seq_lens.copy_(torch.as_tensor(lens + [1] * pad, dtype=torch.int32))
         if pad:
-            host.block_tables[n:, 0] = self.scratch_block
+            host.block_tables[n:, :, 0] = self.scratch_block
         self._step, self._meta_of = device, None
 
     def _pool_full(self) -> NoReturn:
@@ -289,94 +292,72 @@ class PagedKv(KvStore):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         self.paged_attention_calls += 1
-        k_cache, v_cache = self.cache[layer, 0], self.cache[layer, 1]  # (slots, n_kv, hd)
+        g, i = self._where[layer]
+        k_cache, v_cache = self.cache[i, 0], self.cache[i, 1]  # (slots, n_kv, hd)
         if isinstance(self._step, DecodeStep):  # static decode step: no host work (capturable)
-            step = self._step
+            step, window = self._step, self.windows[layer]
+            slot_mapping, block_tables = step.group(g)
             if self.batch_invariant and self.varlen:  # the kernel and tile prefill rows run
-                store_kv(k, v, k_cache, v_cache, step.slot_mapping)
-                return varlen_paged_attention(q, k_cache, v_cache, self._decode_meta(step, q.shape[1]), self.block_size)
-            return paged_decode_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, self.block_size,
-                                          k, v, step.slot_mapping)  # (stores k and v first)
-        step = self._step
-        assert isinstance(step, _EagerStep) and step.batch is batch, "prepare(batch) first"
+                store_kv(k, v, k_cache, v_cache, slot_mapping)
+                return varlen_paged_attention(q, k_cache, v_cache, self._decode_meta(step, g, q.shape[1]),
+                                              self.block_size, window=window)
+            return paged_decode_attention(q, k_cache, v_cache, block_tables, step.seq_lens, self.block_size,
+                                          k, v, slot_mapping, window)  # (stores k and v first)
+        assert isinstance(self._step, list) and self._step[g].batch is batch, "prepare(batch) first"
+        step, window = self._step[g], self.windows[layer]
         if self.varlen:
             if step.meta is None:  # the first layer of the step: lay the chunks out as tiles
                 bt = tokens_per_tile(q.shape[1], self.num_kv_heads, self.batch_invariant or batch.row_tile > 0)
                 step.meta = build_meta([(c.start, c.length, c.pos) for c in batch.chunks], step.tables, bt,
                                        self.device)
             store_kv(k, v, k_cache, v_cache, step.write)
-            return varlen_paged_attention(q, k_cache, v_cache, step.meta, self.block_size)
+            return varlen_paged_attention(q, k_cache, v_cache, step.meta, self.block_size, window=window)
         k_cache.index_copy_(0, step.write, k)
         v_cache.index_copy_(0, step.write, v)
         keys, values = k_cache[step.gather], v_cache[step.gather]  # (sum of S, n_kv, hd): every chunk's keys
         out = torch.empty_like(q)
-        for c, (o, S) in zip(batch.chunks, step.spans):
+        for c, (o, S, ks) in zip(batch.chunks, step.spans):
             s, e = c.start, c.start + c.length
-            out[s:e] = attend_chunk(q[s:e], keys[o:o + S], values[o:o + S], c.pos, batch.row_tile > 0)
+            out[s:e] = attend_chunk(q[s:e], keys[o:o + S], values[o:o + S], c.pos, batch.row_tile > 0, window, ks)
         return out
 
-    def _decode_meta(self, step: DecodeStep, num_q_heads: int) -> VarlenMeta:
-        """The varlen layout of a static decode step (row b = chunk b = tile b, one token at
-        position ``seq_lens[b] - 1``, in the deterministic tile), built on the device at the
-        step's first layer (a graph captures it once per replay) and reused by its other layers;
-        :meth:`prepare_decode` and :meth:`bind_decode` drop it."""
+    def _decode_meta(self, step: DecodeStep, group: int, num_q_heads: int) -> VarlenMeta:
+        """The varlen layout of a static decode step for layer group ``group`` (row b = chunk b =
+        tile b, one token at position ``seq_lens[b] - 1``, in the deterministic tile), built on
+        the device at the step's first layer of the group (a graph captures it once per replay)
+        and reused by its other layers; :meth:`prepare_decode` and :meth:`bind_decode` drop them."""
         if self._meta_of is not step:
+            self._meta, self._meta_of = {}, step
+        if group not in self._meta:
             B = step.seq_lens.shape[0]
             rows = torch.arange(B, dtype=torch.int32, device=self.device)
-            self._meta = VarlenMeta(step.block_tables, rows, torch.ones_like(rows), step.seq_lens - 1, rows,
-                                    torch.zeros_like(rows), tokens_per_tile(num_q_heads, self.num_kv_heads, True))
-            self._meta_of = step
-        return self._meta
+            self._meta[group] = VarlenMeta(step.group(group)[1], rows, torch.ones_like(rows), step.seq_lens - 1, rows,
+                                           torch.zeros_like(rows), tokens_per_tile(num_q_heads, self.num_kv_heads, True))
+        return self._meta[group]
 
     def commit(self, batch: StepBatch) -> None:
-        """Advance each sequence and key the blocks that became full in the prefix cache."""
-        bs = self.block_size
+        """Advance each sequence, key the blocks that became full in the prefix cache, and release
+        the local groups' blocks that left their window (:meth:`BlockManager.commit`)."""
         for c in batch.chunks:
             assert len(c.token_ids) == c.length, "StepBatch.build records each chunk's token ids"
-            self._len[c.seq_id] = c.end_pos
-            tokens, keys, table = self._tokens[c.seq_id], self._keys[c.seq_id], self._table[c.seq_id]
-            tokens.extend(c.token_ids)
-            while len(keys) < c.end_pos // bs:
-                i = len(keys)
-                parent = keys[-1] if keys else ROOT_HASH
-                ids = tokens[i * bs:(i + 1) * bs]
-                key = block_hash(parent, ids)
-                self.pool.register(table[i], key, parent, ids)
-                keys.append(key)
+            self.blocks.commit(c.seq_id, c.end_pos, c.token_ids)
         self._step = None
 
     # -- lifetime -------------------------------------------------------------------------------------
     def trim(self, seq_id: int, n: int) -> None:
         """Rewind to ``n`` tokens; blocks past them are released (a kept, partly overwritten
-        block is copied first if it is shared or cached — see :meth:`reserve`)."""
-        have = self._len.get(seq_id)
-        if have is None or n >= have:
-            return
-        n = max(n, 0)
-        table = self._table[seq_id]
-        keep = -(-n // self.block_size)
-        for block in reversed(table[keep:]):
-            self.pool.release(block)
-        del table[keep:]
-        self._len[seq_id] = n
-        del self._tokens[seq_id][n:]
-        del self._keys[seq_id][n // self.block_size:]
+        block is copied first if it is shared or cached — see :meth:`reserve`).
+
+        Raises:
+            ValueError: rewinding past a sliding window (its released keys are gone).
+        """
+        self.blocks.trim(seq_id, n)
 
     def fork(self, src: int, dst: int) -> None:
         """Share ``src``'s blocks that hold tokens with ``dst`` (no copy now: the shared partial
         block is copied when either writes into it, see :meth:`reserve`)."""
-        if self._table.get(dst):
-            raise ValueError(f"sequence {dst} already holds KV")
-        n = self._len.get(src, 0)
-        table = list(self._table.get(src, [])[:-(-n // self.block_size)])
-        for block in table:
-            self.pool.share(block)
-        self._table[dst], self._len[dst] = table, self._len.get(src, 0)
-        self._tokens[dst], self._keys[dst] = list(self._tokens.get(src, [])), list(self._keys.get(src, []))
+        self.blocks.fork(src, dst)
 
     def free(self, seq_id: int) -> None:
         """Release ``seq_id``'s blocks, last first, so the LRU evicts a prefix's tail before its head."""
-        for block in reversed(self._table.pop(seq_id, [])):
-            self.pool.release(block)
-        for state in (self._len, self._tokens, self._keys):
-            state.pop(seq_id, None)
+        self.blocks.free(seq_id)

@@ -9,6 +9,11 @@ blocks, or says no), the engine calls ``prepare(batch)`` (check positions, build
 indices), then each layer calls ``attend(layer, q, k, v, batch)`` (store the step's K/V, attend),
 then ``commit(batch)`` (the new tokens become part of each sequence's cached length; paged
 storage registers blocks that became full in the prefix cache).
+
+Sliding-window layers (Gemma 3's local layers) are the store's business too: ``windows`` says,
+per layer, how many of the last positions its queries see (0 = all), and :meth:`KvStore.attend`
+runs that window in every path — prefill chunks, decode, cache hits, recompute after preemption
+(ADR 0005).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Sequence
 import torch
 
 from monobatch.batch import Chunk, StepBatch
+from monobatch.kv.attention import window_start
 
 
 @dataclass(slots=True)
@@ -53,6 +59,9 @@ class KvStore(ABC):
         num_layers, num_kv_heads, head_dim: the model's KV shape.
         max_seq_len: the context length; no sequence may grow past it (tokens).
         dtype, device: storage dtype and device (the model's compute dtype).
+        windows: per layer, the sliding window its attention sees (the last N positions, its
+            own included), 0 = full attention; None = every layer full
+            (:meth:`monobatch.models.args.ModelArgs.layer_windows`).
     """
 
     #: Tokens per block; None for storages without blocks (no prefix cache).
@@ -67,13 +76,20 @@ class KvStore(ABC):
     batch_invariant: bool = False
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, windows: Sequence[int] | None = None) -> None:
+        self.windows = tuple(int(w) for w in windows) if windows is not None else (0,) * num_layers
+        if len(self.windows) != num_layers or min(self.windows, default=0) < 0:
+            raise ValueError(f"windows must give {num_layers} values >= 0 (0 = full attention)")
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.max_seq_len = max_seq_len
         self.dtype = dtype
         self.device = torch.device(device)
+
+    def key_start(self, layer: int, pos: int) -> int:
+        """The first position ``layer``'s query at ``pos`` sees (0 for a full-attention layer)."""
+        return window_start(self.windows[layer], pos)
 
     @staticmethod
     def token_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

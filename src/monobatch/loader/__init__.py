@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from monobatch.errors import InvalidRequestError, ModelNotFoundError
+from monobatch.models import registry
 from monobatch.models.args import ModelArgs
 from monobatch.models.layers import DecoderModel
 
@@ -86,7 +87,8 @@ def bundled_model_path() -> Path | None:
 
 
 def resolve_model_path(model: str | Path | None) -> Path:
-    """``--model`` (a .gguf file or an HF folder) or the bundled default.
+    """``--model`` (a .gguf file, an HF folder, or a name of :data:`monobatch.loader.named.NAMED_MODELS`)
+    or the bundled default.
 
     Raises:
         ModelNotFoundError: the path does not exist, or no model was given and none is bundled.
@@ -98,7 +100,11 @@ def resolve_model_path(model: str | Path | None) -> Path:
         return path
     path = Path(model).expanduser()
     if not path.exists():
-        raise ModelNotFoundError(f"model not found: {path}")
+        from monobatch.loader.named import named_model_path  # -m gemma3: a model by name
+        named = named_model_path(str(model))
+        if named is None:
+            raise ModelNotFoundError(f"model not found: {path}")
+        return named
     return path
 
 
@@ -177,6 +183,10 @@ def load_model(model: str | Path | None = None, device: str | None = None, dtype
         del reader  # unmaps the file
     if chat_template is not None:
         tokenizer.set_chat_template(chat_template)
+    elif tokenizer.chat_template is None:  # the family's own template, for checkpoints without one (Gemma 3)
+        family_template = getattr(registry.family(net.args.model_type), "CHAT_TEMPLATE", None)
+        if family_template is not None:
+            tokenizer.set_chat_template(family_template)
     loaded = LoadedModel(net, tokenizer, path, gen, weight_bytes(net), time.perf_counter() - start,
                          "packed" if packed_weights(net) else "dequant", peak_rss_bytes())
     log.info("loaded %s in %.2f s: %s, peak RSS %.0f MB", loaded.name, loaded.load_seconds, loaded.describe_weights(),

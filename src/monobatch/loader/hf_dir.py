@@ -85,7 +85,10 @@ def check_config_types(config: dict[str, Any], path: Path) -> None:
         value = config[f.name]
         if value is None and f.name in _NULLABLE:
             continue
-        kind = type(f.default) if f.default is not None else dict  # rope_scaling: a dict or null
+        if f.default is not None:
+            kind = type(f.default)
+        else:  # rope_scaling: a dict or null; layer_types (Gemma 3): a list or null
+            kind = list if "tuple" in str(f.type) else dict
         if kind is bool:
             ok, want = isinstance(value, bool), "true or false"
         elif kind is int:
@@ -97,6 +100,8 @@ def check_config_types(config: dict[str, Any], path: Path) -> None:
             want = "a number > 0"
         elif kind is str:
             ok, want = isinstance(value, str), "a string"
+        elif kind is list:
+            ok, want = isinstance(value, list), "a list or null"
         else:
             ok, want = isinstance(value, dict), "an object or null"
         if not ok:
