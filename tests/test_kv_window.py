@@ -182,16 +182,6 @@ def check_varlen(device: str = "cpu") -> str:
     return "ok"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
-def test_varlen_kernel_runs_the_window_cuda():
-    assert check_varlen("cuda") == "ok"
-
-
-def test_varlen_kernel_runs_the_window_in_interpreter():
-    from helpers import run_in_triton_interpreter
-    run_in_triton_interpreter("test_kv_window", "check_varlen")
-
-
 def test_static_decode_steps_read_the_window():
     """The CUDA-graph decode path (static DecodeStep tensors, one block table and slot per layer
     group; here its torch reference on CPU) equals the eager path once blocks were released; the
@@ -251,16 +241,6 @@ def check_decode_kernel(device: str = "cpu") -> str:
     return "ok"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
-def test_decode_kernel_window_cuda():
-    assert check_decode_kernel("cuda") == "ok"
-
-
-def test_decode_kernel_window_in_interpreter():
-    from helpers import run_in_triton_interpreter
-    run_in_triton_interpreter("test_kv_window", "check_decode_kernel")
-
-
 def test_deterministic_rows_do_not_depend_on_chunking_or_storage():
     """Per-row attention (``--deterministic``) with windows: a position's output is the same bits
     whether its sequence was computed in one chunk, in chunks of 7 or 50 tokens, or one token at a
@@ -285,3 +265,15 @@ def test_deterministic_rows_do_not_depend_on_chunking_or_storage():
     for other in results[1:]:
         assert torch.equal(other, results[0])
     torch.testing.assert_close(results[0][0], reference(q[0], k[0], v[0], 0, W), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("check", ["check_varlen", "check_decode_kernel"])
+def test_window_kernels_in_interpreter(check):
+    from helpers import run_in_triton_interpreter
+    run_in_triton_interpreter("test_kv_window", check)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+@pytest.mark.parametrize("check", [check_varlen, check_decode_kernel])
+def test_window_kernels_cuda(check):
+    assert check("cuda") == "ok"
