@@ -67,22 +67,31 @@ def check(device: str = "cpu", dtype=torch.float32) -> str:
             meta = build_meta(layout, tables, bt, torch.device(device))
             out = varlen_paged_attention(q, k, v, meta, bs, window=window)
             torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
-            if det:  # batch invariance: each chunk alone, each token alone as a decode row
-                for table, (st, n, p) in zip(tables, layout):
-                    alone = varlen_paged_attention(q[st:st + n], k, v, build_meta([(0, n, p)], [table], bt,
-                                                   torch.device(device)), bs, window=window)
-                    assert torch.equal(alone, out[st:st + n]), "a chunk alone differs from itself in the step"
-                    i = n - 1
-                    row = varlen_paged_attention(q[st + i:st + i + 1], k, v,
-                                                 build_meta([(0, 1, p + i)], [table], bt, torch.device(device)),
-                                                 bs, window=window)
-                    # On the GPU a row's MMA arithmetic does not depend on its place in the tile, so
-                    # a decode row has the bits of the same token's prefill row. The CPU interpreter's
-                    # numpy matmul picks its kernel by a row's place in a block: close, not equal.
+            if det:  # batch invariance: a chunk alone, split in two, each token alone as a decode row
+                # On the GPU a row's MMA arithmetic does not depend on its place in the tile, so
+                # these are bitwise equal. The CPU interpreter's numpy matmul picks its kernel by a
+                # row's place in a block: close, not equal.
+                def same(a, b, what):
                     if device == "cuda":
-                        assert torch.equal(row, out[st + i:st + i + 1]), "a decode row differs from the prefill row"
+                        assert torch.equal(a, b), what
                     else:
-                        torch.testing.assert_close(row, out[st + i:st + i + 1], rtol=tol, atol=tol)
+                        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=what)
+
+                dev = torch.device(device)
+                for table, (st, n, p) in zip(tables, layout):
+                    alone = varlen_paged_attention(q[st:st + n], k, v, build_meta([(0, n, p)], [table], bt, dev), bs,
+                                                   window=window)
+                    assert torch.equal(alone, out[st:st + n]), "a chunk alone differs from itself in the step"
+                    if n > 1:  # split off the first 5 tokens: the second part starts mid-tile
+                        cut = min(5, n - 1)
+                        split = varlen_paged_attention(q[st:st + n], k, v, build_meta(
+                            [(0, cut, p), (cut, n - cut, p + cut)], [table, table], bt, dev), bs, window=window)
+                        same(split, out[st:st + n], "a chunk split in two differs from the whole")
+                    rows = range(n) if device == "cuda" else sorted({0, n // 2, n - 1})
+                    for i in rows:  # every row (CUDA): blocks past a row's position must change nothing
+                        row = varlen_paged_attention(q[st + i:st + i + 1], k, v,
+                                                     build_meta([(0, 1, p + i)], [table], bt, dev), bs, window=window)
+                        same(row, out[st + i:st + i + 1], f"a decode row differs from prefill row {i}")
     return "ok"
 
 
@@ -165,3 +174,38 @@ def test_deterministic_mode_same_tokens_everywhere_cuda():
     assert run(kv_storage="paged") == ref
     assert run(kv_storage="paged", enforce_eager=True) == ref
     assert run(kv_storage="paged", prefill_chunk=3) == ref
+
+
+def check_prefill_graphs(device: str = "cpu") -> str:
+    """PrefillGraphs' static-buffer forward (capture=False; graphs on CUDA) against the eager
+    varlen path, on the tiny shape: prompt chunks, a chunk continuing its cache, decode rows
+    mixed in, several buckets; the same logits and, after each step, the same KV."""
+    from monobatch.batch import StepBatch
+    from monobatch.engine.cuda_graphs import PrefillGraphs
+    from monobatch.engine.engine import Engine, EngineConfig
+    from monobatch.loader.dummy import dummy_model
+    loaded = dummy_model("tiny", device)
+    engines = [Engine(loaded, EngineConfig(kv_cache_memory=1 << 22, cuda_graphs=False)) for _ in range(2)]
+    for e in engines:
+        e.kv.varlen = True
+    graphs = PrefillGraphs(loaded.model, engines[1].kv, capture=device == "cuda")
+    steps = [[(1, 20, 0), (2, 7, 0)], [(1, 1, 20), (2, 9, 7), (3, 30, 0)], [(1, 1, 21), (2, 1, 16), (3, 1, 30), (4, 3, 0)]]
+    tol = 1e-4 if loaded.model.dtype == torch.float32 else 3e-2  # bf16 GEMMs of T and padded rows
+    for step in steps:
+        batch = StepBatch.build([(s, [(7 * s + 3 * i) % 500 + 1 for i in range(n)], p, True) for s, n, p in step])
+        assert graphs.handles(batch)
+        eager = engines[0].forward(batch.to(engines[0].device))
+        static = graphs.forward(batch)
+        torch.testing.assert_close(static, eager, rtol=tol, atol=tol)
+        end = engines[0].kv.scratch_block * engines[0].kv.block_size  # padding rows write the scratch block
+        torch.testing.assert_close(engines[1].kv.cache[:, :, :end], engines[0].kv.cache[:, :, :end], rtol=tol, atol=tol)
+    return "ok"
+
+
+def test_prefill_graphs_static_path_in_interpreter():
+    run_in_triton_interpreter("test_varlen_attention", "check_prefill_graphs")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_prefill_graphs_cuda():
+    assert check_prefill_graphs("cuda") == "ok"

@@ -121,7 +121,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-seqs", type=int, default=defaults.MAX_NUM_SEQS,
                    help=f"sequences running at once (default {defaults.MAX_NUM_SEQS})")
     e.add_argument("--max-num-batched-tokens", type=int,
-                   help="tokens computed per step across all sequences (default: the larger of --prefill-chunk and --max-num-seqs)")
+                   help="tokens computed per step across all sequences (default: the largest of --prefill-chunk, "
+                        f"--max-num-seqs and, on CUDA, {defaults.STEP_TOKEN_BUDGET['cuda']})")
     e.add_argument("--deterministic", action="store_true",
                    help="batch-invariant computation: a request's tokens do not depend on the batch, chunking or "
                         "prefix cache (slower; see the ADR)")

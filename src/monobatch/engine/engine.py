@@ -15,7 +15,8 @@ import torch
 from monobatch import defaults
 from monobatch.batch import StepBatch
 from monobatch.engine.constraint import GrammarCompiler
-from monobatch.engine.cuda_graphs import DecodeGraphs
+from monobatch.engine import cuda_graphs
+from monobatch.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 from monobatch.engine.finish import FinishStep, RowOutput
 from monobatch.engine.sampler import RowSampler, SampleOutput, token_logprobs
 from monobatch.engine.sequence import Sequence
@@ -153,14 +154,18 @@ class Engine:
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)  # structured outputs
         self.finisher = FinishStep(self.tokenizer.eog_ids, self.max_model_len)
         self.graphs = DecodeGraphs(self.model, self.kv, self.config.max_num_seqs) if self._graphs_usable() else None
+        # short prompt steps as CUDA graphs too (launch-bound otherwise; needs the varlen kernel)
+        self.prefill_graphs = (PrefillGraphs(self.model, self.kv)
+                               if self.graphs is not None and getattr(self.kv, "varlen", False) else None)
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Capture the CUDA graphs of every decode batch size now rather than on first use (the
-        server calls this before it reports ready); nothing without graphs."""
-        if self.graphs is not None:
-            with self._on_device():
-                self.graphs.capture_all()
+        """Capture the CUDA graphs of every decode batch size and prefill bucket now rather than on
+        first use (the server calls this before it reports ready); nothing without graphs."""
+        with self._on_device():
+            for graphs in (self.graphs, self.prefill_graphs):
+                if graphs is not None:
+                    graphs.capture_all()
 
     def _graphs_usable(self) -> bool:
         """CUDA graphs for decode steps: on CUDA, paged storage, kernel usable, not row tiles."""
@@ -178,7 +183,14 @@ class Engine:
         a CUDA graph will run keeps its tensors on the host: the graph reads its own static
         buffers, staged from the chunks (:class:`DecodeGraphs`), so no copy is spent on them."""
         batch = StepBatch.build(chunks, "cpu", self.row_tile)
-        return batch if self.graphs is not None and self.graphs.handles(batch) else batch.to(self.device)
+        return batch if self._graph_for(batch) is not None else batch.to(self.device)
+
+    def _graph_for(self, batch: StepBatch) -> DecodeGraphs | PrefillGraphs | None:
+        """The CUDA graphs that run ``batch`` (decode-only or a short prompt step), if any."""
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None and graphs.handles(batch):
+                return graphs
+        return None
 
     def describe(self) -> str:
         """One line for a start-up log: the weights (packed or dequantized, resident bytes), the KV
@@ -186,6 +198,9 @@ class Engine:
         mode = ("deterministic (batch-invariant kernels)" if self.invariant else
                 f"deterministic (row tiles of {self.row_tile})" if self.row_tile else "fast (not batch-invariant)")
         graphs = f"; CUDA graphs for decode steps of up to {self.graphs.max_batch} sequences" if self.graphs else ""
+        if self.prefill_graphs is not None:
+            graphs += (f" and prompt steps of up to {cuda_graphs.PREFILL_MAX_TOKENS} tokens "
+                       f"in {cuda_graphs.PREFILL_MAX_CHUNKS} chunks")
         overlap = "; async scheduling" if self.async_scheduling else ""
         return (f"{self.loaded.describe_weights()}; {self.kv.describe()}; context {self.max_model_len} tokens; "
                 f"mode {mode}{graphs}{overlap}")
@@ -281,8 +296,9 @@ class Engine:
         """
         commit = token_ids is None if commit is None else commit
         with self._on_device():
-            if self.graphs is not None and self.graphs.handles(batch):
-                return self.graphs.forward(batch, token_ids, commit)
+            graphs = self._graph_for(batch)
+            if graphs is not None:
+                return graphs.forward(batch, token_ids, commit)
             batch = batch.to(self.device)
             if token_ids is not None:
                 batch = dataclasses.replace(batch, token_ids=token_ids)

@@ -35,3 +35,15 @@ def counters(device: torch.device, n: int) -> torch.Tensor:
     if buf is None and not capturing:
         buf = COUNTERS[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
     return buf if buf is not None and n <= MAX_COUNTERS else torch.zeros(n, dtype=torch.int32, device=device)
+
+
+def require_triton(head_dim: int) -> None:
+    """The attention kernels' precondition.
+
+    Raises:
+        RuntimeError: Triton is not installed, or ``head_dim`` is not a power of two (``tl.arange``).
+    """
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    if head_dim & (head_dim - 1):
+        raise RuntimeError(f"head_dim {head_dim} is not a power of two")

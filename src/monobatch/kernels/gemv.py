@@ -337,6 +337,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     N, K = weight.shape
     if invariant_gemm.usable(x, weight):  # deterministic mode: rows independent of M
         return invariant_gemm.linear(x.reshape(-1, K), weight, bias, out_dtype).view(*x.shape[:-1], N)
+    if invariant_gemm.active() and x.is_cuda:
+        invariant_gemm.warn_missed(x, weight)
     if usable(x, weight) and out_dtype in (None, x.dtype, torch.float32):
         x2 = x.reshape(-1, K)
         cfg = choose(N, K, x2.shape[0], x.dtype, pdl.enabled(x.device))
@@ -367,7 +369,7 @@ def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     N, K = weight.shape
     if gate_up.shape[-1] != 2 * K:
         raise ValueError(f"gate_up has {gate_up.shape[-1]} columns; the weight takes {K} (gate_up: 2 x that)")
-    if usable(gate_up, weight, gated=True) and not invariant_gemm.ACTIVE:
+    if usable(gate_up, weight, gated=True) and not invariant_gemm.active():
         x2 = gate_up.reshape(-1, 2 * K)
         cfg = choose(N, K, x2.shape[0], gate_up.dtype, pdl.enabled(gate_up.device))
         if cfg is not None:

@@ -19,6 +19,8 @@ Inputs bf16/fp16 (fp32 accumulation); float32 inputs use IEEE products.
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
 
 import torch
 
@@ -39,28 +41,50 @@ CONFIGS: tuple[tuple[int, int, int, int, int, int], ...] = (
 NARROW_N = 4096
 
 
-#: True inside :func:`mode` (True): :func:`monobatch.kernels.gemv.linear` and ``gated_linear``
-#: route CUDA GEMMs here. Set per forward by the engine in deterministic mode (as the
-#: batch-invariant modes of SGLang and vLLM swap the matmul for the whole forward).
-ACTIVE = False
+#: Per thread: ``active`` is True inside :func:`mode` (True), where
+#: :func:`monobatch.kernels.gemv.linear` and ``gated_linear`` route CUDA GEMMs here. The engine
+#: sets it per forward in deterministic mode (as the batch-invariant modes of SGLang and vLLM swap
+#: the matmul for the whole forward); per thread, so an engine in another thread (a server's
+#: beside a test's) is never switched by it.
+_STATE = threading.local()
+
+
+def active() -> bool:
+    """True inside :func:`mode` (True) on this thread."""
+    return getattr(_STATE, "active", False)
 
 
 @contextlib.contextmanager
 def mode(on: bool):
-    """Within the block, CUDA linear layers use this module's GEMM when ``on`` (restored after)."""
-    global ACTIVE
-    before, ACTIVE = ACTIVE, bool(on) or ACTIVE
+    """Within the block (this thread), CUDA linear layers use this module's GEMM when ``on``;
+    the previous state is restored after."""
+    before = active()
+    _STATE.active = bool(on) or before
     try:
         yield
     finally:
-        ACTIVE = before
+        _STATE.active = before
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when :data:`ACTIVE` and the kernel can take these operands (CUDA, Triton, 2-D
+    """True when :func:`active` and the kernel can take these operands (CUDA, Triton, 2-D
     weight with unit stride along K, one dtype)."""
-    return (ACTIVE and triton is not None and x.is_cuda and weight.dim() == 2 and weight.stride(1) == 1
+    return (active() and triton is not None and x.is_cuda and weight.dim() == 2 and weight.stride(1) == 1
             and x.dtype == weight.dtype and x.shape[-1] == weight.shape[1])
+
+
+_MISSED: set[tuple] = set()
+
+
+def warn_missed(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Log once per operand kind that a CUDA linear layer could not take this kernel inside
+    :func:`mode` (True), so its rows are not batch-invariant (e.g. a dtype mismatch)."""
+    key = (x.dtype, weight.dtype, weight.dim(), tuple(weight.stride()[1:]))
+    if key not in _MISSED:
+        _MISSED.add(key)
+        logging.getLogger(__name__).warning(
+            "deterministic mode: a linear layer (x %s, weight %s %s) runs on cuBLAS, not the batch-invariant GEMM; "
+            "its rows may depend on the batch", x.dtype, weight.dtype, list(weight.shape))
 
 
 def config_for(m: int, n: int) -> tuple[int, int, int, int, int]:

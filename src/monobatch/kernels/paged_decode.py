@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from monobatch.kernels import pdl
-from monobatch.kernels.common import counters, tl, triton
+from monobatch.kernels.common import counters, require_triton, tl, triton
 
 
 def _splits_setting(text: str) -> tuple[int, int]:
@@ -269,11 +269,8 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             along hd, or ``slot_mapping`` missing or not ``[B]``.
     """
     B, n_q, hd = q.shape
-    if triton is None:
-        raise RuntimeError("Triton is not installed")
+    require_triton(hd)
     n_kv = k_cache.shape[1]
-    if hd & (hd - 1):
-        raise RuntimeError(f"head_dim {hd} is not a power of two")
     g = n_q // n_kv
     parts = num_splits(B, n_kv, block_tables.shape[1] * block_size, q.device)
     o_part = torch.empty(B, n_q, parts, hd, dtype=torch.float32, device=q.device)

@@ -39,7 +39,7 @@ from typing import Sequence
 import torch
 
 from monobatch.kernels import pdl
-from monobatch.kernels.common import tl, triton
+from monobatch.kernels.common import require_triton, tl, triton
 
 #: Keys one loop iteration loads (a multiple of 16 for tl.dot); key blocks start at multiples of it.
 BLOCK_N = 64
@@ -87,6 +87,16 @@ def tokens_per_tile(num_q_heads: int, num_kv_heads: int, deterministic: bool) ->
     return max(1, (DETERMINISTIC_ROWS if deterministic else FAST_ROWS) // g_pad)
 
 
+def tile_layout(chunks: Sequence[tuple[int, int, int]], bt: int) -> list[tuple[int, int]]:
+    """``(chunk, first token in the chunk)`` of every tile of ``bt`` tokens, ordered by descending
+    last position (the longest programs first, so the short ones fill the tail of the launch).
+    ``chunks``: ``(q_start, q_len, pos)`` each."""
+    tiles = [(pos + min(off + bt, length), i, off) for i, (_, length, pos) in enumerate(chunks)
+             for off in range(0, length, bt)]
+    tiles.sort(key=lambda t: -t[0])
+    return [(i, off) for _, i, off in tiles]
+
+
 def build_meta(chunks: Sequence[tuple[int, int, int]], tables: Sequence[Sequence[int]], bt: int,
                device: torch.device) -> VarlenMeta:
     """Lay out a step's chunks as tiles (host work, one copy to ``device``).
@@ -102,11 +112,7 @@ def build_meta(chunks: Sequence[tuple[int, int, int]], tables: Sequence[Sequence
     """
     n = len(chunks)
     nb = max(1, max((len(t) for t in tables), default=1))
-    tiles = []
-    for i, (_, length, pos) in enumerate(chunks):
-        for off in range(0, length, bt):
-            tiles.append((pos + min(off + bt, length), i, off))
-    tiles.sort(key=lambda t: -t[0])
+    tiles = [(0, c, o) for c, o in tile_layout(chunks, bt)]
     flat = torch.zeros(3 * n + 2 * len(tiles) + n * nb, dtype=torch.int32)
     flat[0:3 * n] = torch.tensor([v for c in chunks for v in c], dtype=torch.int32).view(n, 3).t().reshape(-1)
     if tiles:
@@ -128,7 +134,9 @@ def build_meta(chunks: Sequence[tuple[int, int, int]], tables: Sequence[Sequence
 
 if triton is not None:
 
-    @triton.jit
+    # stride_tb and window vary with the step (the widest table, the layer): not specialized, so a
+    # row runs one binary whatever its batch (only address arithmetic would differ, but one is simpler)
+    @triton.jit(do_not_specialize=["stride_tb", "window"])
     def _varlen_kernel(Q, K, V, OUT, TABLES, Q_START, Q_LEN, POS, TILE_CHUNK, TILE_OFF,
                        stride_qt, stride_qh, stride_ks, stride_kh, stride_tb, stride_ot, stride_oh,
                        scale_log2, window, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
@@ -193,7 +201,8 @@ if triton is not None:
 
 
 def varlen_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: VarlenMeta,
-                           block_size: int, scale: float | None = None, window: int = 0) -> torch.Tensor:
+                           block_size: int, scale: float | None = None, window: int = 0,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of every query row of a step against its sequence's paged keys.
 
     The step's own keys and values must already be in the pool (:func:`monobatch.kernels.
@@ -207,21 +216,20 @@ def varlen_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scale: softmax scale (default ``1 / sqrt(hd)``).
         window: sliding window in tokens (a row at position p sees keys ``p - window + 1 .. p``);
             0 = full causal attention.
+        out: ``[T, n_q, hd]`` to write into (e.g. zeroed, so rows of no chunk hold zeros); default
+            a new uninitialised tensor.
 
     Returns:
-        ``[T, n_q, hd]`` in q's dtype (rows of no chunk are left unwritten).
+        ``[T, n_q, hd]`` in q's dtype (``out`` if given; rows of no chunk are left as they were).
 
     Raises:
         RuntimeError: Triton is not installed, or head_dim is not a power of two.
     """
-    if triton is None:
-        raise RuntimeError("Triton is not installed")
     T, n_q, hd = q.shape
+    require_triton(hd)
     n_kv = k_cache.shape[1]
-    if hd & (hd - 1):
-        raise RuntimeError(f"head_dim {hd} is not a power of two")
     g = n_q // n_kv
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     if meta.num_tiles == 0:
         return out
     scale = 1.0 / math.sqrt(hd) if scale is None else scale

@@ -44,7 +44,8 @@ import torch
 from monobatch.batch import StepBatch
 from monobatch.errors import InsufficientMemoryError
 from monobatch.kernels.paged_decode import paged_decode_attention, store_kv, triton_usable
-from monobatch.kernels.varlen_attention import VarlenMeta, build_meta, tokens_per_tile, varlen_paged_attention
+from monobatch.kernels.varlen_attention import (VarlenMeta, build_meta, tile_layout, tokens_per_tile,
+                                                varlen_paged_attention)
 from monobatch.kv.attention import attend_chunk
 from monobatch.kv.block_manager import BlockManager, layer_groups
 from monobatch.kv.store import KvStore, KvUsage
@@ -101,6 +102,35 @@ class DecodeStep:
         return self.slot_mapping[g], self.block_tables[:, g]
 
 
+@dataclass(slots=True)
+class PrefillStep:
+    """A step with prompt chunks as device tensors of fixed sizes — T token rows, N chunks (plus
+    one empty chunk that padding tiles point to), NT tiles — for a captured prefill graph
+    (:class:`monobatch.engine.cuda_graphs.PrefillGraphs`). Rows, chunks and tiles past the real
+    ones are padding: padding rows write their K/V to the scratch block and their attention
+    output is zero (no tile covers them); padding tiles point to an empty chunk.
+
+    Attributes:
+        write: ``[G, T]`` int64, per layer group, the pool slot of each row's new K/V.
+        block_tables: ``[N + 1, G, nb]`` int32 block ids of each chunk's sequence per group.
+        chunks: ``[3, N + 1]`` int32 rows: each chunk's first row in the step, its length, the
+            position of its first token (:class:`~monobatch.kernels.varlen_attention.VarlenMeta`).
+        tiles: ``[2, NT]`` int32 rows: each tile's chunk and first token in it.
+        tokens_per_tile: the tiles' ``BT``.
+    """
+
+    write: torch.Tensor
+    block_tables: torch.Tensor
+    chunks: torch.Tensor
+    tiles: torch.Tensor
+    tokens_per_tile: int
+
+    def meta(self, g: int) -> VarlenMeta:
+        """Layer group ``g``'s varlen layout (views)."""
+        return VarlenMeta(self.block_tables[:, g], self.chunks[0], self.chunks[1], self.chunks[2], self.tiles[0],
+                          self.tiles[1], self.tokens_per_tile)
+
+
 class PagedKv(KvStore):
     """Paged storage with a prefix cache.
 
@@ -138,7 +168,7 @@ class PagedKv(KvStore):
             raise InsufficientMemoryError(
                 f"cannot allocate the KV pool ({num_blocks} blocks, "
                 f"{num_blocks * self.block_bytes / 2**20:.0f} MiB); lower --kv-cache-memory") from e
-        self._step: list[_EagerStep] | DecodeStep | None = None
+        self._step: list[_EagerStep] | DecodeStep | PrefillStep | None = None
         #: one varlen launch per layer for a step's chunks (CUDA with Triton); else the torch path
         self.varlen = triton_usable(self.device, head_dim)
         self._meta_of: DecodeStep | None = None  # the static decode step _meta was built for
@@ -280,6 +310,52 @@ class PagedKv(KvStore):
             host.block_tables[n:, :, 0] = self.scratch_block
         self._step, self._meta_of = device, None
 
+    def prepare_prefill(self, batch: StepBatch, host: PrefillStep, device: PrefillStep) -> None:
+        """:meth:`prepare` for a step a prefill graph runs: the slots, block tables, chunks and
+        tiles go into ``host`` (padding past the batch's), :meth:`attend` then reads ``device``,
+        which the caller fills from ``host`` before the forward (one copy).
+
+        Raises:
+            ValueError: a gap or an overflow of the context, or more rows, chunks or tiles than
+                the buffers hold. InsufficientMemoryError: the pool has no free or evictable block.
+        """
+        bs, n, T = self.block_size, len(batch.chunks), batch.num_tokens
+        rows, chunks, tiles = host.write.shape[1], host.chunks.shape[1] - 1, host.tiles.shape[1]
+        layout = tile_layout([(c.start, c.length, c.pos) for c in batch.chunks], host.tokens_per_tile)
+        if T > rows or n > chunks or len(layout) > tiles:
+            raise ValueError(f"a step of {T} tokens in {n} chunks ({len(layout)} tiles) does not fit "
+                             f"{rows} rows, {chunks} chunks, {tiles} tiles")
+        for c in batch.chunks:
+            self.check_chunk(c)
+            if not self.reserve(c.seq_id, c.end_pos):
+                self._pool_full()
+        write = np.full((len(self.groups), rows), self.scratch_block * bs, dtype=np.int64)
+        for g in range(len(self.groups)):
+            for i, c in enumerate(batch.chunks):
+                table = [self.scratch_block if b is None else b for b in self.blocks.table(c.seq_id, g)]
+                pos = np.arange(c.pos, c.end_pos)
+                write[g, c.start:c.start + c.length] = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
+                host.block_tables[i, g, :len(table)] = torch.as_tensor(table, dtype=torch.int32)
+        host.write.copy_(torch.from_numpy(write))
+        meta = np.zeros((3, chunks + 1), dtype=np.int32)  # padding chunks: no tokens
+        meta[:, :n] = np.asarray([(c.start, c.length, c.pos) for c in batch.chunks], dtype=np.int32).T.reshape(3, n)
+        host.chunks.copy_(torch.from_numpy(meta))
+        order = np.zeros((2, tiles), dtype=np.int32)
+        order[0, :] = chunks  # padding tiles: the empty chunk past the real ones
+        if layout:
+            order[:, :len(layout)] = np.asarray(layout, dtype=np.int32).T
+        host.tiles.copy_(torch.from_numpy(order))
+        self._step = device
+
+    def bind_prefill(self, step: PrefillStep) -> None:
+        """Make :meth:`attend` read ``step`` as it stands (graph capture and warm-up)."""
+        self._step = step
+
+    def unbind(self) -> None:
+        """Forget the bound or prepared step (after a graph capture): :meth:`attend` then needs a
+        :meth:`prepare` (or a bind) first."""
+        self._step, self._meta_of = None, None
+
     def _pool_full(self) -> NoReturn:
         u = self.usage()
         raise InsufficientMemoryError(
@@ -294,6 +370,10 @@ class PagedKv(KvStore):
         self.paged_attention_calls += 1
         g, i = self._where[layer]
         k_cache, v_cache = self.cache[i, 0], self.cache[i, 1]  # (slots, n_kv, hd)
+        if isinstance(self._step, PrefillStep):  # a prefill graph's static step (capturable)
+            store_kv(k, v, k_cache, v_cache, self._step.write[g])
+            return varlen_paged_attention(q, k_cache, v_cache, self._step.meta(g), self.block_size,
+                                          window=self.windows[layer], out=torch.zeros_like(q))  # padding rows: 0
         if isinstance(self._step, DecodeStep):  # static decode step: no host work (capturable)
             step, window = self._step, self.windows[layer]
             slot_mapping, block_tables = step.group(g)
