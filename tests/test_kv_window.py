@@ -59,10 +59,9 @@ def run(kv, steps, seed=1, g=None):
     g = g or torch.Generator().manual_seed(seed)
     outs = []
     for step in steps:
-        batch = StepBatch.build([(s, ids, pos, True) for s, pos, ids in step])
-        kv.prepare(batch)
+        batch = StepBatch.build([(s, ids, pos, True) for s, pos, ids in step]).to(kv.device)
+        kv.prepare(batch)  # the batch attend() gets, as Engine.forward does (attend checks it is the prepared one)
         T = batch.num_tokens
-        batch = batch.to(kv.device)
         per_layer = []
         for layer in range(len(WINDOWS)):
             q, k, v = (torch.randn(T, n, HD, generator=g).to(kv.device) for n in (N_Q, N_KV, N_KV))
