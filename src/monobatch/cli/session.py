@@ -253,7 +253,8 @@ def _server(ns: argparse.Namespace) -> Iterator[str]:
     server = ServerThread(app_from_args(local)).start()
     try:
         server.wait_ready()  # loads the model (a progress bar on a terminal); raises what loading raised
-        if sys.stderr.isatty() and not ns.no_progress:  # where the bar was: what was loaded (weights, KV)
+        # where the bar was, on a terminal or with --stats (`make run`): what was loaded (weights, KV)
+        if (sys.stderr.isatty() or getattr(ns, "stats", False)) and not ns.no_progress:
             print(f"monobatch {ns.command}: {server.state.scheduler.engine.describe()}", file=sys.stderr, flush=True)
         yield server.base_url
     finally:
