@@ -13,8 +13,10 @@ The matmul (:meth:`PackedWeight.matmul`), on CPU:
   at a time, freed after the step) and multiplied by ``F.linear``, so prefill keeps the BLAS GEMM's
   speed; the dequantized rows are bitwise the dequant path's weights.
 
-CUDA has no packed kernel yet: the loader keeps dequantize-at-load there (:func:`packed_supported`);
-a CUDA kernel slots in at :meth:`PackedWeight.matmul`'s device branch.
+On CUDA every M goes to the Triton kernels of :mod:`monobatch.kernels.quant_gemm` (a dequantizing
+GEMV up to 16 rows, a dequantizing tiled GEMM above; one fixed tile for every M in the
+batch-invariant mode), each part writing its columns of one output; lookups dequantize the
+gathered rows with torch ops (:func:`monobatch.kernels.quant_gemm.dequantize`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from monobatch.kernels import quant_cpu
+from monobatch.kernels import quant_gemm
+from monobatch.kernels.common import triton
 from monobatch.quant.formats import Layout, Repacked
 
 #: Most rows the packed kernel takes; more go through dequantize-then-GEMM (measured, ADR 0006).
@@ -35,7 +39,9 @@ DEQUANT_CHUNK_BYTES = 16 << 20
 
 
 def packed_supported(device: torch.device) -> bool:
-    """Whether weights can be held packed on ``device`` (CPU with the compiled kernels)."""
+    """Whether weights can be held packed on ``device``: CPU with the compiled kernels, CUDA with Triton."""
+    if device.type == "cuda":
+        return triton is not None
     return device.type == "cpu" and quant_cpu.available()
 
 
@@ -62,14 +68,24 @@ class PackedPart:
         """x float32 ``[M, K]`` -> float32 ``[M, rows]`` with the packed kernel."""
         return quant_cpu.gemm(x, self.qs, self.scale, self.minimum, self.layout.group, self.layout.q4)
 
+    def to(self, device: torch.device) -> "PackedPart":
+        """This part's tensors on ``device`` (the same object where they are already there)."""
+        if self.qs.device == torch.device(device):
+            return self
+        return PackedPart(self.layout, *(t.to(device) for t in (self.qs, self.scale, self.minimum)))
+
     def dequantize(self, lo: int, hi: int, k: int) -> torch.Tensor:
         """Rows ``lo:hi`` as float32 ``[hi - lo, K]``."""
+        if self.qs.device.type != "cpu":
+            return quant_gemm.dequantize(self.qs[lo:hi], self.scale[lo:hi], self.minimum[lo:hi], self.layout)
         out = torch.empty(hi - lo, k, dtype=torch.float32)
         return quant_cpu.dequant(self.qs[lo:hi], self.scale[lo:hi], self.minimum[lo:hi], self.layout.group,
                                  self.layout.q4, out)
 
     def take(self, ids: torch.Tensor, k: int) -> torch.Tensor:
         """Rows ``ids`` (int64 ``[T]``) as float32 ``[T, K]`` (an embedding lookup)."""
+        if self.qs.device.type != "cpu":
+            return quant_gemm.dequantize(self.qs[ids], self.scale[ids], self.minimum[ids], self.layout)
         out = torch.empty(ids.shape[0], k, dtype=torch.float32)
         return quant_cpu.dequant(self.qs[ids], self.scale[ids], self.minimum[ids], self.layout.group,
                                  self.layout.q4, out)
@@ -92,14 +108,17 @@ class PackedWeight:
 
     @classmethod
     def from_repacked(cls, pieces: list[tuple[Repacked, str]], k: int) -> "PackedWeight":
-        """Stack repacked row ranges (each with its GGUF type name), merging neighbours of one layout."""
+        """Stack repacked row ranges (each with its GGUF type name; numpy arrays, or torch tensors
+        of one device: :mod:`monobatch.quant.device_repack`), merging neighbours of one layout."""
         merged: list[tuple[Layout, list[Repacked]]] = []
         for rep, _ in pieces:
             if merged and merged[-1][0] == rep.layout:
                 merged[-1][1].append(rep)
             else:
                 merged.append((rep.layout, [rep]))
-        def stack(arrays: list[np.ndarray]) -> torch.Tensor:  # one piece: its own (fresh) array, no copy
+        def stack(arrays: list) -> torch.Tensor:  # one piece: its own (fresh) array, no copy
+            if isinstance(arrays[0], torch.Tensor):
+                return arrays[0] if len(arrays) == 1 else torch.cat(arrays)
             return torch.from_numpy(arrays[0] if len(arrays) == 1 else np.concatenate(arrays))
 
         parts = [PackedPart(layout, *(stack([getattr(r, f) for r in reps]) for f in ("qs", "scale", "minimum")))
@@ -121,6 +140,11 @@ class PackedWeight:
         """Where the packed bytes live."""
         return self.parts[0].qs.device
 
+    def to(self, device: torch.device) -> "PackedWeight":
+        """Move every part to ``device`` (in place; returns self)."""
+        self.parts = [p.to(device) for p in self.parts]
+        return self
+
     def __repr__(self) -> str:
         return f"PackedWeight({self.shape[0]}x{self.k}, {'+'.join(self.types)}, {self.nbytes} B)"
 
@@ -129,10 +153,12 @@ class PackedWeight:
         """``F.linear(x, W, bias)``: x ``[..., K]`` -> ``[..., N]`` in ``out_dtype`` (None: x's dtype).
 
         Raises:
-            NotImplementedError: x on a device without a packed kernel (CUDA, for now).
+            NotImplementedError: x on a device without a packed kernel (neither CPU nor CUDA).
         """
+        if x.device.type == "cuda":
+            return self.cuda_matmul(x, bias, out_dtype)
         if x.device.type != "cpu":
-            raise NotImplementedError(f"no packed matmul on {x.device.type} yet")
+            raise NotImplementedError(f"no packed matmul on {x.device.type}")
         lead, K = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, K).float()
         if x2.shape[0] <= GEMV_ROWS:
@@ -143,6 +169,26 @@ class PackedWeight:
         if bias is not None:
             y = y + bias.float()
         return y.to(out_dtype or x.dtype).view(*lead, y.shape[-1])
+
+    def cuda_matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """:meth:`matmul` on CUDA: x ``[..., K]`` (bf16/fp16, or fp32) -> ``[..., N]`` by
+        :func:`monobatch.kernels.quant_gemm.matmul`, one launch a part, each writing its columns of
+        one output (no concatenation). Capturable in a CUDA graph."""
+        lead, K = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, K)
+        if len(self.parts) == 1:
+            p = self.parts[0]
+            y = quant_gemm.matmul(x2, p.qs, p.scale, p.minimum, p.layout, bias, out_dtype)
+        else:
+            y = torch.empty(x2.shape[0], self.shape[0], dtype=out_dtype or x.dtype, device=x.device)
+            lo = 0
+            for p in self.parts:
+                hi = lo + p.rows
+                quant_gemm.matmul(x2, p.qs, p.scale, p.minimum, p.layout, None if bias is None else bias[lo:hi],
+                                  out=y[:, lo:hi])
+                lo = hi
+        return y.view(*lead, y.shape[-1])
 
     def dequant_gemm(self, x: torch.Tensor, part: PackedPart) -> torch.Tensor:
         """The GEMM path: x float32 ``[M, K]`` @ part^T, the part dequantized into float32 a chunk of

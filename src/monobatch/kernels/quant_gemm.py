@@ -1,0 +1,402 @@
+"""Dequantizing matmuls on CUDA (Triton) over the packed layouts of :mod:`monobatch.quant.formats`.
+
+``y = x W^T (+ b)`` where W ``[N, K]`` is held packed (ADR 0006): **Q4** ``qs`` uint8 ``[N, K/2]``
+(in each 32-column group byte j = column j low nibble | column j+16 high nibble), or **Q8** ``qs``
+int8 ``[N, K]``; ``scale`` and ``minimum`` float32 ``[N, K/G]`` (G 32, or 16 for Q6_K), and
+``w = q * scale + min``. The weight is never materialised: each program loads a tile of the packed
+bytes and its groups' scales, dequantizes it in registers and multiplies it at once. Every GGUF
+type the CPU path packs (Q4_0, Q4_1, Q4_K -> Q4/32; Q8_0, Q5_0, Q5_K -> Q8/32; Q6_K -> Q8/16) runs
+through these two kernels; the layout's (Q4, G) are compile-time constants.
+
+A Q4 tile is used in its byte order, not its column order: byte p of a row holds columns
+``c = (p // 16) * 32 + p % 16`` (low nibble) and ``c + 16`` (high nibble), so the kernels load the
+activations at those two column sets and sum the two halves' products (the sum's order is fixed
+by the tile, like any other). No shuffle of nibbles into column order is needed.
+
+* :func:`gemv` (decode rows, M <= :data:`MAX_M`): ``[BLOCK_N, BLOCK_K]`` tiles streamed along K.
+  FMA path (M <= 4): the fp32 dequantized tile times each row of x, one fp32 register
+  accumulator per row, reduced over K after the loop (weights kept in fp32: no rounding). DOT
+  path (M 5..16): the tile rounded to x's dtype (bf16: the dequant path's weights exactly, which
+  are rounded to bf16 at load) times x^T padded to 16 columns on the tensor cores, fp32
+  accumulation. Split-K as :mod:`monobatch.kernels.gemv`'s (partials in a workspace, the last
+  slice of a tile sums them in slice order: deterministic), and PDL (the first weight tile is
+  loaded before :func:`monobatch.kernels.pdl.wait_prior`). One launch, no host sync, no
+  data-dependent allocation: CUDA-graph capturable.
+* :func:`gemm` (prefill, large batches): ``[BM, BN]`` output tiles, K walked in ascending
+  ``BK`` steps; each step dequantizes a ``[BN, BK]`` tile of W in registers (rounded to x's
+  dtype) and ``tl.dot``-s it with the x tile into one fp32 accumulator. No split-K.
+* **Batch invariance** (``--deterministic``, :func:`monobatch.kernels.invariant_gemm.active`):
+  :func:`matmul` sends every M, decode rows included, to :func:`gemm` with the one tile
+  :data:`INVARIANT_TILE`, so a row's sum has the same order (same MMA steps over the same K
+  tiles) whatever the batch holds and wherever the row sits in it.
+
+The configs are fixed functions of (N, K, M, layout) (:func:`gemv_config`, :func:`gemm_config`),
+never timed at run time. They are untuned defaults (``scripts/gpu_packed.sh`` times alternatives
+on the H200).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from monobatch.kernels import invariant_gemm, pdl
+from monobatch.kernels.common import COUNTERS, counters, tl, triton
+from monobatch.quant.formats import Layout
+
+#: Most rows the GEMV takes; more go to the tiled GEMM.
+MAX_M = 16
+#: SM count of an H100/H200 (a constant: the configs do not depend on the GPU found).
+_SMS = 132
+#: ``(BM, BN, BK, num_warps, num_stages)`` of every product in batch-invariant mode, any M.
+INVARIANT_TILE = (16, 32, 64, 4, 3)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def gemv_config(N: int, K: int, M: int, layout: Layout) -> tuple[int, int, int, int, int, bool]:
+    """``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, DOT)`` for an ``[M, K] x [N, K]^T``
+    product on ``layout`` (BLOCK_K in weights, a multiple of 32). Untuned default: FMA up to 4
+    rows, else DOT; K split while the grid stays under two programs per SM and each slice keeps
+    at least two K blocks."""
+    dot = _pow2(M) > 4
+    if dot:
+        block_n, block_k = 32, 256
+    else:
+        block_n, block_k = (8 if M <= 2 else 4), (1024 if layout.q4 else 512)
+    block_k = max(32, min(block_k, _pow2(K)))
+    tiles, splits = -(-N // block_n), 1
+    while splits < 8 and tiles * splits * 2 <= 2 * _SMS and K >= 4 * splits * block_k:
+        splits *= 2
+    return block_n, block_k, splits, 4, 3, dot
+
+
+def gemm_config(M: int, N: int) -> tuple[int, int, int, int, int]:
+    """``(BM, BN, BK, num_warps, num_stages)`` of the tiled GEMM for an ``[M, N]`` output (the
+    batch-invariant mode ignores it: :data:`INVARIANT_TILE`)."""
+    if M <= 32:
+        return 32, 64, 64, 4, 3
+    if M <= 256:
+        return 64, 128, 64, 4, 3
+    return 128, 128, 64, 8, 3
+
+
+def _slices(K: int, block_k: int, splits: int) -> tuple[int, int]:
+    """``(k_per, splits)``: K cut into at most ``splits`` slices of whole ``block_k`` blocks."""
+    nk = -(-K // block_k)
+    k_per = -(-nk // max(1, min(splits, nk))) * block_k
+    return k_per, -(-K // k_per)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _w_tile(q_rows, s_rows, m_rows, p, wmask, Q4: tl.constexpr, GROUP: tl.constexpr):
+        # The dequantized fp32 tile at byte positions p [BW] of rows q_rows/s_rows/m_rows [BN, 1]
+        # (pointers to each row's start): (low, high) nibbles' weights for Q4, (w, w) for Q8.
+        raw = tl.load(q_rows + p[None, :], mask=wmask, other=0)
+        if Q4:
+            g = p // 16
+        else:
+            g = p // GROUP
+        s = tl.load(s_rows + g[None, :], mask=wmask, other=0.0)
+        m = tl.load(m_rows + g[None, :], mask=wmask, other=0.0)
+        if Q4:
+            lo = (raw & 15).to(tl.float32) * s + m
+            hi = (raw >> 4).to(tl.float32) * s + m
+            return lo, hi
+        else:
+            w = raw.to(tl.float32) * s + m
+            return w, w
+
+    @triton.jit
+    def _cols(p, Q4: tl.constexpr):
+        # the weight column of byte position p (Q4: the low nibble's; the high one's is +16)
+        if Q4:
+            return (p // 16) * 32 + p % 16
+        else:
+            return p
+
+    @triton.jit
+    def _fma_row(acc, lo, hi, X, row, M, stride_xm, col, cmask, Q4: tl.constexpr):
+        xm = cmask & (col * 0 + row < M)
+        xr = tl.load(X + row * stride_xm + col, mask=xm, other=0.0).to(tl.float32)
+        acc += lo * xr[None, :]
+        if Q4:
+            xh = tl.load(X + row * stride_xm + col + 16, mask=xm, other=0.0).to(tl.float32)
+            acc += hi * xh[None, :]
+        return acc
+
+    @triton.jit
+    def _gemv_step(acc, acc0, acc1, acc2, acc3, lo, hi, X, col, cmask, mmask, offs_m, M, stride_xm,
+                   M_PAD: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, Q4: tl.constexpr):
+        if DOT:
+            xp = X + offs_m[None, :] * stride_xm + col[:, None]  # x^T at these columns [BW, M_PAD]
+            xm = cmask[:, None] & mmask[None, :]
+            xt = tl.load(xp, mask=xm, other=0.0)
+            if IEEE:
+                acc = tl.dot(lo, xt, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(lo.to(xt.dtype), xt, acc)
+            if Q4:
+                xt = tl.load(xp + 16, mask=xm, other=0.0)
+                if IEEE:
+                    acc = tl.dot(hi, xt, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(hi.to(xt.dtype), xt, acc)
+        else:
+            acc0 = _fma_row(acc0, lo, hi, X, 0, M, stride_xm, col, cmask, Q4)
+            if M_PAD > 1:
+                acc1 = _fma_row(acc1, lo, hi, X, 1, M, stride_xm, col, cmask, Q4)
+            if M_PAD > 2:
+                acc2 = _fma_row(acc2, lo, hi, X, 2, M, stride_xm, col, cmask, Q4)
+                acc3 = _fma_row(acc3, lo, hi, X, 3, M, stride_xm, col, cmask, Q4)
+        return acc, acc0, acc1, acc2, acc3
+
+    @triton.jit(do_not_specialize=["M", "splits"])
+    def _gemv_kernel(X, QS, S, MN, B, Y, WS, CNT, M, N, K, k_per, splits, stride_xm, stride_qn, stride_sn, stride_ym,
+                     HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BW: tl.constexpr,
+                     STAGES: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, Q4: tl.constexpr,
+                     GROUP: tl.constexpr, PDL: tl.constexpr):
+        # BW: bytes of a row per K step (BLOCK_K / 2 for Q4, BLOCK_K for Q8); positions p are bytes
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, M_PAD)
+        offs_b = tl.arange(0, BW)
+        nmask = offs_n < N
+        mmask = offs_m < M
+        k_lo = pid_k * k_per
+        k_hi = tl.minimum(k_lo + k_per, K)
+        if Q4:
+            b_lo = k_lo // 2
+            b_hi = k_hi // 2
+        else:
+            b_lo = k_lo
+            b_hi = k_hi
+        rows = offs_n.to(tl.int64)[:, None]
+        q_rows = QS + rows * stride_qn
+        s_rows = S + rows * stride_sn
+        m_rows = MN + rows * stride_sn
+        acc = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+        acc0 = tl.zeros((BLOCK_N, BW), tl.float32)  # FMA: one 2D accumulator per row of x
+        acc1, acc2, acc3 = acc0, acc0, acc0
+        # The first W tile is loaded before the PDL wait (no kernel writes weights), x after it.
+        p = b_lo + offs_b
+        pmask = p < b_hi
+        lo, hi = _w_tile(q_rows, s_rows, m_rows, p, nmask[:, None] & pmask[None, :], Q4, GROUP)
+        pdl.wait_prior(PDL)
+        acc, acc0, acc1, acc2, acc3 = _gemv_step(acc, acc0, acc1, acc2, acc3, lo, hi, X, _cols(p, Q4), pmask,
+                                                 mmask, offs_m, M, stride_xm, M_PAD, DOT, IEEE, Q4)
+        for b in tl.range(b_lo + BW, b_hi, BW, num_stages=STAGES):
+            p = b + offs_b
+            pmask = p < b_hi
+            lo, hi = _w_tile(q_rows, s_rows, m_rows, p, nmask[:, None] & pmask[None, :], Q4, GROUP)
+            acc, acc0, acc1, acc2, acc3 = _gemv_step(acc, acc0, acc1, acc2, acc3, lo, hi, X, _cols(p, Q4), pmask,
+                                                     mmask, offs_m, M, stride_xm, M_PAD, DOT, IEEE, Q4)
+        if not DOT:  # reduce over K once; column m of acc <- row m of x
+            acc = tl.where(offs_m[None, :] == 0, tl.sum(acc0, 1)[:, None], acc)
+            if M_PAD > 1:
+                acc = tl.where(offs_m[None, :] == 1, tl.sum(acc1, 1)[:, None], acc)
+            if M_PAD > 2:
+                acc = tl.where(offs_m[None, :] == 2, tl.sum(acc2, 1)[:, None], acc)
+                acc = tl.where(offs_m[None, :] == 3, tl.sum(acc3, 1)[:, None], acc)
+        omask = nmask[:, None] & mmask[None, :]
+        tile = offs_m[None, :] * N + offs_n[:, None]  # [BLOCK_N, M_PAD] offsets in an [M, N] slab
+        done = pid_n >= 0
+        if splits > 1:
+            tl.store(WS + pid_k * M * N + tile, acc, mask=omask)
+            tl.debug_barrier()  # every thread's partial is stored before the (releasing) count
+            done = tl.atomic_add(CNT + pid_n, 1, sem="acq_rel") == splits - 1
+            if done:  # the last slice of this tile: sum all slices in a fixed order
+                acc = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+                for s in range(0, splits):
+                    acc += tl.load(WS + s * M * N + tile, mask=omask, other=0.0, cache_modifier=".cg")
+                tl.store(CNT + pid_n, 0)
+        if done:
+            if HAS_BIAS:
+                acc += tl.load(B + offs_n, mask=nmask, other=0.0).to(tl.float32)[:, None]
+            tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty), mask=omask)
+
+    @triton.jit
+    def _gemm_kernel(X, QS, S, MN, B, Y, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
+                     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
+                     GROUP_M: tl.constexpr, IEEE: tl.constexpr, Q4: tl.constexpr, GROUP: tl.constexpr):
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BM)
+        num_n = tl.cdiv(N, BN)
+        group = GROUP_M * num_n  # grouped launch order: neighbouring programs share W tiles in L2
+        first_m = (pid // group) * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % group) % size_m
+        pid_n = (pid % group) // size_m
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        offs_b = tl.arange(0, BW)
+        mmask = offs_m < M
+        nmask = offs_n < N
+        rows = offs_n.to(tl.int64)[:, None]
+        q_rows = QS + rows * stride_qn
+        s_rows = S + rows * stride_sn
+        m_rows = MN + rows * stride_sn
+        x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm
+        if Q4:
+            nb = K // 2
+        else:
+            nb = K
+        acc = tl.zeros([BM, BN], tl.float32)
+        for b in range(0, nb, BW):  # ascending K, one accumulator: the order every row sees
+            p = b + offs_b
+            pmask = p < nb
+            lo, hi = _w_tile(q_rows, s_rows, m_rows, p, nmask[:, None] & pmask[None, :], Q4, GROUP)
+            col = _cols(p, Q4)
+            xmask = mmask[:, None] & pmask[None, :]
+            xa = tl.load(x_rows + col[None, :], mask=xmask, other=0.0)
+            if IEEE:
+                acc = tl.dot(xa, tl.trans(lo), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xa, tl.trans(lo.to(xa.dtype)), acc)
+            if Q4:
+                xb = tl.load(x_rows + (col + 16)[None, :], mask=xmask, other=0.0)
+                if IEEE:
+                    acc = tl.dot(xb, tl.trans(hi), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(xb, tl.trans(hi.to(xb.dtype)), acc)
+        if HAS_BIAS:
+            acc = acc + tl.load(B + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        y_ptr = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+def _check(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, layout: Layout) -> tuple[int, int]:
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    N, K = qs.shape[0], qs.shape[1] * (2 if layout.q4 else 1)
+    if x.shape[-1] != K or K % 32 or scale.shape != (N, K // layout.group) or qs.stride(1) != 1 or scale.stride(1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} and a packed {layout.name} weight qs {tuple(qs.shape)} / "
+                         f"scale {tuple(scale.shape)} do not fit (K a multiple of 32, unit stride along K)")
+    return N, K
+
+
+def _out(x: torch.Tensor, N: int, out_dtype: torch.dtype | None, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty((x.shape[0], N), dtype=out_dtype or x.dtype, device=x.device)
+    if out.shape != (x.shape[0], N) or out.stride(1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} must be [{x.shape[0]}, {N}] with unit stride along N")
+    return out
+
+
+def gemv(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, layout: Layout,
+         bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+         config: tuple | None = None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` for a few rows, W packed (the module docstring's layouts).
+
+    Args:
+        x: ``[M, K]`` bf16/fp16 (fp32: IEEE products, the interpreter tests), M <= :data:`MAX_M`.
+        qs, scale, minimum: one :class:`~monobatch.quant.packed.PackedPart`'s tensors, x's device.
+        layout: their :class:`~monobatch.quant.formats.Layout`.
+        bias: ``[N]`` or None (added in fp32).
+        out_dtype: result dtype (None: x's; float32 for logits).
+        out: write here instead (``[M, N]``, unit stride along N; a column slice of a wider
+            output is fine); its dtype wins over ``out_dtype``.
+        config: ``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, DOT)``; None: :func:`gemv_config`.
+
+    Returns:
+        ``[M, N]``, fp32 accumulation.
+
+    Raises:
+        RuntimeError: no Triton. ValueError: shapes that do not fit, M > MAX_M, an FMA config with M > 4.
+    """
+    N, K = _check(x, qs, scale, layout)
+    M = x.shape[0]
+    if M > MAX_M:
+        raise ValueError(f"gemv takes M <= {MAX_M} rows")
+    y = _out(x, N, out_dtype, out)
+    if M == 0 or N == 0:
+        return y
+    block_n, block_k, splits, warps, stages, dot = config or gemv_config(N, K, M, layout)
+    if not dot and M > 4:
+        raise ValueError("FMA configs take M <= 4 rows")
+    if block_k % 32:
+        raise ValueError("BLOCK_K must be a multiple of 32")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    k_per, splits = _slices(K, block_k, splits)
+    tiles = -(-N // block_n)
+    ws = torch.empty((splits, M, N) if splits > 1 else (1,), dtype=torch.float32, device=x.device)
+    cnt = counters(x.device, tiles) if splits > 1 else COUNTERS.get(x.device)
+    cnt = ws.new_empty(1, dtype=torch.int32) if cnt is None else cnt  # unused without split-K
+    _gemv_kernel[(tiles, splits)](
+        x, qs, scale, minimum, y if bias is None else bias.contiguous(), y, ws, cnt, M, N, K, k_per, splits,
+        x.stride(0), qs.stride(0), scale.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+        M_PAD=16 if dot else _pow2(M), BLOCK_N=block_n, BW=block_k // 2 if layout.q4 else block_k, STAGES=stages,
+        DOT=bool(dot), IEEE=x.dtype == torch.float32, Q4=layout.q4, GROUP=layout.group,
+        num_warps=warps, num_stages=stages, **pdl.launch(x.device))
+    return y
+
+
+def gemm(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, layout: Layout,
+         bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+         config: tuple | None = None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` by the tiled dequantizing GEMM, any M (arguments as :func:`gemv`).
+
+    Args:
+        config: ``(BM, BN, BK, num_warps, num_stages)``, BK a multiple of 32 (64 at least for Q4:
+            each ``tl.dot`` takes BK/2 >= 16 columns); None: :func:`gemm_config`, or
+            :data:`INVARIANT_TILE` inside :func:`monobatch.kernels.invariant_gemm.mode` (True).
+
+    Returns:
+        ``[M, N]``; its rows' bits do not depend on M for a given config (one K order, no split-K).
+
+    Raises:
+        RuntimeError: no Triton. ValueError: shapes that do not fit.
+    """
+    N, K = _check(x, qs, scale, layout)
+    M = x.shape[0]
+    y = _out(x, N, out_dtype, out)
+    if M == 0 or N == 0:
+        return y
+    if config is None:
+        config = INVARIANT_TILE if invariant_gemm.active() else gemm_config(M, N)
+    bm, bn, bk, warps, stages = config
+    bw = bk // 2 if layout.q4 else bk
+    if bk % 32 or bw < 16:
+        raise ValueError(f"BK {bk}: a multiple of 32, and at least 64 for a Q4 layout")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    _gemm_kernel[grid](x, qs, scale, minimum, y if bias is None else bias.contiguous(), y, M, N, K, x.stride(0),
+                       qs.stride(0), scale.stride(0), y.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn, BW=bw,
+                       GROUP_M=8, IEEE=x.dtype == torch.float32, Q4=layout.q4, GROUP=layout.group,
+                       num_warps=warps, num_stages=stages)
+    return y
+
+
+def matmul(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, layout: Layout,
+           bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """The dispatcher :meth:`monobatch.quant.packed.PackedWeight.matmul` calls on CUDA: x ``[M, K]``
+    -> ``[M, N]``. Batch-invariant mode: :func:`gemm` with :data:`INVARIANT_TILE` for every M;
+    else :func:`gemv` up to :data:`MAX_M` rows, :func:`gemm` above."""
+    if x.shape[0] <= MAX_M and not invariant_gemm.active():
+        return gemv(x, qs, scale, minimum, layout, bias, out_dtype, out)
+    return gemm(x, qs, scale, minimum, layout, bias, out_dtype, out)
+
+
+def dequantize(qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, layout: Layout,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Packed rows -> ``[R, K]`` in ``dtype`` with torch ops on any device (CUDA's embedding
+    lookups, ``PackedWeight.dequantize`` there). ``q * scale`` is exact in float32 (an fp16 times
+    an integer of at most 8 bits), so the float32 result is bitwise ``gguf.quants.dequantize``'s
+    (Q4_0's signed zeros aside, formats.py). Capturable in a CUDA graph.
+
+    Args:
+        qs: uint8 ``[R, K/2]`` (Q4) or int8 ``[R, K]`` (Q8); scale, minimum: float32 ``[R, K/G]``.
+    """
+    R, G = qs.shape[0], layout.group
+    if layout.q4:
+        b = qs.reshape(R, -1, 16)
+        q = torch.cat([b & 15, b >> 4], dim=-1)  # [R, K/32, 32] in column order
+    else:
+        q = qs.reshape(R, -1, G)
+    w = q.to(torch.float32) * scale.unsqueeze(-1) + minimum.unsqueeze(-1)
+    return w.reshape(R, -1).to(dtype)
