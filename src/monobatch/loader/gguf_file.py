@@ -1,8 +1,9 @@
 """GGUF checkpoints (llama.cpp's format), read with the ``gguf`` package.
 
-With ``weights="packed"`` (the default where the packed kernels run: CPU) every 2-D weight of a
+With ``weights="packed"`` (the default where the packed kernels run: CPU, and CUDA with Triton) every 2-D weight of a
 packed type (:data:`monobatch.quant.formats.PACKED_TYPES`) stays packed: its blocks are repacked
-once into a resident layout (:func:`monobatch.quant.formats.repack`) and held as a
+once into a resident layout (:func:`monobatch.quant.formats.repack`; on CUDA the raw blocks are
+copied to the GPU and repacked there, :mod:`monobatch.quant.device_repack`) and held as a
 :class:`~monobatch.quant.packed.PackedWeight` (ADR 0006). Every other tensor, and every tensor
 with ``weights="dequant"``, is dequantized on its own by ``gguf.quants.dequantize`` (every type
 gguf-py can dequantize) and copied into the model's compute dtype, so peak memory is the final
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 import mmap
 import re
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,8 @@ from monobatch.loader.weights import WeightFiller, check_memory, new_model, para
 from monobatch.models import registry
 from monobatch.models.args import ModelArgs
 from monobatch.models.layers import DecoderModel
-from monobatch.quant.formats import PACKED_TYPES, repack, resident_bytes
+from monobatch.quant import device_repack
+from monobatch.quant.formats import PACKED_TYPES, Repacked, repack, resident_bytes
 from monobatch.quant.packed import packed_supported
 
 log = logging.getLogger(__name__)
@@ -185,6 +188,18 @@ def _drop_pages(reader: GGUFReader, t: Any) -> None:
         pass
 
 
+def repack_on(device: torch.device, qtype: GGMLQuantizationType, rows: np.ndarray, k: int) -> Repacked:
+    """Raw rows (uint8 ``[N, row bytes]``, possibly a read-only view of the file) -> the resident
+    layout on ``device``: numpy on CPU; elsewhere the bytes go to the device as they are in the
+    file and are repacked there (bitwise the same layout)."""
+    if device.type == "cpu":
+        return repack(qtype, rows, k)
+    with warnings.catch_warnings():  # a read-only memmap view: torch only reads it (the copy to the device)
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(np.ascontiguousarray(rows)).to(device)
+    return device_repack.repack(qtype, raw, k)
+
+
 def _log_weights(kinds: Counter, weights: str, pack: bool) -> None:
     """One line: which types were packed and which dequantized; quantized types left dense while
     packing (no packed layout for them) also get a warning."""
@@ -202,8 +217,8 @@ def load_gguf_model(reader: GGUFReader, device: torch.device, dtype: torch.dtype
     read here when not given, so the caller may drop the parsed metadata first).
 
     Args:
-        weights: ``packed`` (packed types stay packed where :func:`packed_supported`; on CUDA, for
-            now, dequantized, said in the log) or ``dequant``.
+        weights: ``packed`` (packed types stay packed where :func:`packed_supported`: CPU with
+            the compiled kernels, CUDA with Triton; elsewhere dequantized, said in the log) or ``dequant``.
 
     Raises:
         UnsupportedModelError, InsufficientMemoryError: see :func:`model_args`, :func:`check_memory`.
@@ -211,7 +226,7 @@ def load_gguf_model(reader: GGUFReader, device: torch.device, dtype: torch.dtype
     args = args or model_args(reader)
     pack = weights == "packed" and packed_supported(device)
     if weights == "packed" and not pack:
-        log.warning("weights: no packed kernels on %s yet; dequantized at load into %s", device.type,
+        log.warning("weights: no packed kernels on %s here; dequantized at load into %s", device.type,
                     str(dtype).removeprefix("torch."))
     packed = packed_targets(reader, args) if pack else set()
     elt = torch.tensor([], dtype=dtype).element_size()
@@ -237,7 +252,7 @@ def load_gguf_model(reader: GGUFReader, device: torch.device, dtype: torch.dtype
                 n = args.num_attention_heads if ".q_proj." in name else args.num_key_value_heads
                 w = unpermute_qk(w, n)  # a row permutation: packed rows move as the float rows do
             if held:
-                filler.fill_packed(name, repack(qtype, w, shape[-1]), qtype.name)
+                filler.fill_packed(name, repack_on(device, qtype, w, shape[-1]), qtype.name)
             else:
                 filler.fill(name, w)
             del w

@@ -208,7 +208,8 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, D]`` -> ``[T, D]``."""
         gate_up = self.gate_up_proj(x)  # (T, 2F)
-        if self.act is F.silu and fused.enabled(gate_up) and not self.down_proj.packed:  # SiLU inside the down GEMV
+        # SiLU inside the down GEMV (a plain dense Linear: a tensor-parallel down projection all-reduces)
+        if self.act is F.silu and fused.enabled(gate_up) and type(self.down_proj) is Linear and not self.down_proj.packed:
             return gemv.gated_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
         gate, up = gate_up.split(self.ffn, dim=-1)  # (T, F) each
         return self.down_proj(self.act(gate) * up)
@@ -251,13 +252,20 @@ class DecoderModel(nn.Module):
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids int64 ``[T]`` -> their embedding rows ``[T, D]`` in the compute dtype."""
+        if "vocab_parallel" in self._modules:  # a tensor-parallel shard (monobatch.distributed.sharding)
+            return self._modules["vocab_parallel"].embed(token_ids, self.dtype)
         if isinstance(self.embed_tokens, PackedWeight):
             return self.embed_tokens.embedding(token_ids, self.dtype)
         return F.embedding(token_ids, self.embed_tokens)
 
     def to_device(self, device: torch.device, dtype: torch.dtype) -> "DecoderModel":
-        """Move and cast the weights; the RoPE tables stay float32 until :meth:`build_rope_tables`."""
+        """Move and cast the weights (packed ones are moved as they are); the RoPE tables stay
+        float32 until :meth:`build_rope_tables`."""
         self.to(device=device, dtype=dtype)
+        for m in self.modules():
+            for v in vars(m).values():
+                if isinstance(v, PackedWeight):
+                    v.to(device)
         for rope in self.ropes:
             rope.to(device)
         return self
@@ -287,4 +295,6 @@ class DecoderModel(nn.Module):
         """``x @ head.T`` as float32 ``[R, V]``: with 16-bit weights on CUDA the GEMM writes float32
         directly (:func:`monobatch.kernels.gemv.linear` with ``out_dtype``), so logits are not
         rounded to bfloat16 (which ties tokens whose logits differ by less than ~0.1)."""
+        if "vocab_parallel" in self._modules:  # a tensor-parallel shard: its rows, gathered on the driver
+            return self._modules["vocab_parallel"].logits(x)
         return matmul(x, head, out_dtype=torch.float32)

@@ -1,0 +1,292 @@
+"""Packed GGUF weights on CUDA (kernels/quant_gemm.py, quant/device_repack.py; ADR 0006).
+
+Three kinds of test:
+
+- plain CPU tests (no Triton): the torch repack (what the loader runs on the GPU) is bitwise
+  formats.repack, and the torch dequantization is bitwise gguf-py's, for every packed type;
+- Triton's CPU interpreter (``*_in_interpreter``; skipped without Triton and on a GPU, where the
+  CUDA tests run instead): the GEMV (FMA and DOT paths, split-K) and the tiled GEMM for every type
+  against a float64 reference of ``gguf.quants.dequantize``'s weights, with fp32 activations,
+  within :data:`REL_TOL`; rows bitwise equal across M = 1, 3, 17, 64, 200 in batch-invariant mode;
+- CUDA (``*_cuda``; skipped without a GPU, run by ``scripts/gpu_packed.sh`` with ``-k cuda``): the
+  same in bf16 within :data:`BF16_TOL`, CUDA-graph replay, invariance, a PackedWeight of two
+  types with bias and lookups, and a tiny Q4_0 GGUF loaded packed on CUDA against its dequant load.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+from helpers import run_in_triton_interpreter
+from test_quant import random_blocks
+from monobatch.quant import device_repack
+from monobatch.quant.formats import PACKED_TYPES, repack
+
+#: fp32 activations (interpreter): |y - float64 reference| / max |reference|, as tests/test_quant.py's
+#: bound for a float32 dot product (K * 2^-24 with K = 512, times 4); observed ~4e-7 at K = 256.
+REL_TOL = 4 * 512 * 2.0**-24
+#: bf16 activations on CUDA: the same ratio for a bf16 output (bf16's 2^-9 relative rounding of the
+#: output and, on the DOT and GEMM paths, of the weights, as the dequant path's bf16 weights are).
+BF16_TOL = 1e-2
+TYPES = list(PACKED_TYPES)
+INVARIANT_MS = (1, 3, 17, 64, 200)
+
+
+def _parts(qtype: T, n: int, k: int, seed: int = 0, device: str = "cpu"):
+    data = random_blocks(qtype, n, k, seed)
+    rep = device_repack.repack(qtype, torch.from_numpy(data).to(device), k)
+    ref = torch.from_numpy(dequantize(data, qtype).reshape(n, k)).double().to(device)
+    return rep, ref
+
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_device_repack_is_formats_repack(qtype):
+    """The torch repack (the loader's on CUDA) gives formats.repack's bytes, scales and mins, bit for bit."""
+    n, k = 24, 512
+    data = random_blocks(qtype, n, k, seed=5)
+    want = repack(qtype, data, k)
+    got = device_repack.repack(qtype, torch.from_numpy(data), k)
+    assert got.layout == want.layout
+    assert np.array_equal(got.qs.numpy().view(np.uint8), want.qs.view(np.uint8))
+    assert np.array_equal(got.scale.numpy().view(np.uint32), want.scale.view(np.uint32))
+    assert np.array_equal(got.minimum.numpy().view(np.uint32), want.minimum.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_torch_dequantize_is_gguf(qtype):
+    """quant_gemm.dequantize (CUDA's lookups) equals gguf-py's dequantization (Q4_0's zero signs aside)."""
+    from monobatch.kernels import quant_gemm
+    n, k = 16, 512
+    rep, ref = _parts(qtype, n, k, seed=6)
+    got = quant_gemm.dequantize(rep.qs, rep.scale, rep.minimum, rep.layout)
+    assert got.dtype == torch.float32 and torch.equal(got.double(), ref)
+    ids = torch.tensor([3, 0, 3, 15])
+    assert torch.equal(quant_gemm.dequantize(rep.qs[ids], rep.scale[ids], rep.minimum[ids], rep.layout,
+                                             torch.bfloat16), ref[ids].float().bfloat16())
+
+
+def check_kernels(device: str = "cpu") -> str:
+    """Every type: GEMV (M 1, 3 FMA; 5, 16 DOT; split-K configs) and GEMM (M 1, 20, 70; three
+    tiles) against the float64 reference, bias, output into a column slice, float32 out; in fp32
+    (interpreter: fewer M and configs, a few seconds) or bf16 (CUDA)."""
+    from monobatch.kernels import common, quant_gemm as Q
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    tol = REL_TOL if device == "cpu" else BF16_TOL
+    g = torch.Generator().manual_seed(0)
+    n, k = 40, 256
+    for i, qtype in enumerate(TYPES):
+        rep, w = _parts(qtype, n, k, seed=i, device=device)
+        args = (rep.qs, rep.scale, rep.minimum, rep.layout)
+        bias = torch.randn(n, generator=g).to(device, dtype)
+        for M in ((1, 5, 20) if device == "cpu" else (1, 2, 3, 5, 16, 20, 70)):
+            x = torch.randn(M, k, generator=g).to(device, dtype)
+            ref = x.double() @ w.T
+            refb = ref + bias.double()
+            outs = []
+            if M <= Q.MAX_M:
+                dot = M > 4
+                cfgs = [None, (16 if dot else 4, 64, 3, 4, 2, dot), (32, 128, 1, 4, 1, True)]
+                for cfg in cfgs[:2] if device == "cpu" else cfgs:
+                    outs.append(Q.gemv(x, *args, bias, config=cfg))
+            for cfg in (None, Q.INVARIANT_TILE) if device == "cpu" else (None, quant_gemm_tile(M), Q.INVARIANT_TILE):
+                outs.append(Q.gemm(x, *args, bias, config=cfg))
+            for y in outs:
+                assert y.dtype == dtype and y.shape == (M, n)
+                assert _rel(y, refb) <= tol, (qtype.name, M)
+            wide = torch.zeros(M, n + 24, dtype=torch.float32, device=device)
+            Q.matmul(x, *args, out=wide[:, 8:8 + n])
+            assert _rel(wide[:, 8:8 + n], ref) <= tol and not wide[:, :8].any() and not wide[:, 8 + n:].any()
+            assert Q.matmul(x, *args, out_dtype=torch.float32).dtype == torch.float32
+        with pytest.raises(ValueError):
+            Q.gemv(torch.zeros(Q.MAX_M + 1, k, dtype=dtype, device=device), *args)
+        with pytest.raises(ValueError):
+            Q.gemm(torch.zeros(2, k + 32, dtype=dtype, device=device), *args)
+    counts = common.COUNTERS.get(torch.device(device))
+    assert counts is None or int(counts.abs().sum()) == 0  # split-K left its counters zeroed
+    return "ok"
+
+
+def quant_gemm_tile(M: int) -> tuple:
+    """A GEMM tile other than the default for M (rows of 16 or 64, BK 128)."""
+    return (64, 32, 128, 4, 2) if M <= 32 else (16, 64, 128, 4, 2)
+
+
+def check_invariance(device: str = "cpu") -> str:
+    """Batch-invariant mode: every type's rows (packed matmul, any M) have the bits of the same
+    rows at M = 200; on CUDA also of each row alone and at other places in the batch (the
+    interpreter's numpy matmul gives a row other bits at another place in a tile; the GPU's MMA
+    does not, as for the dense invariant GEMM)."""
+    from monobatch.kernels import invariant_gemm, quant_gemm as Q
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(1)
+    n, k = 48, 256
+    types = TYPES if device != "cpu" else [T.Q4_K, T.Q6_K]  # the interpreter: the Q4 and the Q8 kernel paths
+    for i, qtype in enumerate(types):
+        rep, _ = _parts(qtype, n, k, seed=10 + i, device=device)
+        args = (rep.qs, rep.scale, rep.minimum, rep.layout)
+        x = torch.randn(max(INVARIANT_MS), k, generator=g).to(device, dtype)
+        with invariant_gemm.mode(True):
+            full = Q.matmul(x, *args)
+            for M in INVARIANT_MS:
+                assert torch.equal(Q.matmul(x[:M], *args), full[:M]), (qtype.name, M)
+                if device != "cpu":
+                    assert torch.equal(Q.matmul(x[M - 1:M + 16], *args), full[M - 1:M + 16]), (qtype.name, M)
+            for r in (0, 5, 17, 199) if device != "cpu" else ():
+                assert torch.equal(Q.matmul(x[r:r + 1], *args), full[r:r + 1]), (qtype.name, r)
+        assert torch.equal(full, Q.gemm(x, *args, config=Q.INVARIANT_TILE))
+    return "ok"
+
+
+def test_kernels_in_interpreter():
+    run_in_triton_interpreter("test_quant_cuda", "check_kernels")
+
+
+def test_invariance_in_interpreter():
+    run_in_triton_interpreter("test_quant_cuda", "check_invariance")
+
+
+def test_configs_are_valid():
+    """The default configs are legal for the kernels at every decode M and model shape."""
+    from monobatch.kernels import quant_gemm as Q
+    from monobatch.quant.formats import Q4, Q8, Q8_16
+    for N, K in ((3072, 2048), (2048, 8192), (16384, 2048), (49152, 576), (28672, 4096), (4096, 14336), (40, 64)):
+        for layout in (Q4, Q8, Q8_16):
+            for M in range(1, Q.MAX_M + 1):
+                bn, bk, splits, warps, stages, dot = Q.gemv_config(N, K, M, layout)
+                assert bk % 32 == 0 and bn & (bn - 1) == 0 and (bn >= 16 if dot else M <= 4) and splits >= 1
+                k_per, s = Q._slices(K, bk, splits)
+                assert k_per % bk == 0 and (s - 1) * k_per < K <= s * k_per
+            for M in (1, 17, 64, 300, 4096):
+                bm, bn, bk, _, _ = Q.gemm_config(M, N)
+                assert bk % 64 == 0 and bm >= 16 and bn >= 16
+
+
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA only")
+    from monobatch.kernels import common
+    if common.triton is None:
+        pytest.skip("Triton not installed")
+
+
+def test_kernels_cuda():
+    _cuda()
+    assert check_kernels("cuda") == "ok"
+
+
+def test_invariance_cuda():
+    _cuda()
+    assert check_invariance("cuda") == "ok"
+
+
+@pytest.mark.parametrize("N,K", [(3072, 2048), (2048, 8192), (4096, 14336), (49152, 576)])
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
+def test_model_shapes_cuda(qtype, N, K):
+    """Decode and prefill shapes of llama-1b/8b and the SmolLM2 head: every default config within
+    BF16_TOL of the float64 reference; float32 logits output too."""
+    _cuda()
+    from monobatch.kernels import quant_gemm as Q
+    rep, w = _parts(qtype, N, K, seed=N % 97, device="cuda")
+    args = (rep.qs, rep.scale, rep.minimum, rep.layout)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for M in (1, 2, 3, 4, 8, 16, 17, 256):
+        x = torch.randn(M, K, generator=g, device="cuda", dtype=torch.bfloat16)
+        ref = x.double() @ w.T
+        assert _rel(Q.matmul(x, *args), ref) < BF16_TOL, M
+        y32 = Q.matmul(x, *args, out_dtype=torch.float32)
+        assert y32.dtype == torch.float32 and _rel(y32, ref) < BF16_TOL
+
+
+@pytest.mark.parametrize("cfg", [(4, 512, 1, 4, 3, False), (8, 256, 4, 4, 2, False), (32, 256, 3, 4, 3, True)])
+def test_graph_replay_cuda(cfg):
+    """A captured GEMV (split-K included) and GEMM replay with the eager bits, run after run."""
+    _cuda()
+    from monobatch.kernels import quant_gemm as Q
+    rep, _ = _parts(T.Q4_K, 2048, 2048, device="cuda")
+    args = (rep.qs, rep.scale, rep.minimum, rep.layout)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    for M in (1, 4, 16, 48):
+        if M > Q.MAX_M or (not cfg[5] and M > 4):
+            fn = lambda x: Q.gemm(x, *args)  # noqa: E731
+        else:
+            fn = lambda x: Q.gemv(x, *args, config=cfg)  # noqa: E731
+        x = torch.randn(M, 2048, generator=g, device="cuda", dtype=torch.bfloat16)
+        y = fn(x)
+        assert all(torch.equal(y, fn(x)) for _ in range(3))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn(x)
+        for _ in range(3):
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, y)
+
+
+def test_packed_weight_cuda():
+    """A PackedWeight of Q4_K rows over Q6_K rows moved to CUDA: matmul with bias at decode and
+    prefill sizes (one output, each part its columns), embedding lookups (one part and two),
+    dequantize; packed_supported is true there."""
+    _cuda()
+    from monobatch.quant.packed import PackedWeight, packed_supported
+    assert packed_supported(torch.device("cuda"))
+    k = 512
+    a, b = random_blocks(T.Q4_K, 64, k, 1), random_blocks(T.Q6_K, 32, k, 2)
+    w = PackedWeight.from_repacked([(repack(T.Q4_K, a, k), "Q4_K"), (repack(T.Q6_K, b, k), "Q6_K")], k).to("cuda")
+    assert w.device.type == "cuda" and w.shape == (96, k)
+    dense = torch.from_numpy(np.concatenate([dequantize(a, T.Q4_K), dequantize(b, T.Q6_K)]).reshape(96, k)).cuda()
+    bias = torch.randn(96, device="cuda", dtype=torch.bfloat16)
+    for M in (1, 5, 40):
+        x = torch.randn(2, M, k, device="cuda", dtype=torch.bfloat16)
+        ref = x.double() @ dense.double().T + bias.double()
+        y = w.matmul(x, bias)
+        assert y.shape == (2, M, 96) and y.dtype == torch.bfloat16 and _rel(y, ref) < BF16_TOL
+    ids = torch.tensor([3, 90, 3], device="cuda")
+    assert torch.equal(w.embedding(ids, torch.float32), dense[ids])
+    assert torch.equal(w.dequantize(), dense)
+    single = PackedWeight.from_repacked([(repack(T.Q4_K, a, k), "Q4_K")], k).to("cuda")
+    assert torch.equal(single.embedding(ids[[0, 2]], torch.bfloat16), dense[[3, 3]].bfloat16())
+
+
+def _logits(model, ids: list[int], device: torch.device) -> torch.Tensor:
+    from monobatch.batch import StepBatch
+    from monobatch.kv.dense import DenseKv
+    a = model.args
+    kv = DenseKv(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, a.max_position_embeddings,
+                 model.dtype, device, windows=a.layer_windows())
+    rows, cut = [], len(ids) // 2
+    for chunk, pos in ((ids[:cut], 0), (ids[cut:], cut)):
+        batch = StepBatch.build([(0, chunk, pos, True)]).to(device)
+        kv.prepare(batch)
+        rows.append(model(batch, kv))
+        kv.commit(batch)
+    return torch.cat(rows).float()
+
+
+def test_tiny_gguf_packed_on_cuda(tmp_path):
+    """A tiny Q4_0 llama GGUF (untied head) loaded on CUDA: held packed there (resident bytes of
+    the packed layout), and its logits, prefill chunks above 16 rows and short ones, within bf16
+    error of the dequant load's."""
+    _cuda()
+    from test_models_tiny import make_hf, write_gguf
+    from monobatch.loader import gguf_file
+    from monobatch.quant.packed import packed_weights
+    write_gguf(make_hf("llama", tmp_path / "hf"), tmp_path / "m.gguf", T.Q4_0)
+    cuda = torch.device("cuda")
+    models = {w: gguf_file.load_gguf_model(gguf_file.open_gguf(tmp_path / "m.gguf"), cuda, torch.bfloat16,
+                                           progress=False, weights=w) for w in ("packed", "dequant")}
+    held = packed_weights(models["packed"])
+    assert held and all(w.device.type == "cuda" for w in held) and models["packed"].lm_head.packed
+    assert not packed_weights(models["dequant"])
+    ids = list(range(3, 3 + 40))
+    for prompt in (ids, ids[:6]):
+        got, want = _logits(models["packed"], prompt, cuda), _logits(models["dequant"], prompt, cuda)
+        assert ((got - want).abs().max() / want.abs().max()).item() < 3e-2
