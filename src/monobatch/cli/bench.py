@@ -9,6 +9,7 @@ weights of a named shape with ``--dummy-weights --shape NAME`` (no download).
   monobatch bench -p 256,8064 -n 128
   monobatch bench --path engine,server,http -p 256
   monobatch bench --dummy-weights --shape llama-1b --device cuda --batch-size 1,8,32,64,128 --json
+  monobatch bench --dummy-weights --shape llama-1b --quant Q4_K --device cuda   # random packed weights
 
 ``--json`` prints one JSON object per line, one per configuration (``label`` names it).
 """
@@ -67,6 +68,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="also run N requests at once and the same N one after another (default 0: skip)")
     p.add_argument("--dummy-weights", action="store_true", help="random weights of --shape instead of a checkpoint")
     p.add_argument("--shape", help=f"with --dummy-weights: {', '.join(SHAPES)} (default smollm2-135m)")
+    p.add_argument("--quant", metavar="TYPE",
+                   help="with --dummy-weights: random packed weights of this GGUF type (Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, "
+                        "Q6_K, Q8_0) instead of dense ones, run by the packed kernels")
     p.add_argument("--json", action="store_true", help="print one JSON object per line, one per configuration")
     p.add_argument("--constrained", action="store_true",
                    help="decode every request under a JSON schema (structured output: an array of at least 4096 "
@@ -89,6 +93,8 @@ def run(ns: argparse.Namespace) -> int:
         raise InvalidRequestError(f"--concurrency must be >= 0, got {ns.concurrency}", "concurrency")
     if ns.shape is not None and not ns.dummy_weights:
         raise InvalidRequestError("--shape needs --dummy-weights (a checkpoint has its own shape)", "shape")
+    if ns.quant is not None and not ns.dummy_weights:
+        raise InvalidRequestError("--quant needs --dummy-weights (a checkpoint has its own types)", "quant")
     if ns.max_num_seqs is None:
         ns.max_num_seqs = max(defaults.MAX_NUM_SEQS, *ns.batch_size)
     engine_settings(ns)  # refuse bad flags before building weights
@@ -103,7 +109,7 @@ def run(ns: argparse.Namespace) -> int:
         from monobatch.bench import bench_constraint
 
         plan.structured = bench_constraint()
-    loaded = dummy_model(ns.shape or "smollm2-135m", ns.device, ns.dtype) if ns.dummy_weights else None
+    loaded = dummy_model(ns.shape or "smollm2-135m", ns.device, ns.dtype, quant=ns.quant) if ns.dummy_weights else None
     scheduler = open_engine(ns, loaded)
     plan.check(scheduler)
     if not ns.json:

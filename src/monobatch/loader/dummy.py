@@ -21,11 +21,16 @@ from monobatch.models.shapes import SHAPES
 __all__ = ["SHAPES", "dummy_model"]
 
 
-def dummy_model(shape: str, device: str | None = None, dtype: str | None = None, seed: int = 0) -> LoadedModel:
+def dummy_model(shape: str, device: str | None = None, dtype: str | None = None, seed: int = 0,
+                quant: str | None = None) -> LoadedModel:
     """A LoadedModel with random weights of ``shape`` (a key of :data:`SHAPES`).
 
+    Args:
+        quant: a packed GGUF type name (``Q4_0``, ``Q4_K``, ...): the linear layers and embeddings
+            are random packed weights of that type's layout (:mod:`monobatch.quant.random_packed`).
+
     Raises:
-        InvalidRequestError: an unknown shape. InsufficientMemoryError: it would not fit.
+        InvalidRequestError: an unknown shape or ``quant``. InsufficientMemoryError: it would not fit.
     """
     from monobatch.tokenizer import Tokenizer
 
@@ -34,15 +39,27 @@ def dummy_model(shape: str, device: str | None = None, dtype: str | None = None,
     start = time.perf_counter()
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    args = ModelArgs(model_type="llama", **SHAPES[shape])
+    args = ModelArgs.from_dict({"model_type": "llama", **SHAPES[shape]})
     check_memory(args, dt, dev)
     model = new_model(args, dev, dt)
     gen = torch.Generator(device=dev).manual_seed(seed)
+    if quant is not None:
+        from monobatch.quant.packed import packed_supported
+        from monobatch.quant.random_packed import pack_randomly
+
+        if not packed_supported(dev):
+            raise InvalidRequestError(f"--quant: no packed kernels on {dev.type} here", "quant")
+        try:
+            pack_randomly(model, quant, gen)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "quant") from e
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
         else:
             p.data.normal_(0.0, 0.02, generator=gen)
     tokenizer = Tokenizer.synthetic(args.vocab_size)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return LoadedModel(model, tokenizer, Path(f"dummy-{shape}"), {}, weight_bytes, time.perf_counter() - start)
+    from monobatch.quant.packed import weight_bytes
+
+    return LoadedModel(model, tokenizer, Path(f"dummy-{shape}"), {}, weight_bytes(model), time.perf_counter() - start,
+                       "packed" if quant is not None else "dequant")
