@@ -4,19 +4,24 @@ run the same model (``monobatch.models.shapes.SHAPES``: the shapes of ``--dummy-
 Weights as :mod:`monobatch.loader.dummy` draws them: normal(0, 0.02) (numpy, seeded; not the same
 numbers as torch's), norms 1 (float32, as llama.cpp's converter keeps 1-D tensors), tied embeddings
 (no ``output.weight``). The metadata is llama.cpp's ``llama`` architecture with the shape's
-hyper-parameters (``rms_norm_eps`` = monobatch's ``ModelArgs`` default, as the dummy model uses).
-llama.cpp needs a vocabulary, so the 12 ``tokenizer.*`` fields are copied from a GGUF of the same
+hyper-parameters (``rms_norm_eps`` = monobatch's ``ModelArgs`` default, as the dummy model uses),
+or its ``gemma3`` architecture for a Gemma 3 shape (``gemma3-1b``: the four block norms and q/k
+norms, ``gemma3.attention.sliding_window``; llama.cpp fixes the rest of Gemma 3's rules as
+monobatch's GGUF reader does: every 6th layer global, local RoPE base 10,000).
+llama.cpp needs a vocabulary, so the ``tokenizer.*`` fields are copied from a GGUF of the same
 vocabulary size (default: the bundled SmolLM2-135M, 49,152 tokens = the smollm2-135m and llama-1b
-shapes' vocabulary); text then tokenizes as SmolLM2's does, on both engines.
+shapes' vocabulary; gemma3-1b needs Gemma's 262,144: the Gemma 3 270M GGUF, ``-m gemma3``); text
+then tokenizes as that model's does, on both engines.
 
 Usage (the repo's src/ and gguf on the path)::
 
     python3 scripts/write_shape_gguf.py --shape llama-1b -o /tmp/llama-1b-f16.gguf [--check]
     python3 scripts/write_shape_gguf.py --shape smollm2-135m -o /tmp/smollm2-f16.gguf --tokenizer-from tok.gguf
-    python3 scripts/write_shape_gguf.py --tokenizer-only -o tok.gguf      # the 12 fields alone (~2 MiB)
+    python3 scripts/write_shape_gguf.py --tokenizer-only -o tok.gguf      # the tokenizer fields alone (~2 MiB)
+    python3 scripts/write_shape_gguf.py --tokenizer-only --tokenizer-from GEMMA3_270M.gguf -o gemma-tok.gguf
 
 ``--check`` reads the file back with monobatch's loader and exits 1 unless its ``ModelArgs`` equal
-the dummy shape's (``ModelArgs(model_type="llama", **SHAPES[shape])``) and every tensor the forward
+the dummy shape's (``ModelArgs.from_dict({"model_type": "llama", **SHAPES[shape]})``) and every tensor the forward
 needs is there with its shape. Prints one line: path, size, seconds.
 """
 
@@ -42,12 +47,15 @@ from monobatch.models.args import ModelArgs  # noqa: E402
 from monobatch.models.shapes import SHAPES  # noqa: E402
 
 ARCH = "llama"
+#: HF ``model_type`` -> llama.cpp ``general.architecture`` of the shapes this script writes.
+ARCHES = {"llama": "llama", "gemma3_text": "gemma3"}
 #: The tokenizer fields copied from the vocabulary's GGUF.
 TOKENIZER_KEYS = (
     "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
     "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
     "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token",
-    "tokenizer.ggml.add_space_prefix", "tokenizer.chat_template",
+    "tokenizer.ggml.add_space_prefix", "tokenizer.chat_template", "tokenizer.ggml.scores",
+    "tokenizer.ggml.add_eos_token", "tokenizer.ggml.add_sep_token",
 )
 
 
@@ -71,7 +79,7 @@ def shape_args(shape: str, num_layers: int | None = None) -> ModelArgs:
     fields = dict(SHAPES[shape])
     if num_layers is not None:
         fields["num_hidden_layers"] = num_layers
-    return ModelArgs(model_type="llama", **fields)
+    return ModelArgs.from_dict({"model_type": "llama", **fields})
 
 
 def tensor_layout(args: ModelArgs) -> list[tuple[str, tuple[int, ...], GGMLQuantizationType]]:
@@ -79,6 +87,7 @@ def tensor_layout(args: ModelArgs) -> list[tuple[str, tuple[int, ...], GGMLQuant
     d, hd, f = args.hidden_size, args.head_dim, args.intermediate_size
     q, kv = args.num_attention_heads * hd, args.num_key_value_heads * hd
     F16, F32 = GGMLQuantizationType.F16, GGMLQuantizationType.F32
+    gemma = args.model_type == "gemma3_text"
     out = [("token_embd.weight", (args.vocab_size, d), F16)]
     for i in range(args.num_hidden_layers):
         b = f"blk.{i}."
@@ -87,6 +96,9 @@ def tensor_layout(args: ModelArgs) -> list[tuple[str, tuple[int, ...], GGMLQuant
                 (b + "attn_output.weight", (d, q), F16), (b + "ffn_norm.weight", (d,), F32),
                 (b + "ffn_gate.weight", (f, d), F16), (b + "ffn_up.weight", (f, d), F16),
                 (b + "ffn_down.weight", (d, f), F16)]
+        if gemma:
+            out += [(b + "attn_q_norm.weight", (hd,), F32), (b + "attn_k_norm.weight", (hd,), F32),
+                    (b + "post_attention_norm.weight", (d,), F32), (b + "post_ffw_norm.weight", (d,), F32)]
     out.append(("output_norm.weight", (d,), F32))
     return out
 
@@ -115,7 +127,7 @@ def write_shape_gguf(path: Path, shape: str, tokenizer_from: Path, seed: int = 0
     """Write the GGUF (see the module docstring); returns the shape's ModelArgs."""
     args = shape_args(shape, num_layers)
     rng = np.random.default_rng(seed)
-    writer = GGUFWriter(str(path), ARCH)
+    writer = GGUFWriter(str(path), ARCHES[args.model_type])
     writer.add_name(f"monobatch {shape} random F16")
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     writer.add_block_count(args.num_hidden_layers)
@@ -130,6 +142,8 @@ def write_shape_gguf(path: Path, shape: str, tokenizer_from: Path, seed: int = 0
     writer.add_rope_freq_base(args.rope_theta)
     writer.add_layer_norm_rms_eps(args.rms_norm_eps)
     writer.add_vocab_size(args.vocab_size)
+    if args.model_type == "gemma3_text":
+        writer.add_sliding_window(args.sliding_window)
     copy_tokenizer(writer, GGUFReader(str(tokenizer_from), "r"), args.vocab_size)
     layout = tensor_layout(args)
     for name, shp, qtype in layout:
@@ -181,7 +195,7 @@ def check(path: Path, expected: ModelArgs) -> list[str]:
     for name, shp, _ in tensor_layout(expected):
         if names.get(name) != shp:
             problems.append(f"tensor {name}: {names.get(name)} != {shp}")
-        if hf_name(name) is None:
+        if hf_name(name, expected.model_type) is None:
             problems.append(f"tensor {name}: not read by monobatch's loader")
     return problems
 

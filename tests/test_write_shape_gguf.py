@@ -7,6 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import torch
+
 from server_util import ROOT
 
 SCRIPT = ROOT / "scripts" / "write_shape_gguf.py"
@@ -58,3 +60,29 @@ def test_shape_gguf_reads_back_as_the_dummy_shape(tmp_path, bundled_path):
 def test_vocabulary_size_mismatch_is_refused(tmp_path, bundled_path):
     res = run("--shape", "tiny", "--tokenizer-from", str(bundled_path), "-o", str(tmp_path / "t.gguf"))
     assert res.returncode != 0 and "tokens, the shape needs 512" in res.stderr
+
+
+def test_gemma3_shape_layout_is_what_the_loader_reads():
+    """The gemma3-1b shape is written as llama.cpp's ``gemma3`` architecture: the tensors of its
+    layout are exactly the weights of monobatch's Gemma 3 forward (the four block norms and the q/k
+    norms included; q/k/v and gate/up fused from their pieces), and its args are the dummy shape's
+    (the 1.3 GB file itself is written and ``--check``-ed on the GPU machine)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import write_shape_gguf as w
+
+    from monobatch.loader.gguf_file import hf_name
+    from monobatch.models.layers import PACKED
+    from monobatch.models.registry import family
+
+    args = w.shape_args("gemma3-1b", num_layers=6)
+    assert w.ARCHES[args.model_type] == "gemma3" and args.layer_windows() == (512,) * 5 + (0,)
+    with torch.device("meta"):
+        want = {n.removesuffix(".weight") for n, _ in family(args.model_type).Model(args).named_parameters()}
+    got = set()
+    for name, _, _ in w.tensor_layout(args):
+        hf = hf_name(name, args.model_type)
+        assert hf is not None, name
+        for suffix, (fused, _) in PACKED.items():
+            hf = hf.replace(suffix + ".", fused + ".")
+        got.add(hf.removesuffix(".weight"))
+    assert got == want
