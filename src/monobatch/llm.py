@@ -101,6 +101,8 @@ class LLM:
         enforce_eager: no CUDA graphs for decode steps (``--enforce-eager``; vLLM's name).
         async_scheduling: launch decode step N+1 before reading step N's tokens back (None: on
             CUDA; ``--no-async-scheduling`` is False).
+        tensor_parallel_size: ranks to shard the model over, one process each (vLLM's name;
+            ``--tensor-parallel-size``; ADR 0007).
         chat_template: a jinja template replacing the model's.
         progress: show the loading bar (on a terminal).
         loaded: an already loaded model to share (skips loading).
@@ -114,12 +116,13 @@ class LLM:
                  prefill_chunk: int = defaults.PREFILL_CHUNK, max_num_batched_tokens: int | None = None,
                  kv_storage: str = defaults.KV_STORAGE, kv_cache_memory: int | None = None,
                  deterministic: bool = False, enforce_eager: bool = False, async_scheduling: bool | None = None,
-                 chat_template: str | None = None, weights: str | None = None,
+                 chat_template: str | None = None, weights: str | None = None, tensor_parallel_size: int = 1,
                  progress: bool = True, loaded: LoadedModel | None = None) -> None:
         config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk,
                               max_num_batched_tokens=max_num_batched_tokens, kv_storage=kv_storage,
                               kv_cache_memory=kv_cache_memory, deterministic=deterministic,
-                              cuda_graphs=not enforce_eager, async_scheduling=async_scheduling)
+                              cuda_graphs=not enforce_eager, async_scheduling=async_scheduling,
+                              tensor_parallel_size=tensor_parallel_size)
         self.loaded = loaded or load_model(model, device, dtype, chat_template=chat_template, progress=progress,
                                            weights=weights)
         self.scheduler = BatchScheduler(Engine(self.loaded, config))

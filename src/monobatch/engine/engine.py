@@ -15,6 +15,7 @@ import torch
 from monobatch import defaults
 from monobatch.batch import StepBatch
 from monobatch.engine.constraint import GrammarCompiler
+from monobatch.distributed.plan import TensorParallelPlan
 from monobatch.engine import cuda_graphs
 from monobatch.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 from monobatch.engine.finish import FinishStep, RowOutput
@@ -76,6 +77,8 @@ class EngineConfig:
             back (:meth:`BatchScheduler.step`), so the host's work overlaps the device's. None
             (default): on for CUDA outside deterministic mode. Tokens are the same either way at
             B=1 (see :mod:`monobatch.engine.scheduler` for batches).
+        tensor_parallel_size: ranks the model is sharded over (one process each, spawned by the
+            engine; ADR 0007). 1: this process alone.
     """
 
     max_model_len: int | None = None
@@ -88,8 +91,12 @@ class EngineConfig:
     deterministic: bool = False
     cuda_graphs: bool = True
     async_scheduling: bool | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise InvalidRequestError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}",
+                                      "tensor_parallel_size")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidRequestError("max_model_len (--ctx-size) must be >= 2", "max_model_len")
         if self.max_num_seqs < 1:
@@ -138,6 +145,16 @@ class Engine:
         args = self.model.args
         self.max_model_len = min(self.config.max_model_len or args.max_position_embeddings,
                                  args.max_position_embeddings)
+        # Tensor parallel (ADR 0007): this process is rank 0 and holds its shard. Deterministic mode
+        # shards TP=1 too, into the same pieces, so any rank count computes the same bits.
+        world, self.tp = self.config.tensor_parallel_size, None
+        self.tp_plan = (TensorParallelPlan.build(args, world)
+                        if world > 1 or (self.config.deterministic and args.num_key_value_heads > 1) else None)
+        if self.tp_plan is not None:
+            from monobatch.distributed.sharding import shard_model
+
+            self.model = shard_model(loaded.model, self.tp_plan, 0, pieces=self.config.deterministic, copy_=world > 1)
+        self.kv_heads = self.tp_plan.kv_heads(0) if self.tp_plan else args.num_key_value_heads  # this rank's
         # every position a step can hold; before the KV pool takes its share of the free memory
         self.model.build_rope_tables(self.max_model_len, self.model.dtype)
         self.kv: KvStore = self._make_kv()
@@ -148,6 +165,12 @@ class Engine:
         self.row_tile = (defaults.DETERMINISTIC_ROW_TILE.get(self.device.type, 8)
                          if self.config.deterministic and not self.invariant else 0)
         self.kv.batch_invariant = self.invariant
+        if world > 1:  # spawn ranks 1..N-1; the KV store becomes the mirror that replays its calls there
+            from monobatch.distributed.runtime import TensorParallelDriver
+
+            self.tp = TensorParallelDriver(loaded.model, self.model, self.tp_plan, self.kv, self.config.deterministic,
+                                           self.row_tile, self.invariant)
+            self.kv = self.tp.kv
         # A padded embedding (HF exports round it up) has rows no token owns: never draw them.
         self.vocab_size = min(args.vocab_size, self.tokenizer.vocab_size)
         self.sampler = RowSampler(self.vocab_size)
@@ -157,6 +180,11 @@ class Engine:
         # short prompt steps as CUDA graphs too (launch-bound otherwise; needs the varlen kernel)
         self.prefill_graphs = (PrefillGraphs(self.model, self.kv)
                                if self.graphs is not None and getattr(self.kv, "varlen", False) else None)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker ranks, if any (also done at exit); the engine is unusable after."""
+        if self.tp is not None:
+            self.tp.close()
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -169,7 +197,7 @@ class Engine:
 
     def _graphs_usable(self) -> bool:
         """CUDA graphs for decode steps: on CUDA, paged storage, kernel usable, not row tiles."""
-        return (self.config.cuda_graphs and not self.row_tile and isinstance(self.kv, PagedKv)
+        return (self.config.cuda_graphs and not self.row_tile and isinstance(self.kv, PagedKv) and self.tp is None
                 and triton_usable(self.device, self.model.args.head_dim))
 
     @property
@@ -202,8 +230,9 @@ class Engine:
             graphs += (f" and prompt steps of up to {cuda_graphs.PREFILL_MAX_TOKENS} tokens "
                        f"in {cuda_graphs.PREFILL_MAX_CHUNKS} chunks")
         overlap = "; async scheduling" if self.async_scheduling else ""
+        tp = f"; {self.tp_plan.describe()}" if self.tp is not None else ""
         return (f"{self.loaded.describe_weights()}; {self.kv.describe()}; context {self.max_model_len} tokens; "
-                f"mode {mode}{graphs}{overlap}")
+                f"mode {mode}{graphs}{overlap}{tp}")
 
     def _make_kv(self) -> KvStore:
         """The KV store the config names; a paged pool is sized from ``kv_cache_memory``.
@@ -212,13 +241,13 @@ class Engine:
             InsufficientMemoryError: the pool holds fewer tokens than one context.
         """
         args, cfg = self.model.args, self.config
-        shape = (args.num_hidden_layers, args.num_key_value_heads, args.head_dim, self.max_model_len,
+        shape = (args.num_hidden_layers, self.kv_heads, args.head_dim, self.max_model_len,
                  self.model.dtype, self.model.device)
         windows = args.layer_windows()  # sliding-window layers (ADR 0005); all 0 for most models
         if cfg.kv_storage == "dense":
             return DenseKv(*shape, windows=windows)
         groups = layer_groups(windows)
-        block_bytes = cfg.block_size * KvStore.token_bytes(len(groups[0].layers), args.num_key_value_heads,
+        block_bytes = cfg.block_size * KvStore.token_bytes(len(groups[0].layers), self.kv_heads,
                                                            args.head_dim, self.model.dtype)
         # what one sequence may hold at once: a context, its local layers' windows and one step's chunk
         chunk = min(cfg.prefill_chunk, cfg.token_budget(self.device.type))
@@ -247,8 +276,11 @@ class Engine:
         Returns:
             ``[V]`` float32 after the last token, or ``[T, V]`` for every position.
         """
+        if self.tp is not None:  # every rank runs it on its own scratch store
+            logits = self.tp.prompt_logits(list(token_ids), all_positions)[:, : self.vocab_size]
+            return logits if all_positions else logits[0]
         args = self.model.args
-        scratch = DenseKv(args.num_hidden_layers, args.num_key_value_heads, args.head_dim,
+        scratch = DenseKv(args.num_hidden_layers, self.kv_heads, args.head_dim,
                           max(len(token_ids), 1), self.model.dtype, self.model.device, windows=args.layer_windows())
         batch = StepBatch.build([(0, list(token_ids), 0, True)], self.device, self.row_tile)
         if all_positions:
@@ -303,7 +335,7 @@ class Engine:
             if token_ids is not None:
                 batch = dataclasses.replace(batch, token_ids=token_ids)
             self.kv.prepare(batch)
-            logits = self.model(batch, self.kv)
+            logits = self.model(batch, self.kv) if self.tp is None else self.tp.forward(batch)
             if commit:
                 self.kv.commit(batch)
             return logits
@@ -322,6 +354,8 @@ class Engine:
         """Whether the scheduler may overlap steps (config; default: on CUDA, except in
         row-tiled deterministic mode, which runs eagerly)."""
         on = self.config.async_scheduling
+        if self.tp is not None:  # the workers need each step's input ids on the host
+            return False
         return self.device.type == "cuda" and not self.row_tile if on is None else on
 
     @torch.inference_mode()
