@@ -13,9 +13,14 @@
 #                                               waits for both (at most BUILD_WAIT s, default 540)
 #   bash scripts/gpu_serving.sh bench "$OUT"   the measurements, at most BUDGET s (default 540);
 #                                               waits for a build still running first
-# (`all` = build then bench, for a machine held longer.) Every step runs under `timeout`, trimmed to
+# (`all` = build then bench, for a machine held longer; `start` = start the build and the GGUFs in
+# the background and return, so that the same call can run bench steps that need neither, with NOWAIT=1.) Every step runs under `timeout`, trimmed to
 # what is left of BUDGET; a step that does not fit is skipped and says so in log.txt.
-# env: STEPS (default "llama rounds serve det": which bench steps), ROUNDS (3: monobatch rounds),
+# env: STEPS (default "llama rounds serve det": which bench steps; also gemma (issue 18: gemma3-1b
+#      B=1), packed (issue 17: the QUANTS files on both engines), accept (CUDA tests TESTS with -k
+#      TESTS_K, check_batching on llama-1b and gemma3-1b, `parity --device cuda` when MODEL names a
+#      GGUF)), GGUF_SHAPES (default "llama-1b smollm2-135m"), QUANTS (llama-quantize jobs, e.g.
+#      "llama-1b:Q4_0 llama-8b:Q4_K_M"), NOWAIT (bench without waiting for the build), ROUNDS (3: monobatch rounds),
 #      SERVE_ROUNDS (2), PROMPTS (500), CONC (64), IN_LEN (256), OUT_LEN (128), W (/tmp/gpu_serving:
 #      build, GGUFs, logs), BUDGET (540 s); sizes for a CPU smoke test of the plumbing: LB_P (256,8192),
 #      LB_D (256,8192), LB_R (5), NPL (32,64,128,256), BB_C (131072), LS_C (65536), DEVICE (cuda),
@@ -98,16 +103,28 @@ EOF
   log "llama.cpp build started (pid $!, log $W/build.log)"
 }
 
+# The F16 GGUFs (GGUF_SHAPES, default llama-1b smollm2-135m; $W/SHAPE-f16.gguf), then, once the
+# build is done, llama-quantize's QUANTS (e.g. "llama-1b:Q4_0 llama-8b:Q4_K_M"; $W/SHAPE-TYPE.gguf).
+# Gemma shapes take Gemma's tokenizer (GEMMA_TOK_GGUF), llama-8b SmolLM2's padded to 128,256 tokens.
+GEMMA_TOK_GGUF=${GEMMA_TOK_GGUF:-$REPO/.llama-cpp/gemma3-tokenizer.gguf}
 start_ggufs() {
   if [ -f "$W/gguf.rc" ] && [ "$(cat "$W/gguf.rc")" = 0 ]; then log "GGUFs already written"; return; fi
   if [ -f "$W/gguf.pid" ] && kill -0 "$(cat "$W/gguf.pid")" 2>/dev/null; then log "GGUF writing already running"; return; fi
   rm -f "$W/gguf.rc"
-  cat > "$W/gguf.sh" <<EOF
-export PYTHONPATH="$PYTHONPATH"
-python3 "$REPO/scripts/write_shape_gguf.py" --shape llama-1b -o "$G1" --tokenizer-from "$TOK_GGUF" --check \\
-  && python3 "$REPO/scripts/write_shape_gguf.py" --shape smollm2-135m -o "$G2" --tokenizer-from "$TOK_GGUF" --check
-echo \$? > "$W/gguf.rc"
-EOF
+  { echo "export PYTHONPATH=\"$PYTHONPATH\"; rc=0"
+    for shape in ${GGUF_SHAPES:-llama-1b smollm2-135m}; do
+      local tok=$TOK_GGUF extra=
+      case $shape in gemma3-*) tok=$GEMMA_TOK_GGUF ;; llama-8b) extra="--pad-vocab --pool" ;; esac
+      echo "[ -f $W/$shape-f16.gguf ] || python3 $REPO/scripts/write_shape_gguf.py --shape $shape -o $W/$shape-f16.gguf --tokenizer-from $tok --check $extra || rc=1"
+    done
+    echo "if [ \$rc = 0 ] && [ -n \"${QUANTS:-}\" ]; then"
+    echo "  while [ ! -f $W/build.rc ]; do sleep 5; done"
+    for q in ${QUANTS:-}; do
+      echo "  $BIN/llama-quantize $W/${q%%:*}-f16.gguf $W/${q%%:*}-${q##*:}.gguf ${q##*:} 16 > $W/quantize-${q/:/-}.log 2>&1 || rc=1"
+    done
+    echo "fi"
+    echo "echo \$rc > $W/gguf.rc"
+  } > "$W/gguf.sh"
   setsid nohup bash "$W/gguf.sh" > "$W/gguf.log" 2>&1 < /dev/null &
   echo $! > "$W/gguf.pid"
   log "GGUF writing started (pid $!)"
@@ -139,23 +156,28 @@ build_phase() {
 MB="monobatch bench --dummy-weights --device cuda --json --no-progress"
 SERVE_FLAGS=${SERVE_FLAGS:-}
 
+# keep_json TOOL REP: the JSON lines of $W/stdout to $OUT/llama_cpp.jsonl, tagged with the tool;
+# everything else to $OUT/llama_cpp.txt
+keep_json() {
+  grep -s '^{' "$W/stdout" | sed "s/^{/{\"tool\": \"$1\", \"rep\": $2, /" >> "$OUT/llama_cpp.jsonl"
+  grep -sv '^{' "$W/stdout" >> "$OUT/llama_cpp.txt"; rm -f "$W/stdout"
+}
+
 llama_steps() {
   local J=$OUT/llama_cpp.jsonl T=$OUT/llama_cpp.txt
   [ -x "$BIN/llama-bench" ] || { log "no llama-bench: llama.cpp steps skipped"; return; }
-  # JSON lines (stdout) to llama_cpp.jsonl, tagged with the tool; everything else to llama_cpp.txt
-  keep() { grep -s '^{' "$W/stdout" | sed "s/^{/{\"tool\": \"$1\", \"rep\": $2, /" >> "$J"; grep -sv '^{' "$W/stdout" >> "$T"; rm -f "$W/stdout"; }
   rm -f "$W/stdout"
   echo "## llama-bench: prefill pp256, pp8192 (llama-1b, smollm2-135m F16), 5 repetitions after a warm-up" >> "$T"
   t 90 "$BIN/llama-bench" -m "$G1,$G2" -ngl 99 -fa on -p "${LB_P:-256,8192}" -n 0 -r "${LB_R:-5}" -o jsonl -oe md > "$W/stdout" 2>> "$T"
-  keep llama-bench 1
+  keep_json llama-bench 1
   echo "## llama-bench: decode tg128 at depth 256 and 8192 (B=1: a bare decode, no sampling)" >> "$T"
   t 90 "$BIN/llama-bench" -m "$G1,$G2" -ngl 99 -fa on -p 0 -n 128 -d "${LB_D:-256,8192}" -r "${LB_R:-5}" -o jsonl -oe md > "$W/stdout" 2>> "$T"
-  keep llama-bench 1
+  keep_json llama-bench 1
   for rep in 1 2; do
     echo "## llama-batched-bench rep $rep: llama-1b, 128 + 128, B = 32, 64, 128, 256 (prompts not shared)" >> "$T"
     t 120 "$BIN/llama-batched-bench" -m "$G1" -ngl 99 -fa on -c "${BB_C:-131072}" -b 2048 -ub 512 -npp 128 -ntg 128 \
       -npl "${NPL:-32,64,128,256}" --output-format jsonl > "$W/stdout" 2>> "$T"
-    keep llama-batched-bench $rep
+    keep_json llama-batched-bench $rep
   done
 }
 
@@ -223,11 +245,65 @@ det_step() {
   t 180 python3 -m $MB --shape llama-1b -p 128 -n 128 -r 1 --batch-size 64 --deterministic >> "$OUT/det.jsonl" 2>> "$LOG"
 }
 
+# Issue 18: Gemma 3 1B's shape, B=1 (llama.cpp on the F16 GGUF, monobatch on the same shape's dummy weights).
+gemma_step() {
+  local G=$W/gemma3-1b-f16.gguf T=$OUT/llama_cpp.txt
+  if [ -x "$BIN/llama-bench" ] && [ -f "$G" ]; then
+    echo "## llama-bench gemma3-1b F16: pp256; tg128 at depth 256" >> "$T"
+    t 60 "$BIN/llama-bench" -m "$G" -ngl 99 -fa on -p 256 -n 0 -r 5 -o jsonl > "$W/stdout" 2>> "$T"; keep_json llama-bench-gemma 1
+    t 60 "$BIN/llama-bench" -m "$G" -ngl 99 -fa on -p 0 -n 128 -d 256 -r 5 -o jsonl > "$W/stdout" 2>> "$T"; keep_json llama-bench-gemma 1
+  else log "no llama-bench or $G: llama.cpp gemma steps skipped"; fi
+  t 120 python3 -m $MB --shape gemma3-1b -p 256 -n 128 -r 3 >> "$OUT/gemma.jsonl" 2>> "$LOG"
+  t 120 python3 -m $MB --shape gemma3-1b -p 128 -n 128 -r 1 --batch-size 32 >> "$OUT/gemma.jsonl" 2>> "$LOG"
+}
+
+# Issue 17: the QUANTS files on both engines (monobatch loads the same GGUF, packed by default).
+packed_step() {
+  local T=$OUT/llama_cpp.txt q f
+  for q in ${QUANTS:-}; do
+    f=$W/${q%%:*}-${q##*:}.gguf
+    [ -f "$f" ] || { log "no $f: skipped"; continue; }
+    if [ -x "$BIN/llama-bench" ]; then
+      echo "## llama-bench $q: pp2048; tg128 at depth 256" >> "$T"
+      t 60 "$BIN/llama-bench" -m "$f" -ngl 99 -fa on -p 2048 -n 0 -r 3 -o jsonl > "$W/stdout" 2>> "$T"; keep_json "llama-bench-$q" 1
+      t 60 "$BIN/llama-bench" -m "$f" -ngl 99 -fa on -p 0 -n 128 -d 256 -r 3 -o jsonl > "$W/stdout" 2>> "$T"; keep_json "llama-bench-$q" 1
+      case $q in *Q4_0) echo "## llama-batched-bench $q 128 + 128, B = 64" >> "$T"
+        t 60 "$BIN/llama-batched-bench" -m "$f" -ngl 99 -fa on -c 32768 -b 2048 -ub 512 -npp 128 -ntg 128 -npl 64 --output-format jsonl > "$W/stdout" 2>> "$T"
+        keep_json "llama-batched-bench-$q" 1 ;; esac
+    fi
+    t 150 python3 -m monobatch bench -m "$f" --device cuda --json --no-progress -p 256,2048 -n 128 -r 3 \
+      | sed "s/^{/{\"file\": \"$q\", /" >> "$OUT/packed.jsonl" 2>> "$LOG"
+    case $q in *Q4_0)
+      t 90 python3 -m monobatch bench -m "$f" --device cuda --json --no-progress -p 128 -n 128 -r 2 --batch-size 64 \
+        | sed "s/^{/{\"file\": \"$q\", /" >> "$OUT/packed.jsonl" 2>> "$LOG"
+      t 90 python3 -m monobatch bench -m "$f" --device cuda --json --no-progress -p 256 -n 128 -r 3 --weights dequant \
+        | sed "s/^{/{\"file\": \"$q dequant\", /" >> "$OUT/packed.jsonl" 2>> "$LOG" ;; esac
+  done
+}
+
+# Acceptance checks on the GPU: the CUDA kernel tests (TESTS), batching invariants on llama-1b and
+# gemma3-1b (check_batching: batch, chunking, cache hits, paged/dense), and, with MODEL set (the
+# bundled GGUF assembled on the device), `monobatch parity --device cuda`.
+accept_step() {
+  PYTHONPATH=$PYTHONPATH:$REPO/tests t 240 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_varlen_attention.py tests/test_invariant_gemm.py} -k "${TESTS_K:-cuda or captured or invariant}" \
+    > "$OUT/tests.txt" 2>&1; tail -5 "$OUT/tests.txt" | tee -a "$LOG"
+  for shape in llama-1b gemma3-1b; do
+    t 90 python3 scripts/check_batching.py --shape $shape --device cuda -n 32 > "$OUT/check_batching-$shape.json" 2>> "$LOG"
+  done
+  if [ -n "${MODEL:-}" ]; then
+    for w in packed dequant; do
+      t 200 python3 -m monobatch parity -m "$MODEL" --device cuda --weights $w --deterministic --expect-identical --no-progress \
+        --json "$OUT/parity-det-$w.json" > "$OUT/parity-det-$w.txt" 2>&1
+    done
+    t 150 python3 -m monobatch parity -m "$MODEL" --device cuda --no-progress --json "$OUT/parity-default.json" > "$OUT/parity-default.txt" 2>&1
+  fi
+}
+
 bench_phase() {
   DEADLINE=$((SECONDS + ${BUDGET:-540}))
   machine_info
   nvidia-smi --query-compute-apps=pid,name,used_memory --format=csv >> "$OUT/gpu.txt" 2>&1
-  if ! { [ -f "$W/build.rc" ] && [ -f "$W/gguf.rc" ]; }; then
+  if [ -z "${NOWAIT:-}" ] && ! { [ -f "$W/build.rc" ] && [ -f "$W/gguf.rc" ]; }; then
     log "waiting for the build phase to finish"
     start_build; start_ggufs  # no-ops while they run; restarts them on a fresh machine
     wait_built 300
@@ -236,6 +312,7 @@ bench_phase() {
     log "== $s"
     case $s in
       llama) llama_steps ;; rounds) rounds_step ;; serve) serve_step ;; det) det_step ;;
+      gemma) gemma_step ;; packed) packed_step ;; accept) accept_step ;;
       *) log "unknown step $s" ;;
     esac
   done
@@ -245,7 +322,8 @@ bench_phase() {
 
 case $PHASE in
   build) python_env; build_phase ;;
+  start) python_env; machine_info; start_build; start_ggufs ;;
   bench) python_env; bench_phase ;;
   all) python_env; build_phase; bench_phase ;;
-  *) echo "usage: gpu_serving.sh build|bench|all OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: gpu_serving.sh build|start|bench|all OUTDIR" >&2; exit 2 ;;
 esac

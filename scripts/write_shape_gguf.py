@@ -103,15 +103,23 @@ def tensor_layout(args: ModelArgs) -> list[tuple[str, tuple[int, ...], GGMLQuant
     return out
 
 
-def copy_tokenizer(writer: GGUFWriter, source: GGUFReader, vocab_size: int) -> None:
-    """Copy :data:`TOKENIZER_KEYS` (those present) from ``source``.
+#: Per-token arrays a padded vocabulary extends, with the value of a pad token (a control token,
+#: llama.cpp's ``LLAMA_TOKEN_TYPE_CONTROL`` = 3, as Llama 3's reserved special tokens are).
+PAD_VALUES = {"tokenizer.ggml.tokens": None, "tokenizer.ggml.token_type": 3, "tokenizer.ggml.scores": 0.0}
+
+
+def copy_tokenizer(writer: GGUFWriter, source: GGUFReader, vocab_size: int, pad: bool = False) -> None:
+    """Copy :data:`TOKENIZER_KEYS` (those present) from ``source``; with ``pad``, a smaller
+    vocabulary is extended to ``vocab_size`` with control tokens ``<|monobatch_pad_N|>`` (a
+    tokenizer for a shape no real vocabulary of ours has, e.g. llama-8b's 128,256 tokens: text
+    tokenizes as the source's does, the pad ids are never produced by encoding).
 
     Raises:
-        SystemExit: the source's vocabulary is not ``vocab_size`` tokens.
+        SystemExit: the source's vocabulary is not ``vocab_size`` tokens (nor smaller, with ``pad``).
     """
     tokens = source.fields.get("tokenizer.ggml.tokens")
     n = len(tokens.data) if tokens is not None else 0
-    if n != vocab_size:
+    if n != vocab_size and not (pad and 0 < n < vocab_size):
         raise SystemExit(f"write_shape_gguf: the tokenizer source has {n} tokens, the shape needs {vocab_size}")
     for key in TOKENIZER_KEYS:
         f = source.fields.get(key)
@@ -119,14 +127,39 @@ def copy_tokenizer(writer: GGUFWriter, source: GGUFReader, vocab_size: int) -> N
             continue
         vtype = f.types[0]
         sub = f.types[-1] if vtype == GGUFValueType.ARRAY else None
-        writer.add_key_value(key, f.contents(), vtype, sub)
+        value = f.contents()
+        if key in PAD_VALUES and n < vocab_size:
+            fill = PAD_VALUES[key]
+            value = list(value) + [f"<|monobatch_pad_{i}|>" if fill is None else fill for i in range(vocab_size - n)]
+        writer.add_key_value(key, value, vtype, sub)
+
+
+#: Values in the ``pool`` mode's buffer of random F16 weights (64 Mi: 128 MiB).
+POOL_SIZE = 1 << 26
+
+
+def pool_window(buf: np.ndarray, shape: tuple[int, ...], offset: int) -> np.ndarray:
+    """``prod(shape)`` values of ``buf`` from ``offset`` on, wrapping around, as an array of ``shape``."""
+    out = np.empty(int(np.prod(shape)), dtype=buf.dtype)
+    done = 0
+    while done < out.size:
+        take = min(out.size - done, buf.size - offset)
+        out[done:done + take] = buf[offset:offset + take]
+        done, offset = done + take, 0
+    return out.reshape(shape)
 
 
 def write_shape_gguf(path: Path, shape: str, tokenizer_from: Path, seed: int = 0,
-                     num_layers: int | None = None) -> ModelArgs:
-    """Write the GGUF (see the module docstring); returns the shape's ModelArgs."""
+                     num_layers: int | None = None, pool: bool = False, pad_vocab: bool = False) -> ModelArgs:
+    """Write the GGUF (see the module docstring); returns the shape's ModelArgs.
+
+    ``pool``: every tensor is a window of one buffer of :data:`POOL_SIZE` random values at a
+    random offset (wrapping), instead of fresh draws: an 8B file in ~1 minute instead of ~4, for
+    speed benchmarks, where the values do not matter. ``pad_vocab``: see :func:`copy_tokenizer`.
+    """
     args = shape_args(shape, num_layers)
     rng = np.random.default_rng(seed)
+    buf = (rng.standard_normal(POOL_SIZE, dtype=np.float32) * np.float32(0.02)).astype(np.float16) if pool else None
     writer = GGUFWriter(str(path), ARCHES[args.model_type])
     writer.add_name(f"monobatch {shape} random F16")
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
@@ -144,7 +177,7 @@ def write_shape_gguf(path: Path, shape: str, tokenizer_from: Path, seed: int = 0
     writer.add_vocab_size(args.vocab_size)
     if args.model_type == "gemma3_text":
         writer.add_sliding_window(args.sliding_window)
-    copy_tokenizer(writer, GGUFReader(str(tokenizer_from), "r"), args.vocab_size)
+    copy_tokenizer(writer, GGUFReader(str(tokenizer_from), "r"), args.vocab_size, pad_vocab)
     layout = tensor_layout(args)
     for name, shp, qtype in layout:
         dtype = np.float16 if qtype == GGMLQuantizationType.F16 else np.float32
@@ -156,7 +189,8 @@ def write_shape_gguf(path: Path, shape: str, tokenizer_from: Path, seed: int = 0
         if qtype == GGMLQuantizationType.F32:
             data = np.ones(shp, dtype=np.float32)
         else:
-            data = (rng.standard_normal(shp, dtype=np.float32) * np.float32(0.02)).astype(np.float16)
+            data = pool_window(buf, shp, int(rng.integers(POOL_SIZE))) if pool \
+                else (rng.standard_normal(shp, dtype=np.float32) * np.float32(0.02)).astype(np.float16)
         writer.write_tensor_data(data)
         del data
     writer.close()
@@ -209,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer-from", type=Path,
                    help="a GGUF of the same vocabulary size to copy the tokenizer from (default: the bundled model)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pool", action="store_true", help="windows of one 64 Mi random buffer (fast; for speed benchmarks)")
+    p.add_argument("--pad-vocab", action="store_true",
+                   help="extend a smaller tokenizer to the shape's vocabulary with control tokens (llama-8b from SmolLM2's)")
     p.add_argument("--num-layers", type=int, help="override the shape's depth (for quick tests)")
     p.add_argument("--check", action="store_true", help="read it back with monobatch's loader; exit 1 on a mismatch")
     ns = p.parse_args(argv)
@@ -224,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.shape is None:
         p.error("--shape is required (or --tokenizer-only)")
     start = time.perf_counter()
-    args = write_shape_gguf(ns.output, ns.shape, tok, ns.seed, ns.num_layers)
+    args = write_shape_gguf(ns.output, ns.shape, tok, ns.seed, ns.num_layers, ns.pool, ns.pad_vocab)
     took = time.perf_counter() - start
     print(f"{ns.output}: {ns.shape} F16, {ns.output.stat().st_size / 2**20:.1f} MiB, {took:.1f} s", flush=True)
     if ns.check:
