@@ -290,3 +290,60 @@ def test_tiny_gguf_packed_on_cuda(tmp_path):
     for prompt in (ids, ids[:6]):
         got, want = _logits(models["packed"], prompt, cuda), _logits(models["dequant"], prompt, cuda)
         assert ((got - want).abs().max() / want.abs().max()).item() < 3e-2
+
+
+def _sm90(fn, constexprs: dict, signature: dict, **options) -> str:
+    """PTX of a quant_gemm kernel compiled for sm_90 (Triton's bundled ptxas, no GPU needed)."""
+    triton = pytest.importorskip("triton")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:
+        pytest.skip("this Triton cannot compile ahead of time")
+    sig = {name: ("constexpr" if name in constexprs else signature.get(name, "i32")) for name in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if name not in constexprs and name not in ("M", "N", "K", "splits", "k_per")}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+_PTRS = {"X": "*bf16", "S": "*fp32", "MN": "*fp32", "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT": "*i32"}
+
+
+@pytest.mark.parametrize("q4", [True, False], ids=["Q4", "Q8"])
+@pytest.mark.parametrize("variant", ["fma1", "fma4", "dot_bias", "gemm", "gemm_invariant"])
+def test_kernels_compile_for_sm90(q4, variant):
+    """Every kernel variant compiles for sm_90 with bf16 activations (what the H200 runs; the
+    interpreter does not compile); the GEMV with PDL touches nothing before ``griddepcontrol.wait``
+    but its first weight tile (loads only: kernels/pdl.py's rule)."""
+    import os
+    import re
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter compiles nothing")
+    from monobatch.kernels import quant_gemm as Q
+    if Q.triton is None:
+        pytest.skip("Triton not installed")
+    sig = {**_PTRS, "QS": "*u8" if q4 else "*i8"}
+    group = 32 if q4 else 16
+    if variant.startswith("gemm"):
+        bm, bn, bk, warps, stages = Q.INVARIANT_TILE if variant == "gemm_invariant" else Q.gemm_config(2048, 4096)
+        c = dict(HAS_BIAS=False, BM=bm, BN=bn, BW=bk // 2 if q4 else bk, GROUP_M=8, IEEE=False, Q4=q4, GROUP=group)
+        ptx = _sm90(Q._gemm_kernel, c, sig, num_warps=warps, num_stages=stages)
+        assert "mma" in ptx
+        return
+    dot = variant == "dot_bias"
+    bn, bk, _, warps, stages, _ = Q.gemv_config(4096, 4096, 16 if dot else (1 if variant == "fma1" else 4),
+                                                Q.Layout(q4, group))
+    c = dict(HAS_BIAS=dot, M_PAD=16 if dot else (1 if variant == "fma1" else 4), BLOCK_N=bn,
+             BW=bk // 2 if q4 else bk, STAGES=stages, DOT=dot, IEEE=False, Q4=q4, GROUP=group)
+    try:
+        from triton.language.extra.cuda import gdc_wait  # noqa: F401  (Triton >= 3.4)
+    except ImportError:
+        ptx = _sm90(Q._gemv_kernel, {**c, "PDL": False}, sig, num_warps=warps)
+        return
+    ptx = _sm90(Q._gemv_kernel, {**c, "PDL": True}, sig, num_warps=warps, launch_pdl=True)
+    assert ptx.count("griddepcontrol.wait") == 1
+    before, after = ptx.split("griddepcontrol.wait", 1)
+    assert not re.search(r"\bst\.global|\batom\.|\bred\.|\bcp\.async", before)
+    assert "griddepcontrol.launch_dependents" in after
+    assert "griddepcontrol" not in _sm90(Q._gemv_kernel, {**c, "PDL": False}, sig, num_warps=warps)

@@ -92,22 +92,29 @@ def _slices(K: int, block_k: int, splits: int) -> tuple[int, int]:
 if triton is not None:
 
     @triton.jit
-    def _w_tile(q_rows, s_rows, m_rows, p, wmask, Q4: tl.constexpr, GROUP: tl.constexpr):
-        # The dequantized fp32 tile at byte positions p [BW] of rows q_rows/s_rows/m_rows [BN, 1]
-        # (pointers to each row's start): (low, high) nibbles' weights for Q4, (w, w) for Q8.
-        raw = tl.load(q_rows + p[None, :], mask=wmask, other=0)
+    def _w_tile(q_rows, s_rows, m_rows, nmask, b, b_hi, BN: tl.constexpr, BW: tl.constexpr, Q4: tl.constexpr,
+                GROUP: tl.constexpr):
+        # The dequantized fp32 tile [BN, BW] of bytes b .. b + BW of rows q_rows/s_rows/m_rows [BN]
+        # (pointers to each row's start; b and b_hi multiples of a group's bytes): (low, high)
+        # nibbles' weights for Q4, (w, w) for Q8. Loaded as [BN, groups, bytes of a group], so a
+        # group's bytes are one vector load and its scale and min one load each.
         if Q4:
-            g = p // 16
+            GB: tl.constexpr = 16
         else:
-            g = p // GROUP
-        s = tl.load(s_rows + g[None, :], mask=wmask, other=0.0)
-        m = tl.load(m_rows + g[None, :], mask=wmask, other=0.0)
+            GB: tl.constexpr = GROUP
+        NG: tl.constexpr = BW // GB
+        g = b // GB + tl.arange(0, NG)
+        gmask = nmask[:, None] & (g < b_hi // GB)[None, :]
+        off = (g * GB)[None, :, None] + tl.arange(0, GB)[None, None, :]
+        raw = tl.load(q_rows[:, None, None] + off, mask=gmask[:, :, None], other=0)
+        s = tl.load(s_rows[:, None] + g[None, :], mask=gmask, other=0.0)[:, :, None]
+        m = tl.load(m_rows[:, None] + g[None, :], mask=gmask, other=0.0)[:, :, None]
         if Q4:
             lo = (raw & 15).to(tl.float32) * s + m
             hi = (raw >> 4).to(tl.float32) * s + m
-            return lo, hi
+            return tl.reshape(lo, (BN, BW)), tl.reshape(hi, (BN, BW))
         else:
-            w = raw.to(tl.float32) * s + m
+            w = tl.reshape(raw.to(tl.float32) * s + m, (BN, BW))
             return w, w
 
     @triton.jit
@@ -155,11 +162,12 @@ if triton is not None:
         return acc, acc0, acc1, acc2, acc3
 
     @triton.jit(do_not_specialize=["M", "splits"])
-    def _gemv_kernel(X, QS, S, MN, B, Y, WS, CNT, M, N, K, k_per, splits, stride_xm, stride_qn, stride_sn, stride_ym,
+    def _gemv_kernel(X, QS, S, MN, B, Y, WS, CNT, M, N, NB, b_per, splits, stride_xm, stride_qn, stride_sn, stride_ym,
                      HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BW: tl.constexpr,
                      STAGES: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, Q4: tl.constexpr,
                      GROUP: tl.constexpr, PDL: tl.constexpr):
-        # BW: bytes of a row per K step (BLOCK_K / 2 for Q4, BLOCK_K for Q8); positions p are bytes
+        # NB: bytes of a row (K / 2 for Q4, K for Q8); BW: bytes a K step (BLOCK_K / 2 or BLOCK_K);
+        # b_per: bytes a K slice. Positions p are bytes.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -167,15 +175,9 @@ if triton is not None:
         offs_b = tl.arange(0, BW)
         nmask = offs_n < N
         mmask = offs_m < M
-        k_lo = pid_k * k_per
-        k_hi = tl.minimum(k_lo + k_per, K)
-        if Q4:
-            b_lo = k_lo // 2
-            b_hi = k_hi // 2
-        else:
-            b_lo = k_lo
-            b_hi = k_hi
-        rows = offs_n.to(tl.int64)[:, None]
+        b_lo = pid_k * b_per
+        b_hi = tl.minimum(b_lo + b_per, NB)
+        rows = offs_n.to(tl.int64)
         q_rows = QS + rows * stride_qn
         s_rows = S + rows * stride_sn
         m_rows = MN + rows * stride_sn
@@ -185,14 +187,14 @@ if triton is not None:
         # The first W tile is loaded before the PDL wait (no kernel writes weights), x after it.
         p = b_lo + offs_b
         pmask = p < b_hi
-        lo, hi = _w_tile(q_rows, s_rows, m_rows, p, nmask[:, None] & pmask[None, :], Q4, GROUP)
+        lo, hi = _w_tile(q_rows, s_rows, m_rows, nmask, b_lo, b_hi, BLOCK_N, BW, Q4, GROUP)
         pdl.wait_prior(PDL)
         acc, acc0, acc1, acc2, acc3 = _gemv_step(acc, acc0, acc1, acc2, acc3, lo, hi, X, _cols(p, Q4), pmask,
                                                  mmask, offs_m, M, stride_xm, M_PAD, DOT, IEEE, Q4)
         for b in tl.range(b_lo + BW, b_hi, BW, num_stages=STAGES):
             p = b + offs_b
             pmask = p < b_hi
-            lo, hi = _w_tile(q_rows, s_rows, m_rows, p, nmask[:, None] & pmask[None, :], Q4, GROUP)
+            lo, hi = _w_tile(q_rows, s_rows, m_rows, nmask, b, b_hi, BLOCK_N, BW, Q4, GROUP)
             acc, acc0, acc1, acc2, acc3 = _gemv_step(acc, acc0, acc1, acc2, acc3, lo, hi, X, _cols(p, Q4), pmask,
                                                      mmask, offs_m, M, stride_xm, M_PAD, DOT, IEEE, Q4)
         if not DOT:  # reduce over K once; column m of acc <- row m of x
@@ -220,7 +222,7 @@ if triton is not None:
             tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty), mask=omask)
 
     @triton.jit
-    def _gemm_kernel(X, QS, S, MN, B, Y, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
+    def _gemm_kernel(X, QS, S, MN, B, Y, M, N, NB, stride_xm, stride_qn, stride_sn, stride_ym,
                      HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
                      GROUP_M: tl.constexpr, IEEE: tl.constexpr, Q4: tl.constexpr, GROUP: tl.constexpr):
         pid = tl.program_id(0)
@@ -236,20 +238,16 @@ if triton is not None:
         offs_b = tl.arange(0, BW)
         mmask = offs_m < M
         nmask = offs_n < N
-        rows = offs_n.to(tl.int64)[:, None]
+        rows = offs_n.to(tl.int64)
         q_rows = QS + rows * stride_qn
         s_rows = S + rows * stride_sn
         m_rows = MN + rows * stride_sn
         x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm
-        if Q4:
-            nb = K // 2
-        else:
-            nb = K
         acc = tl.zeros([BM, BN], tl.float32)
-        for b in range(0, nb, BW):  # ascending K, one accumulator: the order every row sees
+        for b in range(0, NB, BW):  # ascending K, one accumulator: the order every row sees
             p = b + offs_b
-            pmask = p < nb
-            lo, hi = _w_tile(q_rows, s_rows, m_rows, p, nmask[:, None] & pmask[None, :], Q4, GROUP)
+            pmask = p < NB
+            lo, hi = _w_tile(q_rows, s_rows, m_rows, nmask, b, NB, BN, BW, Q4, GROUP)
             col = _cols(p, Q4)
             xmask = mmask[:, None] & pmask[None, :]
             xa = tl.load(x_rows + col[None, :], mask=xmask, other=0.0)
@@ -322,12 +320,14 @@ def gemv(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.
         raise ValueError("BLOCK_K must be a multiple of 32")
     x = x if x.stride(1) == 1 else x.contiguous()
     k_per, splits = _slices(K, block_k, splits)
+    per_byte = 2 if layout.q4 else 1
     tiles = -(-N // block_n)
     ws = torch.empty((splits, M, N) if splits > 1 else (1,), dtype=torch.float32, device=x.device)
     cnt = counters(x.device, tiles) if splits > 1 else COUNTERS.get(x.device)
     cnt = ws.new_empty(1, dtype=torch.int32) if cnt is None else cnt  # unused without split-K
     _gemv_kernel[(tiles, splits)](
-        x, qs, scale, minimum, y if bias is None else bias.contiguous(), y, ws, cnt, M, N, K, k_per, splits,
+        x, qs, scale, minimum, y if bias is None else bias.contiguous(), y, ws, cnt, M, N, K // per_byte,
+        k_per // per_byte, splits,
         x.stride(0), qs.stride(0), scale.stride(0), y.stride(0), HAS_BIAS=bias is not None,
         M_PAD=16 if dot else _pow2(M), BLOCK_N=block_n, BW=block_k // 2 if layout.q4 else block_k, STAGES=stages,
         DOT=bool(dot), IEEE=x.dtype == torch.float32, Q4=layout.q4, GROUP=layout.group,
@@ -364,7 +364,8 @@ def gemm(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.
         raise ValueError(f"BK {bk}: a multiple of 32, and at least 64 for a Q4 layout")
     x = x if x.stride(1) == 1 else x.contiguous()
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-    _gemm_kernel[grid](x, qs, scale, minimum, y if bias is None else bias.contiguous(), y, M, N, K, x.stride(0),
+    _gemm_kernel[grid](x, qs, scale, minimum, y if bias is None else bias.contiguous(), y, M, N,
+                       K // (2 if layout.q4 else 1), x.stride(0),
                        qs.stride(0), scale.stride(0), y.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn, BW=bw,
                        GROUP_M=8, IEEE=x.dtype == torch.float32, Q4=layout.q4, GROUP=layout.group,
                        num_warps=warps, num_stages=stages)
