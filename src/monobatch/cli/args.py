@@ -123,6 +123,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-batched-tokens", type=int,
                    help="tokens computed per step across all sequences (default: the largest of --prefill-chunk, "
                         f"--max-num-seqs and, on CUDA, {defaults.STEP_TOKEN_BUDGET['cuda']})")
+    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="shard the model over N ranks, one process each (gloo on CPU, NCCL on CUDA; at most the "
+                        "model's KV heads; default 1)")
     e.add_argument("--deterministic", action="store_true",
                    help="batch-invariant computation: a request's tokens do not depend on the batch, chunking or "
                         "prefix cache (slower; see the ADR)")
@@ -256,10 +259,13 @@ def engine_settings(ns: argparse.Namespace) -> dict[str, Any]:
                                   "max_num_batched_tokens")
     if ns.kv_cache_memory is not None and ns.kv_storage != "paged":
         raise InvalidRequestError("--kv-cache-memory sizes the paged pool; it needs --kv-storage paged", "kv_cache_memory")
+    tp = getattr(ns, "tensor_parallel_size", 1)
+    if tp < 1:
+        raise InvalidRequestError(f"--tensor-parallel-size must be >= 1, got {tp}", "tensor_parallel_size")
     return {"max_model_len": ns.ctx_size or None, "prefill_chunk": ns.prefill_chunk, "max_num_seqs": ns.max_num_seqs,
             "max_num_batched_tokens": batched, "kv_storage": ns.kv_storage, "kv_cache_memory": ns.kv_cache_memory,
             "deterministic": ns.deterministic, "cuda_graphs": not getattr(ns, "enforce_eager", False),
-            "async_scheduling": getattr(ns, "async_scheduling", None)}
+            "async_scheduling": getattr(ns, "async_scheduling", None), "tensor_parallel_size": tp}
 
 
 def open_engine(ns: argparse.Namespace, loaded: "LoadedModel | None" = None) -> "BatchScheduler":

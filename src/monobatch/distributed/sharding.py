@@ -94,6 +94,15 @@ def take_cols(w: Weight, lo: int, hi: int) -> Weight:
     return PackedWeight(parts, hi - lo, w.types)
 
 
+def row_independent(w: Weight) -> bool:
+    """Whether an output row of ``x @ w.T`` has the same bits whatever other rows ``w`` holds, by
+    construction: the packed CPU kernel computes each output row alone (``parallel_for`` over the
+    rows, one dot product each; :mod:`monobatch.kernels.quant_cpu`), so a column-parallel layer's
+    pieces can share one call in deterministic mode. A library GEMM (MKL, cuBLAS, Triton tiles)
+    promises nothing across N, so dense weights keep one call per piece."""
+    return isinstance(w, PackedWeight) and w.device.type == "cpu"
+
+
 def _linear(weight: Weight, bias: torch.Tensor | None) -> Linear:
     """A :class:`Linear` holding ``weight`` ``[N, K]`` (dense or packed) and ``bias`` ``[N]``."""
     n, k = weight.shape
@@ -279,7 +288,6 @@ def shard_model(model: DecoderModel, plan: TensorParallelPlan, rank: int, pieces
             kr = [(q_size + p * hd, q_size + (p + 1) * hd) for p in mine]
             vr = [(q_size + kv_size + p * hd, q_size + kv_size + (p + 1) * hd) for p in mine]
             module.qkv_proj = _column(module.qkv_proj, [qr, kr, vr], pieces, copy_)
-            cuts = [0] + [(i + 1) * g * hd for i in range(len(mine))]
             module.o_proj = _row(module.o_proj, [(p * g * hd, (p + 1) * g * hd) for p in mine], pieces, plan, counts,
                                  f"{name}.o_proj")
             module.n_heads, module.n_kv = len(mine) * g, len(mine)
@@ -294,11 +302,12 @@ def shard_model(model: DecoderModel, plan: TensorParallelPlan, rank: int, pieces
     vr = [(plan.vocab[p], plan.vocab[p + 1]) for p in mine]
     embed = take_rows(model.embed_tokens, [(lo, hi)], copy_)
     if model.lm_head is None:  # tied: the head's pieces are the embedding's rows
-        head = [_linear(take_rows(embed, [(a - lo, b - lo)], False), None) for a, b in (vr if pieces else [(lo, hi)])]
+        head = [_linear(take_rows(embed, [(a - lo, b - lo)], False), None)
+                for a, b in (vr if pieces and not row_independent(embed) else [(lo, hi)])]
     else:
         w, b = model.lm_head.weight, model.lm_head.bias
         head = [_linear(take_rows(w, [r], copy_), None if b is None else b[r[0]:r[1]].clone())
-                for r in (vr if pieces else [(lo, hi)])]
+                for r in (vr if pieces and not row_independent(w) else [(lo, hi)])]
         shard.lm_head = None  # the head is the VocabParallel's
     ranges = [plan.vocab_range(r) for r in range(plan.world)]
     shard.embed_tokens = None
@@ -316,7 +325,7 @@ def _column(lin: Linear, groups: list[list[tuple[int, int]]], pieces: bool, copy
     w, b = lin.weight, lin.bias
     def make(ranges: list[tuple[int, int]]) -> Linear:
         return _linear(take_rows(w, ranges, copy_), None if b is None else torch.cat([b[lo:hi] for lo, hi in ranges]))
-    if pieces:
+    if pieces and not row_independent(w):
         return ColumnParallelLinear([make([r]) for grp in groups for r in grp])
     return ColumnParallelLinear([make([r for grp in groups for r in grp])])
 

@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 DOORS = ("generate", "run", "server-dense", "server-paged", "prefix-hit", "batch")
 #: Doors whose KV storage is paged whatever the flags say (their paged-attention count must be > 0).
 PAGED_DOORS = ("server-paged", "prefix-hit", "batch")
+#: With ``--tensor-parallel-size N`` > 1, one more door: the engine directly at B=1 sharded over N
+#: ranks (ADR 0007); every other door, the reference included, runs unsharded.
+TP_DOOR = "tensor-parallel"
 
 #: The default prompt: one user message of a few dozen tokens; with the chat template it fills
 #: several 16-token KV blocks, so the prefix-cache hit adopts some.
@@ -169,7 +172,9 @@ class _Parity:
 
     def config(self, **changes: Any) -> "EngineConfig":
         """The flags' engine settings with ``changes``; a paged one gets :attr:`pool_bytes`
-        unless ``--kv-cache-memory`` was given."""
+        unless ``--kv-cache-memory`` was given; unsharded unless ``changes`` say otherwise (the
+        tensor-parallel door)."""
+        changes.setdefault("tensor_parallel_size", 1)
         if changes.get("kv_storage", self.base.kv_storage) == "dense":
             changes["kv_cache_memory"] = None
         elif self.base.kv_cache_memory is None:
@@ -205,7 +210,8 @@ class _Parity:
         ref.status = "reference"
         report.doors.append(ref)
         self.reference = ref.token_ids
-        doors = [DoorResult(d) for d in DOORS[1:]]
+        tp = self.base.tensor_parallel_size
+        doors = [DoorResult(d) for d in DOORS[1:] + ((TP_DOOR,) if tp > 1 else ())]
         by_name = {d.door: d for d in doors}
         self.progress(f"{name}: run (the CLI over HTTP)")
         _run_door(by_name["run"], lambda: self._run(by_name["run"]))
@@ -215,6 +221,9 @@ class _Parity:
         self._paged_and_hit(by_name["server-paged"], by_name["prefix-hit"])
         self.progress(f"{name}: batch of {len(NEIGHBOURS) + 1}")
         _run_door(by_name["batch"], lambda: self._batch(by_name["batch"]))
+        if tp > 1:
+            self.progress(f"{name}: tensor parallel, {tp} ranks")
+            _run_door(by_name[TP_DOOR], lambda: self._generate(by_name[TP_DOOR], tensor_parallel_size=tp))
         for d in doors:
             if d.status != "error":
                 d.divergence = compare(self.prompt_ids, self.reference, d.token_ids, self.margin)
@@ -227,20 +236,28 @@ class _Parity:
         return self.margin_engine.top2_margin(ids)
 
     # -- generate: the engine directly, B=1 --------------------------------------------------------------
-    def _generate(self, result: DoorResult) -> None:
+    def _generate(self, result: DoorResult, tensor_parallel_size: int = 1) -> None:
+        """The engine directly at B=1 (the reference; with ``tensor_parallel_size`` > 1, the
+        tensor-parallel door: the model sharded over that many ranks)."""
         from monobatch.engine.engine import Engine
         from monobatch.engine.scheduler import BatchScheduler
         from monobatch.engine.sequence import Request
 
-        scheduler = BatchScheduler(Engine(self.loaded, self.config()))
-        recorder = Recorder()
-        scheduler.add_finish_observer(recorder.add)
-        before = scheduler.stats().paged_attention_calls
-        for _ in scheduler.run([Request("parity-generate", list(self.prompt_ids), self.params)]):
-            pass
-        _fill(result, _one(recorder.since(0), self.prompt_ids, result))
-        result.paged_attention_calls = scheduler.stats().paged_attention_calls - before
+        engine = Engine(self.loaded, self.config(tensor_parallel_size=tensor_parallel_size))
+        try:
+            scheduler = BatchScheduler(engine)
+            recorder = Recorder()
+            scheduler.add_finish_observer(recorder.add)
+            before = scheduler.stats().paged_attention_calls
+            for _ in scheduler.run([Request("parity-generate", list(self.prompt_ids), self.params)]):
+                pass
+            _fill(result, _one(recorder.since(0), self.prompt_ids, result))
+            result.paged_attention_calls = scheduler.stats().paged_attention_calls - before
+        finally:
+            engine.close()
         result.evidence.append(f"engine direct, B=1, {self.base.kv_storage} KV")
+        if engine.tp_plan is not None and tensor_parallel_size > 1:
+            result.evidence.append(engine.tp_plan.describe())
         _check_paged(result, self.base.kv_storage == "paged")
 
     # -- run: the chat CLI over HTTP -------------------------------------------------------------------
