@@ -22,7 +22,6 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from helpers import run_in_triton_interpreter
-from test_quant import random_blocks
 from monobatch.quant import device_repack
 from monobatch.quant.formats import PACKED_TYPES, repack
 
@@ -34,6 +33,20 @@ REL_TOL = 4 * 512 * 2.0**-24
 BF16_TOL = 1e-2
 TYPES = list(PACKED_TYPES)
 INVARIANT_MS = (1, 3, 17, 64, 200)
+
+
+def random_blocks(qtype: T, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """``n`` rows of ``k`` weights of ``qtype`` as raw bytes (tests/test_quant.py's generator: random
+    bits, fp16 scale fields finite of either sign; not imported from there, whose import builds the
+    CPU kernels, a minute on a fresh GPU machine)."""
+    from gguf.constants import GGML_QUANT_SIZES
+    rng = np.random.default_rng(seed)
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    b = rng.integers(0, 256, (n * k // bs, ts), dtype=np.uint8)
+    fields = {T.Q4_0: [0], T.Q8_0: [0], T.Q5_0: [0], T.Q4_1: [0, 2], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
+    for off in fields[qtype]:
+        b[:, off:off + 2] = (rng.standard_normal(b.shape[0]) * 0.01).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return b.reshape(n, -1)
 
 
 def _parts(qtype: T, n: int, k: int, seed: int = 0, device: str = "cpu"):
