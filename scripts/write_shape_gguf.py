@@ -3,7 +3,7 @@ run the same model (``monobatch.models.shapes.SHAPES``: the shapes of ``--dummy-
 
 Weights as :mod:`monobatch.loader.dummy` draws them: normal(0, 0.02) (numpy, seeded; not the same
 numbers as torch's), norms 1 (float32, as llama.cpp's converter keeps 1-D tensors), tied embeddings
-(no ``output.weight``). The metadata is llama.cpp's ``llama`` architecture with the shape's
+(no ``output.weight``) where the shape ties them (all but llama-8b). The metadata is llama.cpp's ``llama`` architecture with the shape's
 hyper-parameters (``rms_norm_eps`` = monobatch's ``ModelArgs`` default, as the dummy model uses),
 or its ``gemma3`` architecture for a Gemma 3 shape (``gemma3-1b``: the four block norms and q/k
 norms, ``gemma3.attention.sliding_window``; llama.cpp fixes the rest of Gemma 3's rules as
@@ -100,6 +100,8 @@ def tensor_layout(args: ModelArgs) -> list[tuple[str, tuple[int, ...], GGMLQuant
             out += [(b + "attn_q_norm.weight", (hd,), F32), (b + "attn_k_norm.weight", (hd,), F32),
                     (b + "post_attention_norm.weight", (d,), F32), (b + "post_ffw_norm.weight", (d,), F32)]
     out.append(("output_norm.weight", (d,), F32))
+    if not args.tie_word_embeddings:  # llama-8b: its own LM head
+        out.append(("output.weight", (args.vocab_size, d), F16))
     return out
 
 
