@@ -1,6 +1,7 @@
-"""The packed-weight CPU matmuls (``csrc/quant_cpu.cpp``), compiled on this machine.
+"""The packed-weight CPU matmuls (``csrc/quant_cpu.cpp``), compiled on this machine, with the
+fused decode-step ops of :mod:`monobatch.kernels.cpu_ops` (``csrc/cpu_ops.cpp``) in the same module.
 
-The C++ source is built once with torch's extension builder (g++, ``-O3 -march=native``, OpenMP
+The C++ sources are built once with torch's extension builder (g++, ``-O3 -march=native``, OpenMP
 through torch's own runtime, so ``torch.set_num_threads`` / ``-t`` governs it) into
 ``$MONOBATCH_KERNEL_CACHE`` (default ``~/.cache/monobatch/kernels``); ``make run`` builds it at
 install (``python -m monobatch.kernels.quant_cpu``), and a later run loads the cached module (a
@@ -23,6 +24,8 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "quant_cpu.cpp"
+#: every source of the extension: the packed matmuls and the fused decode-step ops (:mod:`monobatch.kernels.cpu_ops`)
+SOURCES = (SOURCE, Path(__file__).parent / "csrc" / "cpu_ops.cpp")
 NAME = "monobatch_quant_cpu"
 
 
@@ -47,9 +50,13 @@ def module() -> ModuleType:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     build = cache_dir()
     build.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(
-        name=NAME, sources=[str(SOURCE)], build_directory=str(build),
+    mod = cpp_extension.load(
+        name=NAME, sources=[str(p) for p in SOURCES], build_directory=str(build),
         extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
+    work = os.environ.get("MONOBATCH_CPU_MIN_THREAD_WORK")  # A/B runs: least multiply-adds per thread
+    if work:
+        mod.set_min_thread_work(int(work))
+    return mod
 
 
 @functools.cache

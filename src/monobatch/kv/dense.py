@@ -22,6 +22,7 @@ import torch
 from monobatch import defaults
 from monobatch.batch import StepBatch
 from monobatch.errors import InsufficientMemoryError
+from monobatch.kernels import cpu_ops
 from monobatch.kernels.paged_decode import triton_usable
 from monobatch.kernels.varlen_attention import VarlenMeta, build_meta, tokens_per_tile, varlen_paged_attention
 from monobatch.kv.attention import attend_chunk
@@ -45,6 +46,12 @@ class DenseKv(KvStore):
         #: the varlen kernel on CUDA; the chunk layouts of the prepared step, built at its first layer
         self.varlen = triton_usable(self.device, head_dim)
         self._metas: list[VarlenMeta] | None = None
+        #: CPU, float32: decode chunks (every chunk in deterministic mode) stored and attended in
+        #: place by one call per chunk and layer (:func:`cpu_ops.attention`, the buffer as one block)
+        self.cpu_kernel = not self.varlen and cpu_ops.enabled(torch.empty(0, dtype=dtype, device=self.device))
+        #: per chunk of the prepared step: (write slots, kernel rows, table) or None (torch path)
+        self._kernel_args: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = []
+        self._kernel_batch: StepBatch | None = None  # the step they were built for
 
     def seq_len(self, seq_id: int) -> int:
         return self._len.get(seq_id, 0)
@@ -94,9 +101,14 @@ class DenseKv(KvStore):
             self._reserve(c.seq_id, c.end_pos)
             self._len.setdefault(c.seq_id, 0)
         self._metas = None
+        self._kernel_args = [(torch.arange(c.pos, c.end_pos), torch.tensor([(i, c.pos + i, 0) for i in range(c.length)]),
+                              torch.zeros(1, dtype=torch.int32))
+                             if self.cpu_kernel and (c.length == 1 or batch.row_tile > 0) else None
+                             for c in batch.chunks]
+        self._kernel_batch = batch
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self.varlen and self._metas is None:  # the step's first layer: each chunk's layout
             bt, g = tokens_per_tile(q.shape[1], self.num_kv_heads, self.batch_invariant or batch.row_tile > 0), self.growth
             self._metas = [build_meta([(0, c.length, c.pos)], [list(range(-(-c.end_pos // g)))], bt, self.device)
@@ -104,6 +116,11 @@ class DenseKv(KvStore):
         for i, c in enumerate(batch.chunks):
             s, e = c.start, c.start + c.length
             cache = self._buf[c.seq_id][layer]  # (2, cap, n_kv, hd)
+            if self._kernel_batch is batch and self._kernel_args[i] is not None:  # stores and attends in place
+                write, rows, table = self._kernel_args[i]
+                cpu_ops.attention(q[s:e], k[s:e], v[s:e], cache[0], cache[1], write, rows, table, cache.shape[1],
+                                  self.windows[layer], out[s:e])
+                continue
             cache[0, c.pos:c.end_pos] = k[s:e]
             cache[1, c.pos:c.end_pos] = v[s:e]
             if self.varlen:  # the buffer as blocks of `growth` tokens, block i = tokens i*g .. (i+1)*g - 1

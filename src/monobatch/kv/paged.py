@@ -43,6 +43,7 @@ import torch
 
 from monobatch.batch import StepBatch
 from monobatch.errors import InsufficientMemoryError
+from monobatch.kernels import cpu_ops
 from monobatch.kernels.paged_decode import paged_decode_attention, store_kv, triton_usable
 from monobatch.kernels.varlen_attention import (VarlenMeta, build_meta, tile_layout, tokens_per_tile,
                                                 varlen_paged_attention)
@@ -66,14 +67,19 @@ class _EagerStep:
         tables: each chunk's block ids (varlen path: the metadata is built at the first layer,
             which knows the query heads; released blocks of a local group are the scratch block).
         meta: the varlen layout, once built.
+        rows, flat_tables: the CPU kernel's rows (int64 ``[R, 3]``: row, position, offset of the
+            chunk's table in ``flat_tables``, int32) for the chunks it attends (None: no kernel);
+            those chunks' ``spans`` entries are None (no gather).
     """
 
     batch: StepBatch
     write: torch.Tensor
     gather: torch.Tensor | None
-    spans: list[tuple[int, int, int]]
+    spans: list[tuple[int, int, int] | None]
     tables: list[list[int]]
     meta: VarlenMeta | None = None
+    rows: torch.Tensor | None = None
+    flat_tables: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -171,6 +177,10 @@ class PagedKv(KvStore):
         self._step: list[_EagerStep] | DecodeStep | PrefillStep | None = None
         #: one varlen launch per layer for a step's chunks (CUDA with Triton); else the torch path
         self.varlen = triton_usable(self.device, head_dim)
+        #: CPU, float32: the new K/V stored and decode rows (every row in deterministic mode)
+        #: attended in place by one call per layer (:func:`cpu_ops.attention`); prompt chunks of the
+        #: default mode gather their keys for torch's attention
+        self.cpu_kernel = not self.varlen and cpu_ops.enabled(self.cache)
         self._meta_of: DecodeStep | None = None  # the static decode step _meta was built for
         self._meta: dict[int, VarlenMeta] = {}  # per layer group
         self.scratch_block = num_blocks  # never allocated: see DecodeStep
@@ -249,7 +259,7 @@ class PagedKv(KvStore):
         parts, sizes, steps = [], [], []
         for g, grp in enumerate(self.groups):
             write, gather, spans, tables = [], [], [], []
-            offset = 0
+            rows, flat_tables, offset = [], [], 0
             for c in batch.chunks:
                 table = self.blocks.table(c.seq_id, g)[:-(-c.end_pos // bs)]
                 tables.append([self.scratch_block if b is None else b for b in table])
@@ -257,7 +267,11 @@ class PagedKv(KvStore):
                 blocks = np.asarray(table[first:], dtype=np.int64)
                 slots = (blocks[:, None] * bs + np.arange(bs)).reshape(-1)
                 write.append(slots[c.pos - first * bs:c.end_pos - first * bs])
-                if not self.varlen:
+                if self.cpu_kernel and (c.length == 1 or batch.row_tile > 0):  # no gather: the kernel's rows
+                    rows += [(c.start + i, c.pos + i, len(flat_tables)) for i in range(c.length)]
+                    flat_tables += tables[-1]
+                    spans.append(None)
+                elif not self.varlen:
                     ks = self.key_start(grp.layers[0], c.pos)  # the keys the chunk sees: ks .. end_pos - 1
                     held = np.asarray(self.blocks.blocks(c.seq_id, g, ks, c.end_pos), dtype=np.int64)
                     every = (held[:, None] * bs + np.arange(bs)).reshape(-1)
@@ -266,7 +280,11 @@ class PagedKv(KvStore):
                     offset += c.end_pos - ks
             parts += write + gather
             sizes.append((batch.num_tokens, offset))
-            steps.append(_EagerStep(batch, None, None, spans, tables))  # slots filled below, one copy for all
+            step = _EagerStep(batch, None, None, spans, tables)  # slots filled below, one copy for all
+            if self.cpu_kernel:
+                step.rows = torch.tensor(rows, dtype=torch.int64).view(-1, 3)
+                step.flat_tables = torch.tensor(flat_tables, dtype=torch.int32)
+            steps.append(step)
         flat = torch.from_numpy(np.concatenate(parts))
         if self.device.type == "cuda":
             flat = flat.pin_memory().to(self.device, non_blocking=True)
@@ -275,7 +293,7 @@ class PagedKv(KvStore):
         at = 0
         for step, (T, S) in zip(steps, sizes):
             step.write, at = flat[at:at + T], at + T
-            if not self.varlen:
+            if not self.varlen and S:
                 step.gather, at = flat[at:at + S], at + S
         self._step = steps
 
@@ -392,13 +410,20 @@ class PagedKv(KvStore):
                                        self.device)
             store_kv(k, v, k_cache, v_cache, step.write)
             return varlen_paged_attention(q, k_cache, v_cache, step.meta, self.block_size, window=window)
-        k_cache.index_copy_(0, step.write, k)
-        v_cache.index_copy_(0, step.write, v)
-        keys, values = k_cache[step.gather], v_cache[step.gather]  # (sum of S, n_kv, hd): every chunk's keys
-        out = torch.empty_like(q)
-        for c, (o, S, ks) in zip(batch.chunks, step.spans):
-            s, e = c.start, c.start + c.length
-            out[s:e] = attend_chunk(q[s:e], keys[o:o + S], values[o:o + S], c.pos, batch.row_tile > 0, window, ks)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if self.cpu_kernel:  # stores the step's K/V, attends the kernel's rows in place
+            cpu_ops.attention(q, k, v, k_cache, v_cache, step.write, step.rows, step.flat_tables, self.block_size,
+                              window, out)
+        else:
+            k_cache.index_copy_(0, step.write, k)
+            v_cache.index_copy_(0, step.write, v)
+        if step.gather is None:  # every chunk attended by the kernel
+            return out
+        keys, values = k_cache[step.gather], v_cache[step.gather]  # (sum of S, n_kv, hd): the other chunks' keys
+        for c, span in zip(batch.chunks, step.spans):
+            if span is not None:
+                (o, S, ks), s, e = span, c.start, c.start + c.length
+                out[s:e] = attend_chunk(q[s:e], keys[o:o + S], values[o:o + S], c.pos, batch.row_tile > 0, window, ks)
         return out
 
     def _decode_meta(self, step: DecodeStep, group: int, num_q_heads: int) -> VarlenMeta:

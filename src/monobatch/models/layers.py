@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from monobatch.batch import StepBatch
-from monobatch.kernels import fused, gemv
+from monobatch.kernels import cpu_ops, fused, gemv
 from monobatch.models.args import ModelArgs
 from monobatch.models.rope import RotaryEmbedding, apply_rope, rope_inv_freq
 from monobatch.quant.packed import PackedWeight
@@ -130,6 +130,8 @@ class RMSNorm(nn.Module):
         """x ``[..., dim]`` -> same shape and dtype (one fused kernel on CUDA: :mod:`monobatch.kernels.fused`)."""
         if fused.enabled(x):
             return fused.rms_norm(x, self.weight, self.eps)
+        if cpu_ops.enabled(x):  # one call on CPU (float32)
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -141,6 +143,8 @@ class RMSNorm(nn.Module):
         new tensors, ``x`` is not written)."""
         if fused.enabled(x):
             return fused.add_rms_norm(x, delta, self.weight, self.eps)
+        if cpu_ops.enabled(x):
+            return cpu_ops.add_rms_norm(x, delta, self.weight, self.eps)
         x = x + delta
         return x, self.forward(x)
 
@@ -170,12 +174,17 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x ``[T, D]`` (normed), cos/sin ``[T, hd]`` -> q ``[T, H, hd]``, k and v ``[T, K, hd]``
         (norms and RoPE applied). On CUDA without q/k norm, q and k are rotated in one launch
-        straight from the packed projection (:func:`fused.rope_qk`); v is a view of it."""
+        straight from the packed projection (:func:`fused.rope_qk`); on CPU (float32) in place in
+        it (:func:`cpu_ops.rope_qk_`); v is a view of it."""
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, (H + 2K) hd)
         if self.q_norm is None and self.q_scale == 1.0 and fused.enabled(qkv):
             q, k = fused.rope_qk(qkv, self.n_heads, self.n_kv, self.hd, cos, sin)
             return q, k, qkv[:, self.q_size + self.kv_size:].view(T, self.n_kv, self.hd)
+        if self.q_norm is None and self.q_scale == 1.0 and cpu_ops.enabled(qkv):  # q and k rotated in place
+            cpu_ops.rope_qk_(qkv, cos, sin, self.n_heads + self.n_kv, self.hd)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            return q.view(T, self.n_heads, self.hd), k.view(T, self.n_kv, self.hd), v.view(T, self.n_kv, self.hd)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.n_heads, self.hd)  # (T, H, hd)
         k = k.view(T, self.n_kv, self.hd)  # (T, K, hd)
@@ -211,6 +220,8 @@ class GatedMLP(nn.Module):
         # SiLU inside the down GEMV (a plain dense Linear: a tensor-parallel down projection all-reduces)
         if self.act is F.silu and fused.enabled(gate_up) and type(self.down_proj) is Linear and not self.down_proj.packed:
             return gemv.gated_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
+        if self.act is F.silu and cpu_ops.enabled(gate_up):  # silu(gate) * up in one call on CPU
+            return self.down_proj(cpu_ops.silu_mul(gate_up))
         gate, up = gate_up.split(self.ffn, dim=-1)  # (T, F) each
         return self.down_proj(self.act(gate) * up)
 

@@ -10,7 +10,7 @@ The matmul (:meth:`PackedWeight.matmul`), on CPU:
   (:func:`monobatch.kernels.quant_cpu.gemm`), which dequantizes in registers and accumulates in
   float32; a row's result depends on that row alone, whatever M is.
 - more rows (prefill): the part is dequantized into float32 (at most :data:`DEQUANT_CHUNK_BYTES`
-  at a time, freed after the step) and multiplied by ``F.linear``, so prefill keeps the BLAS GEMM's
+  at a time, into one scratch buffer per thread) and multiplied by ``F.linear``, so prefill keeps the BLAS GEMM's
   speed; the dequantized rows are bitwise the dequant path's weights.
 
 On CUDA every M goes to the Triton kernels of :mod:`monobatch.kernels.quant_gemm` (a dequantizing
@@ -21,6 +21,7 @@ gathered rows with torch ops (:func:`monobatch.kernels.quant_gemm.dequantize`).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +37,16 @@ from monobatch.quant.formats import Layout, Repacked
 GEMV_ROWS = 16
 #: Float32 bytes dequantized at a time for the GEMM path (one FFN matrix of a small model at once).
 DEQUANT_CHUNK_BYTES = 16 << 20
+_scratch = threading.local()  # the GEMM path's dequantization buffer, one per thread (reused: no page faults)
+
+
+def _dequant_buffer(rows: int, k: int) -> torch.Tensor:
+    """A float32 ``[rows, k]`` view of this thread's reusable scratch buffer (grown when too small;
+    at most :data:`DEQUANT_CHUNK_BYTES`, or one row, whichever is larger)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < rows * k:
+        buf = _scratch.buf = torch.empty(rows * k, dtype=torch.float32)
+    return buf[:rows * k].view(rows, k)
 
 
 def packed_supported(device: torch.device) -> bool:
@@ -74,11 +85,11 @@ class PackedPart:
             return self
         return PackedPart(self.layout, *(t.to(device) for t in (self.qs, self.scale, self.minimum)))
 
-    def dequantize(self, lo: int, hi: int, k: int) -> torch.Tensor:
-        """Rows ``lo:hi`` as float32 ``[hi - lo, K]``."""
+    def dequantize(self, lo: int, hi: int, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``lo:hi`` as float32 ``[hi - lo, K]`` (CPU: into ``out`` when given, contiguous)."""
         if self.qs.device.type != "cpu":
             return quant_gemm.dequantize(self.qs[lo:hi], self.scale[lo:hi], self.minimum[lo:hi], self.layout)
-        out = torch.empty(hi - lo, k, dtype=torch.float32)
+        out = torch.empty(hi - lo, k, dtype=torch.float32) if out is None else out
         return quant_cpu.dequant(self.qs[lo:hi], self.scale[lo:hi], self.minimum[lo:hi], self.layout.group,
                                  self.layout.q4, out)
 
@@ -155,6 +166,9 @@ class PackedWeight:
         Raises:
             NotImplementedError: x on a device without a packed kernel (neither CPU nor CUDA).
         """
+        if x.is_cpu and x.dim() == 2 and x.shape[0] <= GEMV_ROWS and len(self.parts) == 1 and bias is None \
+                and x.dtype is torch.float32 and out_dtype in (None, torch.float32):
+            return self.parts[0].gemm(x)  # a decode step's projection on CPU: the kernel, nothing around it
         if x.device.type == "cuda":
             return self.cuda_matmul(x, bias, out_dtype)
         if x.device.type != "cpu":
@@ -192,12 +206,19 @@ class PackedWeight:
 
     def dequant_gemm(self, x: torch.Tensor, part: PackedPart) -> torch.Tensor:
         """The GEMM path: x float32 ``[M, K]`` @ part^T, the part dequantized into float32 a chunk of
-        rows at a time (:data:`DEQUANT_CHUNK_BYTES`) for ``F.linear``: ``[M, rows]``."""
+        rows at a time (:data:`DEQUANT_CHUNK_BYTES`, into a per-thread buffer reused by every call)
+        for ``F.linear``: ``[M, rows]``."""
         step = max(1, DEQUANT_CHUNK_BYTES // (4 * self.k))
+
+        def product(lo: int, hi: int) -> torch.Tensor:
+            return F.linear(x, part.dequantize(lo, hi, self.k, _dequant_buffer(hi - lo, self.k)))
+
         if part.rows <= step:
-            return F.linear(x, part.dequantize(0, part.rows, self.k))
-        return torch.cat([F.linear(x, part.dequantize(lo, min(lo + step, part.rows), self.k))
-                          for lo in range(0, part.rows, step)], dim=-1)
+            return product(0, part.rows)
+        out = torch.empty(x.shape[0], part.rows, dtype=torch.float32)
+        for lo in range(0, part.rows, step):
+            out[:, lo:min(lo + step, part.rows)] = product(lo, min(lo + step, part.rows))
+        return out
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` (int64 ``[T]``) in ``dtype``: ``[T, K]`` (``F.embedding`` of the dequantized W)."""

@@ -22,13 +22,16 @@
 #define MB_AVX2 1
 #endif
 
+namespace mb_cpu_ops {
+// Least work (weights x rows) a thread is given (cpu_ops.cpp holds it, Python sets it): a parallel
+// region costs a wake-up of the other threads, which on a busy machine can take a whole scheduler
+// slice (ms); by default (2M, ~0.4 ms on one core) a decode step's small GEMVs run on one thread.
+extern int64_t min_thread_work;
+}
+
 namespace {
 
 constexpr int MT = 4;  // x rows per pass over a weight row
-// Least work (weights x rows, ~0.4 ms on one core) a thread is given: a parallel region costs a
-// wake-up of the other threads, which on a busy machine can take a whole scheduler slice (ms), so a
-// decode step's small GEMVs run on one thread and only the large ones (the LM head) are split.
-constexpr int64_t MIN_THREAD_WORK = int64_t(1) << 21;
 
 #ifdef MB_AVX2
 inline float hsum(__m256 v) {
@@ -128,7 +131,7 @@ void gemm_impl(const float* x, const uint8_t* qs, const float* sc, const float* 
       xsum[m * ng + g] = s;
     }
   const float* xs = xsum.data();
-  const int64_t grain = std::max<int64_t>(1, MIN_THREAD_WORK / std::max<int64_t>(1, K * M));
+  const int64_t grain = std::max<int64_t>(1, mb_cpu_ops::min_thread_work / std::max<int64_t>(1, K * M));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* qrow = qs + n * row_bytes;
@@ -212,9 +215,14 @@ void dequant(const torch::Tensor& qs, const torch::Tensor& sc, const torch::Tens
 
 }  // namespace
 
+namespace mb_cpu_ops {
+void register_ops(pybind11::module& m);  // cpu_ops.cpp: the fused ops of a decode step
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm", &gemm, "out[M, N] = x[M, K] @ W^T for a packed W (float32)");
   m.def("dequant", &dequant, "W as float32 into out [N, K]");
+  mb_cpu_ops::register_ops(m);
   m.def("has_avx2", []() {
 #ifdef MB_AVX2
     return true;

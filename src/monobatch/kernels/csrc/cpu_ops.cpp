@@ -1,0 +1,340 @@
+// Fused float32 CPU ops of a decode step (monobatch.kernels.cpu_ops wraps them; built into the
+// same extension as quant_cpu.cpp, which registers them).
+//
+// A B=1 decode step of a small model is hundreds of tiny torch ops (RMSNorm is six, RoPE five a
+// tensor, a paged-KV attention a gather of every key and value plus a flash-attention call): each
+// costs microseconds of dispatch for nanoseconds of arithmetic. These do each job in one call:
+//   rms_norm / add_rms_norm: y = w * (x / sqrt(mean(x^2) + eps)) (Zhang & Sennrich 2019), with the
+//       residual add s = x + d folded in;
+//   rope_qk_: HF's rotate_half RoPE of q and k in place, inside the packed qkv projection;
+//   silu_mul: silu(g) * u of the packed gate/up projection (SwiGLU, Shazeer 2020);
+//   attention: store a step's new K/V rows in the cache, then causal attention of query rows
+//       over their sequence's keys read in place through a block table (no gather, no copy).
+// Every output row is computed alone, by the same operations in the same order whatever the
+// other rows are (the deterministic mode's batch invariance, ADR 0002): an attention row
+// depends only on its query and the keys it sees, never on its chunk or step.
+//
+// exp: Cephes' expf (S. Moshier): e^x = 2^n e^r, r = x - n ln2 (ln2 in two parts), e^r = 1 + r +
+// r^2 P(r) with P of degree 5; about 1 ulp in float32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MBO_AVX2 1
+#endif
+
+namespace mb_cpu_ops {
+
+// Least multiply-adds (weights x rows for the GEMV) a thread is given, here and in quant_cpu.cpp:
+// a parallel region's wake-up can cost more than a small op takes on one core (a scheduler slice
+// on a busy machine). Set from Python (monobatch.kernels.quant_cpu.set_min_thread_work).
+int64_t min_thread_work = int64_t(1) << 21;
+
+namespace {
+
+constexpr float EXP_HI = 88.0f, EXP_LO = -87.3365478515625f;
+constexpr float LOG2E = 1.44269504088896341f, LN2_HI = 0.693359375f, LN2_LO = -2.12194440e-4f;
+constexpr float P0 = 1.9875691500e-4f, P1 = 1.3981999507e-3f, P2 = 8.3334519073e-3f, P3 = 4.1665795894e-2f,
+                P4 = 1.6666665459e-1f, P5 = 5.0000001201e-1f;
+
+inline float exp_scalar(float x) {
+  x = std::min(std::max(x, EXP_LO), EXP_HI);
+  const float n = std::nearbyint(x * LOG2E);
+  float r = std::fma(-n, LN2_HI, x);
+  r = std::fma(-n, LN2_LO, r);
+  float p = std::fma(std::fma(std::fma(std::fma(std::fma(P0, r, P1), r, P2), r, P3), r, P4), r, P5);
+  p = std::fma(p, r * r, r + 1.0f);
+  return std::ldexp(p, static_cast<int>(n));
+}
+
+#ifdef MBO_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp_scalar on 8 lanes (the same operations, so a lane equals exp_scalar of it).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(P0), r, _mm256_set1_ps(P1));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P5));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+// sum_i a[i] * b[i], float32, 8 lanes then a fixed tree (n any).
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+#ifdef MBO_AVX2
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  s = hsum(_mm256_add_ps(acc0, acc1));
+#endif
+  for (; i < n; ++i) s = std::fma(a[i], b[i], s);
+  return s;
+}
+
+// y += a * x (n any).
+inline void axpy(float a, const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+#ifdef MBO_AVX2
+  const __m256 va = _mm256_set1_ps(a);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+  for (; i < n; ++i) y[i] = std::fma(a, x[i], y[i]);
+}
+
+// One row: y = w * (s / sqrt(mean(s^2) + eps)).
+inline void norm_row(const float* s, const float* w, float* y, int64_t n, float eps) {
+  const float inv = 1.0f / std::sqrt(dot(s, s, n) / static_cast<float>(n) + eps);
+  int64_t i = 0;
+#ifdef MBO_AVX2
+  const __m256 vi = _mm256_set1_ps(inv);
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(s + i), vi)));
+#endif
+  for (; i < n; ++i) y[i] = w[i] * (s[i] * inv);
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.stride(1) == 1, name,
+              " must be float32 [T, n] with contiguous rows");
+}
+
+int64_t grain_for(int64_t work_per_item) {
+  return std::max<int64_t>(1, min_thread_work / std::max<int64_t>(1, work_per_item));
+}
+
+}  // namespace
+
+// RMSNorm of each row: x float32 [T, D] (rows contiguous), w [D] -> new [T, D].
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kFloat && w.numel() == x.size(1), "bad norm weight");
+  const int64_t T = x.size(0), D = x.size(1), sx = x.stride(0);
+  auto y = torch::empty({T, D}, x.options());
+  const float *px = x.data_ptr<float>(), *pw = w.data_ptr<float>();
+  float* py = y.data_ptr<float>();
+  at::parallel_for(0, T, grain_for(3 * D), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) norm_row(px + t * sx, pw, py + t * D, D, static_cast<float>(eps));
+  });
+  return y;
+}
+
+// Residual add then RMSNorm: x, d float32 [T, D] -> (s = x + d, rms_norm(s)), both new [T, D].
+std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& d, const torch::Tensor& w,
+                                        double eps) {
+  check_rows(x, "x");
+  check_rows(d, "delta");
+  TORCH_CHECK(d.sizes() == x.sizes(), "x and delta differ in shape");
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kFloat && w.numel() == x.size(1), "bad norm weight");
+  const int64_t T = x.size(0), D = x.size(1), sx = x.stride(0), sd = d.stride(0);
+  auto s = torch::empty({T, D}, x.options());
+  auto y = torch::empty({T, D}, x.options());
+  const float *px = x.data_ptr<float>(), *pd = d.data_ptr<float>(), *pw = w.data_ptr<float>();
+  float *ps = s.data_ptr<float>(), *py = y.data_ptr<float>();
+  at::parallel_for(0, T, grain_for(4 * D), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* srow = ps + t * D;
+      for (int64_t i = 0; i < D; ++i) srow[i] = px[t * sx + i] + pd[t * sd + i];
+      norm_row(srow, pw, py + t * D, D, static_cast<float>(eps));
+    }
+  });
+  return {s, y};
+}
+
+// RoPE (HF rotate_half layout) of the first `heads` head_dim-wide column blocks of each row of
+// qkv float32 [T, W] (q's heads then k's), in place: for i < hd/2, with c = cos[t], s = sin[t]:
+//   x'[i] = x[i] c[i] - x[i + hd/2] s[i],   x'[i + hd/2] = x[i + hd/2] c[i + hd/2] + x[i] s[i + hd/2].
+void rope_qk_(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads, int64_t hd) {
+  check_rows(qkv, "qkv");
+  check_rows(cos, "cos");
+  check_rows(sin, "sin");
+  const int64_t T = qkv.size(0), half = hd / 2;
+  TORCH_CHECK(hd % 2 == 0 && heads * hd <= qkv.size(1) && cos.size(0) == T && sin.size(0) == T &&
+              cos.size(1) == hd && sin.size(1) == hd, "bad RoPE shapes");
+  float* p = qkv.data_ptr<float>();
+  const float *pc = cos.data_ptr<float>(), *psn = sin.data_ptr<float>();
+  const int64_t sq = qkv.stride(0), sc = cos.stride(0), ss = sin.stride(0);
+  at::parallel_for(0, T, grain_for(3 * heads * hd), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float *c = pc + t * sc, *s = psn + t * ss;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* x = p + t * sq + h * hd;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = x[i], b = x[i + half];
+          x[i] = a * c[i] - b * s[i];
+          x[i + half] = b * c[i + half] + a * s[i + half];
+        }
+      }
+    }
+  });
+}
+
+// SwiGLU's product: gate_up float32 [T, 2F] (gate then up) -> silu(gate) * up, new [T, F];
+// silu(g) = g / (1 + e^-g).
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  const int64_t T = gate_up.size(0), F = gate_up.size(1) / 2, sg = gate_up.stride(0);
+  TORCH_CHECK(gate_up.size(1) == 2 * F, "gate_up must have an even width");
+  auto y = torch::empty({T, F}, gate_up.options());
+  const float* pg = gate_up.data_ptr<float>();
+  float* py = y.data_ptr<float>();
+  at::parallel_for(0, T, grain_for(8 * F), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float *g = pg + t * sg, *u = g + F;
+      float* o = py + t * F;
+      int64_t i = 0;
+#ifdef MBO_AVX2
+      const __m256 one = _mm256_set1_ps(1.0f);
+      for (; i + 8 <= F; i += 8) {
+        const __m256 vg = _mm256_loadu_ps(g + i);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), vg));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(vg, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+      }
+#endif
+      for (; i < F; ++i) o[i] = g[i] / (1.0f + exp_scalar(-g[i])) * u[i];
+    }
+  });
+  return y;
+}
+
+// Store a step's new K/V rows, then attend query rows over the cache in place.
+//   q      float32 [T, H, hd] (head rows contiguous; any token stride), H = g * KV heads;
+//   k, v   float32 [T, K, hd] new rows (same layout rules), written to slots `write` (int64 [T]);
+//   k_cache, v_cache float32 [slots, K, hd] contiguous;
+//   rows   int64 [R, 3]: (row of q, its position p, offset of its sequence's block table in
+//          `tables`); tables int32: block ids; position j of that sequence is at slot
+//          tables[off + j / block_size] * block_size + j % block_size;
+//   window 0: the row sees positions 0..p; > 0: max(0, p - window + 1)..p;
+//   out    float32 [T, H, hd] contiguous: the rows in `rows` are written.
+// Softmax scale 1/sqrt(hd). Per (row, KV head): the g query heads' scores over every key, their
+// max, e^(s - max), the sum, then sum_j e_j v_j / sum — one fixed order whatever else runs.
+void attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache,
+               torch::Tensor& v_cache, const torch::Tensor& write, const torch::Tensor& rows,
+               const torch::Tensor& tables, int64_t block_size, int64_t window, torch::Tensor& out) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
+              "q, k, v and the caches are [*, heads, head_dim]");
+  const std::vector<const torch::Tensor*> all = {&q, &k, &v, &k_cache, &v_cache, &out};
+  for (const torch::Tensor* t : all)
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->stride(2) == 1 && t->stride(1) == t->size(2),
+                "attention tensors must be float32 with contiguous heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(), "caches and out contiguous");
+  const int64_t T = q.size(0), H = q.size(1), hd = q.size(2), KV = k_cache.size(1);
+  TORCH_CHECK(H % KV == 0 && k_cache.size(2) == hd && k.size(1) == KV && k.size(2) == hd && v.sizes() == k.sizes() &&
+              v_cache.sizes() == k_cache.sizes() && out.sizes() == q.sizes() && k.size(0) == T, "attention shapes");
+  TORCH_CHECK(write.scalar_type() == at::kLong && write.is_contiguous() && write.numel() == T, "write: int64 [T]");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.dim() == 2 && rows.size(1) == 3,
+              "rows: int64 [R, 3]");
+  TORCH_CHECK(tables.scalar_type() == at::kInt && tables.is_contiguous(), "tables: int32");
+  TORCH_CHECK(block_size > 0 && window >= 0, "bad block size or window");
+  const int64_t slots = k_cache.size(0), g = H / KV, R = rows.size(0), nt = tables.numel();
+  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>(), *po = out.data_ptr<float>();
+  const float *pq = q.data_ptr<float>(), *pk = k.data_ptr<float>(), *pv = v.data_ptr<float>();
+  const int64_t *pw = write.data_ptr<int64_t>(), *pr = rows.data_ptr<int64_t>();
+  const int32_t* tb = tables.data_ptr<int32_t>();
+  const int64_t row_elems = KV * hd;
+  int64_t max_keys = 0;  // every index checked before anything is written
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pw[t] >= 0 && pw[t] < slots, "write slot out of range");
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t p = pr[3 * r + 1], lo = window ? std::max<int64_t>(0, p - window + 1) : 0;
+    TORCH_CHECK(pr[3 * r] >= 0 && pr[3 * r] < T && p >= 0 && pr[3 * r + 2] >= 0 &&
+                pr[3 * r + 2] + p / block_size < nt, "attention row out of range");
+    for (int64_t b = lo / block_size; b <= p / block_size; ++b) {
+      const int64_t blk = tb[pr[3 * r + 2] + b];
+      TORCH_CHECK(blk >= 0 && (blk + 1) * block_size <= slots, "block id out of range");
+    }
+    max_keys = std::max(max_keys, p + 1 - lo);
+  }
+  for (int64_t t = 0; t < T; ++t) {  // the step's keys and values first: rows attend to their own
+    std::copy(pk + t * k.stride(0), pk + t * k.stride(0) + row_elems, kc + pw[t] * row_elems);
+    std::copy(pv + t * v.stride(0), pv + t * v.stride(0) + row_elems, vc + pw[t] * row_elems);
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  at::parallel_for(0, R * KV, grain_for(2 * g * hd * std::max<int64_t>(1, max_keys)), [&](int64_t i0, int64_t i1) {
+    std::vector<float> sc(g * max_keys);
+    std::vector<int64_t> slot(max_keys);
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t r = item / KV, kh = item % KV;
+      const int64_t row = pr[3 * r], p = pr[3 * r + 1], off = pr[3 * r + 2];
+      const int64_t lo = window ? std::max<int64_t>(0, p - window + 1) : 0, S = p + 1 - lo;
+      for (int64_t j = 0; j < S; ++j) {
+        const int64_t pos = lo + j;
+        slot[j] = int64_t(tb[off + pos / block_size]) * block_size + pos % block_size;
+      }
+      for (int64_t h = 0; h < g; ++h) {  // scores of query head kh * g + h
+        const float* qh = pq + row * q.stride(0) + (kh * g + h) * hd;
+        float* srow = sc.data() + h * S;
+        for (int64_t j = 0; j < S; ++j) srow[j] = dot(qh, kc + slot[j] * row_elems + kh * hd, hd) * scale;
+        float m = -INFINITY;
+        int64_t j = 0;
+#ifdef MBO_AVX2
+        __m256 vm = _mm256_set1_ps(-INFINITY);
+        for (; j + 8 <= S; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(srow + j));
+        m = hmax(vm);
+#endif
+        for (; j < S; ++j) m = std::max(m, srow[j]);
+        float sum = 0.f;
+        j = 0;
+#ifdef MBO_AVX2
+        const __m256 vmax = _mm256_set1_ps(m);
+        __m256 vs = _mm256_setzero_ps();
+        for (; j + 8 <= S; j += 8) {
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(srow + j), vmax));
+          _mm256_storeu_ps(srow + j, e);
+          vs = _mm256_add_ps(vs, e);
+        }
+        sum = hsum(vs);
+#endif
+        for (; j < S; ++j) {
+          srow[j] = exp_scalar(srow[j] - m);
+          sum += srow[j];
+        }
+        float* o = po + (row * H + kh * g + h) * hd;
+        std::fill(o, o + hd, 0.f);
+        for (j = 0; j < S; ++j) axpy(srow[j], vc + slot[j] * row_elems + kh * hd, o, hd);
+        const float inv = 1.0f / sum;
+        for (int64_t d = 0; d < hd; ++d) o[d] *= inv;
+      }
+    }
+  });
+}
+
+void register_ops(pybind11::module& m) {
+  m.def("set_min_thread_work", [](int64_t n) { min_thread_work = std::max<int64_t>(1, n); },
+        "least work (multiply-adds) per thread of a parallel op");
+  m.def("min_thread_work", []() { return min_thread_work; });
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row (float32)");
+  m.def("add_rms_norm", &add_rms_norm, "(x + d, RMSNorm(x + d)) (float32)");
+  m.def("rope_qk_", &rope_qk_, "RoPE of q and k inside the packed qkv rows, in place (float32)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of the packed gate/up rows (float32)");
+  m.def("attention", &attention, "store new K/V, then causal attention over a block-table cache (float32)");
+}
+
+}  // namespace mb_cpu_ops

@@ -1,0 +1,125 @@
+"""The fused CPU ops of a decode step (kernels/cpu_ops.py) against the torch code they replace and
+float64 references; attention rows independent of the rows beside them (ADR 0002)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from monobatch.kernels import cpu_ops
+from monobatch.kv.attention import attend_chunk
+from monobatch.models.rope import apply_rope
+
+pytestmark = pytest.mark.skipif(not cpu_ops.enabled(torch.empty(0)), reason="CPU kernels did not build")
+
+H, KV, HD = 9, 3, 64
+
+
+def test_norms_match_the_formula():
+    g = torch.Generator().manual_seed(0)
+    x, d, w = torch.randn(5, 576, generator=g), torch.randn(5, 576, generator=g), torch.randn(576, generator=g)
+    s64 = x.double() + d.double()
+    want = w.double() * s64 / torch.sqrt(s64.pow(2).mean(-1, keepdim=True) + 1e-5)
+    s, y = cpu_ops.add_rms_norm(x, d, w, 1e-5)
+    assert torch.equal(s, x + d)
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+    want = w.double() * x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-5).double(), want, rtol=1e-5, atol=1e-5)
+    # [T, heads, hd] (q/k norm) is normed per head row
+    q = torch.randn(3, 4, 8, generator=g)
+    torch.testing.assert_close(cpu_ops.rms_norm(q, w[:8], 1e-6)[1, 2], cpu_ops.rms_norm(q[1, 2:3], w[:8], 1e-6)[0])
+
+
+def test_rope_in_place_matches_apply_rope():
+    g = torch.Generator().manual_seed(1)
+    T = 4
+    qkv = torch.randn(T, (H + 2 * KV) * HD, generator=g)
+    table = torch.randn(T, 2, HD, generator=g)  # cos/sin as views of one table: row stride 2 * HD
+    cos, sin = table[:, 0], table[:, 1]
+    q_ref = apply_rope(qkv[:, :H * HD].view(T, H, HD), cos, sin)
+    k_ref = apply_rope(qkv[:, H * HD:(H + KV) * HD].view(T, KV, HD), cos, sin)
+    v_ref = qkv[:, (H + KV) * HD:].clone()
+    cpu_ops.rope_qk_(qkv, cos, sin, H + KV, HD)
+    torch.testing.assert_close(qkv[:, :H * HD].view(T, H, HD), q_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(qkv[:, H * HD:(H + KV) * HD].view(T, KV, HD), k_ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(qkv[:, (H + KV) * HD:], v_ref)  # v untouched
+
+
+def test_silu_mul_matches_torch():
+    gu = torch.randn(3, 2 * 1536, generator=torch.Generator().manual_seed(2)) * 8  # e^-g far into both tails
+    want = F.silu(gu[:, :1536].double()) * gu[:, 1536:].double()
+    torch.testing.assert_close(cpu_ops.silu_mul(gu).double(), want, rtol=1e-6, atol=1e-6)
+
+
+BS, NBLOCKS = 16, 24
+#: two sequences' block tables (flat); A's positions 0..63 live in blocks 3, 7, 1, 9, B's in 4, 0, 2, 5
+TABLES = torch.tensor([3, 7, 1, 9, 4, 0, 2, 5], dtype=torch.int32)
+
+
+def slot(table: torch.Tensor, p: int) -> int:
+    return int(table[p // BS]) * BS + p % BS
+
+
+def run_step(q, k, v, kc, vc, rows_pos_off, window):
+    """One kernel call: rows ``(row, position, table offset)``; k/v row t is written at its row's slot."""
+    rows = torch.tensor(rows_pos_off, dtype=torch.int64)
+    write = torch.tensor([slot(TABLES[off:], p) for _, p, off in rows_pos_off])
+    out = torch.zeros(q.shape)
+    return cpu_ops.attention(q, k, v, kc, vc, write, rows, TABLES, BS, window, out)
+
+
+@pytest.mark.parametrize("window", [0, 7])
+def test_attention_matches_a_float64_reference_and_attend_chunk(window):
+    g = torch.Generator().manual_seed(3)
+    kc, vc = torch.randn(NBLOCKS * BS, KV, HD, generator=g), torch.randn(NBLOCKS * BS, KV, HD, generator=g)
+    T = 4  # A decodes at 50, B's chunk is positions 20..22
+    qkv = torch.randn(T, (H + 2 * KV) * HD, generator=g)  # q, k, v as views of the packed projection
+    q, k, v = (qkv[:, :H * HD].view(T, H, HD), qkv[:, H * HD:(H + KV) * HD].view(T, KV, HD),
+               qkv[:, (H + KV) * HD:].view(T, KV, HD))
+    rows = [(0, 50, 0), (1, 20, 4), (2, 21, 4), (3, 22, 4)]
+    kc2, vc2 = kc.clone(), vc.clone()
+    out = run_step(q, k, v, kc2, vc2, rows, window)
+    for t, (_, p, off) in enumerate(rows):  # the new rows were stored first
+        assert torch.equal(kc2[slot(TABLES[off:], p)], k[t]) and torch.equal(vc2[slot(TABLES[off:], p)], v[t])
+    for t, (_, p, off) in enumerate(rows):
+        lo = max(0, p - window + 1) if window else 0
+        idx = torch.tensor([slot(TABLES[off:], j) for j in range(lo, p + 1)])
+        keys, values = kc2[idx], vc2[idx]  # (S, KV, HD)
+        qg = q[t].double().view(KV, H // KV, HD)
+        att = (torch.einsum("kgd,skd->kgs", qg, keys.double()) / math.sqrt(HD)).softmax(-1)
+        want = torch.einsum("kgs,skd->kgd", att, values.double()).reshape(H, HD)
+        torch.testing.assert_close(out[t].double(), want, rtol=1e-5, atol=1e-6)
+        ref = attend_chunk(q[t:t + 1], keys, values, p, False, window, lo)[0]  # torch's SDPA on the gathered keys
+        torch.testing.assert_close(out[t], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_rows_do_not_depend_on_their_neighbours():
+    """A row's bits are the same alone (a decode step), inside a chunk, or beside other sequences."""
+    g = torch.Generator().manual_seed(4)
+    kc, vc = torch.randn(NBLOCKS * BS, KV, HD, generator=g), torch.randn(NBLOCKS * BS, KV, HD, generator=g)
+    T = 5
+    q, k, v = (torch.randn(T, H, HD, generator=g), torch.randn(T, KV, HD, generator=g),
+               torch.randn(T, KV, HD, generator=g))
+    rows = [(0, 33, 0), (1, 40, 4), (2, 41, 4), (3, 42, 4), (4, 43, 4)]
+    together = run_step(q, k, v, kc.clone(), vc.clone(), rows, 0)
+    written_k, written_v = kc.clone(), vc.clone()
+    run_step(q, k, v, written_k, written_v, rows, 0)  # the cache as the batch left it
+    for t, (_, p, off) in enumerate(rows):
+        alone = run_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], written_k.clone(), written_v.clone(), [(0, p, off)], 0)
+        assert torch.equal(alone[0], together[t])
+
+
+def test_attention_refuses_indices_out_of_range():
+    kc, vc = torch.zeros(NBLOCKS * BS, KV, HD), torch.zeros(NBLOCKS * BS, KV, HD)
+    q, k, v = torch.zeros(1, H, HD), torch.zeros(1, KV, HD), torch.zeros(1, KV, HD)
+    bad_tables = torch.tensor([NBLOCKS], dtype=torch.int32)  # a block past the pool
+    with pytest.raises(RuntimeError, match="block id"):
+        cpu_ops.attention(q, k, v, kc, vc, torch.tensor([0]), torch.tensor([[0, 3, 0]]), bad_tables, BS, 0,
+                          torch.zeros(1, H, HD))
+    with pytest.raises(RuntimeError, match="write slot"):
+        cpu_ops.attention(q, k, v, kc, vc, torch.tensor([NBLOCKS * BS]), torch.tensor([[0, 3, 0]]), TABLES, BS, 0,
+                          torch.zeros(1, H, HD))
+    assert not kc.any()  # nothing written
