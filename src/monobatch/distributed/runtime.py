@@ -222,6 +222,7 @@ class TensorParallelDriver:
         ctx = mp.get_context("spawn")
         self.procs, self.conns = [], []
         spec = KvSpec.of(kv)
+        parts = []  # kept until every worker has its shard (CUDA IPC: the sender keeps the tensors alive)
         for rank in range(1, plan.world):
             part = shard_model(model, plan, rank, pieces, copy_=True)
             parent, child = ctx.Pipe()
@@ -230,7 +231,7 @@ class TensorParallelDriver:
                                      self._worker_device(rank), kv.max_seq_len, timeout))
             proc.start()
             child.close()
-            del part
+            parts.append(part)
             self.procs.append(proc)
             self.conns.append(parent)
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns)
@@ -248,6 +249,7 @@ class TensorParallelDriver:
         except TensorParallelError:
             self.close()
             raise
+        del parts
         attach(shard, self.group)
 
     def _worker_device(self, rank: int) -> str:
@@ -344,9 +346,10 @@ def worker_main(rank: int, plan: TensorParallelPlan, port: int, shard: DecoderMo
     try:
         torch.set_num_threads(threads)
         dev = torch.device(device)
-        group = TpGroup(rank, plan.world, port, dev, timeout)
         if dev.type == "cuda":
-            shard = shard.to_device(dev, shard.dtype)
+            torch.cuda.set_device(dev)
+            shard = shard.to_device(dev, shard.dtype)  # a copy out of the driver's (CUDA IPC) tensors
+        group = TpGroup(rank, plan.world, port, dev, timeout)
         attach(shard, group)
         shard.build_rope_tables(max_len, shard.dtype)
         kv = spec.build(plan.kv_heads(rank), shard.dtype, dev)
