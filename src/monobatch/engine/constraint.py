@@ -260,13 +260,17 @@ class GrammarCompiler:
 
         Raises:
             InvalidRequestError: the spec does not compile (the message is llguidance's, naming
-                the unsupported keyword or the syntax error), or takes longer than ``timeout``.
+                the unsupported keyword or the syntax error), or takes longer than ``timeout``
+                (the model's llguidance tokenizer, built at the first compile, is not counted).
         """
         key = (spec.kind, spec.value)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return
+        # The llguidance tokenizer is the model's, built once (seconds for Gemma's 262K vocabulary,
+        # ~0.4 s for SmolLM2's): it is not the spec's compile time, so the timeout starts after it.
+        self._ll_tokenizer()
         future = self._pool.submit(self._build, spec)
         try:
             matcher = future.result(timeout=timeout)
