@@ -57,19 +57,21 @@ def _pow2(n: int) -> int:
 
 def gemv_config(N: int, K: int, M: int, layout: Layout) -> tuple[int, int, int, int, int, bool]:
     """``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, DOT)`` for an ``[M, K] x [N, K]^T``
-    product on ``layout`` (BLOCK_K in weights, a multiple of 32). Untuned default: FMA up to 4
-    rows, else DOT; K split while the grid stays under two programs per SM and each slice keeps
-    at least two K blocks."""
+    product on ``layout`` (BLOCK_K in weights, a multiple of 32). Untuned default (no GPU
+    measurement yet; scripts/bench_packed_cuda.py --sweep): FMA up to 4 rows with 8 KB weight
+    tiles (a llama-1b row of Q4 whole, so PDL loads it all before the wait; 64 bytes in flight a
+    thread), else DOT; K split while the grid stays under two programs per SM and each slice
+    keeps at least two K blocks."""
     dot = _pow2(M) > 4
     if dot:
-        block_n, block_k = 32, 256
+        block_n, block_k, warps, stages = 32, 256, 4, 3
     else:
-        block_n, block_k = (8 if M <= 2 else 4), (1024 if layout.q4 else 512)
+        block_n, block_k, warps, stages = (8 if M <= 2 else 4), (2048 if layout.q4 else 1024), 8, 2
     block_k = max(32, min(block_k, _pow2(K)))
     tiles, splits = -(-N // block_n), 1
     while splits < 8 and tiles * splits * 2 <= 2 * _SMS and K >= 4 * splits * block_k:
         splits *= 2
-    return block_n, block_k, splits, 4, 3, dot
+    return block_n, block_k, splits, warps, stages, dot
 
 
 def gemm_config(M: int, N: int) -> tuple[int, int, int, int, int]:
