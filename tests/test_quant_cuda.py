@@ -390,3 +390,27 @@ def test_kernels_compile_for_sm90(q4, variant):
     assert not re.search(r"\bst\.global|\batom\.|\bred\.|\bcp\.async", before)
     assert "griddepcontrol.launch_dependents" in after
     assert "griddepcontrol" not in _sm90(Q._gemv_kernel, {**c, "PDL": False}, sig, num_warps=warps)
+
+
+def test_random_packed_dummy_weights():
+    """``bench --dummy-weights --quant``'s weights (CPU here; the same code on CUDA): every linear
+    layer and the embeddings packed in the type's layout, weights of std about 0.02; a K-quant on
+    a shape whose widths are not multiples of 256 is refused."""
+    from monobatch.errors import InvalidRequestError
+    from monobatch.loader.dummy import dummy_model
+    from monobatch.quant.packed import packed_supported, packed_weights
+    from monobatch.quant.random_packed import random_weight
+    if not packed_supported(torch.device("cpu")):
+        pytest.skip("packed CPU kernels did not build")
+    loaded = dummy_model("tiny", "cpu", quant="Q4_0")
+    held = packed_weights(loaded.model)
+    assert loaded.weights == "packed" and len(held) == 4 * 2 + 1  # qkv, o, gate_up, down a layer; the (tied) embeddings
+    assert "packed" in loaded.describe_weights() and all(w.types == ("Q4_0",) for w in held)
+    g = torch.Generator().manual_seed(0)
+    for qtype in TYPES:
+        w = random_weight(qtype, 64, 256, torch.device("cpu"), g).dequantize()
+        assert 0.014 < w.std().item() < 0.028 and abs(w.mean().item()) < 0.005, qtype.name
+    with pytest.raises(InvalidRequestError):
+        dummy_model("tiny", "cpu", quant="Q4_K")
+    with pytest.raises(InvalidRequestError):
+        dummy_model("tiny", "cpu", quant="IQ2_XS")
