@@ -27,6 +27,8 @@ import dataclasses
 import logging
 import os
 import pickle
+import signal
+import threading
 import time
 import traceback
 import weakref
@@ -236,7 +238,7 @@ class TensorParallelDriver:
             self.conns.append(parent)
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns)
         try:
-            self.group = TpGroup(0, plan.world, port, self.device, timeout)
+            self.group = self._join(port, timeout)
             for rank, conn in enumerate(self.conns, 1):
                 if not conn.poll(timeout):
                     raise TensorParallelError(f"tensor parallel rank {rank} did not start within {timeout:.0f} s")
@@ -251,6 +253,28 @@ class TensorParallelDriver:
             raise
         del parts
         attach(shard, self.group)
+
+    def _join(self, port: int, timeout: float) -> TpGroup:
+        """Rank 0's group, built on a thread while the workers are watched: a worker that dies
+        before it joins (its arguments failed to load, say) is an error now, not after the timeout."""
+        box: dict[str, Any] = {}
+
+        def connect() -> None:
+            try:
+                box["group"] = TpGroup(0, self.plan.world, port, self.device, timeout)
+            except Exception as e:  # noqa: BLE001 - raised below
+                box["error"] = e
+        thread = threading.Thread(target=connect, name="monobatch-tp-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+            for rank, proc in enumerate(self.procs, 1):
+                if proc.exitcode is not None:
+                    raise TensorParallelError(f"tensor parallel rank {rank} exited during start-up "
+                                              f"(exit code {proc.exitcode})")
+        if "error" in box:
+            raise box["error"]
+        return box["group"]
 
     def _worker_device(self, rank: int) -> str:
         """Rank ``rank``'s device: the next CUDA devices after the driver's, or the CPU."""
@@ -343,13 +367,15 @@ def worker_main(rank: int, plan: TensorParallelPlan, port: int, shard: DecoderMo
                 threads: int, device: str, max_len: int, timeout: float) -> None:
     """A worker rank's process: join the group, then run each step the driver sends until it
     says stop (None) or its pipe closes (the driver exited)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's; a worker ends when its pipe closes
     try:
         torch.set_num_threads(threads)
         dev = torch.device(device)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
+        group = TpGroup(rank, plan.world, port, dev, timeout)  # joined first: later failures are reported
+        if dev.type == "cuda":
             shard = shard.to_device(dev, shard.dtype)  # a copy out of the driver's (CUDA IPC) tensors
-        group = TpGroup(rank, plan.world, port, dev, timeout)
         attach(shard, group)
         shard.build_rope_tables(max_len, shard.dtype)
         kv = spec.build(plan.kv_heads(rank), shard.dtype, dev)

@@ -22,7 +22,12 @@ boundaries do (:mod:`monobatch.distributed.plan`); a weight whose split does not
 Deterministic mode (``pieces=True``): every sharded layer keeps its plan pieces apart and runs one
 product per piece — the same products, on the same weights, that TP=1 runs in that mode — and a
 row-parallel layer sums all S pieces' partials in piece order on every rank (an all-gather, then
-``((p0 + p1) + p2) + ...``), so TP=N computes TP=1's bits (ADR 0007).
+``((p0 + p1) + p2) + ...``), so TP=N computes TP=1's bits (ADR 0007). Column-parallel layers of
+packed CPU weights are the exception that shares one call: that kernel computes each output row
+alone (:func:`row_independent`).
+
+Exact zeros: the vocabulary all-reduce turns a -0.0 embedding entry into +0.0, which no later
+product or sum can tell apart.
 """
 
 from __future__ import annotations

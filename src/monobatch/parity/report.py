@@ -189,7 +189,7 @@ class ParityReport:
         for c in self.configs:
             fields = ", ".join(f"{k}={v}" for k, v in c.fields.items())
             lines += ["", f"[{c.name}] {len(c.prompt_ids)} prompt tokens (chat template); {fields}",
-                      f"  {'door':<13} {'result':<15} {'paged-attn':>10}  {'prefill: cached + computed':<36} evidence"]
+                      f"  {'door':<15} {'result':<15} {'paged-attn':>10}  {'prefill: cached + computed':<36} evidence"]
             for d in c.doors:
                 if d.status == "diverged" and d.divergence is not None:
                     result = f"diverged@{d.divergence.index}"
@@ -198,7 +198,7 @@ class ParityReport:
                 calls = "-" if d.paged_attention_calls is None else str(d.paged_attention_calls)
                 prefill = "-" if d.cached_tokens is None else \
                     f"{d.cached_tokens} + " + " ".join(f"[{s},{e})" for s, e in d.prefill_chunks)
-                lines.append(f"  {d.door:<13} {result:<15} {calls:>10}  {prefill:<36} {'; '.join(d.evidence)}")
+                lines.append(f"  {d.door:<15} {result:<15} {calls:>10}  {prefill:<36} {'; '.join(d.evidence)}")
                 if d.divergence is not None:
                     v = d.divergence
                     margin = "-" if v.margin is None else f"{v.margin:.4f}"
