@@ -118,6 +118,12 @@ def check_kernels(device: str = "cpu") -> str:
             Q.matmul(x, *args, out=wide[:, 8:8 + n])
             assert _rel(wide[:, 8:8 + n], ref) <= tol and not wide[:, :8].any() and not wide[:, 8 + n:].any()
             assert Q.matmul(x, *args, out_dtype=torch.float32).dtype == torch.float32
+        ids = torch.tensor([7, 0, 39, 7], device=device)  # the embedding lookup: one launch, dequantize's bits
+        want = Q.dequantize(rep.qs[ids], rep.scale[ids], rep.minimum[ids], rep.layout)
+        assert torch.equal(Q.take(ids, *args), want) and torch.equal(want.double(), w[ids])
+        low = torch.float16 if device == "cpu" else torch.bfloat16  # (the interpreter's bf16 rounding is not faithful)
+        assert torch.equal(Q.take(ids, *args, low), want.to(low))
+        assert Q.take(ids[:0], *args).shape == (0, k)
         with pytest.raises(ValueError):
             Q.gemv(torch.zeros(Q.MAX_M + 1, k, dtype=dtype, device=device), *args)
         with pytest.raises(ValueError):
@@ -354,7 +360,7 @@ _PTRS = {"X": "*bf16", "S": "*fp32", "MN": "*fp32", "B": "*bf16", "Y": "*bf16", 
 
 
 @pytest.mark.parametrize("q4", [True, False], ids=["Q4", "Q8"])
-@pytest.mark.parametrize("variant", ["fma1", "fma4", "dot_bias", "gemm", "gemm_invariant"])
+@pytest.mark.parametrize("variant", ["fma1", "fma4", "dot_bias", "gemm", "gemm_invariant", "take"])
 def test_kernels_compile_for_sm90(q4, variant):
     """Every kernel variant compiles for sm_90 with bf16 activations (what the H200 runs; the
     interpreter does not compile); the GEMV with PDL touches nothing before ``griddepcontrol.wait``
@@ -368,6 +374,9 @@ def test_kernels_compile_for_sm90(q4, variant):
         pytest.skip("Triton not installed")
     sig = {**_PTRS, "QS": "*u8" if q4 else "*i8"}
     group = 32 if q4 else 16
+    if variant == "take":
+        _sm90(Q._take_kernel, dict(BT=4, BW=512, Q4=q4, GROUP=group), {**sig, "IDS": "*i64"}, num_warps=4)
+        return
     if variant.startswith("gemm"):
         bm, bn, bk, warps, stages = Q.INVARIANT_TILE if variant == "gemm_invariant" else Q.gemm_config(2048, 4096)
         c = dict(HAS_BIAS=False, BM=bm, BN=bn, BW=bk // 2 if q4 else bk, GROUP_M=8, IEEE=False, Q4=q4, GROUP=group)

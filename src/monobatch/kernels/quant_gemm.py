@@ -277,6 +277,52 @@ if triton is not None:
         tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
+if triton is not None:
+
+    @triton.jit
+    def _take_kernel(IDS, QS, S, MN, Y, T, NB, stride_qn, stride_sn, stride_yt, BT: tl.constexpr, BW: tl.constexpr,
+                     Q4: tl.constexpr, GROUP: tl.constexpr):
+        # rows IDS[t] of the packed weight, dequantized, into Y [T, K]: program (t block, byte block)
+        offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
+        tmask = offs_t < T
+        rows = tl.load(IDS + offs_t, mask=tmask, other=0).to(tl.int64)
+        b = tl.program_id(1) * BW
+        lo, hi = _w_tile(QS + rows * stride_qn, S + rows * stride_sn, MN + rows * stride_sn, tmask, b, NB, BT, BW, Q4,
+                         GROUP)
+        p = b + tl.arange(0, BW)
+        col = _cols(p, Q4)
+        y = Y + offs_t.to(tl.int64)[:, None] * stride_yt + col[None, :]
+        ymask = tmask[:, None] & (p < NB)[None, :]
+        tl.store(y, lo.to(Y.dtype.element_ty), mask=ymask)
+        if Q4:
+            tl.store(y + 16, hi.to(Y.dtype.element_ty), mask=ymask)
+
+
+def take(ids: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, layout: Layout,
+         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows ``ids`` (int64 ``[T]``, on the weight's device) dequantized: ``[T, K]`` in ``dtype``, one
+    launch (the embedding lookup of a packed table). Float32 rows are bitwise :func:`dequantize`'s
+    (``q * scale`` is exact, so a fused multiply-add rounds as the separate add does).
+
+    Raises:
+        RuntimeError: no Triton.
+    """
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    T = ids.shape[0]
+    nb = qs.shape[1]
+    K = nb * (2 if layout.q4 else 1)
+    y = torch.empty((T, K), dtype=dtype, device=qs.device)
+    if T == 0:
+        return y
+    bt, bw = 4, 512
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    _take_kernel[(triton.cdiv(T, bt), triton.cdiv(nb, bw))](ids, qs, scale, minimum, y, T, nb, qs.stride(0),
+                                                          scale.stride(0), y.stride(0), BT=bt, BW=bw, Q4=layout.q4,
+                                                          GROUP=layout.group, num_warps=4)
+    return y
+
+
 def _check(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, layout: Layout) -> tuple[int, int]:
     if triton is None:
         raise RuntimeError("Triton is not installed")

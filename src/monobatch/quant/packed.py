@@ -93,8 +93,11 @@ class PackedPart:
         return quant_cpu.dequant(self.qs[lo:hi], self.scale[lo:hi], self.minimum[lo:hi], self.layout.group,
                                  self.layout.q4, out)
 
-    def take(self, ids: torch.Tensor, k: int) -> torch.Tensor:
-        """Rows ``ids`` (int64 ``[T]``) as float32 ``[T, K]`` (an embedding lookup)."""
+    def take(self, ids: torch.Tensor, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ``ids`` (int64 ``[T]``) as ``[T, K]`` (an embedding lookup): float32 on CPU; on CUDA in
+        ``dtype``, one Triton launch (:func:`monobatch.kernels.quant_gemm.take`)."""
+        if self.qs.device.type == "cuda" and triton is not None:
+            return quant_gemm.take(ids, self.qs, self.scale, self.minimum, self.layout, dtype)
         if self.qs.device.type != "cpu":
             return quant_gemm.dequantize(self.qs[ids], self.scale[ids], self.minimum[ids], self.layout)
         out = torch.empty(ids.shape[0], k, dtype=torch.float32)
@@ -223,7 +226,7 @@ class PackedWeight:
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` (int64 ``[T]``) in ``dtype``: ``[T, K]`` (``F.embedding`` of the dequantized W)."""
         if len(self.parts) == 1:
-            return self.parts[0].take(ids, self.k).to(dtype)
+            return self.parts[0].take(ids, self.k, dtype).to(dtype)
         return self.dequantize()[ids].to(dtype)
 
     def dequantize(self) -> torch.Tensor:
