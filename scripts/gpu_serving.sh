@@ -114,7 +114,7 @@ start_ggufs() {
   { echo "export PYTHONPATH=\"$PYTHONPATH\"; rc=0"
     for shape in ${GGUF_SHAPES:-llama-1b smollm2-135m}; do
       local tok=$TOK_GGUF extra=
-      case $shape in gemma3-*) tok=$GEMMA_TOK_GGUF ;; llama-8b) extra="--pad-vocab --pool" ;; esac
+      case $shape in gemma3-*) tok=$GEMMA_TOK_GGUF extra=--pool ;; llama-8b) extra="--pad-vocab --pool" ;; esac
       echo "[ -f $W/$shape-f16.gguf ] || python3 $REPO/scripts/write_shape_gguf.py --shape $shape -o $W/$shape-f16.gguf --tokenizer-from $tok --check $extra || rc=1"
     done
     echo "if [ \$rc = 0 ] && [ -n \"${QUANTS:-}\" ]; then"
