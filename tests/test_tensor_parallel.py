@@ -34,8 +34,8 @@ from monobatch.quant.packed import PackedWeight
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,"]
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-SEEDED = SamplingParams(max_tokens=12, temperature=0.8, seed=7, top_k=40, repeat_penalty=1.1, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=8, temperature=0.8, seed=7, top_k=40, repeat_penalty=1.1, ignore_eos=True)
 
 
 # -- the plan ---------------------------------------------------------------------------------------
@@ -179,8 +179,9 @@ def test_prefix_hit_on_every_rank(deterministic_pair):
     adopt_prefix and compare its result and the block tables each step) and gives the same tokens."""
     _, tp2 = deterministic_pair
     prompt = "A long shared system prompt that fills more than one block of sixteen tokens, " * 2
-    first = tp2.generate([prompt], GREEDY)[0]
-    again = tp2.generate([prompt], GREEDY)[0]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    first = tp2.generate([prompt], params)[0]
+    again = tp2.generate([prompt], params)[0]
     assert again.num_cached_tokens >= 16 and again.outputs[0].token_ids == first.outputs[0].token_ids
 
 
@@ -208,7 +209,7 @@ def test_a_dead_rank_ends_the_engine_with_a_clear_error():
 
     llm = LLM(loaded=dummy_model("tiny", "cpu"), tensor_parallel_size=2)
     engine = llm.scheduler.engine
-    assert len(llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY)[0].outputs[0].token_ids) == 12
+    assert len(llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY)[0].outputs[0].token_ids) == 8
     worker = engine.tp.procs[0]
     os.kill(worker.pid, signal.SIGKILL)
     worker.join(10)
