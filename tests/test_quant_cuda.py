@@ -118,6 +118,17 @@ def check_kernels(device: str = "cpu") -> str:
             Q.matmul(x, *args, out=wide[:, 8:8 + n])
             assert _rel(wide[:, 8:8 + n], ref) <= tol and not wide[:, :8].any() and not wide[:, 8 + n:].any()
             assert Q.matmul(x, *args, out_dtype=torch.float32).dtype == torch.float32
+        if device != "cpu" or qtype in (T.Q4_K, T.Q6_K):  # SwiGLU's gate inside the GEMV: silu_mul's bits
+            from monobatch.kernels.fused import silu_mul
+            for M in (1, 3, 5, 20):
+                gu = (torch.randn(M, 2 * k, generator=g) * 3).to(device, dtype)
+                for cfg in (None, (16, 64, 3, 4, 2, True)) if M <= Q.MAX_M else (None,):
+                    if M > Q.MAX_M:
+                        got, want = Q.matmul(gu, *args, bias, gated=True), Q.matmul(silu_mul(gu), *args, bias)
+                    else:
+                        got = Q.gemv(gu, *args, bias, config=cfg, gated=True)
+                        want = Q.gemv(silu_mul(gu), *args, bias, config=cfg)
+                    assert torch.equal(got, want), (qtype.name, M, cfg)
         ids = torch.tensor([7, 0, 39, 7], device=device)  # the embedding lookup: one launch, dequantize's bits
         want = Q.dequantize(rep.qs[ids], rep.scale[ids], rep.minimum[ids], rep.layout)
         assert torch.equal(Q.take(ids, *args), want) and torch.equal(want.double(), w[ids])
@@ -167,8 +178,9 @@ def check_invariance(device: str = "cpu") -> str:
 def check_model_forward() -> str:
     """A tiny Q4_0 llama GGUF (untied head, fused qkv of three row pieces, K = 64 and 96) loaded
     packed, its products routed through the CUDA dispatcher (PackedWeight.cuda_matmul: the Triton
-    kernels, here interpreted on CPU tensors): logits within float32 error of the dequant model's,
-    for a 40-token prefill (the GEMM) and 3-token steps (the GEMV)."""
+    kernels, here interpreted on CPU tensors) and the layers' CUDA branches (fused kernels, the
+    gated packed down projection): logits within float32 error of the dequant model's, for a
+    40-token prefill (the GEMM) and 3-token steps (the GEMV)."""
     import tempfile
     from pathlib import Path
 
@@ -182,7 +194,9 @@ def check_model_forward() -> str:
         models = {w: gguf_file.load_gguf_model(gguf_file.open_gguf(Path(tmp) / "m.gguf"), cpu, torch.float32,
                                                progress=False, weights=w) for w in ("packed", "dequant")}
     assert models["packed"].lm_head.packed
-    PackedWeight.matmul = PackedWeight.cuda_matmul  # this subprocess only
+    from monobatch.kernels import fused
+    PackedWeight.matmul = PackedWeight.cuda_matmul  # this subprocess only: the CUDA branches of the
+    fused.enabled = lambda x: True  # layers too (fused norms, RoPE; SwiGLU's gate inside the packed GEMV)
     ids = list(range(3, 43))
     for prompt in (ids, ids[:6]):
         got, want = our_logits(models["packed"], prompt), our_logits(models["dequant"], prompt)
@@ -387,7 +401,8 @@ def test_kernels_compile_for_sm90(q4, variant):
     bn, bk, _, warps, stages, _ = Q.gemv_config(4096, 4096, 16 if dot else (1 if variant == "fma1" else 4),
                                                 Q.Layout(q4, group))
     c = dict(HAS_BIAS=dot, M_PAD=16 if dot else (1 if variant == "fma1" else 4), BLOCK_N=bn,
-             BW=bk // 2 if q4 else bk, STAGES=stages, DOT=dot, IEEE=False, Q4=q4, GROUP=group)
+             BW=bk // 2 if q4 else bk, STAGES=stages, DOT=dot, IEEE=False, Q4=q4, GROUP=group,
+             GATED=variant == "fma4")
     try:
         from triton.language.extra.cuda import gdc_wait  # noqa: F401  (Triton >= 3.4)
     except ImportError:

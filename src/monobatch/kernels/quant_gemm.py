@@ -39,9 +39,12 @@ from __future__ import annotations
 
 import torch
 
-from monobatch.kernels import invariant_gemm, pdl
+from monobatch.kernels import fused, invariant_gemm, pdl
 from monobatch.kernels.common import COUNTERS, counters, tl, triton
 from monobatch.quant.formats import Layout
+
+if triton is not None:
+    from monobatch.kernels.gemv import _load_x  # x, or SwiGLU's silu(gate) * up computed as it is loaded
 
 #: Most rows the GEMV takes; more go to the tiled GEMM.
 MAX_M = 16
@@ -136,46 +139,46 @@ if triton is not None:
             return p
 
     @triton.jit
-    def _fma_row(acc, lo, hi, X, row, M, stride_xm, col, cmask, Q4: tl.constexpr):
+    def _fma_row(acc, lo, hi, X, row, M, K, stride_xm, col, cmask, Q4: tl.constexpr, GATED: tl.constexpr):
         xm = cmask & (col * 0 + row < M)
-        xr = tl.load(X + row * stride_xm + col, mask=xm, other=0.0).to(tl.float32)
+        xr = _load_x(X + row * stride_xm + col, xm, K, GATED).to(tl.float32)
         acc += lo * xr[None, :]
         if Q4:
-            xh = tl.load(X + row * stride_xm + col + 16, mask=xm, other=0.0).to(tl.float32)
+            xh = _load_x(X + row * stride_xm + col + 16, xm, K, GATED).to(tl.float32)
             acc += hi * xh[None, :]
         return acc
 
     @triton.jit
-    def _gemv_step(acc, acc0, acc1, acc2, acc3, lo, hi, X, col, cmask, mmask, offs_m, M, stride_xm,
-                   M_PAD: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, Q4: tl.constexpr):
+    def _gemv_step(acc, acc0, acc1, acc2, acc3, lo, hi, X, col, cmask, mmask, offs_m, M, K, stride_xm,
+                   M_PAD: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, Q4: tl.constexpr, GATED: tl.constexpr):
         if DOT:
             xp = X + offs_m[None, :] * stride_xm + col[:, None]  # x^T at these columns [BW, M_PAD]
             xm = cmask[:, None] & mmask[None, :]
-            xt = tl.load(xp, mask=xm, other=0.0)
+            xt = _load_x(xp, xm, K, GATED)
             if IEEE:
                 acc = tl.dot(lo, xt, acc, input_precision="ieee")
             else:
                 acc = tl.dot(lo.to(xt.dtype), xt, acc)
             if Q4:
-                xt = tl.load(xp + 16, mask=xm, other=0.0)
+                xt = _load_x(xp + 16, xm, K, GATED)
                 if IEEE:
                     acc = tl.dot(hi, xt, acc, input_precision="ieee")
                 else:
                     acc = tl.dot(hi.to(xt.dtype), xt, acc)
         else:
-            acc0 = _fma_row(acc0, lo, hi, X, 0, M, stride_xm, col, cmask, Q4)
+            acc0 = _fma_row(acc0, lo, hi, X, 0, M, K, stride_xm, col, cmask, Q4, GATED)
             if M_PAD > 1:
-                acc1 = _fma_row(acc1, lo, hi, X, 1, M, stride_xm, col, cmask, Q4)
+                acc1 = _fma_row(acc1, lo, hi, X, 1, M, K, stride_xm, col, cmask, Q4, GATED)
             if M_PAD > 2:
-                acc2 = _fma_row(acc2, lo, hi, X, 2, M, stride_xm, col, cmask, Q4)
-                acc3 = _fma_row(acc3, lo, hi, X, 3, M, stride_xm, col, cmask, Q4)
+                acc2 = _fma_row(acc2, lo, hi, X, 2, M, K, stride_xm, col, cmask, Q4, GATED)
+                acc3 = _fma_row(acc3, lo, hi, X, 3, M, K, stride_xm, col, cmask, Q4, GATED)
         return acc, acc0, acc1, acc2, acc3
 
     @triton.jit(do_not_specialize=["M", "splits"])
-    def _gemv_kernel(X, QS, S, MN, B, Y, WS, CNT, M, N, NB, b_per, splits, stride_xm, stride_qn, stride_sn, stride_ym,
-                     HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BW: tl.constexpr,
+    def _gemv_kernel(X, QS, S, MN, B, Y, WS, CNT, M, N, K, NB, b_per, splits, stride_xm, stride_qn, stride_sn,
+                     stride_ym, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BW: tl.constexpr,
                      STAGES: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, Q4: tl.constexpr,
-                     GROUP: tl.constexpr, PDL: tl.constexpr):
+                     GROUP: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
         # NB: bytes of a row (K / 2 for Q4, K for Q8); BW: bytes a K step (BLOCK_K / 2 or BLOCK_K);
         # b_per: bytes a K slice. Positions p are bytes.
         pid_n = tl.program_id(0)
@@ -200,13 +203,14 @@ if triton is not None:
         lo, hi = _w_tile(q_rows, s_rows, m_rows, nmask, b_lo, b_hi, BLOCK_N, BW, Q4, GROUP)
         pdl.wait_prior(PDL)
         acc, acc0, acc1, acc2, acc3 = _gemv_step(acc, acc0, acc1, acc2, acc3, lo, hi, X, _cols(p, Q4), pmask,
-                                                 mmask, offs_m, M, stride_xm, M_PAD, DOT, IEEE, Q4)
+                                                 mmask, offs_m, M, K, stride_xm, M_PAD, DOT, IEEE, Q4, GATED)
         for b in tl.range(b_lo + BW, b_hi, BW, num_stages=STAGES):
             p = b + offs_b
             pmask = p < b_hi
             lo, hi = _w_tile(q_rows, s_rows, m_rows, nmask, b, b_hi, BLOCK_N, BW, Q4, GROUP)
             acc, acc0, acc1, acc2, acc3 = _gemv_step(acc, acc0, acc1, acc2, acc3, lo, hi, X, _cols(p, Q4), pmask,
-                                                     mmask, offs_m, M, stride_xm, M_PAD, DOT, IEEE, Q4)
+                                                     mmask, offs_m, M, K, stride_xm, M_PAD, DOT, IEEE, Q4,
+                                                     GATED)
         if not DOT:  # reduce over K once; column m of acc <- row m of x
             acc = tl.where(offs_m[None, :] == 0, tl.sum(acc0, 1)[:, None], acc)
             if M_PAD > 1:
@@ -323,11 +327,12 @@ def take(ids: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torc
     return y
 
 
-def _check(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, layout: Layout) -> tuple[int, int]:
+def _check(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, layout: Layout,
+           gated: bool = False) -> tuple[int, int]:
     if triton is None:
         raise RuntimeError("Triton is not installed")
     N, K = qs.shape[0], qs.shape[1] * (2 if layout.q4 else 1)
-    if x.shape[-1] != K or K % 32 or scale.shape != (N, K // layout.group) or qs.stride(1) != 1 or scale.stride(1) != 1:
+    if x.shape[-1] != (2 if gated else 1) * K or K % 32 or scale.shape != (N, K // layout.group) or qs.stride(1) != 1 or scale.stride(1) != 1:
         raise ValueError(f"x {tuple(x.shape)} and a packed {layout.name} weight qs {tuple(qs.shape)} / "
                          f"scale {tuple(scale.shape)} do not fit (K a multiple of 32, unit stride along K)")
     return N, K
@@ -343,11 +348,14 @@ def _out(x: torch.Tensor, N: int, out_dtype: torch.dtype | None, out: torch.Tens
 
 def gemv(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, layout: Layout,
          bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
-         config: tuple | None = None) -> torch.Tensor:
+         config: tuple | None = None, gated: bool = False) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for a few rows, W packed (the module docstring's layouts).
 
     Args:
         x: ``[M, K]`` bf16/fp16 (fp32: IEEE products, the interpreter tests), M <= :data:`MAX_M`.
+            With ``gated``: ``[M, 2K]`` packed ``[gate | up]`` rows, and the product's input is
+            SwiGLU's ``silu(gate) * up`` with the bits of :func:`monobatch.kernels.fused.silu_mul`,
+            computed as it is loaded (the down projection without its own SiLU launch).
         qs, scale, minimum: one :class:`~monobatch.quant.packed.PackedPart`'s tensors, x's device.
         layout: their :class:`~monobatch.quant.formats.Layout`.
         bias: ``[N]`` or None (added in fp32).
@@ -362,7 +370,7 @@ def gemv(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.
     Raises:
         RuntimeError: no Triton. ValueError: shapes that do not fit, M > MAX_M, an FMA config with M > 4.
     """
-    N, K = _check(x, qs, scale, layout)
+    N, K = _check(x, qs, scale, layout, gated)
     M = x.shape[0]
     if M > MAX_M:
         raise ValueError(f"gemv takes M <= {MAX_M} rows")
@@ -382,11 +390,11 @@ def gemv(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.
     cnt = counters(x.device, tiles) if splits > 1 else COUNTERS.get(x.device)
     cnt = ws.new_empty(1, dtype=torch.int32) if cnt is None else cnt  # unused without split-K
     _gemv_kernel[(tiles, splits)](
-        x, qs, scale, minimum, y if bias is None else bias.contiguous(), y, ws, cnt, M, N, K // per_byte,
+        x, qs, scale, minimum, y if bias is None else bias.contiguous(), y, ws, cnt, M, N, K, K // per_byte,
         k_per // per_byte, splits,
         x.stride(0), qs.stride(0), scale.stride(0), y.stride(0), HAS_BIAS=bias is not None,
         M_PAD=16 if dot else _pow2(M), BLOCK_N=block_n, BW=block_k // 2 if layout.q4 else block_k, STAGES=stages,
-        DOT=bool(dot), IEEE=x.dtype == torch.float32, Q4=layout.q4, GROUP=layout.group,
+        DOT=bool(dot), IEEE=x.dtype == torch.float32, Q4=layout.q4, GROUP=layout.group, GATED=gated,
         num_warps=warps, num_stages=stages, **pdl.launch(x.device))
     return y
 
@@ -430,12 +438,16 @@ def gemm(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.
 
 def matmul(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, layout: Layout,
            bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """The dispatcher :meth:`monobatch.quant.packed.PackedWeight.matmul` calls on CUDA: x ``[M, K]``
-    -> ``[M, N]``. Batch-invariant mode: :func:`gemm` with :data:`INVARIANT_TILE` for every M;
-    else :func:`gemv` up to :data:`MAX_M` rows, :func:`gemm` above."""
+    (``[M, 2K]`` gate/up rows with ``gated``, the product's input then ``silu(gate) * up``) ->
+    ``[M, N]``. Batch-invariant mode: :func:`gemm` with :data:`INVARIANT_TILE` for every M; else
+    :func:`gemv` up to :data:`MAX_M` rows, :func:`gemm` above (gated: after
+    :func:`monobatch.kernels.fused.silu_mul`, whose bits the gated GEMV reproduces)."""
     if x.shape[0] <= MAX_M and not invariant_gemm.active():
-        return gemv(x, qs, scale, minimum, layout, bias, out_dtype, out)
+        return gemv(x, qs, scale, minimum, layout, bias, out_dtype, out, gated=gated)
+    if gated:
+        x = fused.silu_mul(x)
     return gemm(x, qs, scale, minimum, layout, bias, out_dtype, out)
 
 

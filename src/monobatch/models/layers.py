@@ -220,7 +220,9 @@ class GatedMLP(nn.Module):
         # SiLU inside the down GEMV (a plain dense Linear: a tensor-parallel down projection all-reduces)
         if self.act is F.silu and fused.enabled(gate_up) and type(self.down_proj) is Linear and not self.down_proj.packed:
             return gemv.gated_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
-        if self.act is F.silu and fused.enabled(gate_up):  # packed (or sharded) down on CUDA: SiLU in one launch
+        if self.act is F.silu and fused.enabled(gate_up) and type(self.down_proj) is Linear:  # packed: SiLU in its GEMV
+            return self.down_proj.weight.cuda_matmul(gate_up, self.down_proj.bias, gated=True)
+        if self.act is F.silu and fused.enabled(gate_up):  # a sharded down projection on CUDA: SiLU in one launch
             return self.down_proj(fused.silu_mul(gate_up))
         if self.act is F.silu and cpu_ops.enabled(gate_up):  # silu(gate) * up in one call on CPU
             return self.down_proj(cpu_ops.silu_mul(gate_up))

@@ -188,22 +188,24 @@ class PackedWeight:
         return y.to(out_dtype or x.dtype).view(*lead, y.shape[-1])
 
     def cuda_matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None,
-                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                    out_dtype: torch.dtype | None = None, gated: bool = False) -> torch.Tensor:
         """:meth:`matmul` on CUDA: x ``[..., K]`` (bf16/fp16, or fp32) -> ``[..., N]`` by
         :func:`monobatch.kernels.quant_gemm.matmul`, one launch a part, each writing its columns of
-        one output (no concatenation). Capturable in a CUDA graph."""
+        one output (no concatenation). Capturable in a CUDA graph. With ``gated``, x is ``[..., 2K]``
+        SwiGLU gate/up rows and the product's input ``silu(gate) * up`` (the down projection: the
+        SiLU computed inside the GEMV, with :func:`monobatch.kernels.fused.silu_mul`'s bits)."""
         lead, K = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, K)
         if len(self.parts) == 1:
             p = self.parts[0]
-            y = quant_gemm.matmul(x2, p.qs, p.scale, p.minimum, p.layout, bias, out_dtype)
+            y = quant_gemm.matmul(x2, p.qs, p.scale, p.minimum, p.layout, bias, out_dtype, gated=gated)
         else:
             y = torch.empty(x2.shape[0], self.shape[0], dtype=out_dtype or x.dtype, device=x.device)
             lo = 0
             for p in self.parts:
                 hi = lo + p.rows
                 quant_gemm.matmul(x2, p.qs, p.scale, p.minimum, p.layout, None if bias is None else bias[lo:hi],
-                                  out=y[:, lo:hi])
+                                  out=y[:, lo:hi], gated=gated)
                 lo = hi
         return y.view(*lead, y.shape[-1])
 
