@@ -21,7 +21,8 @@ by the tile, like any other). No shuffle of nibbles into column order is needed.
   accumulation. Split-K as :mod:`monobatch.kernels.gemv`'s (partials in a workspace, the last
   slice of a tile sums them in slice order: deterministic), and PDL (the first weight tile is
   loaded before :func:`monobatch.kernels.pdl.wait_prior`). One launch, no host sync, no
-  data-dependent allocation: CUDA-graph capturable.
+  data-dependent allocation: CUDA-graph capturable. A gated input (SwiGLU's down projection) is
+  ``silu(gate) * up`` computed as it is loaded, with :func:`monobatch.kernels.fused.silu_mul`'s bits.
 * :func:`gemm` (prefill, large batches): ``[BM, BN]`` output tiles, K walked in ascending
   ``BK`` steps; each step dequantizes a ``[BN, BK]`` tile of W in registers (rounded to x's
   dtype) and ``tl.dot``-s it with the x tile into one fp32 accumulator. No split-K.
@@ -29,6 +30,12 @@ by the tile, like any other). No shuffle of nibbles into column order is needed.
   :func:`matmul` sends every M, decode rows included, to :func:`gemm` with the one tile
   :data:`INVARIANT_TILE`, so a row's sum has the same order (same MMA steps over the same K
   tiles) whatever the batch holds and wherever the row sits in it.
+
+* :func:`take`: the embedding lookup, gathered rows dequantized in one launch.
+
+The packed integers become floats by the exact "magic number" trick (``2^23 + q`` has q as its
+mantissa bits; subtracting ``2^23`` is exact), not by int-to-float instructions (a quarter of the
+FMA rate on Hopper).
 
 The configs are fixed functions of (N, K, M, layout) (:func:`gemv_config`, :func:`gemm_config`),
 never timed at run time. They are untuned defaults (``scripts/gpu_packed.sh`` times alternatives
