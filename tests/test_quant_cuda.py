@@ -99,7 +99,7 @@ def check_kernels(device: str = "cpu") -> str:
         rep, w = _parts(qtype, n, k, seed=i, device=device)
         args = (rep.qs, rep.scale, rep.minimum, rep.layout)
         bias = torch.randn(n, generator=g).to(device, dtype)
-        for M in ((1, 5, 20) if device == "cpu" else (1, 2, 3, 5, 16, 20, 70)):
+        for M in ((1, 5, 20) if device == "cpu" else (1, 2, 3, 5, 16, 20, 70)):  # (each new M_PAD/tile: a compile)
             x = torch.randn(M, k, generator=g).to(device, dtype)
             ref = x.double() @ w.T
             refb = ref + bias.double()
@@ -260,12 +260,13 @@ def test_model_shapes_cuda(qtype, N, K):
     rep, w = _parts(qtype, N, K, seed=N % 97, device="cuda")
     args = (rep.qs, rep.scale, rep.minimum, rep.layout)
     g = torch.Generator(device="cuda").manual_seed(3)
-    for M in (1, 2, 3, 4, 8, 16, 17, 256):
+    for M in (1, 3, 16, 17, 256):
         x = torch.randn(M, K, generator=g, device="cuda", dtype=torch.bfloat16)
         ref = x.double() @ w.T
         assert _rel(Q.matmul(x, *args), ref) < BF16_TOL, M
-        y32 = Q.matmul(x, *args, out_dtype=torch.float32)
-        assert y32.dtype == torch.float32 and _rel(y32, ref) < BF16_TOL
+        if M in (1, 256):
+            y32 = Q.matmul(x, *args, out_dtype=torch.float32)
+            assert y32.dtype == torch.float32 and _rel(y32, ref) < BF16_TOL
 
 
 @pytest.mark.parametrize("cfg", [(4, 512, 1, 4, 3, False), (8, 256, 4, 4, 2, False), (32, 256, 3, 4, 3, True)])
