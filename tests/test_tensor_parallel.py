@@ -228,3 +228,22 @@ def test_cli_bad_size_is_one_line_and_exit_1(size, words):
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--tensor-parallel-size" in lines[0] and words in lines[0], proc.stderr
+
+
+def test_a_worker_refuses_kv_state_that_differs_from_the_drivers():
+    """The replay compares each reserve/adopt_prefix result and the step's block tables with the
+    driver's; any difference is an error (the worker then exits and the driver names it)."""
+    from monobatch.distributed.runtime import KvSpec, StepMessage, _run
+    from monobatch.loader.dummy import dummy_model
+
+    model = dummy_model("tiny", "cpu").model
+    plan = TensorParallelPlan.build(model.args, 2)
+    shard = shard_model(model, plan, 1, pieces=False, copy_=True)
+    spec = KvSpec(True, 2, 16, 64, 4, 16, (0, 0), False)
+    kv = spec.build(plan.kv_heads(1), torch.float32, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="returned False, the driver's True"):
+        _run(StepMessage([("reserve", (0, 10_000), True)]), shard, kv, plan, 1, spec, torch.device("cpu"))
+    batch = StepBatch.build([(1, [1, 2, 3], 0, True)], "cpu")
+    ops = [("reserve", (1, 3), True), ("prepare", (batch,), None)]
+    with pytest.raises(RuntimeError, match="block tables differ"):
+        _run(StepMessage(ops, batch, {1: [[3]]}), shard, kv, plan, 1, spec, torch.device("cpu"))
