@@ -35,6 +35,10 @@ for tp in "" "--enforce-eager" "-tp 2"; do
   $B $tp -p 128 -n 128 -r 1 --batch-size 64 >> "$OUT/bench.jsonl" 2>> "$OUT/log.txt" || echo "B=64 $tp failed rc=$?" >> "$OUT/log.txt"
 done
 
+# the deterministic mode's pieces at TP=1 (ADR 0007), beside issue 16's llama-1b --deterministic numbers
+timeout 150 python3 -m monobatch bench --dummy-weights --shape llama-1b --device cuda --json --no-progress \
+    --deterministic -p 256 -n 128 -r 2 >> "$OUT/bench.jsonl" 2>> "$OUT/log.txt" || echo "llama-1b det failed" >> "$OUT/log.txt"
+
 # 3. TODO llama.cpp --split-mode row beside it (same call, same F16 GGUF), once a CUDA build exists:
 #   python3 scripts/write_shape_gguf.py --shape llama-8b -o /tmp/llama-8b-f16.gguf --tokenizer-from <bundled gguf>
 #   $BIN/llama-bench -m /tmp/llama-8b-f16.gguf -ngl 99 -fa on -sm none -p 256 -n 128 -r 3 -o jsonl >> "$OUT/llama_cpp.jsonl"
