@@ -8,8 +8,8 @@
 #   3. TODO (commands below, commented): llama.cpp `--split-mode row` vs `none` on the same F16 GGUF
 #      (needs the CUDA llama.cpp build of scripts/gpu_serving.sh's build phase)
 # Targets (issue 19): TP=2 >= 1.6x TP=1 decode throughput at B=64; TP=2 >= 1.2x llama.cpp row-split at B=1.
-# Expected time: ~6-8 min on a fresh machine (8B random init on the GPU, 6 bench calls).
-# Usage: bash scripts/gpu_tp.sh OUTDIR      Outputs: OUTDIR/{log,tests,parity}.txt, OUTDIR/bench.jsonl
+# Expected time: ~8-10 min on a fresh machine (8B random init on the GPU, 6 bench calls).
+# Usage: bash scripts/gpu_tp.sh OUTDIR      Outputs: OUTDIR/{log,tests,parity}.txt, OUTDIR/{check_tp,bench}.jsonl
 set -u
 OUT=${1:?OUTDIR}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
@@ -21,6 +21,10 @@ python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.n
 
 # 1. correctness
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py 2>&1 | tail -15 > "$OUT/tests.txt"
+for mode in "" "--deterministic"; do  # NCCL: TP=2 vs TP=1 tokens and logits on random weights (no model file needed)
+  timeout 240 python3 scripts/check_tp.py --shape llama-1b --device cuda --tp 2 $mode >> "$OUT/check_tp.jsonl" 2>> "$OUT/log.txt" \
+    || echo "check_tp $mode rc=$?" >> "$OUT/log.txt"
+done
 if python3 -c "from monobatch.loader import bundled_model_path as p; assert p()" 2>/dev/null; then
   timeout 300 python3 -m monobatch parity --device cuda -tp 2 --deterministic --expect-identical --configs greedy,seeded \
       -n 32 --json "$OUT/parity.json" > "$OUT/parity.txt" 2>&1; echo "parity rc=$?" >> "$OUT/parity.txt"
