@@ -23,7 +23,6 @@ sees the connection reset at once) or at the next step (its process has exited).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import pickle
