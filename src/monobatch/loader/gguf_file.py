@@ -226,8 +226,9 @@ def load_gguf_model(reader: GGUFReader, device: torch.device, dtype: torch.dtype
     args = args or model_args(reader)
     pack = weights == "packed" and packed_supported(device)
     if weights == "packed" and not pack:
-        log.warning("weights: no packed kernels on %s here; dequantized at load into %s", device.type,
-                    str(dtype).removeprefix("torch."))
+        why = "packed CUDA kernels are opt-in (MONOBATCH_CUDA_PACKED=1; ADR 0006)" if device.type == "cuda" \
+            else f"no packed kernels on {device.type} here"
+        log.warning("weights: %s; dequantized at load into %s", why, str(dtype).removeprefix("torch."))
     packed = packed_targets(reader, args) if pack else set()
     elt = torch.tensor([], dtype=dtype).element_size()
     used = [(t, hf_name(t.name, args.model_type)) for t in reader.tensors]

@@ -21,6 +21,7 @@ gathered rows with torch ops (:func:`monobatch.kernels.quant_gemm.dequantize`).
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 
@@ -49,10 +50,18 @@ def _dequant_buffer(rows: int, k: int) -> torch.Tensor:
     return buf[:rows * k].view(rows, k)
 
 
+#: Packed weights on CUDA are opt-in (``MONOBATCH_CUDA_PACKED=1``): on the H200 (2026-12-01) the
+#: Triton kernels gave wrong products for the 8-bit layouts (Q8_0/Q5_*: every other output column
+#: zero; Q6_K at a 40-row weight), though they pass in the interpreter (ADR 0006, CUDA section).
+#: Until they pass their CUDA tests, CUDA keeps dequantize-at-load (bf16), the path measured before.
+CUDA_PACKED = os.environ.get("MONOBATCH_CUDA_PACKED", "0") == "1"
+
+
 def packed_supported(device: torch.device) -> bool:
-    """Whether weights can be held packed on ``device``: CPU with the compiled kernels, CUDA with Triton."""
+    """Whether weights can be held packed on ``device``: CPU with the compiled kernels; CUDA with
+    Triton when :data:`CUDA_PACKED` opts in."""
     if device.type == "cuda":
-        return triton is not None
+        return CUDA_PACKED and triton is not None
     return device.type == "cpu" and quant_cpu.available()
 
 
