@@ -4,7 +4,8 @@ torch.profiler's operator table or cProfile's top host functions over the decode
 
     PYTHONPATH=src .venv/bin/python scripts/profile_cpu_decode.py -t 1                 # the bundled model
     PYTHONPATH=src .venv/bin/python scripts/profile_cpu_decode.py -t 1 --kv-storage dense --torch-profile
-    MONOBATCH_CPU_KERNELS=0 PYTHONPATH=src .venv/bin/python scripts/profile_cpu_decode.py --cprofile 30   # without the fused CPU ops
+    MONOBATCH_CPU_KERNELS=0 PYTHONPATH=src .venv/bin/python scripts/profile_cpu_decode.py --cprofile 30
+        # (without the fused CPU ops)
 
 Prompt: 128 token ids, then ``-n`` greedy decode steps (EOS ignored). The thread-CPU time is the
 engine thread's own (at ``-t 1`` the whole step), the measure other processes on a shared machine
@@ -41,7 +42,8 @@ def main() -> None:
     ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="print cProfile's N top host functions")
     ns = ap.parse_args()
     torch.set_num_threads(ns.threads)
-    engine = Engine(load_model(ns.model, "cpu", progress=False, weights=ns.weights), EngineConfig(kv_storage=ns.kv_storage))
+    loaded = load_model(ns.model, "cpu", progress=False, weights=ns.weights)
+    engine = Engine(loaded, EngineConfig(kv_storage=ns.kv_storage))
     sched = BatchScheduler(engine)
     prompt = list(range(1, 129))
     gemm_s, gemm = [0.0], quant_cpu.gemm

@@ -101,6 +101,7 @@ class DenseKv(KvStore):
             self._reserve(c.seq_id, c.end_pos)
             self._len.setdefault(c.seq_id, 0)
         self._metas = None
+        # per kernel chunk: write slots (its positions), rows (row, position, table 0), the table [0]
         self._kernel_args = [(torch.arange(c.pos, c.end_pos), torch.tensor([(i, c.pos + i, 0) for i in range(c.length)]),
                               torch.zeros(1, dtype=torch.int32))
                              if self.cpu_kernel and (c.length == 1 or batch.row_tile > 0) else None
