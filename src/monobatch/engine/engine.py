@@ -146,10 +146,11 @@ class Engine:
         self.max_model_len = min(self.config.max_model_len or args.max_position_embeddings,
                                  args.max_position_embeddings)
         # Tensor parallel (ADR 0007): this process is rank 0 and holds its shard. Deterministic mode
-        # shards TP=1 too, into the same pieces, so any rank count computes the same bits.
+        # on CPU shards TP=1 too, into the same pieces, so any rank count computes the same bits; on
+        # CUDA TP=1 stays whole (the pieces would multiply the launches of the batch-invariant path).
         world, self.tp = self.config.tensor_parallel_size, None
-        self.tp_plan = (TensorParallelPlan.build(args, world)
-                        if world > 1 or (self.config.deterministic and args.num_key_value_heads > 1) else None)
+        pieces_at_1 = self.config.deterministic and args.num_key_value_heads > 1 and self.model.device.type == "cpu"
+        self.tp_plan = TensorParallelPlan.build(args, world) if world > 1 or pieces_at_1 else None
         if self.tp_plan is not None:
             from monobatch.distributed.sharding import shard_model
 
