@@ -185,3 +185,27 @@ def test_free_returns_every_block():
     assert u.used_blocks == 0 and kv.num_sequences() == 0
     assert kv.pool.num_available == 8 and u.cached_blocks == 3  # 2 + 1 full blocks keyed
     assert all(r == 0 for r in kv.pool.ref)
+
+
+def test_a_dropped_engine_frees_its_pool_without_the_garbage_collector():
+    """No reference cycle holds the paged pool: once the last reference to an LLM goes, its KV
+    memory goes at once (on CUDA a cycle kept a dropped pool's memory until the collector ran, so
+    the next engine in the process sized its pool from what was left and failed to allocate it)."""
+    import gc
+    import weakref
+
+    from monobatch import LLM
+    from monobatch.engine.params import SamplingParams
+    from monobatch.loader.dummy import dummy_model
+
+    loaded = dummy_model("tiny")
+    gc.disable()
+    try:
+        for storage in ("paged", "dense"):
+            llm = LLM(loaded=loaded, kv_storage=storage)
+            llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+            kv = weakref.ref(llm.scheduler.engine.kv)
+            del llm
+            assert kv() is None, storage
+    finally:
+        gc.enable()

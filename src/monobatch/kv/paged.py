@@ -35,6 +35,7 @@ windows has one group of all its layers — the layout above.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import NoReturn, Sequence
 
@@ -165,7 +166,11 @@ class PagedKv(KvStore):
         #: bytes of one block (block_size tokens of one group's layers, K and V)
         self.block_bytes = block_size * self.token_bytes(group_layers, num_kv_heads, head_dim, dtype)
         try:
-            self.blocks = BlockManager(num_blocks, block_size, self.groups, self._copy_block)
+            # the manager calls back through a weak reference: a bound method would make a cycle, and
+            # a cycle keeps a dropped pool's GPU memory until the garbage collector runs (the next
+            # engine in the process then sizes its pool from what is left, or fails to allocate it)
+            me = weakref.ref(self)
+            self.blocks = BlockManager(num_blocks, block_size, self.groups, lambda src, dst: me()._copy_block(src, dst))
             self.pool = self.blocks.pool
             # one scratch block past the pool: padding rows of a captured decode write there
             self.cache = torch.empty(group_layers, 2, (num_blocks + 1) * block_size, num_kv_heads, head_dim,
