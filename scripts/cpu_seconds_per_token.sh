@@ -4,14 +4,16 @@
 # inflates wall-clock tok/s (it still shares caches and, on SMT siblings, a core). Each side runs
 # twice, with N and 2N generated tokens after the same prompt; (user + sys of the longer run - the
 # shorter) / N is the cost of N decode steps alone (loading, prompt and warm-up cancel out).
-#   Usage: bash scripts/cpu_seconds_per_token.sh OUTDIR      env: N (default 128), LLAMA_DIR
+#   Usage: bash scripts/cpu_seconds_per_token.sh OUTDIR      env: N (default 128), LLAMA_DIR,
+#          MODEL (a GGUF path, or gemma3 for Gemma 3 270M; default the bundled model)
 set -eu
 D=${1:?OUTDIR}
 N=${N:-128}
 mkdir -p "$D"
 M=.venv/bin/monobatch
 BIN=$(bash scripts/build_llama_cpp.sh "${LLAMA_DIR:-/tmp/llama-cpp}" | tail -1)
-MODEL=$(.venv/bin/python -c "from monobatch.loader import bundled_model_path; print(bundled_model_path())")
+MODEL=${MODEL:-$(.venv/bin/python -c "from monobatch.loader import bundled_model_path; print(bundled_model_path())")}
+[ "$MODEL" = gemma3 ] && MODEL=$(.venv/bin/python -c "from monobatch.loader.named import named_model_path; print(named_model_path('gemma3'))")
 cpu() {  # user+sys seconds of a command
   /usr/bin/time -f "%U %S" -o "$D/.t" "$@" > /dev/null 2>> "$D/cpu_seconds.err"
   awk '{print $1 + $2}' "$D/.t"
@@ -20,7 +22,7 @@ cpu() {  # user+sys seconds of a command
   for n in "$N" $((2 * N)); do
     echo "llama.cpp $n $(cpu "$BIN/llama-bench" -m "$MODEL" -t 1 -p 0 -n "$n" -r 1)"
     for w in packed dequant; do
-      echo "monobatch-$w $n $(cpu $M generate -t 1 --weights "$w" -n "$n" --ignore-eos --temperature 0 -p 'Once upon a time')"
+      echo "monobatch-$w $n $(cpu $M generate -m "$MODEL" -t 1 --weights "$w" -n "$n" --ignore-eos --temperature 0 -p 'Once upon a time')"
     done
   done
 } | tee "$D/cpu_seconds.txt"
