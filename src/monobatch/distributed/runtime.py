@@ -224,19 +224,20 @@ class TensorParallelDriver:
         self.procs, self.conns = [], []
         spec = KvSpec.of(kv)
         parts = []  # kept until every worker has its shard (CUDA IPC: the sender keeps the tensors alive)
-        for rank in range(1, plan.world):
-            part = shard_model(model, plan, rank, pieces, copy_=True)
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, name=f"monobatch-tp{rank}", daemon=True,
-                               args=(rank, plan, port, part, spec, child, torch.get_num_threads(),
-                                     self._worker_device(rank), kv.max_seq_len, timeout))
-            proc.start()
-            child.close()
-            parts.append(part)
-            self.procs.append(proc)
-            self.conns.append(parent)
+        # registered first: a rank that fails to start still gets the ranks before it stopped
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns)
         try:
+            for rank in range(1, plan.world):
+                part = shard_model(model, plan, rank, pieces, copy_=True)
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=worker_main, name=f"monobatch-tp{rank}", daemon=True,
+                                   args=(rank, plan, port, part, spec, child, torch.get_num_threads(),
+                                         self._worker_device(rank), kv.max_seq_len, timeout))
+                proc.start()
+                child.close()
+                parts.append(part)
+                self.procs.append(proc)
+                self.conns.append(parent)
             self.group = self._join(port, timeout)
             for rank, conn in enumerate(self.conns, 1):
                 if not conn.poll(timeout):
@@ -247,7 +248,7 @@ class TensorParallelDriver:
         except (RuntimeError, EOFError, OSError) as e:
             self.close()
             raise TensorParallelError(f"tensor parallel start-up failed: {self._who_died() or e}") from e
-        except TensorParallelError:
+        except BaseException:  # TensorParallelError, or a shard/spawn failure: no rank left running
             self.close()
             raise
         del parts
@@ -305,6 +306,9 @@ class TensorParallelDriver:
         """The message to every worker (pickled once)."""
         if self.failed:
             raise TensorParallelError(f"{self.failed}; the tensor-parallel engine cannot continue")
+        for proc in self.procs:  # a dead rank named now, on any backend (NCCL's wait would not raise)
+            if proc.exitcode is not None:
+                raise self._fail(EOFError("a worker exited"))
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         for conn in self.conns:
             conn.send_bytes(data)
@@ -321,8 +325,11 @@ class TensorParallelDriver:
             return self.shard(batch, self.kv.inner)
         except TensorParallelError:
             raise
-        except (RuntimeError, OSError, EOFError) as e:
-            raise self._fail(e) from e
+        except BaseException as e:  # after the send the workers are a collective ahead: stop them all
+            err = self._fail(e)
+            if not isinstance(e, Exception):  # KeyboardInterrupt and the like go on as they are
+                raise
+            raise err from e
 
     def prompt_logits(self, token_ids: list[int], all_positions: bool) -> torch.Tensor:
         """:func:`scratch_forward` on every rank: the driver's ``[1, V]`` / ``[T, V]`` logits.
@@ -337,8 +344,11 @@ class TensorParallelDriver:
                                    self.invariant)
         except TensorParallelError:
             raise
-        except (RuntimeError, OSError, EOFError) as e:
-            raise self._fail(e) from e
+        except BaseException as e:  # after the send the workers are a collective ahead: stop them all
+            err = self._fail(e)
+            if not isinstance(e, Exception):  # KeyboardInterrupt and the like go on as they are
+                raise
+            raise err from e
 
     def close(self) -> None:
         """Stop the workers (a clean exit when they can, else terminated) and drop the group."""

@@ -217,13 +217,14 @@ class GrammarCompiler:
         self.vocab_size = int(vocab_size)
         self._lltok = None
         self._lock = threading.Lock()
+        self._build_lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
 
     def _ll_tokenizer(self) -> Any:
         import llguidance
 
-        with self._lock:
+        with self._build_lock:  # one build at a time; the cache lock stays free for cached lookups
             if self._lltok is None:
                 tok = self._tokenizer
                 eog = sorted(tok.eog_ids) or None
@@ -270,7 +271,11 @@ class GrammarCompiler:
                 return
         # The llguidance tokenizer is the model's, built once (seconds for Gemma's 262K vocabulary,
         # ~0.4 s for SmolLM2's): it is not the spec's compile time, so the timeout starts after it.
-        self._ll_tokenizer()
+        try:
+            self._ll_tokenizer()
+        except Exception as exc:  # llguidance missing or refusing the vocabulary: a 400 naming the field
+            raise InvalidRequestError(f"{spec.param}: the grammar engine cannot load this model's tokenizer "
+                                      f"({_first_line(str(exc))})", spec.param) from None
         future = self._pool.submit(self._build, spec)
         try:
             matcher = future.result(timeout=timeout)

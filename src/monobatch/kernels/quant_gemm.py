@@ -14,9 +14,10 @@ activations at those two column sets and sum the two halves' products (the sum's
 by the tile, like any other). No shuffle of nibbles into column order is needed.
 
 * :func:`gemv` (decode rows, M <= :data:`MAX_M`): ``[BLOCK_N, BLOCK_K]`` tiles streamed along K.
-  FMA path (M <= 4): the fp32 dequantized tile times each row of x, one fp32 register
-  accumulator per row, reduced over K after the loop (weights kept in fp32: no rounding). DOT
-  path (M 5..16): the tile rounded to x's dtype (bf16: the dequant path's weights exactly, which
+  FMA path (M <= 4; not used: it gave wrong rows on the H200 at some tiles, see
+  :func:`gemv_config`, and :func:`gemv` refuses it on CUDA): the fp32 dequantized tile times each
+  row of x, one fp32 register accumulator per row, reduced over K after the loop. DOT path (every
+  M, 1..16): the tile rounded to x's dtype (bf16: the dequant path's weights exactly, which
   are rounded to bf16 at load) times x^T padded to 16 columns on the tensor cores, fp32
   accumulation. Split-K as :mod:`monobatch.kernels.gemv`'s (partials in a workspace, the last
   slice of a tile sums them in slice order: deterministic), and PDL (the first weight tile is
@@ -391,6 +392,8 @@ def gemv(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.
     block_n, block_k, splits, warps, stages, dot = config or gemv_config(N, K, M, layout)
     if not dot and M > 4:
         raise ValueError("FMA configs take M <= 4 rows")
+    if not dot and x.is_cuda:
+        raise ValueError("the FMA variant gives wrong rows on sm_90 (ADR 0006, CUDA): use a DOT config")
     if block_k % 32:
         raise ValueError("BLOCK_K must be a multiple of 32")
     x = x if x.stride(1) == 1 else x.contiguous()

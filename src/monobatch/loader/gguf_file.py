@@ -1,6 +1,7 @@
 """GGUF checkpoints (llama.cpp's format), read with the ``gguf`` package.
 
-With ``weights="packed"`` (the default where the packed kernels run: CPU, and CUDA with Triton) every 2-D weight of a
+With ``weights="packed"`` (the default where the packed kernels run: CPU, and CUDA with Triton when
+``MONOBATCH_CUDA_PACKED=1`` opts in, :data:`monobatch.quant.packed.CUDA_PACKED`) every 2-D weight of a
 packed type (:data:`monobatch.quant.formats.PACKED_TYPES`) stays packed: its blocks are repacked
 once into a resident layout (:func:`monobatch.quant.formats.repack`; on CUDA the raw blocks are
 copied to the GPU and repacked there, :mod:`monobatch.quant.device_repack`) and held as a
@@ -218,7 +219,8 @@ def load_gguf_model(reader: GGUFReader, device: torch.device, dtype: torch.dtype
 
     Args:
         weights: ``packed`` (packed types stay packed where :func:`packed_supported`: CPU with
-            the compiled kernels, CUDA with Triton; elsewhere dequantized, said in the log) or ``dequant``.
+            the compiled kernels, CUDA with Triton when opted in; elsewhere dequantized, said in the
+            log) or ``dequant``.
 
     Raises:
         UnsupportedModelError, InsufficientMemoryError: see :func:`model_args`, :func:`check_memory`.

@@ -51,9 +51,9 @@ def _dequant_buffer(rows: int, k: int) -> torch.Tensor:
 
 
 #: Packed weights on CUDA are opt-in (``MONOBATCH_CUDA_PACKED=1``): on the H200 (2026-12-01) the
-#: Triton kernels gave wrong products for the 8-bit layouts (Q8_0/Q5_*: every other output column
-#: zero; Q6_K at a 40-row weight), though they pass in the interpreter (ADR 0006, CUDA section).
-#: Until they pass their CUDA tests, CUDA keeps dequantize-at-load (bf16), the path measured before.
+#: GEMV's FMA variant gave wrong rows (fixed by taking the DOT variant for every M, after which the
+#: CUDA tests and `parity --weights packed --deterministic` pass there), but B=1 decode is 0.42x the
+#: bf16 path's (ADR 0006, CUDA section). Until it is faster, CUDA dequantizes at load by default.
 CUDA_PACKED = os.environ.get("MONOBATCH_CUDA_PACKED", "0") == "1"
 
 
