@@ -146,6 +146,23 @@ def _run(scheduler, prompts, n=12):
     return [ids[r.request_id] for r in reqs]
 
 
+def assert_same_or_near_tie(loaded, prompts: dict, ref: dict, got: dict) -> None:
+    """Each request's greedy tokens equal, or the first divergence is at a near-tie (top-2 margin
+    < 1e-3 after the common prefix): in the fast mode the padded static step is a GEMM of more rows
+    than the eager one, and the CPU BLAS sums by the row count (not batch-invariant, ADR 0002), so
+    a near-tie may flip; one did in a full-suite run."""
+    from monobatch.engine.engine import Engine
+
+    for key, want in ref.items():
+        have = got[key]
+        i = next((j for j, (a, b) in enumerate(zip(want, have)) if a != b), None)
+        if i is None:
+            assert len(want) == len(have), key
+            continue
+        margin = Engine(loaded).top2_margin(prompts[key] + want[:i])
+        assert margin < 1e-3, f"{key}: diverged at {i} with top-2 margin {margin}"
+
+
 def test_static_decode_path_matches_eager(loaded):
     """Three sequences crossing block boundaries, padded to a batch of 4: the static-buffer
     decode forward gives the eager path's tokens and writes the same KV (the padding row writes
@@ -159,7 +176,8 @@ def test_static_decode_path_matches_eager(loaded):
     assert static_engine.graphs.padded(3) == 4 and static_engine.kv.device == device
     for kv in (static_engine.kv, eager.engine.kv):  # the pools are torch.empty: blocks never written differ
         kv.cache.zero_()
-    assert _run(static, prompts) == _run(eager, prompts)
+    got, ref = _run(static, prompts), _run(eager, prompts)
+    assert_same_or_near_tie(loaded, dict(enumerate(prompts)), dict(enumerate(ref)), dict(enumerate(got)))
     assert static_engine.graphs.replays > 0
     # Same block allocation order on both sides: the pools hold the same K/V (not the scratch block),
     # up to float32 rounding: the padded step's projections are a GEMM of 4 rows, the eager step's of
@@ -226,7 +244,9 @@ def test_static_path_with_prefix_hits_and_changing_batches(loaded):
             engine.graphs = DecodeGraphs(engine.model, engine.kv, max_batch=8, capture=False)
         return BatchScheduler(engine)
     static = make(True)
-    assert _staged(static, _waves()) == _staged(make(False), _waves())
+    got, ref = _staged(static, _waves()), _staged(make(False), _waves())
+    prompts = {f"w{w}r{i}": p for w, wave in enumerate(_waves()) for i, p in enumerate(wave)}
+    assert_same_or_near_tie(loaded, prompts, ref, got)
     assert static.stats().prefix_cache_hits > 0
 
 
