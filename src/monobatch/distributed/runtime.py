@@ -32,7 +32,7 @@ import time
 import traceback
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -313,16 +313,13 @@ class TensorParallelDriver:
         for conn in self.conns:
             conn.send_bytes(data)
 
-    def forward(self, batch: StepBatch) -> torch.Tensor:
-        """Run a prepared step on every rank: ``[R, V]`` float32 logits of ``batch.logit_rows``.
-
-        Raises:
-            TensorParallelError: a rank died or a collective failed or timed out.
-        """
+    @contextlib.contextmanager
+    def _step_guard(self) -> Iterator[None]:
+        """Around a step sent to the workers: any failure after the send leaves them a collective
+        ahead, so every rank is stopped (:meth:`_fail`) and a TensorParallelError raised
+        (KeyboardInterrupt and the like propagate as they are, after the stop)."""
         try:
-            ops, host = _to_host(self.kv.take(), batch)
-            self._send(StepMessage(ops, host, _tables(self.kv.inner, batch)))
-            return self.shard(batch, self.kv.inner)
+            yield
         except TensorParallelError:
             raise
         except BaseException as e:  # after the send the workers are a collective ahead: stop them all
@@ -330,6 +327,17 @@ class TensorParallelDriver:
             if not isinstance(e, Exception):  # KeyboardInterrupt and the like go on as they are
                 raise
             raise err from e
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """Run a prepared step on every rank: ``[R, V]`` float32 logits of ``batch.logit_rows``.
+
+        Raises:
+            TensorParallelError: a rank died or a collective failed or timed out.
+        """
+        with self._step_guard():
+            ops, host = _to_host(self.kv.take(), batch)
+            self._send(StepMessage(ops, host, _tables(self.kv.inner, batch)))
+            return self.shard(batch, self.kv.inner)
 
     def prompt_logits(self, token_ids: list[int], all_positions: bool) -> torch.Tensor:
         """:func:`scratch_forward` on every rank: the driver's ``[1, V]`` / ``[T, V]`` logits.
@@ -337,18 +345,11 @@ class TensorParallelDriver:
         Raises:
             TensorParallelError: as :meth:`forward`.
         """
-        try:
+        with self._step_guard():
             ops, _ = _to_host(self.kv.take(), None)
             self._send(StepMessage(ops, scratch=(list(token_ids), all_positions, self.row_tile)))
             return scratch_forward(self.shard, self.plan.kv_heads(0), token_ids, all_positions, self.row_tile,
                                    self.invariant)
-        except TensorParallelError:
-            raise
-        except BaseException as e:  # after the send the workers are a collective ahead: stop them all
-            err = self._fail(e)
-            if not isinstance(e, Exception):  # KeyboardInterrupt and the like go on as they are
-                raise
-            raise err from e
 
     def close(self) -> None:
         """Stop the workers (a clean exit when they can, else terminated) and drop the group."""
