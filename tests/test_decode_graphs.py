@@ -58,6 +58,22 @@ def test_torch_paged_decode_matches_attend_chunk(shape):
     torch.testing.assert_close(out, _oracle(q, k, v, tables, seq_lens, dims[-1]), rtol=1e-5, atol=1e-5)
 
 
+def test_torch_paged_decode_ignores_garbage_past_each_length():
+    """The pool is torch.empty: slots past a row's length (the tail of its last block, unused
+    table entries) may hold NaN or Inf bits left by earlier allocations. They must not reach the
+    output (SDPA alone lets a NaN key or value through its mask: the static decode path once
+    emitted token 1 for every request after a long test session)."""
+    q, k, v, tables, seq_lens = _paged_case(3, 8, 2, 16, 16, [5, 17, 40])
+    want = paged_decode_torch(q, k, v, tables, seq_lens, 16)
+    slots = (tables.long()[:, :, None] * 16 + torch.arange(16)).reshape(3, -1)
+    for b, n in enumerate(seq_lens.tolist()):
+        for bits in (float("nan"), float("inf")):
+            k[slots[b, n:]], v[slots[b, n:]] = bits, bits
+            got = paged_decode_torch(q, k, v, tables, seq_lens, 16)
+            assert torch.equal(got[b], want[b]), (b, bits)
+            torch.testing.assert_close(got[b], _oracle(q, k, v, tables, seq_lens, 16)[b], rtol=1e-5, atol=1e-5)
+
+
 def _check_fused_store(lens, dtype=torch.float32, device="cpu"):
     """The attention launch that also stores the step's new K/V rows (k_new/v_new) equals
     store_kv then attention: the same output and pool, bit for bit (v_new a strided view, as the
@@ -237,9 +253,12 @@ def _waves():
 
 def test_static_path_with_prefix_hits_and_changing_batches(loaded):
     """Batches of 1..5 rows (sizes 1, 2, 4, 8 padded), prefix-cache hits whose recomputed token
-    lands in a shared block: the static-buffer path gives the eager path's tokens."""
+    lands in a shared block: the static-buffer path gives the eager path's tokens. Both pools start
+    as NaN (a torch.empty pool holds whatever an earlier allocation left): no path may read a slot
+    it did not write."""
     def make(static):
         engine = Engine(loaded, EngineConfig(max_model_len=128, kv_cache_memory=32 << 20))
+        engine.kv.cache.fill_(float("nan"))
         if static:
             engine.graphs = DecodeGraphs(engine.model, engine.kv, max_batch=8, capture=False)
         return BatchScheduler(engine)

@@ -98,6 +98,8 @@ def paged_decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         block_size: tokens per block.
         window: a sliding-window layer's window (only keys ``seq_len - window .. seq_len - 1``
             are seen; the table's entries before them may be any valid id); 0 = every key.
+            Slots outside what a row sees are never read into its result (any bits there, NaN
+            included, leave it unchanged).
 
     Returns:
         ``[B, n_q, hd]`` in q's dtype.
@@ -112,10 +114,13 @@ def paged_decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     values = v_cache[slots].transpose(1, 2)
     key_pos = torch.arange(nb * block_size, device=q.device)[None, :]
     mask = key_pos < seq_lens.long()[:, None]  # (B, S)
-    if window:  # entries before the window may be released blocks (the scratch block): never read them
+    if window:  # entries before the window may be released blocks (the scratch block)
         mask &= key_pos >= seq_lens.long()[:, None] - window
-        keys = keys.masked_fill(~mask[:, None, :, None], 0.0)
-        values = values.masked_fill(~mask[:, None, :, None], 0.0)
+    # Slots the mask hides are never written or were freed (the pool is torch.empty): NaN or Inf
+    # there would reach the output through SDPA (a NaN score survives the -inf mask, and 0 * NaN
+    # is NaN in p @ V), so they are zeroed, not only masked.
+    keys = keys.masked_fill(~mask[:, None, :, None], 0.0)
+    values = values.masked_fill(~mask[:, None, :, None], 0.0)
     qg = q.view(B, n_kv, g, hd)
     out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask[:, None, None, :])  # (B, n_kv, g, hd)
     return out.reshape(B, n_q, hd)
