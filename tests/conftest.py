@@ -14,6 +14,9 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Triton in-process on CPU too (kernels/common.py leaves it out there by default): the tests compile
+# the kernels for sm_90 without a GPU. tests/test_cpu_without_triton.py runs the default.
+os.environ.setdefault("MONOBATCH_TRITON", "1")
 torch.manual_seed(0)
 
 

@@ -5,18 +5,35 @@ Every kernel module (:mod:`~monobatch.kernels.pdl`, :mod:`~monobatch.kernels.fus
 :mod:`~monobatch.kernels.argmax`) imports ``triton``/``tl`` and :func:`counters` from here, so
 none of them imports another for these pieces (they used to import each other in a circle).
 
-``triton`` and ``tl`` are None where Triton is not installed (CPU-only torch builds).
+``triton`` and ``tl`` are None where Triton is not installed (CPU-only torch builds), and by
+default on a machine without CUDA: Triton's runtime costs ~70 MB of resident memory at import and
+no CPU path launches a Triton kernel. ``MONOBATCH_TRITON`` decides: ``auto`` (the default: import
+it when CUDA is available or ``TRITON_INTERPRET=1``, which the interpreter tests set), ``1``
+(always: the test suite, to compile the kernels for sm_90 on CPU) or ``0`` (never).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-try:  # Triton ships with CUDA builds of torch; CPU-only installs have none.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = tl = None
+
+def _wanted() -> bool:
+    """Whether to import Triton (``MONOBATCH_TRITON``, see the module docstring)."""
+    setting = os.environ.get("MONOBATCH_TRITON", "auto")
+    if setting in ("0", "1"):
+        return setting == "1"
+    return os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
+
+
+triton = tl = None
+if _wanted():
+    try:  # Triton ships with CUDA builds of torch; CPU-only installs have none.
+        import triton
+        import triton.language as tl
+    except ImportError:  # pragma: no cover - depends on the install
+        triton = tl = None
 
 #: Split counters kept per device (int32 slots); a launch needing more gets fresh zeroed ones.
 MAX_COUNTERS = 1 << 16

@@ -1,0 +1,39 @@
+"""On a machine without CUDA the product never imports Triton (kernels/common.py: ~70 MB of
+resident memory for kernels no CPU path launches); the test suite itself sets
+``MONOBATCH_TRITON=1`` (conftest.py), so this runs the default in a child process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cli_util import cli_env
+
+CHILD = """
+import contextlib, io, json, sys
+from monobatch.cli.main import main
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    rc = main(["generate", "-t", "1", "--no-progress", "-n", "6", "--temperature", "0", "--ignore-eos",
+               "--output-format", "json", "-p", "The capital of France is"])
+from monobatch.kernels import common
+print(json.dumps({"rc": rc, "triton": "triton" in sys.modules, "common": common.triton is None,
+                  "out": out.getvalue()}))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine imports Triton by design")
+@pytest.mark.parametrize("setting", ["auto", None])
+def test_generate_on_cpu_never_imports_triton(setting):
+    env = {k: v for k, v in cli_env().items() if k not in ("MONOBATCH_TRITON", "TRITON_INTERPRET")}
+    if setting:
+        env["MONOBATCH_TRITON"] = setting
+    res = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout.splitlines()[-1])
+    assert got["rc"] in (0, None) and not got["triton"] and got["common"], got
+    assert len(json.loads(got["out"])["token_ids"]) == 6, got["out"]
