@@ -22,7 +22,7 @@ import torch
 
 from monobatch.batch import StepBatch
 from monobatch.distributed.comm import TpGroup, free_port
-from monobatch.distributed.plan import TensorParallelPlan, split_points
+from monobatch.distributed.plan import TensorParallelPlan, check_devices, split_points
 from monobatch.distributed.runtime import TensorParallelError
 from monobatch.distributed.sharding import attach, packed_cols_ok, shard_model, take_cols, take_rows
 from monobatch.engine.params import SamplingParams
@@ -56,6 +56,15 @@ def test_plan_refuses_bad_sizes(loaded, world, words):
 
 
 # -- sharded weights --------------------------------------------------------------------------------
+
+def test_too_few_cuda_devices_are_refused_before_spawning():
+    """Rank r runs on cuda:(first + r): TP=2 from cuda:0 needs 2 visible devices, from cuda:1 three."""
+    check_devices("cuda", 0, 2, 2)
+    check_devices("cpu", 0, 4, 0)  # CPU ranks share the CPU
+    for first, visible in ((0, 1), (1, 2), (0, 0)):
+        with pytest.raises(InvalidRequestError, match=f"needs CUDA devices {first}..{first + 1}, but {visible}"):
+            check_devices("cuda", first, 2, visible)
+
 
 def test_packed_rows_and_columns_are_the_dequantized_slices(loaded):
     qkv = loaded.model.layers[0].self_attn.qkv_proj.weight  # packed Q4_1 [960, 576]
@@ -162,7 +171,7 @@ def deterministic_pair(loaded):
     tp1 = LLM(loaded=loaded, deterministic=True)
     tp2 = LLM(loaded=loaded, deterministic=True, tensor_parallel_size=2)
     yield tp1, tp2
-    tp2.scheduler.engine.close()
+    tp2.close()
 
 
 def test_deterministic_tp2_tokens_and_logits_are_tp1s(deterministic_pair, loaded):
@@ -190,13 +199,14 @@ def test_fast_mode_tp2_diverges_at_most_at_a_near_tie(loaded):
     from monobatch.parity.report import compare
 
     tp1 = LLM(loaded=loaded)
-    tp2 = LLM(loaded=loaded, tensor_parallel_size=2)
-    try:
+    with LLM(loaded=loaded, tensor_parallel_size=2) as tp2:  # LLM.close() stops the ranks on leaving
         ref, got = _generate(tp1), _generate(tp2)
         ids = loaded.tokenizer.encode(PROMPTS[0])
         diff = (tp2.scheduler.engine.prompt_logits(ids) - tp1.scheduler.engine.prompt_logits(ids)).abs().max()
-    finally:
-        tp2.scheduler.engine.close()
+    assert not any(p.is_alive() for p in tp2.scheduler.engine.tp.procs)
+    with pytest.raises(RuntimeError, match="closed"):
+        tp2.generate([PROMPTS[0]], GREEDY)
+    tp2.close()  # idempotent
     assert 0 < diff < 1e-3  # a different float sum (the all-reduce), not a different function
     for prompt, a, b in zip(PROMPTS * 2, ref, got):
         div = compare(loaded.tokenizer.encode(prompt), a, b, tp1.scheduler.engine.top2_margin)

@@ -128,11 +128,26 @@ class LLM:
         self.scheduler = BatchScheduler(Engine(self.loaded, config))
         log.info("%s", self.scheduler.engine.describe())
         self._ids = itertools.count()
+        self._closed = False
 
     @property
     def tokenizer(self):
         """The model's :class:`monobatch.tokenizer.Tokenizer`."""
         return self.loaded.tokenizer
+
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel ranks, if any (their processes exit; also done at
+        interpreter exit). Idempotent; :meth:`generate` and :meth:`chat` raise RuntimeError after.
+        ``with LLM(...) as llm:`` closes on leaving the block."""
+        if not self._closed:
+            self._closed = True
+            self.scheduler.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def default_sampling_params(self) -> SamplingParams:
         """What a call without ``sampling_params`` uses: the model's generation config over the
@@ -236,6 +251,8 @@ class LLM:
         return params
 
     def _run(self, encoded: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        if self._closed:
+            raise RuntimeError("this LLM is closed (LLM.close() or the end of its `with` block)")
         params = self._params_for(sampling_params, len(encoded))
         for sp in params:  # a bad constraint is refused before anything runs
             if sp.structured is not None:

@@ -23,6 +23,20 @@ from monobatch.models.args import ModelArgs
 ALIGN = 32
 
 
+def check_devices(device: str, first: int, world: int, visible: int) -> None:
+    """Refuse ``world`` ranks on CUDA that the machine cannot hold: rank ``r`` runs on
+    ``cuda:(first + r)`` (the driver's device, then the next ones), so ``first + world`` devices
+    must be visible. CPU ranks share the CPU (any count).
+
+    Raises:
+        InvalidRequestError: too few CUDA devices (before any rank is spawned).
+    """
+    if device == "cuda" and first + world > visible:
+        raise InvalidRequestError(
+            f"--tensor-parallel-size {world} needs CUDA devices {first}..{first + world - 1}, "
+            f"but {visible} {'is' if visible == 1 else 'are'} visible", "tensor_parallel_size")
+
+
 def split_points(total: int, parts: int, align: int = 1) -> tuple[int, ...]:
     """``parts + 1`` ascending boundaries from 0 to ``total``, as even as ``align`` allows
     (inner boundaries are multiples of ``align``).

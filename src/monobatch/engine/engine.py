@@ -15,7 +15,7 @@ import torch
 from monobatch import defaults
 from monobatch.batch import StepBatch
 from monobatch.engine.constraint import GrammarCompiler
-from monobatch.distributed.plan import TensorParallelPlan
+from monobatch.distributed.plan import TensorParallelPlan, check_devices
 from monobatch.engine import cuda_graphs
 from monobatch.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 from monobatch.engine.finish import FinishStep, RowOutput
@@ -149,6 +149,8 @@ class Engine:
         # on CPU shards TP=1 too, into the same pieces, so any rank count computes the same bits; on
         # CUDA TP=1 stays whole (the pieces would multiply the launches of the batch-invariant path).
         world, self.tp = self.config.tensor_parallel_size, None
+        if world > 1 and self.model.device.type == "cuda":
+            check_devices("cuda", self.model.device.index or 0, world, torch.cuda.device_count())
         pieces_at_1 = self.config.deterministic and args.num_key_value_heads > 1 and self.model.device.type == "cpu"
         self.tp_plan = TensorParallelPlan.build(args, world) if world > 1 or pieces_at_1 else None
         if self.tp_plan is not None:
