@@ -5,7 +5,8 @@ The C++ sources are built once with torch's extension builder (g++, ``-O3 -march
 through torch's own runtime, so ``torch.set_num_threads`` / ``-t`` governs it) into
 ``$MONOBATCH_KERNEL_CACHE`` (default ``~/.cache/monobatch/kernels``); ``make run`` builds it at
 install (``python -m monobatch.kernels.quant_cpu``), and a later run loads the cached module (a
-changed source is rebuilt). Nothing prebuilt is fetched. Where no compiler is found the loader
+changed source is rebuilt; so is a changed ``csrc/simd.h``: ninja records the headers each object
+includes, and every new process runs it). Nothing prebuilt is fetched. Where no compiler is found the loader
 falls back to dequantized weights and says so (:func:`available`).
 
 Layouts and numerics: see the C++ file's header and :mod:`monobatch.quant.formats`.

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <vector>
+#include "simd.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define MBO_AVX2 1
@@ -52,12 +53,7 @@ inline float exp_scalar(float x) {
 }
 
 #ifdef MBO_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using mb_simd::hsum;  // simd.h
 
 inline float hmax(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
