@@ -64,3 +64,43 @@ def require_triton(head_dim: int) -> None:
         raise RuntimeError("Triton is not installed")
     if head_dim & (head_dim - 1):
         raise RuntimeError(f"head_dim {head_dim} is not a power of two")
+
+
+if triton is not None:
+
+    @triton.jit
+    def grouped_tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+        """``(pid_m, pid_n)``: the output tile of GEMM program ``pid`` in the grouped launch order
+        (GROUP_M row tiles in turn over each column tile, so neighbouring programs share W's tiles
+        in L2; Triton's matmul tutorial)."""
+        num_m = tl.cdiv(M, BM)
+        num_n = tl.cdiv(N, BN)
+        group = GROUP_M * num_n
+        first_m = (pid // group) * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        return first_m + (pid % group) % size_m, (pid % group) // size_m
+
+    @triton.jit
+    def split_k_store(acc, WS, CNT, B, Y, M, N, pid_n, pid_k, splits, offs_m, offs_n, mmask, nmask, stride_ym,
+                      HAS_BIAS: tl.constexpr):
+        """The GEMVs' epilogue: store ``acc`` (float32 ``[BLOCK_N, M_PAD]``, y^T's tile of columns
+        ``offs_n`` and rows ``offs_m``) to ``Y`` (+ bias). With ``splits`` > 1 K slices, each stores
+        its partial to the workspace ``WS`` (``[splits, M, N]`` float32) and counts itself in
+        ``CNT[pid_n]``; the last to arrive sums the slices in slice order (the same bits whichever
+        finishes last), writes the tile and zeroes the counter for the next launch."""
+        omask = nmask[:, None] & mmask[None, :]
+        tile = offs_m[None, :] * N + offs_n[:, None]  # [BLOCK_N, M_PAD] offsets in an [M, N] slab
+        done = pid_n >= 0  # (a true scalar tensor)
+        if splits > 1:
+            tl.store(WS + pid_k * M * N + tile, acc, mask=omask)
+            tl.debug_barrier()  # every thread's partial is stored before the (releasing) count
+            done = tl.atomic_add(CNT + pid_n, 1, sem="acq_rel") == splits - 1
+            if done:  # the last slice of this tile: sum all slices in a fixed order
+                acc = tl.zeros_like(acc)
+                for s in range(0, splits):
+                    acc += tl.load(WS + s * M * N + tile, mask=omask, other=0.0, cache_modifier=".cg")
+                tl.store(CNT + pid_n, 0)
+        if done:
+            if HAS_BIAS:
+                acc += tl.load(B + offs_n, mask=nmask, other=0.0).to(tl.float32)[:, None]
+            tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty), mask=omask)

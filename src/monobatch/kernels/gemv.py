@@ -33,6 +33,9 @@ import torch.nn.functional as F
 
 from monobatch.kernels import invariant_gemm, pdl
 from monobatch.kernels.common import COUNTERS, counters, tl, triton
+
+if triton is not None:
+    from monobatch.kernels.common import split_k_store
 from monobatch.kernels.fused import enabled as fused_enabled, silu_mul
 
 if triton is not None:
@@ -245,22 +248,7 @@ if triton is not None:
             if M_PAD > 2:
                 acc = tl.where(offs_m[None, :] == 2, tl.sum(acc2, 1)[:, None], acc)
                 acc = tl.where(offs_m[None, :] == 3, tl.sum(acc3, 1)[:, None], acc)
-        omask = nmask[:, None] & mmask[None, :]
-        tile = offs_m[None, :] * N + offs_n[:, None]  # [BLOCK_N, M_PAD] offsets in an [M, N] slab
-        done = pid_n >= 0  # (a true scalar tensor)
-        if splits > 1:
-            tl.store(WS + pid_k * M * N + tile, acc, mask=omask)
-            tl.debug_barrier()  # every thread's partial is stored before the (releasing) count
-            done = tl.atomic_add(CNT + pid_n, 1, sem="acq_rel") == splits - 1
-            if done:  # the last slice of this tile: sum all slices in a fixed order
-                acc = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-                for s in range(0, splits):
-                    acc += tl.load(WS + s * M * N + tile, mask=omask, other=0.0, cache_modifier=".cg")
-                tl.store(CNT + pid_n, 0)
-        if done:
-            if HAS_BIAS:
-                acc += tl.load(B + offs_n, mask=nmask, other=0.0).to(tl.float32)[:, None]
-            tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty), mask=omask)
+        split_k_store(acc, WS, CNT, B, Y, M, N, pid_n, pid_k, splits, offs_m, offs_n, mmask, nmask, stride_ym, HAS_BIAS)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -26,6 +26,9 @@ import torch
 
 from monobatch.kernels.common import tl, triton
 
+if triton is not None:
+    from monobatch.kernels.common import grouped_tile
+
 #: (max M, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), by ascending M bound; the last
 #: entry serves any larger M. Few rows (decode) stream the weight: narrow N tiles so that even a
 #: 2,048-wide output has 128 programs (no split-K: it would change the reduction order); many rows
@@ -103,14 +106,7 @@ if triton is not None:
     def _gemm_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                      HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      GROUP_M: tl.constexpr, IEEE: tl.constexpr):
-        pid = tl.program_id(0)
-        num_m = tl.cdiv(M, BM)
-        num_n = tl.cdiv(N, BN)
-        group = GROUP_M * num_n  # grouped launch order: neighbouring programs share W tiles in L2
-        first_m = (pid // group) * GROUP_M
-        size_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % group) % size_m
-        pid_n = (pid % group) // size_m
+        pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
         offs_m = pid_m * BM + tl.arange(0, BM)
         offs_n = pid_n * BN + tl.arange(0, BN)
         offs_k = tl.arange(0, BK)

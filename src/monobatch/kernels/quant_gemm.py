@@ -49,6 +49,9 @@ import torch
 
 from monobatch.kernels import fused, invariant_gemm, pdl
 from monobatch.kernels.common import COUNTERS, counters, tl, triton
+
+if triton is not None:
+    from monobatch.kernels.common import grouped_tile, split_k_store
 from monobatch.quant.formats import Layout
 
 if triton is not None:
@@ -230,35 +233,13 @@ if triton is not None:
             if M_PAD > 2:
                 acc = tl.where(offs_m[None, :] == 2, tl.sum(acc2, 1)[:, None], acc)
                 acc = tl.where(offs_m[None, :] == 3, tl.sum(acc3, 1)[:, None], acc)
-        omask = nmask[:, None] & mmask[None, :]
-        tile = offs_m[None, :] * N + offs_n[:, None]  # [BLOCK_N, M_PAD] offsets in an [M, N] slab
-        done = pid_n >= 0
-        if splits > 1:
-            tl.store(WS + pid_k * M * N + tile, acc, mask=omask)
-            tl.debug_barrier()  # every thread's partial is stored before the (releasing) count
-            done = tl.atomic_add(CNT + pid_n, 1, sem="acq_rel") == splits - 1
-            if done:  # the last slice of this tile: sum all slices in a fixed order
-                acc = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-                for s in range(0, splits):
-                    acc += tl.load(WS + s * M * N + tile, mask=omask, other=0.0, cache_modifier=".cg")
-                tl.store(CNT + pid_n, 0)
-        if done:
-            if HAS_BIAS:
-                acc += tl.load(B + offs_n, mask=nmask, other=0.0).to(tl.float32)[:, None]
-            tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty), mask=omask)
+        split_k_store(acc, WS, CNT, B, Y, M, N, pid_n, pid_k, splits, offs_m, offs_n, mmask, nmask, stride_ym, HAS_BIAS)
 
     @triton.jit
     def _gemm_kernel(X, QS, S, MN, B, Y, M, N, NB, stride_xm, stride_qn, stride_sn, stride_ym,
                      HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
                      GROUP_M: tl.constexpr, IEEE: tl.constexpr, Q4: tl.constexpr, GROUP: tl.constexpr):
-        pid = tl.program_id(0)
-        num_m = tl.cdiv(M, BM)
-        num_n = tl.cdiv(N, BN)
-        group = GROUP_M * num_n  # grouped launch order: neighbouring programs share W tiles in L2
-        first_m = (pid // group) * GROUP_M
-        size_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % group) % size_m
-        pid_n = (pid % group) // size_m
+        pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
         offs_m = pid_m * BM + tl.arange(0, BM)
         offs_n = pid_n * BN + tl.arange(0, BN)
         offs_b = tl.arange(0, BW)
