@@ -6,7 +6,6 @@ stderr, exit code 1 (argparse's flag errors: one line, exit code 2). No tracebac
 
 from __future__ import annotations
 
-import os
 import sys
 
 from monobatch import __version__
@@ -50,10 +49,6 @@ def as_flag(error: MonobatchError, argv: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script and ``python -m monobatch``; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
-    # torch's OpenMP threads sleep between parallel regions instead of spinning (libgomp reads this
-    # once, when torch loads; a user's setting wins): on a shared CPU, spinning threads take the
-    # cores the step's other threads wait for (ADR 0006, benchmarks of 2026-12-01, issue 17)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         parser = build_parser()
         ns, extras = parser.parse_known_args(argv)

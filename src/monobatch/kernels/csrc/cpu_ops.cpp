@@ -32,8 +32,10 @@ namespace mb_cpu_ops {
 
 // Least multiply-adds (weights x rows for the GEMV) a thread is given, here and in quant_cpu.cpp:
 // a parallel region's wake-up can cost more than a small op takes on one core (a scheduler slice
-// on a busy machine). Set from Python (monobatch.kernels.quant_cpu.set_min_thread_work).
-int64_t min_thread_work = int64_t(1) << 21;
+// on a busy machine). 128K (~20 us of GEMV on one core): on an idle 2-core machine with libgomp's
+// spin-then-sleep wait, splitting every decode GEMV made -t 2 decode 1.3-1.5x faster than 2M did
+// (which kept them on one thread; ADR 0006). Set from Python (MONOBATCH_CPU_MIN_THREAD_WORK).
+int64_t min_thread_work = int64_t(1) << 17;
 
 namespace {
 

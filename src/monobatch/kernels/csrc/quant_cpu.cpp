@@ -51,7 +51,8 @@
 namespace mb_cpu_ops {
 // Least work (weights x rows) a thread is given (cpu_ops.cpp holds it, Python sets it): a parallel
 // region costs a wake-up of the other threads, which on a busy machine can take a whole scheduler
-// slice (ms); by default (2M, ~0.4 ms on one core) a decode step's small GEMVs run on one thread.
+// slice (ms); the default (128K, see cpu_ops.cpp) splits a decode step's GEMVs, a thread at least
+// ~20 us of work.
 extern int64_t min_thread_work;
 }
 
