@@ -63,8 +63,11 @@ def make_scheduler(loaded):
 @pytest.fixture(scope="session")
 def hf_model(bundled_path):
     """transformers' own GGUF loader on the same file: the independent implementation."""
+    from helpers import one_gguf_parse
+
     transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(bundled_path.parent), gguf_file=bundled_path.name, dtype=torch.float32)
+    with one_gguf_parse():
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(bundled_path.parent), gguf_file=bundled_path.name, dtype=torch.float32)
     model.eval()
     return model

@@ -53,8 +53,11 @@ def gemma():
 @pytest.fixture(scope="module")
 def gemma_hf(gemma):
     """transformers' own GGUF loader on the same file: the independent implementation."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gemma.path.parent), gguf_file=gemma.path.name, dtype=torch.float32)
+    from helpers import one_gguf_parse
+
+    with one_gguf_parse():
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(gemma.path.parent), gguf_file=gemma.path.name, dtype=torch.float32)
     return model.eval()
 
 

@@ -17,7 +17,7 @@ import logging
 import pytest
 import torch
 
-from helpers import first_divergence, run_requests, top2_margin
+from helpers import PACKED_GEMV_TOL, first_divergence, run_requests, top2_margin
 from monobatch.engine.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def hf_outputs(loaded, hf_model):
 
 
 #: Prefill logits' largest difference from HF's, by weight mode (see the module docstring).
-LOGIT_TOL = {"dequant": 1e-3, "packed": 3e-2}
+LOGIT_TOL = {"dequant": 1e-3, "packed": PACKED_GEMV_TOL}
 
 
 @pytest.fixture(scope="module")
