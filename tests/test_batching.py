@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from helpers import PACKED_GEMV_TOL, first_divergence, new_scheduler, run_requests
+from helpers import first_divergence, new_scheduler, run_requests
 from monobatch.batch import StepBatch
 from monobatch.engine.engine import Engine, EngineConfig
 from monobatch.engine.params import SamplingParams
@@ -95,9 +95,7 @@ def test_deterministic_logits_are_bit_identical(loaded, prompts, storage):
         assert torch.equal(chunked[20 + i], alone[i])
     fast = Engine(loaded, EngineConfig(kv_storage=storage))  # the default mode makes no such promise...
     fast_alone = fast.prompt_logits(corpus[0], all_positions=True)
-    # ...but computes the same function (the deterministic mode's row tiles run every product through
-    # the packed GEMV and its int16 activations, the fast mode's whole prompt through a float GEMM)
-    assert torch.allclose(fast_alone, alone[0], atol=PACKED_GEMV_TOL)
+    assert torch.allclose(fast_alone, alone[0], atol=1e-3)  # ...but computes the same function
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))

@@ -2,11 +2,9 @@
 
 Prompts are fixed here (chosen before the first run). Both sides get the same prompt ids;
 greedy ids must be identical, or the first divergence must sit where HF's top-2 logit margin is
-under 1e-4 (a near-tie float32 rounding can flip); prefill logits must agree within 1e-3 with the
-weights dequantized at load (float32 math in another order), and within 3e-2 with the packed
-weights: their GEMV (every product of <= 16 rows, so the whole prefill of a short prompt) rounds
-each activation row to int16 per weight group (ADR 0006, "int16 activations"; measured up to
-1.2e-2 on logits of magnitude ~20).
+under 1e-4 (a near-tie float32 rounding can flip); prefill logits must agree within 1e-3, with the
+packed weights (their GEMV multiplies float32 activations by weights dequantized in registers) and
+with the weights dequantized at load (``--weights dequant``) alike.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ import logging
 import pytest
 import torch
 
-from helpers import PACKED_GEMV_TOL, first_divergence, run_requests, top2_margin
+from helpers import first_divergence, run_requests, top2_margin
 from monobatch.engine.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -81,8 +79,9 @@ def hf_outputs(loaded, hf_model):
     return out
 
 
-#: Prefill logits' largest difference from HF's, by weight mode (see the module docstring).
-LOGIT_TOL = {"dequant": 1e-3, "packed": PACKED_GEMV_TOL}
+#: Prefill logits' largest difference from HF's, by weight mode (see the module docstring; an
+#: activation-rounding GEMV would need its own bound here, ADR 0006 "int16 activations").
+LOGIT_TOL = {"dequant": 1e-3, "packed": 1e-3}
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +104,6 @@ def test_prefill_logits_match_hf(request, hf_model, text, chat, weights):
     with torch.no_grad():
         ref = hf_model(torch.tensor([ids])).logits[0].float()
     diff = (ours - ref).abs().max().item()
-    log.warning("%s prefill logits: %d tokens, max |ours - HF| %.2e", weights, len(ids), diff)
     assert diff < LOGIT_TOL[weights]
 
 

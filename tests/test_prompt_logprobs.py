@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import PACKED_GEMV_TOL, new_scheduler
+from helpers import new_scheduler
 from monobatch.engine.params import SamplingParams
 from monobatch.engine.sequence import Request
 from monobatch.errors import InvalidRequestError
@@ -43,8 +43,7 @@ def test_prompt_logprobs_match_a_whole_prompt_forward(loaded, prompt, reference,
     chosen, top = reference
     assert len(got) == len(prompt) and got[0] == (prompt[0], None, None)
     assert [t for t, _, _ in got] == prompt
-    # chunks of <= 16 tokens run the packed GEMV (int16 activations), the reference a float GEMM
-    torch.testing.assert_close(torch.tensor([lp for _, lp, _ in got[1:]]), chosen, atol=PACKED_GEMV_TOL, rtol=0)
+    torch.testing.assert_close(torch.tensor([lp for _, lp, _ in got[1:]]), chosen, atol=1e-4, rtol=0)
     assert [[a for a, _ in alts] for _, _, alts in got[1:]] == top.indices.tolist()
 
 
@@ -62,7 +61,7 @@ def test_prompt_logprobs_bypass_the_cache_and_survive_preemption(loaded, prompt,
     got = outs[0].prompt_logprobs
     assert outs[-1].num_cached_tokens == 0  # bypassed the warm cache
     assert len(got) == len(prompt) and all(alts == [] for _, _, alts in got[1:])
-    torch.testing.assert_close(torch.tensor([lp for _, lp, _ in got[1:]]), reference[0], atol=PACKED_GEMV_TOL, rtol=0)
+    torch.testing.assert_close(torch.tensor([lp for _, lp, _ in got[1:]]), reference[0], atol=1e-4, rtol=0)
 
 
 def test_tokens_are_the_same_with_or_without_prompt_logprobs(loaded, prompt):

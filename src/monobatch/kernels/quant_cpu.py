@@ -15,6 +15,7 @@ Layouts and numerics: see the C++ file's header and :mod:`monobatch.quant.format
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -31,9 +32,13 @@ NAME = "monobatch_quant_cpu"
 
 
 def cache_dir() -> Path:
-    """Where the compiled module lives (``$MONOBATCH_KERNEL_CACHE`` or ``~/.cache/monobatch/kernels``)."""
+    """Where the compiled module lives: ``$MONOBATCH_KERNEL_CACHE`` (or ``~/.cache/monobatch/kernels``)
+    / ``torch-<version>-<hash of this package's folder>``. One build folder per installed copy:
+    ninja's build file names the source paths, so two checkouts sharing a folder would rebuild
+    each other's module on every start."""
     root = os.environ.get("MONOBATCH_KERNEL_CACHE") or Path.home() / ".cache" / "monobatch" / "kernels"
-    return Path(root) / f"torch-{torch.__version__}"
+    where = hashlib.sha1(str(Path(__file__).resolve().parent).encode()).hexdigest()[:10]
+    return Path(root) / f"torch-{torch.__version__}-{where}"
 
 
 @functools.cache

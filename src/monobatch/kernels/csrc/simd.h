@@ -15,8 +15,3 @@ inline float hsum(__m256 v) {
 }
 }  // namespace mb_simd
 #endif
-
-namespace mb_simd {
-// hsum's order on 8 scalars (the scalar fallbacks that mirror an AVX2 path lane for lane).
-inline float hsum8(const float* v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
-}  // namespace mb_simd
