@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 17: how monobatch's CPU decode uses its threads, in interleaved rounds on the bundled model:
 # `monobatch bench` (prompt 128, N generated tokens) at -t 1 and -t 2, the -t 2 runs with torch's
-# OpenMP threads sleeping (the default wait policy) or spinning (OMP_WAIT_POLICY=ACTIVE, as
+# OpenMP threads sleeping (OMP_WAIT_POLICY=PASSIVE) or spinning (OMP_WAIT_POLICY=ACTIVE, as
 # llama.cpp's threads do), and with the packed GEMV split over both threads or not
 # (MONOBATCH_CPU_MIN_THREAD_WORK: least multiply-adds a thread gets; 2097152 keeps a decode
 # step's small GEMVs on one thread, 131072 splits them all). Each run's user+sys CPU seconds too.
