@@ -37,3 +37,17 @@ def test_generate_on_cpu_never_imports_triton(setting):
     got = json.loads(res.stdout.splitlines()[-1])
     assert got["rc"] in (0, None) and not got["triton"] and got["common"], got
     assert len(json.loads(got["out"])["token_ids"]) == 6, got["out"]
+
+
+def test_kernel_cache_is_one_folder_per_installed_copy(monkeypatch, tmp_path):
+    """Two checkouts must not share a build folder (ninja's build file names the source paths, so
+    each would rebuild the other's module on every start): the folder names torch's version and a
+    hash of this package's folder, under $MONOBATCH_KERNEL_CACHE."""
+    import hashlib
+    from pathlib import Path
+
+    from monobatch.kernels import quant_cpu
+
+    monkeypatch.setenv("MONOBATCH_KERNEL_CACHE", str(tmp_path))
+    where = hashlib.sha1(str(Path(quant_cpu.__file__).resolve().parent).encode()).hexdigest()[:10]
+    assert quant_cpu.cache_dir() == tmp_path / f"torch-{torch.__version__}-{where}"

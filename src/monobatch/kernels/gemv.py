@@ -33,12 +33,10 @@ import torch.nn.functional as F
 
 from monobatch.kernels import invariant_gemm, pdl
 from monobatch.kernels.common import COUNTERS, counters, tl, triton
-
-if triton is not None:
-    from monobatch.kernels.common import split_k_store
 from monobatch.kernels.fused import enabled as fused_enabled, silu_mul
 
 if triton is not None:
+    from monobatch.kernels.common import split_k_store
     from monobatch.kernels.fused import silu_mul_math
 
 _ON = os.environ.get("MONOBATCH_TRITON_GEMV", "1") != "0"

@@ -49,12 +49,10 @@ import torch
 
 from monobatch.kernels import fused, invariant_gemm, pdl
 from monobatch.kernels.common import COUNTERS, counters, tl, triton
-
-if triton is not None:
-    from monobatch.kernels.common import grouped_tile, split_k_store
 from monobatch.quant.formats import Layout
 
 if triton is not None:
+    from monobatch.kernels.common import grouped_tile, split_k_store
     from monobatch.kernels.gemv import _load_x  # x, or SwiGLU's silu(gate) * up computed as it is loaded
 
 #: Most rows the GEMV takes; more go to the tiled GEMM.
