@@ -40,7 +40,11 @@ TYPES = (T.Q4_K, T.Q8_0, T.Q6_K)  # the three layouts: Q4/32, Q8/32, Q8/16
 MS = (1, 4, 16, 64, 512, 2048)
 #: GEMV configs swept at M = 1: DOT ones only (the FMA variant gives wrong rows on sm_90, ADR 0006).
 SWEEP = [(32, 256, 1, 4, 3, True), (16, 512, 1, 4, 3, True), (16, 1024, 1, 8, 2, True), (32, 512, 2, 4, 3, True),
-         (64, 256, 1, 4, 3, True), (16, 256, 4, 4, 3, True)]
+         (64, 256, 1, 4, 3, True), (16, 256, 4, 4, 3, True), (16, 256, 8, 4, 4, True), (32, 256, 4, 4, 4, True),
+         (32, 256, 8, 4, 4, True), (64, 128, 4, 4, 4, True), (32, 512, 4, 8, 3, True), (64, 256, 2, 8, 3, True),
+         (16, 512, 8, 4, 3, True), (128, 128, 2, 8, 4, True), (32, 128, 8, 4, 6, True)]
+#: The layouts swept (``--sweep-types``): Q4/32 (Q4_K, Q4_0, Q4_1), Q8/32 (Q8_0, Q5_0, Q5_K), Q8/16 (Q6_K).
+SWEEP_TYPES = ("Q4_K", "Q8_0")
 
 
 def time_us(fn) -> float:
@@ -53,6 +57,7 @@ def main() -> int:
     p.add_argument("--shapes", default="llama-1b,llama-8b")
     p.add_argument("--ms", default=",".join(map(str, MS)))
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--sweep-types", default=",".join(SWEEP_TYPES), help="GGUF types whose layout --sweep times")
     ns = p.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -60,7 +65,8 @@ def main() -> int:
     for shape in ns.shapes.split(","):
         for name, (N, K) in SHAPES[shape].items():
             dense = torch.randn(N, K, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
-            packed = {t: random_weight(t, N, K, dev, gen) for t in TYPES}
+            types = set(TYPES) | ({T[name] for name in ns.sweep_types.split(",")} if ns.sweep else set())
+            packed = {t: random_weight(t, N, K, dev, gen) for t in types}
             for M in ms:
                 x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=gen)
                 d_us = time_us(lambda: gemv.linear(x, dense) if M <= gemv.MAX_M else F.linear(x, dense))
@@ -75,7 +81,7 @@ def main() -> int:
                         row[f"{t.name}_cfg"] = quant_gemm.gemv_config(N, K, M, part.layout)
                 print(json.dumps(row), flush=True)
                 if ns.sweep and M == 1:
-                    for t in (T.Q4_K, T.Q6_K):
+                    for t in (T[name] for name in ns.sweep_types.split(",")):
                         part = packed[t].parts[0]
                         best = None
                         for cfg in SWEEP:

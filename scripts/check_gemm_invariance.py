@@ -5,9 +5,10 @@ configs and row counts on this GPU? And cuBLAS's (torch.mm)? Plus each config's 
 
 For every weight shape of the named model shapes: x ``[512, K]`` bf16 random; each candidate tile
 computes ``x[:M] @ W^T`` for M in (1, 3, 16, 17, 64, 100, 512); every row must equal the same row
-of the first candidate at M = 512 (bitwise). Prints one JSON object: per shape and candidate the
-rows that differ (0 = invariant), and the GPU time (us, CUDA-graph replays: no launch overhead)
-at M = 1, 64 and 2048 for each candidate and for torch.mm.
+of the first candidate at M = 512 (bitwise), each with split-K off and on (``:split``). Prints one
+JSON object: per shape and candidate the rows that differ (0 = invariant), and the GPU time (us,
+CUDA-graph replays: no launch overhead) at M = 1, 64, 256 and 2048 for each candidate, for the
+default choice (``default``: config_for and split_for) and for torch.mm.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ CANDIDATES = [
     (64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 32, 4, 4),
 ]
 ROWS = (1, 3, 16, 17, 64, 100, 512)
+TIMED_ROWS = (1, 64, 256, 2048)
 
 
 def weight_shapes(name: str) -> list[tuple[int, int]]:
@@ -70,20 +72,19 @@ def main() -> None:
             out_dtype = torch.float32 if n == SHAPES[shape]["vocab_size"] else torch.bfloat16
             ref = invariant_gemm.linear(x[:512], w, out_dtype=out_dtype, config=CANDIDATES[0])
             entry = {"differing_rows": {}, "time_us": {}}
-            for cfg in CANDIDATES + [None]:
+            for cfg, split in [(c, s) for c in CANDIDATES for s in (False, True)] + [(None, None)]:
                 bad = 0
                 for m in ROWS:
-                    y = invariant_gemm.linear(x[:m], w, out_dtype=out_dtype, config=cfg)
+                    y = invariant_gemm.linear(x[:m], w, out_dtype=out_dtype, config=cfg, split=split)
                     bad += int((y != ref[:m]).any(dim=1).sum())
-                label = "default" if cfg is None else "x".join(map(str, cfg))
+                label = "default" if cfg is None else "x".join(map(str, cfg)) + (":split" if split else "")
                 entry["differing_rows"][label] = bad
-                entry["time_us"][label] = [round(timed(lambda m=m: invariant_gemm.linear(x[:m], w, out_dtype=out_dtype,
-                                                                                         config=cfg)), 1)
-                                           for m in (1, 64, 2048)]
+                entry["time_us"][label] = [round(timed(lambda m=m: invariant_gemm.linear(
+                    x[:m], w, out_dtype=out_dtype, config=cfg, split=split)), 1) for m in TIMED_ROWS]
             mm_ref = torch.mm(x[:512], w.t())
             entry["differing_rows"]["torch.mm"] = sum(int((torch.mm(x[:m], w.t()) != mm_ref[:m]).any(dim=1).sum())
                                                       for m in ROWS)
-            entry["time_us"]["torch.mm"] = [round(timed(lambda m=m: torch.mm(x[:m], w.t())), 1) for m in (1, 64, 2048)]
+            entry["time_us"]["torch.mm"] = [round(timed(lambda m=m: torch.mm(x[:m], w.t())), 1) for m in TIMED_ROWS]
             report["shapes"][f"{shape}:{n}x{k}"] = entry
     text = json.dumps(report, indent=1)
     print(text)

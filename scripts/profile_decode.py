@@ -2,7 +2,7 @@
 events around the graph replay or eager forward) and the host time around it (schedule,
 sampler, finish step, detokenizer), plus torch.profiler's top operators.
 
-    PYTHONPATH=src python3 scripts/profile_decode.py --shape llama-1b --device cuda [--enforce-eager]
+    PYTHONPATH=src python3 scripts/profile_decode.py --shape llama-1b --device cuda [--enforce-eager] [--deterministic]
     PYTHONPATH=src python3 scripts/profile_decode.py --shape llama-1b --no-profile --trace OUT/trace.json   # + one step's GPU timeline
     python3 scripts/profile_decode.py --timeline OUT/trace.json                                            # that timeline again
 
@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("-p", type=int, default=256, help="prompt tokens")
     ap.add_argument("-n", type=int, default=128, help="decode steps")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--deterministic", action="store_true", help="the engine's --deterministic mode")
     ap.add_argument("--no-profile", action="store_true", help="skip the torch.profiler tables")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="print the N host functions with the most own time over the decode steps (cProfile; "
@@ -56,7 +57,7 @@ def main() -> None:
         module, name = target.rsplit(".", 1)
         setattr(importlib.import_module(module), name, ast.literal_eval(value))
     loaded = dummy_model(ns.shape, ns.device)
-    engine = Engine(loaded, EngineConfig(cuda_graphs=not ns.enforce_eager))
+    engine = Engine(loaded, EngineConfig(cuda_graphs=not ns.enforce_eager, deterministic=ns.deterministic))
     sched = BatchScheduler(engine)
     cuda = engine.device.type == "cuda"
     forward = engine.forward

@@ -4,10 +4,15 @@ the number of rows M — the linear layer of ``--deterministic`` on CUDA.
 cuBLAS picks its kernel, tile and split-K from M, so a row's sum over K is ordered differently in a
 1-row decode GEMM and a 2,048-row prefill GEMM (He et al., "Defeating Nondeterminism in LLM
 Inference", Thinking Machines 2025; SGLang's and vLLM's batch-invariant modes replace the GEMMs
-for that reason). Here one Triton kernel computes every row with one reduction order: the K axis
-is walked in ascending ``tl.dot`` steps accumulating into the same fp32 accumulator
-(``acc = dot(a, b, acc)``), no split-K, so the sequence of MMA k-steps a row sees depends on K
-alone. The M and N tiles are free to follow M for speed *if* the MMA instructions they lower to
+for that reason). Here one Triton kernel computes every row with one reduction order, fixed by K
+alone: K is cut into slices of :data:`SLICE_K` elements; each slice is walked in ascending
+``tl.dot`` steps into a zeroed fp32 accumulator (``acc = dot(a, b, acc)``), and the slices' sums
+are added in ascending slice order, starting from zero (``total = ((0 + s0) + s1) + ...``). Where
+it pays (few rows: decode, a small batch, a short prompt), the slices run in separate programs
+(split-K) whose partials the last program to finish adds in that same order (the GEMVs' epilogue,
+:func:`monobatch.kernels.common.split_k_store`); else one program loops over them. Both give a
+row the same bits, so the split is free to follow M — unlike cuBLAS's split-K, whose slice count
+(and so the sum's order) follows M. The M and N tiles are free to follow M for speed *if* the MMA instructions they lower to
 give a row the same bits (mma.sync for small tiles, wgmma from 64 rows on Hopper):
 :data:`CONFIGS` lists the tiles, and ``scripts/check_gemm_invariance.py`` checks on the GPU that
 every one of them gives every row the same bits as every other — :data:`CONFIGS` keeps only tiles
@@ -27,7 +32,7 @@ import torch
 from monobatch.kernels.common import tl, triton
 
 if triton is not None:
-    from monobatch.kernels.common import grouped_tile
+    from monobatch.kernels.common import counters, grouped_tile, split_k_store
 
 #: (max M, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), by ascending M bound; the last
 #: entry serves any larger M. Few rows (decode) stream the weight: narrow N tiles so that even a
@@ -42,6 +47,10 @@ CONFIGS: tuple[tuple[int, int, int, int, int, int], ...] = (
 )
 #: Few-row outputs at most this wide use 16-column tiles (more programs for the narrow layers).
 NARROW_N = 4096
+#: The K slice (elements) of every row's reduction (the module docstring): a constant, so the
+#: order of a row's sum depends on K alone, whatever M, the tile and the split. A multiple of
+#: every BLOCK_K of :data:`CONFIGS` (and of the check script's candidates).
+SLICE_K = 512
 
 
 #: Per thread: ``active`` is True inside :func:`mode` (True), where
@@ -103,36 +112,73 @@ def config_for(m: int, n: int) -> tuple[int, int, int, int, int]:
 if triton is not None:
 
     @triton.jit
-    def _gemm_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+    def _gemm_kernel(X, W, B, Y, WS, CNT, M, N, K, stride_xm, stride_wn, stride_ym,
                      HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     GROUP_M: tl.constexpr, IEEE: tl.constexpr):
-        pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
+                     SLICE: tl.constexpr, SPLIT: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr):
+        tile = tl.program_id(0)
+        pid_m, pid_n = grouped_tile(tile, M, N, BM, BN, GROUP_M)
         offs_m = pid_m * BM + tl.arange(0, BM)
         offs_n = pid_n * BN + tl.arange(0, BN)
         offs_k = tl.arange(0, BK)
         mmask = offs_m < M
         nmask = offs_n < N
-        x_ptr = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-        w_ptr = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-        acc = tl.zeros([BM, BN], tl.float32)
-        for k in range(0, K, BK):  # ascending K, one accumulator: the order every row sees
-            kmask = (k + offs_k) < K
-            a = tl.load(x_ptr, mask=mmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(w_ptr, mask=nmask[:, None] & kmask[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, tl.trans(b), acc)
-            x_ptr += BK
-            w_ptr += BK
-        if HAS_BIAS:
-            acc = acc + tl.load(B + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        y_ptr = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-        tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+        x_base = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+        w_base = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        slices = tl.cdiv(K, SLICE)
+        if SPLIT:  # one slice per program (program_id(1)); the epilogue adds them in slice order
+            first = tl.program_id(1)
+            last = first + 1
+        else:
+            first = 0
+            last = slices
+        total = tl.zeros([BM, BN], tl.float32)
+        for s in range(first, last):  # ascending slices, each summed from zero: the order every row sees
+            acc = tl.zeros([BM, BN], tl.float32)
+            for kk in range(0, SLICE, BK):  # ascending K steps inside the slice
+                k = s * SLICE + kk
+                kmask = (k + offs_k) < K
+                a = tl.load(x_base + k, mask=mmask[:, None] & kmask[None, :], other=0.0)
+                b = tl.load(w_base + k, mask=nmask[:, None] & kmask[None, :], other=0.0)
+                if IEEE:
+                    acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, tl.trans(b), acc)
+            total += acc
+        if SPLIT:
+            split_k_store(tl.trans(total), WS, CNT, B, Y, M, N, tile, tl.program_id(1), slices, offs_m, offs_n,
+                          mmask, nmask, stride_ym, HAS_BIAS)
+        else:
+            if HAS_BIAS:
+                total = total + tl.load(B + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            y_ptr = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+            tl.store(y_ptr, total.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+def split_for(m: int, n: int, k: int, config: tuple[int, int, int, int, int], device: torch.device) -> bool:
+    """Whether the K slices run in separate programs (split-K) for an ``[m, n]`` output: where K
+    has more than one slice and the output alone would leave the GPU short of programs — the
+    16-row tiles (decode: each program streams a narrow strip of the weight, so more programs
+    keep more of it in flight) or fewer tiles than SMs. A speed choice only: both ways give a row
+    the same bits (the module docstring)."""
+    if k <= SLICE_K:
+        return False
+    bm, bn = config[0], config[1]
+    tiles = -(-m // bm) * -(-n // bn)
+    return bm == 16 or tiles < _sm_count(device)
+
+
+_SMS: dict[torch.device, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
+    return _SMS[device]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None, config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, config: tuple[int, int, int, int, int] | None = None,
+           split: bool | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` with batch-invariant rows.
 
     Args:
@@ -141,6 +187,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         bias: ``[N]`` or None.
         out_dtype: the output dtype (default x's; float32 for logits).
         config: force a tile (``scripts/check_gemm_invariance.py``); default :func:`config_for`.
+        split: force split-K on or off (the check script, the tests); default :func:`split_for`.
 
     Returns:
         ``[M, N]`` in ``out_dtype``.
@@ -157,9 +204,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return y
-    bm, bn, bk, warps, stages = config or config_for(M, N)
-    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-    _gemm_kernel[grid](x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0),
-                       y.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=8,
-                       IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+    cfg = config or config_for(M, N)
+    bm, bn, bk, warps, stages = cfg
+    slices = -(-K // SLICE_K)
+    split = (split_for(M, N, K, cfg, x.device) if split is None else split) and slices > 1
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    if split:
+        ws = torch.empty(slices, M, N, dtype=torch.float32, device=x.device)
+        cnt = counters(x.device, tiles)
+    else:
+        ws = cnt = y  # unused
+    _gemm_kernel[(tiles, slices if split else 1)](
+        x, weight, bias if bias is not None else weight, y, ws, cnt, M, N, K, x.stride(0), weight.stride(0),
+        y.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, SLICE=SLICE_K, SPLIT=split, GROUP_M=8,
+        IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
     return y
