@@ -6,8 +6,12 @@
 # (B=1 p256 / p8192, batched 64 x (128 + 128)); (4) scripts/profile_decode.py --deterministic (where a
 # deterministic decode step's time goes); (5) scripts/bench_packed_cuda.py --sweep on llama-1b
 # (issue 17's packed GEMV configs at M = 1 beside the bf16 GEMV).
+# Also: (6) `check` — scripts/check_batching.py on llama-1b (batch, chunking, cache hits, paged =
+# dense under --deterministic); (7) `wait` — wait for a llama.cpp build that `gpu_serving.sh start`
+# began (so that the next call, made at once, finds it: the machine keeps /tmp ~30 s).
 #   Usage: bash scripts/gpu_tune.sh OUTDIR      env: STEPS (default "tests invariance det profile packed"),
-#          BUDGET (seconds, default 560: each step is trimmed to what is left)
+#          BUDGET (seconds, default 560: each step is trimmed to what is left), TESTS (pytest files of
+#          `tests`), SWEEP (1: `packed` sweeps configs, default 1), W (gpu_serving.sh's work dir)
 set -u
 OUT=${1:?OUTDIR}; mkdir -p "$OUT"
 DEADLINE=$((SECONDS + ${BUDGET:-560}))
@@ -28,18 +32,23 @@ t() {
 
 for step in ${STEPS:-tests invariance det profile packed}; do
   case $step in
-    tests) t 170 python3 -m pytest -q -p no:cacheprovider tests/test_invariant_gemm.py tests/test_gemv.py \
-             tests/test_quant_cuda.py tests/test_varlen_attention.py tests/test_decode_graphs.py -k "cuda or captured or invariant" \
+    tests) t 170 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_invariant_gemm.py tests/test_gemv.py \
+             tests/test_quant_cuda.py tests/test_varlen_attention.py tests/test_decode_graphs.py} -k "cuda or captured or invariant" \
              > "$OUT/tests.txt" 2>&1; tail -3 "$OUT/tests.txt" >> "$LOG" ;;
     invariance) t 150 python3 scripts/check_gemm_invariance.py --shapes llama-1b --json "$OUT/invariance.json" \
              > /dev/null 2>> "$LOG" ;;
     det) B="python3 -m monobatch bench --dummy-weights --device cuda --json --no-progress --shape llama-1b"
-         for args in "-p 256 -n 128 -r 3" "-p 256 -n 128 -r 3 --deterministic" "-p 8192 -n 32 -r 1 --deterministic" \
+         for args in "-p 256 -n 128 -r 3" "-p 256 -n 128 -r 3 --deterministic" "-p 8192 -n 32 -r 1" "-p 8192 -n 32 -r 1 --deterministic" \
                      "-p 128 -n 128 -r 1 --batch-size 64" "-p 128 -n 128 -r 1 --batch-size 64 --deterministic"; do
            t 60 $B $args >> "$OUT/bench.jsonl" 2>> "$LOG"
          done ;;
     profile) t 60 python3 scripts/profile_decode.py --shape llama-1b --deterministic -n 64 > "$OUT/profile-det.json" 2>> "$LOG" ;;
-    packed) t 200 python3 scripts/bench_packed_cuda.py --shapes llama-1b --ms 1,16 --sweep > "$OUT/packed_kernels.jsonl" 2>> "$LOG" ;;
+    packed) sweep=--sweep; [ "${SWEEP:-1}" = 1 ] || sweep=
+            t 200 python3 scripts/bench_packed_cuda.py --shapes llama-1b --ms 1,16 $sweep > "$OUT/packed_kernels.jsonl" 2>> "$LOG" ;;
+    check) t 90 python3 scripts/check_batching.py --shape llama-1b --device cuda -n 32 > "$OUT/check_batching.json" 2>> "$LOG" ;;
+    wait) w=${W:-/tmp/gpu_serving}
+          while [ ! -f "$w/build.rc" ] || [ ! -f "$w/gguf.rc" ]; do ((SECONDS < DEADLINE - 10)) || break; sleep 5; done
+          echo "build rc=$(cat "$w/build.rc" 2>/dev/null || echo running), GGUFs rc=$(cat "$w/gguf.rc" 2>/dev/null || echo running)" >> "$LOG" ;;
   esac
 done
 echo "done in $SECONDS s" >> "$LOG"

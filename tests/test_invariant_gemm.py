@@ -11,7 +11,7 @@ from helpers import run_in_triton_interpreter
 
 
 def check(device: str = "cpu") -> str:
-    """Every tile of CONFIGS, split-K on and off, with and without bias, float32 and (CUDA)
+    """Every tile of TILES, split-K on and off, with and without bias, float32 and (CUDA)
     bfloat16 with float32 output, odd M/N/K (K over two SLICE_Ks and a part, so the split has
     three slices, the last one short); then, on CUDA, the rows of every M, tile and split equal
     the rows of the largest M."""
@@ -25,7 +25,7 @@ def check(device: str = "cpu") -> str:
         b = torch.randn(90, generator=g).to(device, dtype)
         ref = (x.double() @ w.double().T + b.double())
         tol = 1e-4 if dtype == torch.float32 else 3e-2
-        for _, *cfg in invariant_gemm.CONFIGS:
+        for cfg in invariant_gemm.TILES:
             for split in (False, True):
                 for bias in (None, b):
                     y = invariant_gemm.linear(x, w, bias, out_dtype=torch.float32, config=tuple(cfg), split=split)
@@ -35,7 +35,7 @@ def check(device: str = "cpu") -> str:
             full = invariant_gemm.linear(x, w, b)
             assert torch.equal(invariant_gemm.linear(x, w, b, split=False), full)
             for m in (1, 2, 5, 16, 17, 33, 64, 65):
-                for _, *cfg in invariant_gemm.CONFIGS:
+                for cfg in invariant_gemm.TILES:
                     for split in (False, True):
                         got = invariant_gemm.linear(x[:m], w, b, config=tuple(cfg), split=split)
                         assert torch.equal(got, full[:m]), (m, cfg, split)

@@ -14,8 +14,8 @@ it pays (few rows: decode, a small batch, a short prompt), the slices run in sep
 row the same bits, so the split is free to follow M — unlike cuBLAS's split-K, whose slice count
 (and so the sum's order) follows M. The M and N tiles are free to follow M for speed *if* the MMA instructions they lower to
 give a row the same bits (mma.sync for small tiles, wgmma from 64 rows on Hopper):
-:data:`CONFIGS` lists the tiles, and ``scripts/check_gemm_invariance.py`` checks on the GPU that
-every one of them gives every row the same bits as every other — :data:`CONFIGS` keeps only tiles
+:data:`TILES` lists the tiles, and ``scripts/check_gemm_invariance.py`` checks on the GPU that
+every one of them gives every row the same bits as every other — :data:`TILES` keeps only tiles
 that passed there.
 
 Inputs bf16/fp16 (fp32 accumulation); float32 inputs use IEEE products.
@@ -34,22 +34,21 @@ from monobatch.kernels.common import tl, triton
 if triton is not None:
     from monobatch.kernels.common import counters, grouped_tile, split_k_store
 
-#: (max M, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), by ascending M bound; the last
-#: entry serves any larger M. Few rows (decode) stream the weight: narrow N tiles so that even a
-#: 2,048-wide output has 128 programs (no split-K: it would change the reduction order); many rows
-#: take wgmma-sized tiles. A tile may change only with scripts/check_gemm_invariance.py passing on
-#: the target GPU (the module docstring says why; on the H200 every tile it lists gave every row
-#: the same bits).
-CONFIGS: tuple[tuple[int, int, int, int, int, int], ...] = (
-    (16, 16, 32, 128, 4, 4),
-    (64, 64, 64, 64, 4, 4),
-    (1 << 62, 128, 128, 64, 8, 3),
+#: Every tile :func:`config_for` picks, ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``. A
+#: tile may join only with scripts/check_gemm_invariance.py passing on the target GPU (the module
+#: docstring says why; on the H200 every tile it lists gave every row the same bits but a
+#: one-step slice, BLOCK_K = SLICE_K, which :func:`linear` refuses).
+TILES: tuple[tuple[int, int, int, int, int], ...] = (
+    (16, 32, 64, 4, 3),     # decode rows, narrow outputs (split over the K slices)
+    (16, 32, 256, 4, 3),    # decode rows, wide outputs (gate/up, the LM head)
+    (64, 64, 64, 4, 4),     # batched decode, short prompts
+    (128, 128, 64, 8, 3),   # prompts (wgmma-sized)
 )
-#: Few-row outputs at most this wide use 16-column tiles (more programs for the narrow layers).
+#: Outputs at most this wide are "narrow" (:func:`config_for`).
 NARROW_N = 4096
 #: The K slice (elements) of every row's reduction (the module docstring): a constant, so the
 #: order of a row's sum depends on K alone, whatever M, the tile and the split. A multiple of
-#: every BLOCK_K of :data:`CONFIGS` (and of the check script's candidates).
+#: every BLOCK_K of :data:`TILES` (and of the check script's candidates), and larger.
 SLICE_K = 512
 
 
@@ -100,13 +99,16 @@ def warn_missed(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def config_for(m: int, n: int) -> tuple[int, int, int, int, int]:
-    """The tile ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for an ``[m, n]`` output."""
-    for bound, bm, bn, bk, warps, stages in CONFIGS:
-        if m <= bound:
-            if bm == 16 and n <= NARROW_N:
-                bn = 16
-            return bm, bn, bk, warps, stages
-    return tuple(CONFIGS[-1][1:])  # type: ignore[return-value]
+    """The tile (one of :data:`TILES`) for an ``[m, n]`` output. Chosen from
+    scripts/check_gemm_invariance.py's timings on the H200 (2026-12-01, llama-1b's five weight
+    shapes at M = 1, 64, 256, 2048; docs/benchmarks): up to 16 rows the 16-row tiles (64-weight K
+    steps split over the slices for narrow outputs, 256-weight steps unsplit for wide ones); up to
+    64 rows, and up to 512 for outputs at most twice :data:`NARROW_N` wide, 64 x 64; else 128 x 128."""
+    if m <= 16:
+        return TILES[1] if n > NARROW_N else TILES[0]
+    if m <= 64 or (m <= 512 and n <= 2 * NARROW_N):
+        return TILES[2]
+    return TILES[3]
 
 
 if triton is not None:
@@ -132,7 +134,8 @@ if triton is not None:
             first = 0
             last = slices
         total = tl.zeros([BM, BN], tl.float32)
-        for s in range(first, last):  # ascending slices, each summed from zero: the order every row sees
+        for s in tl.range(first, last, flatten=True):  # ascending slices, each summed from zero (flattened with
+            # the K loop below into one software pipeline, so the loads do not drain at each slice)
             acc = tl.zeros([BM, BN], tl.float32)
             for kk in range(0, SLICE, BK):  # ascending K steps inside the slice
                 k = s * SLICE + kk
@@ -156,15 +159,15 @@ if triton is not None:
 
 def split_for(m: int, n: int, k: int, config: tuple[int, int, int, int, int], device: torch.device) -> bool:
     """Whether the K slices run in separate programs (split-K) for an ``[m, n]`` output: where K
-    has more than one slice and the output alone would leave the GPU short of programs — the
-    16-row tiles (decode: each program streams a narrow strip of the weight, so more programs
-    keep more of it in flight) or fewer tiles than SMs. A speed choice only: both ways give a row
-    the same bits (the module docstring)."""
+    has more than one slice and the output alone would leave the GPU short of programs — a
+    narrow output of few rows (decode: each program streams a strip of the weight, so more
+    programs keep more of it in flight) or fewer tiles than half the SMs. A speed choice only:
+    both ways give a row the same bits (the module docstring); the H200 timings chose the rule."""
     if k <= SLICE_K:
         return False
     bm, bn = config[0], config[1]
     tiles = -(-m // bm) * -(-n // bn)
-    return bm == 16 or tiles < _sm_count(device)
+    return (bm == 16 and n <= NARROW_N) or 2 * tiles < _sm_count(device)
 
 
 _SMS: dict[torch.device, int] = {}
@@ -206,6 +209,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return y
     cfg = config or config_for(M, N)
     bm, bn, bk, warps, stages = cfg
+    if SLICE_K % bk or bk == SLICE_K:
+        raise ValueError(f"BLOCK_K {bk}: a divisor of SLICE_K ({SLICE_K}) below it (a one-step slice's "
+                         "dot(a, b, 0) + total is fused by Triton into dot(a, b, total), another order)")
     slices = -(-K // SLICE_K)
     split = (split_for(M, N, K, cfg, x.device) if split is None else split) and slices > 1
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)

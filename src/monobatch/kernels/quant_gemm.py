@@ -69,25 +69,20 @@ def _pow2(n: int) -> int:
 
 def gemv_config(N: int, K: int, M: int, layout: Layout) -> tuple[int, int, int, int, int, bool]:
     """``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, DOT)`` for an ``[M, K] x [N, K]^T``
-    product on ``layout`` (BLOCK_K in weights, a multiple of 32). Untuned default (no GPU
-    measurement yet; scripts/bench_packed_cuda.py --sweep): FMA up to 4 rows with 8 KB weight
-    tiles (a llama-1b row of Q4 whole, so PDL loads it all before the wait; 64 bytes in flight a
-    thread), else DOT; K split while the grid stays under two programs per SM and each slice
-    keeps at least two K blocks."""
+    product on ``layout`` (BLOCK_K in weights, a multiple of 32). From the H200 sweep of
+    2026-12-01 (``scripts/bench_packed_cuda.py --sweep``, llama-1b's five weight shapes at M = 1,
+    docs/benchmarks): 64-row tiles of 128 weights, K in 4 slices, 4 stages, were the fastest for
+    the Q4 layout at every shape (1.3-1.9x the earlier 32 x 256 tiles) and for the 8-bit layouts
+    up to N = 8,192; wider 8-bit outputs (gate/up, the LM head) took 256-weight steps without a
+    split. Every M takes the DOT variant (below)."""
     # The FMA variant (M <= 4 without tensor cores) gave wrong rows on the H200 for some tiles
     # (2026-12-01, scripts/probe_quant_cuda.py: M = 1 at 64x512 for every type, at 3072x2048 for
     # the 8-bit layouts), though it is right in the interpreter; until that is understood every M
     # takes the DOT variant (an M = 1 row padded to 16), which was right at every shape probed.
-    dot = True
-    if dot:
-        block_n, block_k, warps, stages = 32, 256, 4, 3
-    else:
-        block_n, block_k, warps, stages = (8 if M <= 2 else 4), (2048 if layout.q4 else 1024), 8, 2
+    wide_q8 = not layout.q4 and N > 8192
+    block_n, block_k, splits, warps, stages = (64, 256, 1, 4, 3) if wide_q8 else (64, 128, 4, 4, 4)
     block_k = max(32, min(block_k, _pow2(K)))
-    tiles, splits = -(-N // block_n), 1
-    while splits < 8 and tiles * splits * 2 <= 2 * _SMS and K >= 4 * splits * block_k:
-        splits *= 2
-    return block_n, block_k, splits, warps, stages, dot
+    return block_n, block_k, splits, warps, stages, True
 
 
 def gemm_config(M: int, N: int) -> tuple[int, int, int, int, int]:
