@@ -65,7 +65,8 @@ def main() -> int:
     for shape in ns.shapes.split(","):
         for name, (N, K) in SHAPES[shape].items():
             dense = torch.randn(N, K, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
-            types = set(TYPES) | ({T[name] for name in ns.sweep_types.split(",")} if ns.sweep else set())
+            swept = [T[t] for t in ns.sweep_types.split(",")] if ns.sweep else []
+            types = list(TYPES) + [t for t in swept if t not in TYPES]  # a fixed order: the same random weights
             packed = {t: random_weight(t, N, K, dev, gen) for t in types}
             for M in ms:
                 x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=gen)
@@ -81,7 +82,7 @@ def main() -> int:
                         row[f"{t.name}_cfg"] = quant_gemm.gemv_config(N, K, M, part.layout)
                 print(json.dumps(row), flush=True)
                 if ns.sweep and M == 1:
-                    for t in (T[name] for name in ns.sweep_types.split(",")):
+                    for t in swept:
                         part = packed[t].parts[0]
                         best = None
                         for cfg in SWEEP:

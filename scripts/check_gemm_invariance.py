@@ -3,7 +3,7 @@ configs and row counts on this GPU? And cuBLAS's (torch.mm)? Plus each config's 
 
     PYTHONPATH=src python3 scripts/check_gemm_invariance.py [--shapes llama-1b,smollm2-135m] [--json OUT]
 
-For every weight shape of the named model shapes: x ``[512, K]`` bf16 random; each candidate tile
+For every weight shape of the named model shapes: x ``[2048, K]`` bf16 random; each candidate tile
 computes ``x[:M] @ W^T`` for M in (1, 3, 16, 17, 64, 100, 512); every row must equal the same row
 of the first candidate at M = 512 (bitwise), each with split-K off and on (``:split``). Prints one
 JSON object: per shape and candidate the rows that differ (0 = invariant), and the GPU time (us,

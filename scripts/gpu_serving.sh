@@ -49,7 +49,7 @@ START=$SECONDS
 mkdir -p "$W"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
-log() { printf '[%s +%4ds] %s\n' "$(date -u +%H:%M:%S)" $((SECONDS - START)) "$*" | tee -a "$LOG"; }
+log() { printf '[%s +%4ds] %s\n' "$(date -u +%H:%M:%S)" $((SECONDS - START)) "$*" | tee -a "$LOG" >&2; }  # stderr: a step's stdout may be piped to a JSONL file
 
 # t SECONDS CMD...: run CMD under timeout, trimmed to the time left before DEADLINE (minus a
 # margin); skip it when less than 10 s would be left. Logs the exit status and the wall time.

@@ -56,7 +56,9 @@ class LlamaCpp:
 
     def __init__(self, rows: list[dict]):
         self.bench = [r for r in rows if "n_prompt" in r and "samples_ts" in r]
-        self.batched = [r for r in rows if "pl" in r and "speed_pp" in r]
+        # the F16 shape's runs only (the packed step's runs on quantized files are tagged
+        # "llama-batched-bench-<shape>:<type>")
+        self.batched = [r for r in rows if "pl" in r and "speed_pp" in r and r.get("tool") == "llama-batched-bench"]
 
     def _bench(self, model: str, n_prompt: int, n_gen: int, n_depth: int) -> dict | None:
         for r in self.bench:

@@ -32,7 +32,7 @@ t() {
 
 for step in ${STEPS:-tests invariance det profile packed}; do
   case $step in
-    tests) t 170 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_invariant_gemm.py tests/test_gemv.py \
+    tests) t 240 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_invariant_gemm.py tests/test_gemv.py \
              tests/test_quant_cuda.py tests/test_varlen_attention.py tests/test_decode_graphs.py} -k "cuda or captured or invariant" \
              > "$OUT/tests.txt" 2>&1; tail -3 "$OUT/tests.txt" >> "$LOG" ;;
     invariance) t 150 python3 scripts/check_gemm_invariance.py --shapes llama-1b --json "$OUT/invariance.json" \

@@ -51,3 +51,16 @@ def test_kernel_cache_is_one_folder_per_installed_copy(monkeypatch, tmp_path):
     monkeypatch.setenv("MONOBATCH_KERNEL_CACHE", str(tmp_path))
     where = hashlib.sha1(str(Path(quant_cpu.__file__).resolve().parent).encode()).hexdigest()[:10]
     assert quant_cpu.cache_dir() == tmp_path / f"torch-{torch.__version__}-{where}"
+
+
+def test_an_unknown_triton_setting_warns_and_counts_as_auto():
+    """``MONOBATCH_TRITON=yes`` is not silently taken for something: one warning naming the value
+    and the accepted ones, then the default (on this CPU machine: no Triton)."""
+    env = {k: v for k, v in cli_env().items() if k not in ("MONOBATCH_TRITON", "TRITON_INTERPRET")}
+    env["MONOBATCH_TRITON"] = "yes"
+    code = "from monobatch.kernels import common; print(common.triton is None)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "MONOBATCH_TRITON='yes' is not one of auto, 1, 0: using auto" in res.stderr
+    if not torch.cuda.is_available():
+        assert res.stdout.strip() == "True"

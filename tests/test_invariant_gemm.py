@@ -49,3 +49,35 @@ def test_invariant_gemm_in_interpreter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_invariant_gemm_cuda():
     assert check("cuda") == "ok"
+
+
+def test_tile_and_split_rules():
+    """config_for picks only TILES (the ones checked bitwise on the GPU), every BLOCK_K below and
+    dividing SLICE_K; split_for splits decode rows of narrow outputs and outputs with few tiles,
+    never a K of one slice, never a large prompt."""
+    from monobatch.kernels import invariant_gemm as ig
+    cpu = torch.device("cpu")  # sm_count: 16 off CUDA
+    for m in (1, 7, 16, 17, 64, 65, 256, 512, 513, 4096):
+        for n in (576, 2048, 4096, 4097, 8192, 8193, 49152, 262144):
+            cfg = ig.config_for(m, n)
+            assert cfg in ig.TILES, (m, n, cfg)
+            assert ig.SLICE_K % cfg[2] == 0 and cfg[2] < ig.SLICE_K
+    assert ig.config_for(1, 2048) == ig.TILES[0] and ig.config_for(1, 49152) == ig.TILES[1]
+    assert ig.config_for(64, 49152) == ig.TILES[2] and ig.config_for(256, 16384) == ig.TILES[3]
+    assert ig.split_for(1, 2048, 2048, ig.config_for(1, 2048), cpu)
+    assert not ig.split_for(1, 2048, ig.SLICE_K, ig.config_for(1, 2048), cpu)  # one slice: nothing to split
+    assert not ig.split_for(1, 16384, 2048, ig.config_for(1, 16384), cpu)  # wide: enough programs unsplit
+    assert ig.split_for(64, 64, 2048, ig.config_for(64, 64), cpu)  # one tile for 16 SMs
+    assert not ig.split_for(4096, 2048, 8192, ig.config_for(4096, 2048), cpu)
+
+
+@pytest.mark.skipif(__import__("monobatch.kernels.common", fromlist=["triton"]).triton is None, reason="needs Triton")
+def test_a_one_step_slice_is_refused():
+    """BLOCK_K = SLICE_K makes each slice one tl.dot, which Triton folds into the running total
+    (another order: the H200 check found that tile's rows off) — refused before any launch."""
+    from monobatch.kernels import invariant_gemm as ig
+    x, w = torch.zeros(2, 2 * ig.SLICE_K), torch.zeros(3, 2 * ig.SLICE_K)
+    with pytest.raises(ValueError, match="SLICE_K"):
+        ig.linear(x, w, config=(16, 16, ig.SLICE_K, 4, 2))
+    with pytest.raises(ValueError, match="SLICE_K"):
+        ig.linear(x, w, config=(16, 16, 96, 4, 2))

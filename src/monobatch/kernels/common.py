@@ -15,15 +15,19 @@ it when CUDA is available or ``TRITON_INTERPRET=1``, which the interpreter tests
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
 
 def _wanted() -> bool:
-    """Whether to import Triton (``MONOBATCH_TRITON``, see the module docstring)."""
+    """Whether to import Triton (``MONOBATCH_TRITON``, see the module docstring; any other value
+    warns once and counts as ``auto``)."""
     setting = os.environ.get("MONOBATCH_TRITON", "auto")
     if setting in ("0", "1"):
         return setting == "1"
+    if setting != "auto":
+        warnings.warn(f"MONOBATCH_TRITON={setting!r} is not one of auto, 1, 0: using auto", stacklevel=2)
     return os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
 
 
@@ -52,6 +56,17 @@ def counters(device: torch.device, n: int) -> torch.Tensor:
     if buf is None and not capturing:
         buf = COUNTERS[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
     return buf if buf is not None and n <= MAX_COUNTERS else torch.zeros(n, dtype=torch.int32, device=device)
+
+
+_SMS: dict[torch.device, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (cached; 16 off CUDA: the interpreter tests), for
+    the grid-size rules of the split kernels."""
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
+    return _SMS[device]
 
 
 def require_triton(head_dim: int) -> None:
@@ -83,8 +98,9 @@ if triton is not None:
     @triton.jit
     def split_k_store(acc, WS, CNT, B, Y, M, N, pid_n, pid_k, splits, offs_m, offs_n, mmask, nmask, stride_ym,
                       HAS_BIAS: tl.constexpr):
-        """The GEMVs' epilogue: store ``acc`` (float32 ``[BLOCK_N, M_PAD]``, y^T's tile of columns
-        ``offs_n`` and rows ``offs_m``) to ``Y`` (+ bias). With ``splits`` > 1 K slices, each stores
+        """The split kernels' epilogue (the GEMVs, the batch-invariant GEMM's split-K): store
+        ``acc`` (float32 ``[BLOCK_N, M_PAD]``, y^T's tile of columns ``offs_n`` and rows ``offs_m``;
+        ``pid_n`` the tile's counter slot) to ``Y`` (+ bias). With ``splits`` > 1 K slices, each stores
         its partial to the workspace ``WS`` (``[splits, M, N]`` float32) and counts itself in
         ``CNT[pid_n]``; the last to arrive sums the slices in slice order (the same bits whichever
         finishes last), writes the tile and zeroes the counter for the next launch."""

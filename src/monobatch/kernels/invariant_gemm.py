@@ -31,6 +31,8 @@ import torch
 
 from monobatch.kernels.common import tl, triton
 
+from monobatch.kernels.common import sm_count
+
 if triton is not None:
     from monobatch.kernels.common import counters, grouped_tile, split_k_store
 
@@ -134,8 +136,7 @@ if triton is not None:
             first = 0
             last = slices
         total = tl.zeros([BM, BN], tl.float32)
-        for s in tl.range(first, last, flatten=True):  # ascending slices, each summed from zero (flattened with
-            # the K loop below into one software pipeline, so the loads do not drain at each slice)
+        for s in range(first, last):  # ascending slices, each summed from zero: the order every row sees
             acc = tl.zeros([BM, BN], tl.float32)
             for kk in range(0, SLICE, BK):  # ascending K steps inside the slice
                 k = s * SLICE + kk
@@ -160,23 +161,14 @@ if triton is not None:
 def split_for(m: int, n: int, k: int, config: tuple[int, int, int, int, int], device: torch.device) -> bool:
     """Whether the K slices run in separate programs (split-K) for an ``[m, n]`` output: where K
     has more than one slice and the output alone would leave the GPU short of programs — a
-    narrow output of few rows (decode: each program streams a strip of the weight, so more
+    narrow output of at most 16 rows (decode: each program streams a strip of the weight, so more
     programs keep more of it in flight) or fewer tiles than half the SMs. A speed choice only:
     both ways give a row the same bits (the module docstring); the H200 timings chose the rule."""
     if k <= SLICE_K:
         return False
     bm, bn = config[0], config[1]
     tiles = -(-m // bm) * -(-n // bn)
-    return (bm == 16 and n <= NARROW_N) or 2 * tiles < _sm_count(device)
-
-
-_SMS: dict[torch.device, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
-    return _SMS[device]
+    return (m <= 16 and n <= NARROW_N) or 2 * tiles < sm_count(device)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -191,12 +183,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out_dtype: the output dtype (default x's; float32 for logits).
         config: force a tile (``scripts/check_gemm_invariance.py``); default :func:`config_for`.
         split: force split-K on or off (the check script, the tests); default :func:`split_for`.
+            Never split where the fp32 workspace ``[slices, M, N]`` would pass 2**31 elements (the
+            split epilogue's offsets are int32).
 
     Returns:
         ``[M, N]`` in ``out_dtype``.
 
     Raises:
         RuntimeError: Triton is not installed.
+        ValueError: ``config``'s BLOCK_K does not divide :data:`SLICE_K` or equals it (a one-step
+            slice: Triton folds ``dot(a, b, 0) + total`` into ``dot(a, b, total)``, another order).
     """
     if triton is None:
         raise RuntimeError("Triton is not installed")
@@ -213,7 +209,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"BLOCK_K {bk}: a divisor of SLICE_K ({SLICE_K}) below it (a one-step slice's "
                          "dot(a, b, 0) + total is fused by Triton into dot(a, b, total), another order)")
     slices = -(-K // SLICE_K)
-    split = (split_for(M, N, K, cfg, x.device) if split is None else split) and slices > 1
+    split = (split_for(M, N, K, cfg, x.device) if split is None else split) and 1 < slices and slices * M * N < 1 << 31
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     if split:
         ws = torch.empty(slices, M, N, dtype=torch.float32, device=x.device)

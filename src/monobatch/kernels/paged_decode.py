@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from monobatch.kernels import pdl
-from monobatch.kernels.common import counters, require_triton, tl, triton
+from monobatch.kernels.common import counters, require_triton, sm_count, tl, triton
 
 
 def _splits_setting(text: str) -> tuple[int, int]:
@@ -80,8 +80,7 @@ def num_splits(batch: int, n_kv: int, max_keys: int, device: torch.device) -> in
     """Partitions per (sequence, KV head): enough programs to fill the GPU :data:`SPLIT_WAVES`
     times over (``SPLIT_WAVES * SMs / (batch * n_kv)``, at most :data:`MAX_SPLITS`, and no more than ``max_keys /
     BLOCK_N``), a power of two. A function of the batch shape only, so a captured graph keeps it."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
-    want = triton.next_power_of_2(max(1, -(-SPLIT_WAVES * sms // (batch * n_kv))))
+    want = triton.next_power_of_2(max(1, -(-SPLIT_WAVES * sm_count(device) // (batch * n_kv))))
     blocks = max(1, -(-max_keys // BLOCK_N))
     return min(want, MAX_SPLITS, 1 << (blocks.bit_length() - 1))  # a power of two (tl.arange)
 

@@ -39,8 +39,8 @@ mantissa bits; subtracting ``2^23`` is exact), not by int-to-float instructions 
 FMA rate on Hopper).
 
 The configs are fixed functions of (N, K, M, layout) (:func:`gemv_config`, :func:`gemm_config`),
-never timed at run time. They are untuned defaults (``scripts/gpu_packed.sh`` times alternatives
-on the H200).
+never timed at run time: the GEMV's from one H200 sweep at M = 1 (``scripts/bench_packed_cuda.py
+--sweep``), the GEMM's untuned.
 """
 
 from __future__ import annotations
@@ -57,8 +57,6 @@ if triton is not None:
 
 #: Most rows the GEMV takes; more go to the tiled GEMM.
 MAX_M = 16
-#: SM count of an H100/H200 (a constant: the configs do not depend on the GPU found).
-_SMS = 132
 #: ``(BM, BN, BK, num_warps, num_stages)`` of every product in batch-invariant mode, any M.
 INVARIANT_TILE = (16, 32, 64, 4, 3)
 
@@ -72,9 +70,11 @@ def gemv_config(N: int, K: int, M: int, layout: Layout) -> tuple[int, int, int, 
     product on ``layout`` (BLOCK_K in weights, a multiple of 32). From the H200 sweep of
     2026-12-01 (``scripts/bench_packed_cuda.py --sweep``, llama-1b's five weight shapes at M = 1,
     docs/benchmarks): 64-row tiles of 128 weights, K in 4 slices, 4 stages, were the fastest for
-    the Q4 layout at every shape (1.3-1.9x the earlier 32 x 256 tiles) and for the 8-bit layouts
-    up to N = 8,192; wider 8-bit outputs (gate/up, the LM head) took 256-weight steps without a
-    split. Every M takes the DOT variant (below)."""
+    the Q4 layout at every shape (1.4-1.7x the earlier 32 x 256 tiles) and for Q8_0's qkv and o
+    (its down projection was 18 % faster still with 32 x 128 tiles in 8 slices); wider 8-bit
+    outputs (gate/up, the LM head) took 256-weight steps without a split. Q6_K's layout (8-bit,
+    16-weight groups) was not swept and takes the 8-bit rule. Every M takes the DOT variant
+    (below)."""
     # The FMA variant (M <= 4 without tensor cores) gave wrong rows on the H200 for some tiles
     # (2026-12-01, scripts/probe_quant_cuda.py: M = 1 at 64x512 for every type, at 3072x2048 for
     # the 8-bit layouts), though it is right in the interpreter; until that is understood every M

@@ -55,7 +55,8 @@ def _dequant_buffer(rows: int, k: int) -> torch.Tensor:
 #: Packed weights on CUDA are opt-in (``MONOBATCH_CUDA_PACKED=1``): on the H200 (2026-12-01) the
 #: GEMV's FMA variant gave wrong rows (fixed by taking the DOT variant for every M, after which the
 #: CUDA tests and `parity --weights packed --deterministic` pass there), but B=1 decode is 0.42x the
-#: bf16 path's (ADR 0006, CUDA section). Until it is faster, CUDA dequantizes at load by default.
+#: bf16 path's on the bundled model and, with the swept configs, 0.46x on llama-1b Q4_0 (529.6 vs
+#: 1,141.3 tok/s; ADR 0006, CUDA section). Until it is faster, CUDA dequantizes at load by default.
 CUDA_PACKED = os.environ.get("MONOBATCH_CUDA_PACKED", "0") == "1"
 
 
