@@ -29,9 +29,7 @@ import threading
 
 import torch
 
-from monobatch.kernels.common import tl, triton
-
-from monobatch.kernels.common import sm_count
+from monobatch.kernels.common import sm_count, tl, triton
 
 if triton is not None:
     from monobatch.kernels.common import counters, grouped_tile, split_k_store
