@@ -76,15 +76,19 @@ def one_gguf_parse():
     """Within the block, ``gguf.GGUFReader(path)`` returns one reader per path: transformers'
     ``from_pretrained(gguf_file=...)`` opens the file twice (config, then weights) and gguf-py
     parses every metadata field each time, a vocabulary of 49K-262K strings as numpy slices
-    (about a minute a parse on the CI machine). The reader is only read."""
+    (about a minute a parse on the CI machine). The reader is only read; it is the loader's
+    :class:`~monobatch.loader.gguf_file.MappedReader` (gguf-py's, its header parsed ~3x faster;
+    tests/test_loader.py holds it equal to gguf-py's)."""
     import gguf
+
+    from monobatch.loader.gguf_file import MappedReader
 
     real, readers = gguf.GGUFReader, {}
 
     def reader(path, mode="r"):
         key = (str(path), mode)
         if key not in readers:
-            readers[key] = real(path, mode)
+            readers[key] = MappedReader(path, mode)
         return readers[key]
 
     gguf.GGUFReader = reader

@@ -139,3 +139,22 @@ def test_sliding_window_without_max_position_embeddings():
                                 "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100,
                                 "sliding_window": 4096})
     assert args.max_position_embeddings == 4096
+
+
+def test_mapped_reader_reads_what_gguf_py_reads(bundled_path):
+    """The loader's reader (gguf-py's, its header parsed through a plain view of the map) gives
+    every field, part, tensor record and tensor byte exactly as ``gguf.GGUFReader`` does."""
+    from gguf import GGUFReader
+
+    ref, got = GGUFReader(str(bundled_path)), gguf_file.open_gguf(bundled_path)
+    assert isinstance(got, GGUFReader) and list(ref.fields) == list(got.fields)
+    for key, a in ref.fields.items():
+        b = got.fields[key]
+        assert (a.offset, a.types, a.data) == (b.offset, b.types, b.data), key
+        assert all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(a.parts, b.parts, strict=True)), key
+        assert a.contents() == b.contents(), key
+    assert len(ref.tensors) == len(got.tensors)
+    for a, b in zip(ref.tensors, got.tensors):
+        assert (a.name, a.tensor_type, list(a.shape), a.data_offset, a.n_bytes) == \
+            (b.name, b.tensor_type, list(b.shape), b.data_offset, b.n_bytes)
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
