@@ -232,3 +232,28 @@ def test_ctx_size_cap_note_names_the_command():
                     "-t", "1")
     assert res.returncode == 0, res.stderr
     assert f"monobatch generate: -c {ctx * 4} exceeds the model's context; using {ctx}\n" in res.stderr, res.stderr
+
+
+def test_prompt_from_a_file_as_llama_cpp_reads_it(tmp_path):
+    """``generate -f FILE`` (llama-completion's flag) sends the file's text, one trailing newline
+    dropped, as ``-p`` sends the same text; with ``-p`` too, or a file that is not there, one line."""
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Once upon a time\n", encoding="utf-8")
+    args = ("--temperature", "0", "-n", "4", "--ignore-eos", "--output-format", "json", "--no-progress")
+    from_file = monobatch("generate", "-f", str(prompt), *args)
+    from_flag = monobatch("generate", "-p", "Once upon a time", *args)
+    assert from_file.returncode == 0 and from_flag.returncode == 0, from_file.stderr + from_flag.stderr
+    a, b = json.loads(from_file.stdout), json.loads(from_flag.stdout)
+    assert a["token_ids"] == b["token_ids"] and a["usage"] == b["usage"]
+    assert_one_line_error(monobatch("generate", "-f", str(prompt), "-p", "hi", "--no-progress"), "give the prompt once")
+    assert_one_line_error(monobatch("generate", "-f", str(tmp_path / "absent.txt"), "--no-progress"),
+                          "cannot read the prompt file")
+
+
+def test_serve_takes_the_model_as_vllm_does(tmp_path):
+    """``monobatch serve MODEL`` (vLLM's form) names the model as -m does: a missing file is refused
+    before any port is bound, naming that file; the positional and a different -m, one line."""
+    missing = str(tmp_path / "absent.gguf")
+    assert_one_line_error(monobatch("serve", missing, "--port", "0"), "absent.gguf")
+    assert_one_line_error(monobatch("serve", missing, "-m", str(tmp_path / "other.gguf"), "--port", "0"),
+                          "give the model once")

@@ -38,19 +38,28 @@ _SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20,
                "G": 2**30, "GB": 2**30, "GIB": 2**30}
 
 
-def read_prompt(positional: str | None, flag: str | None, hint: str) -> str:
-    """The prompt from a positional argument, ``-p``, or stdin (one trailing newline dropped, as
-    llama.cpp's ``-f`` does: ``echo`` adds one).
+def read_prompt(positional: str | None, flag: str | None, hint: str, file: str | None = None) -> str:
+    """The prompt from a positional argument, ``-p``, a file (``-f``, llama.cpp's flag) or stdin
+    (from a file or stdin one trailing newline dropped, as llama.cpp's ``-f`` does: ``echo`` adds one).
 
     Args:
         hint: how to pass a prompt, for the error when none is given.
+        file: a path to read the prompt from, or None.
 
     Raises:
-        InvalidRequestError: no prompt, both forms given, text that is not UTF-8.
+        InvalidRequestError: no prompt, two forms given, a file that cannot be read, text that is
+            not UTF-8.
     """
-    if positional is not None and flag is not None:
-        raise InvalidRequestError("give the prompt once: as an argument or with -p/--prompt, not both", "prompt")
+    if sum(v is not None for v in (positional, flag, file)) > 1:
+        raise InvalidRequestError("give the prompt once: as an argument, with -p/--prompt or with -f/--file", "prompt")
     text = positional if positional is not None else flag
+    if file is not None:
+        try:
+            with open(file, "rb") as f:
+                text = f.read().decode("utf-8", errors="surrogateescape")
+        except OSError as e:
+            raise InvalidRequestError(f"cannot read the prompt file {file}: {e.strerror or e}", "file") from None
+        text = text.removesuffix("\n").removesuffix("\r")
     if text is None:
         if sys.stdin is None or sys.stdin.isatty():
             raise InvalidRequestError(f"no prompt: {hint}", "prompt")

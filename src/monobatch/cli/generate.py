@@ -27,6 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "a user message through the model's chat template.")
     p.add_argument("positional_prompt", nargs="?", metavar="PROMPT", help="the prompt (the same as -p)")
     p.add_argument("-p", "--prompt", help="the prompt (default: read stdin)")
+    p.add_argument("-f", "--file", help="read the prompt from this file (llama.cpp's -f; one trailing newline dropped)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     p.add_argument("--system", help="with --chat: a system message before the prompt")
     p.add_argument("--reasoning-format", choices=REASONING_FORMATS,
@@ -49,7 +50,8 @@ def run(ns: argparse.Namespace) -> int:
     if ns.reasoning_format is not None and not ns.chat:
         raise InvalidRequestError("--reasoning-format needs --chat (a raw completion is not split into reasoning "
                                   "and reply)", "reasoning_format")
-    prompt = read_prompt(ns.positional_prompt, ns.prompt, 'pass it as an argument or with -p, or pipe it on stdin')
+    prompt = read_prompt(ns.positional_prompt, ns.prompt, 'pass it as an argument, with -p or -f, or pipe it on stdin',
+                         ns.file)
     flags = sampling_flags(ns)
     if flags.get("logprobs") is not None and ns.output_format != "json":
         raise InvalidRequestError("--logprobs needs --output-format json", "logprobs")

@@ -28,6 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the engine", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_tag", nargs="?", metavar="MODEL",
+                   help="the model, as in vLLM's `vllm serve MODEL` (the same as -m/--model)")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)")
     s.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = a free port, printed at start)")
@@ -63,6 +65,10 @@ def check_flags(ns: argparse.Namespace) -> None:
     from monobatch.server.runner import settings_from_args
     from monobatch.tokenizer.chat_template import load_chat_template
 
+    if ns.model_tag is not None:
+        if ns.model is not None and ns.model != ns.model_tag:
+            raise InvalidRequestError(f"give the model once: {ns.model_tag!r} or -m {ns.model!r}, not both", "model")
+        ns.model = ns.model_tag
     if ns.max_model_len is not None:
         if ns.ctx_size and ns.ctx_size != ns.max_model_len:
             raise InvalidRequestError("give --max-model-len or -c/--ctx-size, not both", "max_model_len")

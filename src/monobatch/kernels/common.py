@@ -15,7 +15,7 @@ it when CUDA is available or ``TRITON_INTERPRET=1``, which the interpreter tests
 from __future__ import annotations
 
 import os
-import warnings
+import sys
 
 import torch
 
@@ -27,7 +27,8 @@ def _wanted() -> bool:
     if setting in ("0", "1"):
         return setting == "1"
     if setting != "auto":
-        warnings.warn(f"MONOBATCH_TRITON={setting!r} is not one of auto, 1, 0: using auto", stacklevel=2)
+        # one line, as the CLI's other warnings (read at import: no logging is set up yet)
+        print(f"monobatch: warning: MONOBATCH_TRITON={setting!r} is not one of auto, 1, 0: using auto", file=sys.stderr)
     return os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
 
 
