@@ -52,9 +52,10 @@ def test_out_of_range_values(args, needle):
 @pytest.mark.parametrize("command", ["run", "generate", "parity", "chat", "serve", "bench", "bench-serve"])
 def test_unknown_flag_names_the_command(command):
     """argparse alone would say `monobatch: error: unrecognized arguments` (the command lost).
-    `hi` is the prompt of run and generate; the other commands take no positional argument."""
+    `hi` is the prompt of run and generate and the model of serve (vLLM's `serve MODEL`); the
+    other commands take no positional argument."""
     res = monobatch(command, "--bogus", "hi", timeout=60)
-    leftovers = "--bogus" if command in ("run", "generate") else "--bogus hi"
+    leftovers = "--bogus" if command in ("run", "generate", "serve") else "--bogus hi"
     assert res.returncode == 2, res
     assert res.stderr == f"monobatch {command}: error: unrecognized arguments: {leftovers} (see --help)\n", res.stderr
     assert res.stdout == ""
