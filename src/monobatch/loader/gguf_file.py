@@ -15,6 +15,7 @@ RoPE, so GGUF and safetensors checkpoints share one forward.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import mmap
 import re
@@ -269,10 +270,12 @@ class MappedReader(GGUFReader):
     """gguf-py's reader, its header parsed through a plain ``ndarray`` view of the file map
     rather than the ``numpy.memmap`` itself. gguf-py takes three small slices per field part —
     ~250K for a 49K-token vocabulary and its merges — and under numpy 2 every slice of a memmap
-    runs ``memmap.__array_finalize__``: the bundled model's header took 6.3 s to read, 2.2 s
-    so (2026-12-01, this project's CPU machine; gguf 0.19, numpy 2.4). Same bytes and the same lazily paged map (the
-    view shares the memmap's buffer; ``data`` stays the memmap, whose ``_mmap`` :func:`_drop_pages`
-    uses); only the type of the slices handed out differs."""
+    runs ``memmap.__array_finalize__``: the bundled model's header took 6.3 s to read, 2.2 s so
+    (2026-12-01, this project's CPU machine; gguf 0.19, numpy 2.4). Same bytes and the same lazily
+    paged map (the view shares the memmap's buffer; ``data`` stays the memmap, whose ``_mmap``
+    :func:`_drop_pages` uses); only the type of the slices handed out differs. It replaces
+    gguf-py's private ``_get``: :func:`open_gguf` takes it only where that method has the
+    signature it was written against (:data:`_GET_PARAMS`), else gguf-py's own reader."""
 
     def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
         plain = self.__dict__.get("_plain")
@@ -283,6 +286,11 @@ class MappedReader(GGUFReader):
         return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
 
+#: The parameters of ``GGUFReader._get`` that :class:`MappedReader` replaces (as in gguf-py 0.19).
+_GET_PARAMS = ("self", "offset", "dtype", "count", "override_order")
+_READER = MappedReader if tuple(inspect.signature(GGUFReader._get).parameters) == _GET_PARAMS else GGUFReader
+
+
 def open_gguf(path: str | Path) -> GGUFReader:
     """Open a GGUF file (memory-mapped, read-only) with gguf-py (:class:`MappedReader`).
 
@@ -290,6 +298,6 @@ def open_gguf(path: str | Path) -> GGUFReader:
         UnsupportedModelError: the file is not a readable GGUF.
     """
     try:
-        return MappedReader(str(path), "r")
+        return _READER(str(path), "r")
     except Exception as e:  # gguf-py raises ValueError/struct errors on bad files
         raise UnsupportedModelError(f"{path}: not a readable GGUF file ({e})") from e
