@@ -35,10 +35,10 @@ def _count_launches(scheduler):
     engine, counts = scheduler.engine, {"launch": 0, "ahead": 0}
     real = engine.launch
 
-    def launch(batch, rows, ahead=0, token_ids=None, defer_draw=False):
+    def launch(batch, rows, ahead=0, token_ids=None, defer_draw=False, **kw):
         counts["launch"] += 1
         counts["ahead"] += ahead
-        return real(batch, rows, ahead, token_ids, defer_draw)
+        return real(batch, rows, ahead, token_ids, defer_draw, **kw)
 
     engine.launch = launch
     return counts

@@ -351,28 +351,77 @@ def test_constrained_length_stop_on_the_server(server):
     assert resp.json()["choices"][0]["finish_reason"] == "length"
 
 
-def test_async_scheduling_with_constrained_rows_equals_sync(make_scheduler, prompt, loaded):
-    """Async scheduling keeps constrained rows in the overlap (the draw of N+1 deferred until N's
-    tokens are accepted): same tokens as the synchronous loop, beside free rows, and a row whose
-    grammar ends mid-run drops out cleanly."""
+def _spy_async(sched):
+    """Count the async paths a run takes: deferred draws, unchecked draws, the refused unchecked
+    draws that were redrawn (``corrected``) and the steps that recomputed such a row (``void``)."""
+    engine, seen = sched.engine, {"deferred": 0, "unchecked": 0, "corrected": 0, "void": 0}
+    real_launch, real_deferred, real_resolve = engine.launch, engine.draw_deferred, engine.resolve
+
+    def launch(batch, rows, *args, **kw):
+        seen["unchecked"] += bool(kw.get("unchecked"))
+        seen["void"] += len(kw.get("replace") or {})
+        return real_launch(batch, rows, *args, **kw)
+
+    def resolve(pending):
+        out = real_resolve(pending)
+        seen["corrected"] += len(pending.corrected)
+        return out
+
+    engine.launch, engine.resolve = launch, resolve
+    engine.draw_deferred = lambda pending: (seen.__setitem__("deferred", seen["deferred"] + 1), real_deferred(pending))[1]
+    return seen
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_async_scheduling_with_greedy_constrained_rows_equals_sync(make_scheduler, prompt, loaded, deterministic):
+    """Async scheduling keeps greedy constrained rows in the overlap without masks: each draws its
+    raw argmax on the device, checked against its grammar once the previous token is accepted;
+    a refused draw is redrawn under the mask and the step already launched on it recomputes that
+    row. Same tokens as the synchronous loop, beside free rows; a row whose grammar ends mid-run
+    drops out cleanly; refusals really happen (the bench's long schema forces them)."""
+    from monobatch.bench import CONSTRAINED_SCHEMA
     from monobatch.engine.constraint import StructuredOutput
 
     other = loaded.tokenizer.encode_chat([{"role": "user", "content": "Name three colours."}])
 
     def requests():
-        return [_request("json", prompt, StructuredOutput.json_schema(SCHEMAS[19][0]), max_tokens=60),
+        return [_request("json", prompt, StructuredOutput.json_schema(SCHEMAS[19][0]), max_tokens=40),
+                _request("long", prompt, StructuredOutput.json_schema(CONSTRAINED_SCHEMA), max_tokens=48),
+                _request("short", prompt, StructuredOutput.choice(["yes", "no"]), max_tokens=10),
+                _request("free", other, max_tokens=20, ignore_eos=True)]
+
+    sync = _run(make_scheduler(async_scheduling=False, deterministic=deterministic), requests())
+    sched = make_scheduler(async_scheduling=True, deterministic=deterministic)
+    seen = _spy_async(sched)
+    overlapped = _run(sched, requests())
+    assert seen["unchecked"] and not seen["deferred"], seen
+    assert seen["corrected"] > 0 and seen["void"] > 0, seen  # refusals, and rows recomputed after them
+    for rid in sync:
+        assert overlapped[rid] == sync[rid], rid
+    assert sched.kv.usage().used_blocks == 0 and not sched.has_unfinished()
+
+
+def test_async_scheduling_with_sampled_constrained_rows_equals_sync(make_scheduler, prompt, loaded):
+    """A sampled row under a grammar is not greedy-checked: the draw of N+1 is deferred until N's
+    tokens are accepted (its masks computed while the forward runs). Same tokens as the
+    synchronous loop, beside a greedy constrained row and a free row."""
+    from monobatch.engine.constraint import StructuredOutput
+
+    other = loaded.tokenizer.encode_chat([{"role": "user", "content": "Name three colours."}])
+
+    def requests():
+        return [_request("json", prompt, StructuredOutput.json_schema(SCHEMAS[19][0]), max_tokens=40,
+                         temperature=0.8, seed=11),
                 _request("short", prompt, StructuredOutput.choice(["yes", "no"]), max_tokens=10),
                 _request("free", other, max_tokens=20, ignore_eos=True)]
 
     sync = _run(make_scheduler(async_scheduling=False), requests())
     sched = make_scheduler(async_scheduling=True)
-    deferred = []
-    real = sched.engine.draw_deferred
-    sched.engine.draw_deferred = lambda pending: (deferred.append(len(pending.rows)), real(pending))[1]
+    seen = _spy_async(sched)
     overlapped = _run(sched, requests())
-    assert deferred, "no step took the deferred draw"
+    assert seen["deferred"] and not seen["unchecked"], seen
     for rid in sync:
-        assert overlapped[rid][1] == sync[rid][1], rid
+        assert overlapped[rid] == sync[rid], rid
     assert sched.kv.usage().used_blocks == 0
 
 

@@ -43,6 +43,14 @@ class PendingStep:
         ready: CUDA event recorded after the copy (None on CPU: the copy is synchronous).
         logits: ``[R, V]`` on the device while the draw is deferred (``tokens``/``host`` None):
             constrained rows, whose masks need the previous step's tokens accepted first.
+        check: an unchecked draw's grammar rows (:attr:`SamplerState.greedy_checked`): their row
+            indices and a ``[M, V]`` float32 copy of their raw logits (the step's own logits are
+            a CUDA graph's static buffer, overwritten by the next step), so :meth:`Engine.resolve`
+            can check each raw argmax against its grammar and redraw a refused one.
+        void: rows whose draw is void: their input id was a refused draw of the step before
+            (its replacement is ``seq.output_ids[-1]``); :meth:`Engine.resolve` skips them.
+        corrected: rows whose draw :meth:`Engine.resolve` replaced (a refused unchecked draw):
+            a step launched on this step's device draws computed those rows from a wrong id.
     """
 
     batch: StepBatch
@@ -51,6 +59,9 @@ class PendingStep:
     host: torch.Tensor | None
     ready: torch.cuda.Event | None
     logits: torch.Tensor | None = None  # a deferred draw's input until :meth:`Engine.draw_deferred`
+    check: tuple[list[int], torch.Tensor] | None = None
+    void: set[int] = dataclasses.field(default_factory=set)
+    corrected: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -177,6 +188,7 @@ class Engine:
         # A padded embedding (HF exports round it up) has rows no token owns: never draw them.
         self.vocab_size = min(args.vocab_size, self.tokenizer.vocab_size)
         self.sampler = RowSampler(self.vocab_size)
+        self._side: torch.cuda.Stream | None = None  # see _side_stream
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)  # structured outputs
         self.finisher = FinishStep(self.tokenizer.eog_ids, self.max_model_len)
         self.graphs = DecodeGraphs(self.model, self.kv, self.config.max_num_seqs) if self._graphs_usable() else None
@@ -363,7 +375,8 @@ class Engine:
 
     @torch.inference_mode()
     def launch(self, batch: StepBatch, rows: list[Sequence], ahead: int = 0,
-               token_ids: torch.Tensor | None = None, defer_draw: bool = False) -> PendingStep:
+               token_ids: torch.Tensor | None = None, defer_draw: bool = False,
+               unchecked: bool = False, replace: dict[int, int] | None = None) -> PendingStep:
         """Forward ``batch`` and draw one token per row on the device, without waiting for it:
         the draws are copied to the host behind an event (read by :meth:`resolve`).
 
@@ -375,6 +388,11 @@ class Engine:
             defer_draw: only queue the forward; :meth:`draw_deferred` draws once the rows'
                 previous tokens are accepted (rows with a structured-output grammar:
                 :attr:`SamplerState.grammar_only`).
+            unchecked: every row is plain greedy or :attr:`SamplerState.greedy_checked`: the
+                grammar rows draw their raw argmax now, checked by :meth:`resolve` once their
+                previous tokens are accepted (no mask, no sync on most steps).
+            replace: row -> input id overriding ``token_ids`` (a void row of the step before:
+                its input is the id that replaced its refused draw).
 
         Returns:
             The :class:`PendingStep` (its ``tokens`` can feed the next step at once, unless the
@@ -383,10 +401,16 @@ class Engine:
         Raises:
             as :meth:`forward` (the KV store's errors) and :meth:`RowSampler.draw`.
         """
+        if replace:  # one page-locked copy, no wait for the step in flight
+            buf = torch.tensor([*replace, *replace.values()], dtype=torch.int64)
+            if token_ids.is_cuda:
+                buf = buf.pin_memory().to(token_ids.device, non_blocking=True)
+            k = len(replace)
+            token_ids = token_ids.index_copy(0, buf[:k], buf[k:].to(token_ids.dtype))
         logits = self.forward(batch, token_ids)
         if defer_draw:
             return PendingStep(batch, rows, None, None, None, logits)
-        return self._draw_async(batch, rows, logits, ahead)
+        return self._draw_async(batch, rows, logits, ahead, unchecked)
 
     @torch.inference_mode()
     def draw_deferred(self, pending: PendingStep) -> None:
@@ -396,10 +420,19 @@ class Engine:
         drawn = self._draw_async(pending.batch, pending.rows, pending.logits, 0)
         pending.tokens, pending.host, pending.ready, pending.logits = drawn.tokens, drawn.host, drawn.ready, None
 
-    def _draw_async(self, batch: StepBatch, rows: list[Sequence], logits: torch.Tensor, ahead: int) -> PendingStep:
-        """Draw on the device and queue the copy of the draws to the host behind an event."""
+    def _draw_async(self, batch: StepBatch, rows: list[Sequence], logits: torch.Tensor, ahead: int,
+                    unchecked: bool = False) -> PendingStep:
+        """Draw on the device and queue the copy of the draws to the host behind an event
+        (``unchecked``: as :meth:`launch`; the grammar rows' raw logits are kept for the check)."""
         masked = self.finisher.ban_early_stops(logits, rows, ahead)
-        if self._per_row_draws(rows):  # one row per draw, as in step()
+        check = None
+        if unchecked:  # an argmax is exact whatever the batch: one draw, in any mode
+            tokens = self.sampler.draw(masked, [s.sampler for s in rows], ahead, unchecked=True)
+            gram = [r for r, seq in enumerate(rows) if seq.sampler.grammar is not None]
+            if gram:  # grammar rows have no engine-side mask: their raw logits are the model's
+                idx = torch.tensor(gram, device=logits.device) if len(gram) < len(rows) else None
+                check = (gram, (logits if idx is None else logits.index_select(0, idx)).to(torch.float32, copy=True))
+        elif self._per_row_draws(rows):  # one row per draw, as in step()
             tokens = torch.cat([self.sampler.draw(masked[r:r + 1], [seq.sampler], ahead)
                                 for r, seq in enumerate(rows)])
         else:
@@ -411,18 +444,22 @@ class Engine:
         if cuda:
             ready = torch.cuda.Event()
             ready.record()
-        return PendingStep(batch, rows, tokens, host, ready)
+        return PendingStep(batch, rows, tokens, host, ready, check=check)
 
     def _per_row_draws(self, rows: list[Sequence]) -> bool:
         """Deterministic mode samples one row per sampler call, so no reduction over a row (a
-        softmax's sum, a top-p cumsum) sees a neighbour's row — except when every row is a plain
-        greedy draw: an argmax is exact whatever the batch (the row's maximum, ties to the lowest
-        id), so the batch draws at once."""
-        return self.config.deterministic and not all(seq.sampler.plain_greedy for seq in rows)
+        softmax's sum, a top-p cumsum) sees a neighbour's row — except when every row is a
+        greedy draw needing at most the grammar mask: an argmax is exact whatever the batch
+        (the row's maximum, ties to the lowest id), and a mask is elementwise, so the batch
+        draws at once."""
+        return self.config.deterministic and not all(seq.sampler.plain_greedy or seq.sampler.greedy_checked
+                                                     for seq in rows)
 
     def resolve(self, pending: PendingStep) -> list[RowOutput]:
         """Wait for a launched step's draws and run the finish step on the rows still running (a
-        row whose sequence ended or was aborted meanwhile is dropped).
+        row whose sequence ended or was aborted meanwhile is dropped, and so is a void row).
+        An unchecked draw's grammar rows are checked first; a refused one is replaced by the
+        masked argmax (recorded in ``pending.corrected``).
 
         Returns:
             One RowOutput per row still running, in row order.
@@ -433,11 +470,43 @@ class Engine:
         if pending.ready is not None:
             pending.ready.synchronize()
         ids = pending.host.tolist()
-        live = [(seq, t) for seq, t in zip(pending.rows, ids) if not seq.is_finished]
+        if pending.check is not None:
+            self._check_draws(pending, ids)
+        live = [(seq, t) for r, (seq, t) in enumerate(zip(pending.rows, ids))
+                if r not in pending.void and not seq.is_finished]
         if not live:
             return []
         seqs, toks = zip(*live)
         return self.finisher.apply(list(seqs), SampleOutput(list(toks), None, None))
+
+    def _check_draws(self, pending: PendingStep, ids: list[int]) -> None:
+        """:meth:`RowSampler.correct` on an unchecked draw's grammar rows, in place in ``ids``.
+        On CUDA the redraw of a refused row runs on a side stream behind the step's own event, so
+        it does not wait for the step launched after this one (async scheduling keeps the device
+        busy through a refusal)."""
+        gram, x = pending.check
+        pending.check = None
+        rows = [r for r in gram if r not in pending.void and not pending.rows[r].is_finished]
+        if not rows:
+            return
+        states = [seq.sampler for seq in pending.rows]
+        with contextlib.ExitStack() as stack:
+            if x.is_cuda:
+                side = self._side_stream()
+                side.wait_event(pending.ready)  # x is complete at the step's event
+                stack.enter_context(torch.cuda.stream(side))
+            if len(rows) < len(gram):
+                x = x[[gram.index(r) for r in rows]]
+            fixed = self.sampler.correct(x, states, ids, rows)
+        for r, t in fixed.items():
+            ids[r] = t
+        pending.corrected = sorted(fixed)
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        """A second CUDA stream on the model's device (refused draws' redraws), made on first use."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=self.device)
+        return self._side
 
     @torch.inference_mode()
     def step(self, batch: StepBatch, rows: list[Sequence],

@@ -19,9 +19,14 @@ overlap scheduler): a decode step whose rows draw without looking at their histo
 (:attr:`SamplerState.history_free`) is launched and left pending; the next :meth:`step` launches
 step N+1 — same sequences, input ids taken from N's draws on the device — *before* reading N's
 draws back, then runs N's finish step while the device computes N+1. Rows with a
-structured-output grammar (:attr:`SamplerState.grammar_only`) take part too, with the draw of
-N+1 deferred: its forward is queued first, then N's tokens are read and accepted into the
-matchers, and the masks of N+1 are computed on the host while that forward runs
+structured-output grammar take part too. Greedy ones (:attr:`SamplerState.greedy_checked`) draw
+their raw argmax on the device, unchecked; when N is read back each draw is checked against its
+grammar (llama.cpp's "sampled token first"): an allowed one is the masked argmax already, a
+refused one is redrawn under the mask (a side stream, so the device stays busy), and N+1,
+launched on the refused id, leaves that row *void* — its KV position is not committed and the
+next step recomputes it from the corrected id. Other grammar rows (sampled, logit_bias) have
+the draw of N+1 deferred: its forward is queued first, then N's tokens are read and accepted
+into the matchers, and the masks of N+1 are computed on the host while that forward runs
 (:meth:`Engine.draw_deferred`). Step N+1's KV commit
 waits until N's ids are known. A sequence that ends at N (a stop id or string) had one row too
 many in N+1: that row is dropped. Anything else — an admission, a prefill, a sequence that
@@ -250,7 +255,7 @@ class BatchScheduler:
         batch, rows, prompt_rows = planned
         try:
             if self.engine.async_scheduling and not prompt_rows and batch.is_decode_only and self._overlappable(rows):
-                self._pending = self.engine.launch(batch, rows)
+                self._pending = self.engine.launch(batch, rows, unchecked=self._unchecked(rows))
                 return outputs
             step_outputs = self.engine.step(batch, rows, prompt_rows)
         except BaseException:
@@ -283,8 +288,11 @@ class BatchScheduler:
         if len(rows) != len(self.running) or (self.waiting and len(self.running) < self.config.max_num_seqs):
             return None
         finisher = self.engine.finisher
-        for seq in rows:
-            if seq.status is not SeqStatus.RUNNING or seq.num_computed != seq.num_tokens \
+        for r, seq in enumerate(rows):
+            if r in pending.void:  # N drew nothing for it: its input is its last accepted id
+                if seq.status is not SeqStatus.RUNNING or seq.num_computed != seq.num_tokens - 1:
+                    return None
+            elif seq.status is not SeqStatus.RUNNING or seq.num_computed != seq.num_tokens \
                     or finisher.ends_by_length(seq, len(seq.output_ids) + 1):
                 return None  # not a plain decode, or the pending step is its last by length
         if not self._overlappable(rows):
@@ -292,13 +300,19 @@ class BatchScheduler:
         if not all(self.kv.reserve(seq.seq_id, seq.num_computed + 1) for seq in rows):
             return None  # the pool is full: the normal path preempts
         chunks = [(seq.seq_id, (0,), seq.num_computed, True) for seq in rows]  # ids: the device's draws
+        # a void row's input is the id that replaced its refused draw
+        replace = {r: rows[r].output_ids[-1] for r in sorted(pending.void)}
         for seq in rows:
             self._account(seq, len(rows))
             seq.num_computed += 1
         batch = self.engine.build_batch(chunks)
-        defer = any(seq.sampler.grammar is not None for seq in rows)  # draw once N's tokens are accepted
+        # grammar rows: greedy ones draw their raw argmax now, checked once N's tokens are accepted
+        # (Engine.resolve); any other draws once they are (deferred)
+        unchecked = self._unchecked(rows)
+        defer = not unchecked and any(seq.sampler.grammar is not None for seq in rows)
         try:
-            return self.engine.launch(batch, rows, ahead=1, token_ids=pending.tokens, defer_draw=defer)
+            return self.engine.launch(batch, rows, ahead=1, token_ids=pending.tokens, defer_draw=defer,
+                                      unchecked=unchecked, replace=replace)
         except BaseException:
             for seq in rows:
                 seq.num_computed -= 1
@@ -309,8 +323,12 @@ class BatchScheduler:
         those draws) for the sequences still running, now that its input ids are known."""
         step_outputs = self.engine.resolve(pending)
         if ahead is not None:
+            for r in pending.corrected:  # ahead computed it from the refused draw: void, recomputed next
+                ahead.void.add(r)
+                ahead.rows[r].num_computed -= 1
             live = [Chunk(c.seq_id, c.start, c.pos, c.length, c.wants_logits, (seq.output_ids[-1],))
-                    for c, seq in zip(ahead.batch.chunks, ahead.rows) if not seq.is_finished]
+                    for r, (c, seq) in enumerate(zip(ahead.batch.chunks, ahead.rows))
+                    if not seq.is_finished and r not in ahead.void]
             self.kv.commit(StepBatch(ahead.batch.token_ids, ahead.batch.positions, ahead.batch.seq_ids,
                                      ahead.batch.logit_rows, tuple(live), ahead.batch.row_tile))
         return self._after_step(step_outputs)
@@ -321,6 +339,16 @@ class BatchScheduler:
         host (:attr:`SamplerState.history_free`), or right after it is accepted while the next
         forward runs (:attr:`SamplerState.grammar_only`: a deferred draw)."""
         return bool(rows) and all(seq.sampler.history_free or seq.sampler.grammar_only for seq in rows)
+
+    @staticmethod
+    def _unchecked(rows: list[Sequence]) -> bool:
+        """True when the step has grammar rows and every row is a greedy draw needing at most the
+        grammar mask (:attr:`SamplerState.greedy_checked`): the grammar rows draw their raw
+        argmax on the device, and :meth:`Engine.resolve` checks it once the previous tokens are
+        accepted — no mask and no wait on most steps; a refused draw is redrawn under the mask
+        and the step launched on it recomputes that row (its draw is void)."""
+        return any(seq.sampler.grammar is not None for seq in rows) and \
+            all(seq.sampler.plain_greedy or seq.sampler.greedy_checked for seq in rows)
 
     def _account(self, seq: Sequence, batch_seqs: int) -> None:
         """Batch evidence for the request's metrics."""
