@@ -5,7 +5,7 @@
 # /tmp/model.gguf (see ../shared/tools/split-for-device.sh) and the wheels installed:
 #   bash scripts/gpu_structured.sh /tmp/model.gguf "$OUT"      (writes log.txt, bench.jsonl, parity-*.json)
 set -uo pipefail
-MODEL=${1:?model}; OUT=${2:?out dir}; LOG="$OUT/log.txt"
+MODEL=${1:?model}; OUT=${2:?out dir}; LOG="$OUT/log.txt"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$LOG"
 python3 -m pytest -q tests/test_structured.py -k "bitmask" -p no:cacheprovider >> "$LOG" 2>&1

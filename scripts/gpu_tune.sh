@@ -8,7 +8,10 @@
 # (issue 17's packed GEMV configs at M = 1 beside the bf16 GEMV).
 # Also: (6) `check` — scripts/check_batching.py on llama-1b (batch, chunking, cache hits, paged =
 # dense under --deterministic); (7) `wait` — wait for a llama.cpp build that `gpu_serving.sh start`
-# began (so that the next call, made at once, finds it: the machine keeps /tmp ~30 s).
+# began (so that the next call, made at once, finds it: the machine keeps /tmp ~30 s); (8) `structured`
+# — scripts/gpu_structured.sh on the bundled model (issue 15's constrained vs plain decode, parity of
+# the constrained config); (9) `parity` — `monobatch parity --deterministic --expect-identical` on the
+# bundled model, every config. (8) and (9) read the GGUF at $MODEL (default /tmp/model.gguf).
 #   Usage: bash scripts/gpu_tune.sh OUTDIR      env: STEPS (default "tests invariance det profile packed"),
 #          BUDGET (seconds, default 560: each step is trimmed to what is left), TESTS (pytest files of
 #          `tests`), SWEEP (1: `packed` sweeps configs, default 1), W (gpu_serving.sh's work dir)
@@ -46,6 +49,10 @@ for step in ${STEPS:-tests invariance det profile packed}; do
     packed) sweep=--sweep; [ "${SWEEP:-1}" = 1 ] || sweep=
             t 200 python3 scripts/bench_packed_cuda.py --shapes llama-1b --ms 1,16 $sweep > "$OUT/packed_kernels.jsonl" 2>> "$LOG" ;;
     check) t 90 python3 scripts/check_batching.py --shape llama-1b --device cuda -n 32 > "$OUT/check_batching.json" 2>> "$LOG" ;;
+    structured) t 420 bash scripts/gpu_structured.sh "${MODEL:-/tmp/model.gguf}" "$OUT/structured" > /dev/null 2>> "$LOG"
+                tail -14 "$OUT/structured/log.txt" >> "$LOG" 2>/dev/null ;;
+    parity) t 240 python3 -m monobatch parity -m "${MODEL:-/tmp/model.gguf}" --device cuda --deterministic --expect-identical \
+              --no-progress --json "$OUT/parity-det.json" > "$OUT/parity-det.txt" 2>&1; tail -5 "$OUT/parity-det.txt" >> "$LOG" ;;
     wait) w=${W:-/tmp/gpu_serving}
           while [ ! -f "$w/build.rc" ] || [ ! -f "$w/gguf.rc" ]; do ((SECONDS < DEADLINE - 10)) || break; sleep 5; done
           echo "build rc=$(cat "$w/build.rc" 2>/dev/null || echo running), GGUFs rc=$(cat "$w/gguf.rc" 2>/dev/null || echo running)" >> "$LOG" ;;

@@ -325,7 +325,8 @@ class BatchScheduler:
         if ahead is not None:
             for r in pending.corrected:  # ahead computed it from the refused draw: void, recomputed next
                 ahead.void.add(r)
-                ahead.rows[r].num_computed -= 1
+                if not ahead.rows[r].is_finished:
+                    ahead.rows[r].num_computed -= 1
             live = [Chunk(c.seq_id, c.start, c.pos, c.length, c.wants_logits, (seq.output_ids[-1],))
                     for r, (c, seq) in enumerate(zip(ahead.batch.chunks, ahead.rows))
                     if not seq.is_finished and r not in ahead.void]
