@@ -11,6 +11,7 @@ scripted session.
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 
@@ -49,9 +50,17 @@ def prompt_tokens(server, messages: list[dict]) -> int:
     return r.json()["count"]
 
 
+def interactive_signals() -> None:
+    """In the child before it runs: SIGINT back to its default, as in a terminal's shell. A suite
+    started in the background (``cmd &`` without job control, ``nohup``) inherits SIGINT ignored,
+    and Python then installs no KeyboardInterrupt handler: every ^C sent would be lost (the Ctrl-C
+    test then waited out its timeouts while the reply streamed in full)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def spawn(*args: str, env: dict | None = None):
     child = pexpect.spawn(sys.executable, ["-m", "monobatch", "chat", *args], env=env or cli_env(TERM="dumb"),
-                          encoding="utf-8", timeout=120, dimensions=(24, 400))
+                          encoding="utf-8", timeout=120, dimensions=(24, 400), preexec_fn=interactive_signals)
     child.expect_exact("/help lists the commands", timeout=240)
     child.expect_exact(chat.PROMPT)
     return child
