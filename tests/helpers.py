@@ -78,12 +78,17 @@ def one_gguf_parse():
     parses every metadata field each time, a vocabulary of 49K-262K strings as numpy slices
     (about a minute a parse on the CI machine). The reader is only read; it is the loader's
     :class:`~monobatch.loader.gguf_file.MappedReader` (gguf-py's, its header parsed ~3x faster;
-    tests/test_loader.py holds it equal to gguf-py's)."""
+    tests/test_loader.py holds it equal to gguf-py's).
+
+    ``gguf.get_tensor_name_map(arch, n_blocks)`` is memoized too: transformers calls it once per
+    module of the model it maps (~400 for SmolLM2), and each call rebuilds the same
+    ``TensorNameMap`` (every architecture's names formatted for every block: ~17 s of a ~40 s
+    load on the CI machine). The map is a pure function of its arguments and is only read."""
     import gguf
 
     from monobatch.loader.gguf_file import MappedReader
 
-    real, readers = gguf.GGUFReader, {}
+    real, real_map, readers, maps = gguf.GGUFReader, gguf.get_tensor_name_map, {}, {}
 
     def reader(path, mode="r"):
         key = (str(path), mode)
@@ -91,8 +96,13 @@ def one_gguf_parse():
             readers[key] = MappedReader(path, mode)
         return readers[key]
 
-    gguf.GGUFReader = reader
+    def name_map(arch, n_blocks):
+        if (arch, n_blocks) not in maps:
+            maps[arch, n_blocks] = real_map(arch, n_blocks)
+        return maps[arch, n_blocks]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
     try:
         yield
     finally:
-        gguf.GGUFReader = real
+        gguf.GGUFReader, gguf.get_tensor_name_map = real, real_map

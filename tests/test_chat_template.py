@@ -9,7 +9,7 @@ from monobatch.errors import InvalidRequestError
 from monobatch.tokenizer import ChatTemplate, Tokenizer, load_chat_template, normalize_messages
 
 # fixtures and helpers (tests/ is on sys.path via conftest.py)
-from fixtures_tokenizer import (copy_gguf_with_metadata, hf_smollm, smollm_reader,  # noqa: F401
+from fixtures_tokenizer import (copy_gguf_with_metadata, hf_smollm, open_reader, smollm_reader,  # noqa: F401
                                 smollm_tokenizer, write_bpe_gguf)
 
 
@@ -147,7 +147,7 @@ def bos_writing_models(tmp_path_factory, smollm_reader):
     plain = copy_gguf_with_metadata(smollm_reader, root / "plain.gguf", overrides)
     distinct = copy_gguf_with_metadata(smollm_reader, root / "distinct.gguf",
                                        {**overrides, "tokenizer.ggml.bos_token_id": 0})
-    return {name: Tokenizer.from_gguf(gguf.GGUFReader(path)) for name, path in
+    return {name: Tokenizer.from_gguf(open_reader(path)) for name, path in
             [("plain", plain), ("distinct", distinct)]}
 
 
