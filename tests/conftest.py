@@ -31,6 +31,16 @@ def one_cpu_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def one_cpu_thread_in_test():
+    """:func:`one_cpu_thread` for one test, in a module whose other tests keep torch's default
+    thread count (kernel tests that should run the kernels' split over threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def bundled_path() -> Path:
     from monobatch.loader import bundled_model_path
@@ -58,6 +68,15 @@ def make_scheduler(loaded):
         return BatchScheduler(Engine(loaded, EngineConfig(**config)))
 
     return make
+
+
+@pytest.fixture(scope="session")
+def dequantized(loaded):
+    """The bundled model with its weights dequantized to float32 at load (``--weights dequant``),
+    loaded once per session (tests/test_oracle.py, tests/test_quant.py); only read."""
+    from monobatch.loader import load_model
+
+    return load_model(None, device="cpu", dtype="float32", progress=False, weights="dequant")
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,8 @@ from monobatch.engine.sequence import Request
 from monobatch.kernels.paged_decode import paged_decode_torch
 from monobatch.kv.attention import attend_chunk
 
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # see conftest: oversubscription on a shared box
+
 
 
 def test_capture_sizes_cover_every_batch():

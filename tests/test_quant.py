@@ -173,7 +173,8 @@ NEAR_TIE = 1e-3
 
 
 @pytest.mark.slow
-def test_bundled_greedy_packed_equals_dequant(loaded, make_scheduler):
+@pytest.mark.usefixtures("one_cpu_thread_in_test")
+def test_bundled_greedy_packed_equals_dequant(loaded, dequantized, make_scheduler):
     """The oracle tests' held-in prompts: greedy tokens of the packed model (the session default)
     equal the dequantized model's, or diverge only at a logged near-tie."""
     import logging
@@ -184,10 +185,9 @@ def test_bundled_greedy_packed_equals_dequant(loaded, make_scheduler):
     from monobatch.engine.engine import Engine
     from monobatch.engine.params import SamplingParams
     from monobatch.engine.scheduler import BatchScheduler
-    from monobatch.loader import load_model
 
     assert loaded.weights == "packed"
-    dequant = load_model(None, device="cpu", dtype="float32", progress=False, weights="dequant")
+    dequant = dequantized
     assert dequant.weights == "dequant" and dequant.weight_bytes > 4 * loaded.weight_bytes
     sp = SamplingParams(max_tokens=min(N_TOKENS, 32), temperature=0.0, ignore_eos=True)
     prompts = [prompt_ids(loaded.tokenizer, text, chat) for text, chat in ALL]

@@ -13,6 +13,7 @@ from monobatch.engine.sequence import FinishReason, Request
 from monobatch.errors import ContextLengthError, InvalidRequestError
 
 log = logging.getLogger(__name__)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # see conftest: oversubscription on a shared box
 TEXTS = ["The quick brown fox", "In 1969, the first humans", "import numpy as np\n", "Roses are red,",
          "The three primary colours are"]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
