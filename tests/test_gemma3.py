@@ -129,16 +129,22 @@ def test_preemption_completes_unchanged(gemma, gemma_hf, prompts, hf_ids):
     check(gemma_hf, prompts[:1], hf_ids[:1], got[:1], "after preemption")
 
 
+#: The long-sequence test's length and prompt chunk: three windows and more, in two chunks that
+#: each cross a window's length (the window slides inside a chunk and across the chunks' boundary).
+LONG_SEQ, LONG_CHUNK = 1600, 1024
+
+
 def test_long_sequence_holds_window_sized_kv(gemma):
-    """4,000 tokens in paged storage: the global layers' group holds every block (250), each local
-    group only the window's (positions 3489 .. 3999: 32 blocks); a decode step after it reads the
-    same window and the pool's use stays window-sized."""
-    args, bs = gemma.args, 16
-    ids = (gemma.tokenizer.encode(LONG) * 3)[:4000]
-    kv = PagedKv(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, 4096, torch.float32,
-                 torch.device("cpu"), num_blocks=1100, block_size=bs, windows=args.layer_windows())
-    for start in range(0, 4000, 2048):
-        batch = StepBatch.build([(0, ids[start:start + 2048], start, True)])
+    """1,600 tokens (over three 512-token windows) in paged storage, prefilled in two chunks: the
+    global layers' group holds every block (100), each local group only the window's (positions
+    1089 .. 1599: 32 blocks); a decode step after it reads the same window and the pool's use
+    stays window-sized."""
+    args, bs, n = gemma.args, 16, LONG_SEQ
+    ids = (gemma.tokenizer.encode(LONG) * 3)[:n]
+    kv = PagedKv(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, 2048, torch.float32,
+                 torch.device("cpu"), num_blocks=700, block_size=bs, windows=args.layer_windows())
+    for start in range(0, n, LONG_CHUNK):
+        batch = StepBatch.build([(0, ids[start:start + LONG_CHUNK], start, True)])
         kv.prepare(batch)
         logits = gemma.model(batch, kv)
         kv.commit(batch)
@@ -146,13 +152,13 @@ def test_long_sequence_holds_window_sized_kv(gemma):
     full = [g for g, grp in enumerate(kv.groups) if grp.window == 0]
     local = [g for g, grp in enumerate(kv.groups) if grp.window]
     assert len(full) == 1 and len(local) == 5
-    assert len(kv.block_table(0, full[0])) == 250 and None not in kv.block_table(0, full[0])
+    assert len(kv.block_table(0, full[0])) == n // bs and None not in kv.block_table(0, full[0])
     for g in local:
         held = [b for b in kv.block_table(0, g) if b is not None]
-        assert len(held) == 32, len(held)  # positions 4000 - 512 + 1 = 3489 ..: blocks 218 .. 249
-    assert kv.usage().used_blocks == 250 + 5 * 32  # not 6 * 250
+        assert len(held) == 32, len(held)  # positions 1600 - 512 + 1 = 1089 ..: blocks 68 .. 99
+    assert kv.usage().used_blocks == n // bs + 5 * 32  # not 6 * 100
     window_bytes = kv.usage().used_bytes
-    batch = StepBatch.build([(0, [int(logits[0].argmax())], 4000, True)])
+    batch = StepBatch.build([(0, [int(logits[0].argmax())], n, True)])
     kv.prepare(batch)
     gemma.model(batch, kv)
     kv.commit(batch)
