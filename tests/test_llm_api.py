@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from cli_util import cli_env
 from monobatch import LLM, SamplingParams
 from monobatch.errors import ContextLengthError, InvalidRequestError
 
@@ -78,7 +79,8 @@ def test_prompt_shape_errors_say_what_is_wrong(llm):
 def test_same_ids_as_the_cli(llm, bundled_path):
     prompt = "The three primary colours are"
     res = subprocess.run([sys.executable, "-m", "monobatch", "generate", "-p", prompt, "--temperature", "0", "-n", "12",
-                          "--output-format", "json", "-t", "1", "--no-progress"], capture_output=True, text=True, timeout=300)
+                          "--output-format", "json", "-t", "1", "--no-progress"], capture_output=True, text=True, timeout=300,
+                         env=cli_env())  # this checkout's src, as every other CLI test runs it
     assert res.returncode == 0, res.stderr
     cli = json.loads(res.stdout)
     assert llm.generate(prompt, GREEDY)[0].outputs[0].token_ids == cli["token_ids"]
