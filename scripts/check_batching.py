@@ -5,8 +5,15 @@ and a prefix-cache hit equals the cold run; in the default mode, where batched i
 alone, the first divergent index and the top-2 logit margin there. Where CUDA graphs apply
 (CUDA, paged, default mode), graph-replayed decode steps against eager ones, alone and batched.
 ``--shape NAME``: random weights of a named shape instead of a checkpoint (no model file needed).
+``--deterministic``: the deterministic-mode checks only. ``--long``: also long prompts whose rows
+cross deterministic mode's KV split sizes (kernels/varlen_attention.py: 64 keys a split to 2,048,
+then 128, 256 from 4,096, ...): alone / batched / chunked / on a pool small enough to preempt,
+on both storages, ids and logprobs bit for bit; and each continued as a new prompt (its
+generated tokens, first computed as decode rows, recomputed as prompt rows, cold and on a
+prefix-cache hit) giving the rest of the same tokens and logprobs.
 
     PYTHONPATH=src python3 scripts/check_batching.py --model SmolLM2-135M-Instruct.Q4_1.gguf --device cuda
+    PYTHONPATH=src python3 scripts/check_batching.py --shape llama-1b --device cuda --deterministic --long
 """
 
 from __future__ import annotations
@@ -40,12 +47,83 @@ def divergences(engine: Engine, prompts, ref, got) -> list[dict]:
     return report
 
 
+def deterministic_checks(report: dict, run, a, b, loaded, greedy) -> None:
+    """Under --deterministic: alone / batched / chunked on both storages equal, a prefix hit equal to cold."""
+    ref = run("dense", True, batch=False)
+    for storage in ("dense", "paged"):
+        report[f"deterministic_{storage}_alone_equal"] = run(storage, True, batch=False) == ref
+        report[f"deterministic_{storage}_batch_equal"] = run(storage, True) == ref
+        report[f"deterministic_{storage}_chunked_batch_equal"] = run(storage, True, chunk=5) == ref
+    cold = run("paged", True, batch=False, ps=[b])[0]
+    llm = LLM(loaded=loaded, deterministic=True)
+    llm.generate([a], greedy, use_tqdm=False)
+    warm = llm.generate([b], greedy, use_tqdm=False)[0]
+    report["deterministic_prefix_hit_tokens"] = warm.num_cached_tokens
+    report["deterministic_prefix_hit_equals_cold"] = warm.outputs[0].token_ids == cold
+    report["deterministic_prefix_hit_divergence"] = divergences(Engine(loaded), [b], [cold], [warm.outputs[0].token_ids])
+
+
+#: --long's prompt lengths: rows on both sides of the split size changes at 2,048 and 4,096 keys
+#: (decode crosses them too), a short one beside them, one past 8,192 where the context allows.
+LONG_LENGTHS = (2040, 4090, 700, 3000, 8200)
+
+
+def long_checks(loaded, n: int, rng: random.Random) -> dict:
+    """--long (deterministic mode): see the module docstring. Returns the report's entries."""
+    limit = loaded.model.args.max_position_embeddings - n - 1
+    lengths = [m for m in LONG_LENGTHS if m <= limit] or [limit]
+    vocab = loaded.tokenizer.vocab_size
+    prompts = [[rng.randrange(1, vocab) for _ in range(m)] for m in lengths]
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0)
+    report: dict = {"long_prompt_lengths": lengths}
+
+    def gen(llm, ps):
+        return [(o.outputs[0].token_ids, [lp for _, lp, _ in o.outputs[0].logprobs])
+                for o in llm.generate(ps, params, use_tqdm=False)]
+
+    def llm_for(storage="paged", **kw):
+        return LLM(loaded=loaded, kv_storage=storage, deterministic=True, max_model_len=limit + n + 1, **kw)
+
+    ref = [gen(llm_for("dense"), [p])[0] for p in prompts]  # each alone, dense, one prompt chunk of 2,048
+    for storage in ("dense", "paged"):
+        report[f"long_{storage}_batch_equal"] = gen(llm_for(storage), prompts) == ref
+        report[f"long_{storage}_chunked_batch_equal"] = gen(llm_for(storage, prefill_chunk=777), prompts) == ref
+    # a pool of little more than one context: sequences wait and are preempted (recomputed as prompts)
+    small = llm_for("paged", kv_cache_memory=(limit + n + 1 + 256) * loaded_kv_bytes_per_token(loaded))
+    report["long_small_pool_equal"] = gen(small, prompts) == ref
+    report["long_small_pool_preemptions"] = small.scheduler.stats().num_preemptions
+    # continued as new prompts: tokens decoded before, now prompt rows (cold, then on a prefix hit)
+    half = n // 2
+    more = [p + ids_[:half] for p, (ids_, _) in zip(prompts, ref)]
+    want = [(ids_[half:], lps[half:]) for ids_, lps in ref]
+    params_rest = SamplingParams(temperature=0, max_tokens=n - half, ignore_eos=True, logprobs=0)
+    for name, llm in (("cold", llm_for("paged")), ("dense", llm_for("dense"))):
+        got = [(o.outputs[0].token_ids, [lp for _, lp, _ in o.outputs[0].logprobs])
+               for o in llm.generate(more, params_rest, use_tqdm=False)]
+        report[f"long_continued_{name}_equal"] = got == want
+    warm = llm_for("paged")
+    gen(warm, prompts)  # caches every prompt's blocks
+    outs = warm.generate(more, params_rest, use_tqdm=False)
+    got = [(o.outputs[0].token_ids, [lp for _, lp, _ in o.outputs[0].logprobs]) for o in outs]
+    report["long_continued_prefix_hit_tokens"] = [o.num_cached_tokens for o in outs]
+    report["long_continued_prefix_hit_equal"] = got == want
+    return report
+
+
+def loaded_kv_bytes_per_token(loaded) -> int:
+    """KV bytes of one token across all layers (K and V) in the model's dtype."""
+    args = loaded.model.args
+    return 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * loaded.model.dtype.itemsize
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model")
     ap.add_argument("--device", default="auto")
     ap.add_argument("-n", type=int, default=32, help="tokens per request")
     ap.add_argument("--shape", help="random weights of this shape (monobatch.models.shapes) instead of --model")
+    ap.add_argument("--deterministic", action="store_true", help="only the deterministic-mode checks")
+    ap.add_argument("--long", action="store_true", help="also long prompts across the KV split sizes (see above)")
     ns = ap.parse_args()
     loaded = dummy_model(ns.shape, ns.device) if ns.shape else load_model(ns.model, ns.device, None, progress=False)
     tok = loaded.tokenizer
@@ -67,6 +145,12 @@ def main() -> None:
             return ids(llm.generate(ps, greedy, use_tqdm=False))
         return [ids(llm.generate([p], greedy, use_tqdm=False))[0] for p in ps]
 
+    if ns.long:
+        report.update(long_checks(loaded, ns.n, rng))
+    if ns.deterministic:
+        deterministic_checks(report, run, a, b, loaded, greedy)
+        print(json.dumps(report, indent=1))
+        return
     dense_b1, paged_b1 = run("dense", False, batch=False), run("paged", False, batch=False)
     report["default_paged_equals_dense_b1"] = dense_b1 == paged_b1
     fast_batch = run("paged", False)
@@ -78,20 +162,14 @@ def main() -> None:
         report["graphs_batch_divergences"] = divergences(Engine(loaded), prompts, eager_batch, fast_batch)
     report["default_batch_equals_alone"] = fast_batch == paged_b1
     report["default_batch_divergences"] = divergences(Engine(loaded), prompts, paged_b1, fast_batch)
-    ref = run("dense", True, batch=False)
-    for storage in ("dense", "paged"):
-        report[f"deterministic_{storage}_alone_equal"] = run(storage, True, batch=False) == ref
-        report[f"deterministic_{storage}_batch_equal"] = run(storage, True) == ref
-        report[f"deterministic_{storage}_chunked_batch_equal"] = run(storage, True, chunk=5) == ref
-    for det in (True, False):
-        cold = run("paged", det, batch=False, ps=[b])[0]
-        llm = LLM(loaded=loaded, deterministic=det)
-        llm.generate([a], greedy, use_tqdm=False)
-        warm = llm.generate([b], greedy, use_tqdm=False)[0]
-        key = "deterministic" if det else "default"
-        report[f"{key}_prefix_hit_tokens"] = warm.num_cached_tokens
-        report[f"{key}_prefix_hit_equals_cold"] = warm.outputs[0].token_ids == cold
-        report[f"{key}_prefix_hit_divergence"] = divergences(Engine(loaded), [b], [cold], [warm.outputs[0].token_ids])
+    deterministic_checks(report, run, a, b, loaded, greedy)
+    cold = run("paged", False, batch=False, ps=[b])[0]
+    llm = LLM(loaded=loaded)
+    llm.generate([a], greedy, use_tqdm=False)
+    warm = llm.generate([b], greedy, use_tqdm=False)[0]
+    report["default_prefix_hit_tokens"] = warm.num_cached_tokens
+    report["default_prefix_hit_equals_cold"] = warm.outputs[0].token_ids == cold
+    report["default_prefix_hit_divergence"] = divergences(Engine(loaded), [b], [cold], [warm.outputs[0].token_ids])
     print(json.dumps(report, indent=1))
 
 

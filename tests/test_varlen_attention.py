@@ -4,6 +4,9 @@ its keys alone). Runs in Triton's CPU interpreter where Triton is installed, and
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import pytest
 import torch
 
@@ -52,9 +55,18 @@ def check(device: str = "cpu", dtype=torch.float32) -> str:
     """Every path on small shapes: chunks of one token (decode rows), short and long prompt chunks,
     a chunk continuing a cache (pos > 0), GQA groups of 4 and 3 (padded to 4), a sliding window;
     then batch invariance: each chunk alone gives the bits it gives inside the step."""
-    from monobatch.kernels.varlen_attention import build_meta, tokens_per_tile, varlen_paged_attention
     tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
     bs = 16
+    patched = row_independent_dot() if dtype == torch.float32 else contextlib.nullcontext(False)
+    # the interpreter: 6 splits at most (its merge is unrolled over them); the GPU: the default
+    setting = split_setting(64, 4) if device == "cpu" else contextlib.nullcontext()
+    with patched as anywhere, setting:
+        _check_cases(device, dtype, tol, bs, anywhere)
+    return "ok"
+
+
+def _check_cases(device, dtype, tol, bs, anywhere):
+    from monobatch.kernels.varlen_attention import build_meta, tokens_per_tile, varlen_paged_attention
     for n_q, n_kv, chunks, window in [
         (8, 2, [(0, 1), (37, 1), (0, 70), (100, 33), (5, 1)], 0),
         (9, 3, [(0, 130), (64, 1), (200, 17)], 0),
@@ -64,35 +76,35 @@ def check(device: str = "cpu", dtype=torch.float32) -> str:
         ref = _oracle(q, k, v, tables, layout, bs, window)
         for det in (False, True):
             bt = tokens_per_tile(n_q, n_kv, det)
-            meta = build_meta(layout, tables, bt, torch.device(device))
+            meta = build_meta(layout, tables, bt, torch.device(device), fixed_split=det)
             out = varlen_paged_attention(q, k, v, meta, bs, window=window)
             torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
             if det:  # batch invariance: a chunk alone, split in two, each token alone as a decode row
                 # On the GPU a row's MMA arithmetic does not depend on its place in the tile, so
                 # these are bitwise equal. The CPU interpreter's numpy matmul picks its kernel by a
-                # row's place in a block: close, not equal.
+                # row's place in a block: close, not equal, unless row_independent_dot is in force.
                 def same(a, b, what):
-                    if device == "cuda":
+                    if device == "cuda" or anywhere:
                         assert torch.equal(a, b), what
                     else:
                         torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=what)
 
                 dev = torch.device(device)
                 for table, (st, n, p) in zip(tables, layout):
-                    alone = varlen_paged_attention(q[st:st + n], k, v, build_meta([(0, n, p)], [table], bt, dev), bs,
-                                                   window=window)
+                    alone = varlen_paged_attention(q[st:st + n], k, v, build_meta([(0, n, p)], [table], bt, dev, True),
+                                                   bs, window=window)
                     assert torch.equal(alone, out[st:st + n]), "a chunk alone differs from itself in the step"
                     if n > 1:  # split off the first 5 tokens: the second part starts mid-tile
                         cut = min(5, n - 1)
                         split = varlen_paged_attention(q[st:st + n], k, v, build_meta(
-                            [(0, cut, p), (cut, n - cut, p + cut)], [table, table], bt, dev), bs, window=window)
+                            [(0, cut, p), (cut, n - cut, p + cut)], [table, table], bt, dev, True), bs, window=window)
                         same(split, out[st:st + n], "a chunk split in two differs from the whole")
                     rows = range(n) if device == "cuda" else sorted({0, n // 2, n - 1})
                     for i in rows:  # every row (CUDA): blocks past a row's position must change nothing
                         row = varlen_paged_attention(q[st + i:st + i + 1], k, v,
-                                                     build_meta([(0, 1, p + i)], [table], bt, dev), bs, window=window)
+                                                     build_meta([(0, 1, p + i)], [table], bt, dev, True), bs,
+                                                     window=window)
                         same(row, out[st + i:st + i + 1], f"a decode row differs from prefill row {i}")
-    return "ok"
 
 
 def test_varlen_attention_in_interpreter():
@@ -103,6 +115,156 @@ def test_varlen_attention_in_interpreter():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_varlen_attention_cuda(dtype):
     assert check("cuda", dtype) == "ok"
+
+
+@contextlib.contextmanager
+def row_independent_dot():
+    """In Triton's interpreter, ``tl.dot`` on float32 by ``numpy.einsum`` instead of
+    ``numpy.matmul``, whose BLAS rounds a row by its place in the tile (a GPU's MMA does not:
+    ADR 0002): so a row's bits can be compared wherever it sits in a tile, as on CUDA. Yields
+    whether it is in force (False on CUDA, or where the interpreter's builder has changed shape)."""
+    try:
+        import numpy as np
+        from triton.runtime import interpreter
+        builder, real = interpreter.InterpreterBuilder, interpreter.InterpreterBuilder.create_dot
+    except (ImportError, AttributeError):
+        yield False
+        return
+
+    def create_dot(self, a, b, d, *args, **kwargs):
+        out = real(self, a, b, d, *args, **kwargs)
+        if a.data.dtype == np.float32 and b.data.dtype == np.float32:
+            out.data = (np.einsum("ik,kj->ij", a.data, b.data) + d.data).astype(out.data.dtype)
+        return out
+
+    builder.create_dot = create_dot
+    try:
+        yield os.environ.get("TRITON_INTERPRET") == "1"
+    finally:
+        builder.create_dot = real
+
+
+@contextlib.contextmanager
+def split_setting(smallest: int, parts: int):
+    """Deterministic mode's split constants set to ``(smallest, parts)`` for the block (the
+    kernel reads them at each launch), e.g. (64, 4): split sizes 64 .. 1024 over 3K keys at a
+    few splits a row, what the interpreter can afford."""
+    from monobatch.kernels import varlen_attention as va
+    saved = va.SPLIT_MIN, va.SPLIT_PARTS, va.MAX_SPLITS
+    va.SPLIT_MIN, va.SPLIT_PARTS, va.MAX_SPLITS = smallest, parts, parts + 2
+    try:
+        yield
+    finally:
+        va.SPLIT_MIN, va.SPLIT_PARTS, va.MAX_SPLITS = saved
+
+
+def check_fixed_split(device: str = "cpu", smallest: int = 64, parts: int = 4, keys: int = 1140,
+                      positions: tuple[int, ...] = (70, 255, 256, 511, 512, 700, 1023, 1024, 1060),
+                      windows: tuple[int, ...] = (0, 300), dtype=torch.float32) -> str:
+    """Deterministic mode's fixed KV split (kernels/varlen_attention.py, rules 2 and 3): a row's
+    bits are the same as a decode row alone (the split grid: default ``splits``, or 2 programs),
+    as a decode row beside other sequences' rows (the grid, or one program), and inside prompt
+    chunks of other lengths and offsets (the loop schedule, tiles straddling a change of split
+    size, the split grid of short steps), with and without a sliding window (blocks before it
+    NaN, as released blocks may hold); and all of them are attend_chunk's result within
+    tolerance. ``positions`` sit at changes of the split size (with (64, 4): 64, then 128 from
+    position 256, 256 from 512, 512 from 1024; a window of 300 keys: 128 from position 256).
+
+    Bitwise everywhere, in the interpreter with :func:`row_independent_dot` (without it rows
+    are compared bitwise only at the same place of a tile, ``(position - chunk start) % BT``).
+    """
+    from monobatch.kernels.varlen_attention import build_meta, split_size, tokens_per_tile, varlen_paged_attention
+    dev = torch.device(device)
+    n_q, n_kv, hd, bs = (2, 1, 16, 16) if device == "cpu" else (8, 2, 64, 16)
+    tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
+    bt = tokens_per_tile(n_q, n_kv, True)
+    g = torch.Generator().manual_seed(3)
+    nblocks = -(-keys // bs)
+    k = torch.randn((2 * nblocks + 1) * bs, n_kv, hd, generator=g).to(dev, dtype)
+    v = torch.randn((2 * nblocks + 1) * bs, n_kv, hd, generator=g).to(dev, dtype)
+    scratch = 2 * nblocks  # NaN: where paged storage points blocks released past a window (never read)
+    k[scratch * bs:], v[scratch * bs:] = float("nan"), float("nan")
+    perm = torch.randperm(2 * nblocks, generator=g).tolist()
+    table_x, table_y = perm[:nblocks], perm[nblocks:]  # two sequences over one pool
+    q_x = torch.randn(keys, n_q, hd, generator=g).to(dev, dtype)  # the query of each position of x
+    q_y = torch.randn(keys, n_q, hd, generator=g).to(dev, dtype)
+    slots_x = (torch.tensor(table_x)[:, None] * bs + torch.arange(bs)).reshape(-1).to(dev)
+
+    # attend_chunk over all of x's positions at once, per window: every row's reference
+    oracle = {w: attend_chunk(q_x.float(), k[slots_x[:keys]].float(), v[slots_x[:keys]].float(), 0, window=w)
+              for w in windows}
+
+    def run(chunks, window, splits=None):
+        """One step of ``chunks`` ((sequence, first position, length)); each chunk's rows."""
+        q = torch.cat([(q_x if seq == "x" else q_y)[p:p + n] for seq, p, n in chunks])
+        layout, at = [], 0
+        for _, p, n in chunks:
+            layout.append((at, n, p))
+            at += n
+        tables = []
+        for seq, p, _ in chunks:  # blocks wholly before the chunk's window: the scratch block
+            table = list(table_x if seq == "x" else table_y)
+            gone = max(0, p - window + 1) // bs if window else 0
+            tables.append([scratch] * gone + table[gone:])
+        out = varlen_paged_attention(q, k, v, build_meta(layout, tables, bt, dev, fixed_split=True), bs,
+                                     window=window, splits=splits)
+        return [out[st:st + n] for st, n, _ in layout]
+
+    with split_setting(smallest, parts), row_independent_dot() as anywhere:
+        assert len({split_size(p) for p in positions}) >= 4, "the positions must cross split sizes"
+        for window in windows:
+            seen: dict[tuple[int, int], torch.Tensor] = {}  # (position, place in its tile) -> bits
+
+            def same(rows, first, what):
+                for i in range(rows.shape[0]):
+                    p = first + i
+                    place = 0 if device == "cuda" or anywhere else i % bt
+                    torch.testing.assert_close(rows[i:i + 1].float(), oracle[window][p:p + 1], rtol=tol, atol=tol,
+                                               msg=f"{what}, position {p}: not attend_chunk's")
+                    ref = seen.setdefault((p, place), rows[i:i + 1])
+                    assert torch.equal(rows[i:i + 1], ref), f"{what}, position {p}, window {window}: other bits"
+
+            for p in positions:  # decode rows alone: the split grid, two programs (one: the batch below)
+                for splits in (None, 2):
+                    same(run([("x", p, 1)], window, splits)[0], p, f"decode row alone, splits={splits}")
+            # decode rows beside each other and beside another sequence's rows
+            step = [("y", keys - 100, 1), ("y", 40, 1)] + [("x", p, 1) for p in positions]
+            for splits in (None, 1):
+                for rows, (seq, p, _) in zip(run(step, window, splits), step):
+                    if seq == "x":
+                        same(rows, p, f"decode row in a batch, splits={splits}")
+            # inside prompt chunks: each position a tile's first token (40 tokens from p - bt: 2
+            # tiles), the first of a 3-token chunk (a short step: the split grid), one chunk of 130
+            # tokens across the change at 1024 and the same tokens as two chunks (one starting a
+            # tile later) behind another sequence's chunk
+            for rows, p in zip(run([("x", p - bt, 40) for p in positions], window), positions):
+                same(rows, p - bt, "prompt chunk of 40")
+            for splits in (None, 1):
+                for rows, p in zip(run([("x", p, 3) for p in positions], window, splits), positions):
+                    same(rows, p, f"prompt chunk of 3, splits={splits}")
+            same(run([("x", 1000, 130)], window)[0], 1000, "prompt chunk of 130")
+            parts_out = run([("y", 900, 17), ("x", 1000, bt), ("x", 1000 + bt, 130 - bt)], window)
+            same(parts_out[1], 1000, "first part of a split chunk")
+            same(parts_out[2], 1000 + bt, "second part of a split chunk")
+    return "ok"
+
+
+def test_fixed_split_in_interpreter():
+    run_in_triton_interpreter("test_varlen_attention", "check_fixed_split")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("setting", [(64, 4), (64, 32)])
+def test_fixed_split_cuda(setting, dtype):
+    """On the GPU, bitwise for every row, bf16 (wgmma) and float32 (IEEE): the interpreter's
+    config, and the default split (64, 32) with contexts to 9K keys (split sizes 64 .. 512)."""
+    if setting == (64, 4):
+        assert check_fixed_split("cuda", *setting, dtype=dtype) == "ok"
+    else:
+        assert check_fixed_split("cuda", *setting, keys=9000, positions=(100, 2047, 2048, 4095, 4096, 4500, 8191,
+                                                                          8192, 8800), windows=(0, 700),
+                                 dtype=dtype) == "ok"
 
 
 def check_stores(device: str = "cpu") -> str:
@@ -136,7 +298,8 @@ def check_stores(device: str = "cpu") -> str:
                 outs[name, varlen] = torch.cat(res)
         for key, out in outs.items():
             torch.testing.assert_close(out, outs["paged", False], rtol=2e-5, atol=2e-5, msg=str(key))
-        if device == "cuda" and tile:  # one kernel and tile for both storages: the same bits
+        if device == "cuda" and tile:  # one kernel, tile and KV split for both storages (dense: a launch
+            # per chunk, so other split grids): the same bits
             assert torch.equal(outs["paged", True], outs["dense", True])
     return "ok"
 
@@ -151,29 +314,37 @@ def test_stores_on_varlen_kernel_cuda():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_deterministic_mode_same_tokens_everywhere_cuda():
+@pytest.mark.parametrize("lengths,setting,logprobs", [((5, 14, 23, 32), None, None), ((120, 61, 200, 5), (64, 2), 0)])
+def test_deterministic_mode_same_tokens_everywhere_cuda(lengths, setting, logprobs):
     """--deterministic on CUDA (batch-invariant kernels): dense and paged storage, CUDA graphs and
     eager decode, alone and batched, chunked prefill: the same greedy ids (a graph captured on
-    padding must recompute the decode layout from each replay's inputs)."""
+    padding must recompute the decode layout from each replay's inputs). Second case: prompts to
+    200 tokens with the split constants at (64, 2), so that rows have up to 4 splits and the split
+    size changes (64 -> 128 at position 128) inside prompts and during decode; the tokens'
+    logprobs too (each a function of its row's logits: equal floats, equal logits in practice)."""
     from monobatch.engine.params import SamplingParams
     from monobatch.llm import LLM
     from monobatch.loader.dummy import dummy_model
     loaded = dummy_model("tiny", "cuda")
-    prompts = [[(31 * i + 7 * j) % 500 + 1 for j in range(5 + 9 * i)] for i in range(4)]
-    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[(31 * i + 7 * j) % 500 + 1 for j in range(n)] for i, n in enumerate(lengths)]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=logprobs)
 
     def run(batch=True, **kw):
         llm = LLM(loaded=loaded, deterministic=True, **kw)
         if batch:
-            return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-        return [llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+            outs = llm.generate(prompts, greedy, use_tqdm=False)
+        else:
+            outs = [llm.generate([p], greedy, use_tqdm=False)[0] for p in prompts]
+        return [(o.outputs[0].token_ids, [lp for _, lp, _ in o.outputs[0].logprobs or []]) for o in outs]
 
-    ref = run(batch=False, kv_storage="dense")
-    assert run(kv_storage="dense") == ref
-    assert run(batch=False, kv_storage="paged") == ref
-    assert run(kv_storage="paged") == ref
-    assert run(kv_storage="paged", enforce_eager=True) == ref
-    assert run(kv_storage="paged", prefill_chunk=3) == ref
+    with split_setting(*setting) if setting else contextlib.nullcontext():
+        ref = run(batch=False, kv_storage="dense")
+        assert run(kv_storage="dense") == ref
+        assert run(batch=False, kv_storage="paged") == ref
+        assert run(kv_storage="paged") == ref
+        assert run(kv_storage="paged", enforce_eager=True) == ref
+        assert run(kv_storage="paged", prefill_chunk=3) == ref
+        assert run(kv_storage="paged", prefill_chunk=37) == ref
 
 
 def check_prefill_graphs(device: str = "cpu") -> str:

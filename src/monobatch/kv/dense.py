@@ -111,9 +111,10 @@ class DenseKv(KvStore):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self.varlen and self._metas is None:  # the step's first layer: each chunk's layout
-            bt, g = tokens_per_tile(q.shape[1], self.num_kv_heads, self.batch_invariant or batch.row_tile > 0), self.growth
-            self._metas = [build_meta([(0, c.length, c.pos)], [list(range(-(-c.end_pos // g)))], bt, self.device)
-                           for c in batch.chunks]
+            det, g = self.batch_invariant or batch.row_tile > 0, self.growth
+            bt = tokens_per_tile(q.shape[1], self.num_kv_heads, det)
+            self._metas = [build_meta([(0, c.length, c.pos)], [list(range(-(-c.end_pos // g)))], bt, self.device,
+                                      fixed_split=det) for c in batch.chunks]
         for i, c in enumerate(batch.chunks):
             s, e = c.start, c.start + c.length
             cache = self._buf[c.seq_id][layer]  # (2, cap, n_kv, hd)

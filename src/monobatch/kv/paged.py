@@ -132,10 +132,10 @@ class PrefillStep:
     tiles: torch.Tensor
     tokens_per_tile: int
 
-    def meta(self, g: int) -> VarlenMeta:
-        """Layer group ``g``'s varlen layout (views)."""
+    def meta(self, g: int, fixed_split: bool = False) -> VarlenMeta:
+        """Layer group ``g``'s varlen layout (views); ``fixed_split``: deterministic mode's KV split."""
         return VarlenMeta(self.block_tables[:, g], self.chunks[0], self.chunks[1], self.chunks[2], self.tiles[0],
-                          self.tiles[1], self.tokens_per_tile)
+                          self.tiles[1], self.tokens_per_tile, fixed_split)
 
 
 class PagedKv(KvStore):
@@ -395,8 +395,9 @@ class PagedKv(KvStore):
         k_cache, v_cache = self.cache[i, 0], self.cache[i, 1]  # (slots, n_kv, hd)
         if isinstance(self._step, PrefillStep):  # a prefill graph's static step (capturable)
             store_kv(k, v, k_cache, v_cache, self._step.write[g])
-            return varlen_paged_attention(q, k_cache, v_cache, self._step.meta(g), self.block_size,
-                                          window=self.windows[layer], out=torch.zeros_like(q))  # padding rows: 0
+            return varlen_paged_attention(q, k_cache, v_cache, self._step.meta(g, self.batch_invariant),
+                                          self.block_size, window=self.windows[layer],
+                                          out=torch.zeros_like(q))  # padding rows: 0
         if isinstance(self._step, DecodeStep):  # static decode step: no host work (capturable)
             step, window = self._step, self.windows[layer]
             slot_mapping, block_tables = step.group(g)
@@ -410,9 +411,10 @@ class PagedKv(KvStore):
         step, window = self._step[g], self.windows[layer]
         if self.varlen:
             if step.meta is None:  # the first layer of the step: lay the chunks out as tiles
-                bt = tokens_per_tile(q.shape[1], self.num_kv_heads, self.batch_invariant or batch.row_tile > 0)
+                det = self.batch_invariant or batch.row_tile > 0
+                bt = tokens_per_tile(q.shape[1], self.num_kv_heads, det)
                 step.meta = build_meta([(c.start, c.length, c.pos) for c in batch.chunks], step.tables, bt,
-                                       self.device)
+                                       self.device, fixed_split=det)
             store_kv(k, v, k_cache, v_cache, step.write)
             return varlen_paged_attention(q, k_cache, v_cache, step.meta, self.block_size, window=window)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -441,8 +443,9 @@ class PagedKv(KvStore):
         if group not in self._meta:
             B = step.seq_lens.shape[0]
             rows = torch.arange(B, dtype=torch.int32, device=self.device)
+            bt = tokens_per_tile(num_q_heads, self.num_kv_heads, True)
             self._meta[group] = VarlenMeta(step.group(group)[1], rows, torch.ones_like(rows), step.seq_lens - 1, rows,
-                                           torch.zeros_like(rows), tokens_per_tile(num_q_heads, self.num_kv_heads, True))
+                                           torch.zeros_like(rows), bt, fixed_split=True)
         return self._meta[group]
 
     def commit(self, batch: StepBatch) -> None:
