@@ -12,8 +12,8 @@ import json
 import sys
 
 from monobatch.chat_output import REASONING_FORMATS, ChatDelta, ChatReply
-from monobatch.cli.args import (add_constraint_args, add_model_args, add_sampling_args, constraint_flag, open_engine,
-                                read_prompt, sampling_flags)
+from monobatch.cli.args import (add_constraint_args, add_model_args, add_sampling_args, constraint_flag,
+                                engine_settings, open_engine, read_prompt, sampling_flags)
 from monobatch.chat_prompt import prepare_chat
 from monobatch.engine.params import resolve_sampling
 from monobatch.errors import InvalidRequestError
@@ -42,9 +42,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    """Generate one completion; returns the exit code."""
-    from monobatch.engine.sequence import Request  # torch: imported only when generating
-
+    """Generate one completion; returns the exit code. The flags that need no model are checked
+    before torch is imported (seconds on a small machine): a bad value is refused at once."""
     if ns.system is not None and not ns.chat:
         raise InvalidRequestError("--system needs --chat (a raw prompt has no system message)", "system")
     if ns.reasoning_format is not None and not ns.chat:
@@ -59,6 +58,9 @@ def run(ns: argparse.Namespace) -> int:
     if structured is not None:
         flags["structured"] = structured
     resolve_sampling(None, flags, entry_point="generate")  # refuse bad values before loading anything
+    engine_settings(ns)  # and the engine flags (open_engine checks them again)
+    from monobatch.engine.sequence import Request  # torch: imported only when generating
+
     scheduler = open_engine(ns)
     loaded = scheduler.engine.loaded
     params = resolve_sampling(None, flags, loaded.generation_defaults, entry_point="generate")

@@ -66,9 +66,6 @@ def check_flags(ns: argparse.Namespace) -> tuple[str, ...]:
     Raises:
         MonobatchError: a bad value, a missing model or chat template file.
     """
-    from monobatch.loader import resolve_model_path
-    from monobatch.tokenizer.chat_template import load_chat_template
-
     configs = _configs(ns.configs)
     if ns.max_tokens < 1:
         raise InvalidRequestError(f"-n/--max-tokens must be >= 1, got {ns.max_tokens}", "max_tokens")
@@ -78,6 +75,9 @@ def check_flags(ns: argparse.Namespace) -> tuple[str, ...]:
     if ns.prompt is not None and not ns.prompt.strip():
         raise InvalidRequestError("--prompt is empty", "prompt")
     engine_settings(ns)
+    from monobatch.loader import resolve_model_path  # torch: only once the plain values are good (seconds)
+    from monobatch.tokenizer.chat_template import load_chat_template
+
     resolve_model_path(ns.model)
     load_chat_template(ns.chat_template, ns.chat_template_file)
     return configs

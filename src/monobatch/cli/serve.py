@@ -61,8 +61,6 @@ def check_flags(ns: argparse.Namespace) -> None:
         MonobatchError: a bad value, a missing model, a bad chat template.
     """
     from monobatch.engine.params import resolve_sampling
-    from monobatch.loader import resolve_model_path
-    from monobatch.server.runner import settings_from_args
     from monobatch.tokenizer.chat_template import load_chat_template
 
     if ns.model_tag is not None:
@@ -81,6 +79,9 @@ def check_flags(ns: argparse.Namespace) -> None:
         raise InvalidRequestError("--shutdown-timeout must be >= 0", "shutdown_timeout")
     ns.api_key = ns.api_key if ns.api_key is not None else os.environ.get(API_KEY_ENV) or None
     engine_settings(ns)
+    from monobatch.loader import resolve_model_path  # these import torch (seconds): after the plain checks
+    from monobatch.server.runner import settings_from_args
+
     settings_from_args(ns)
     resolve_sampling(None, sampling_flags(ns), entry_point="chat")
     resolve_model_path(ns.model)
