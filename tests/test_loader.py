@@ -141,18 +141,25 @@ def test_sliding_window_without_max_position_embeddings():
     assert args.max_position_embeddings == 4096
 
 
-def test_mapped_reader_reads_what_gguf_py_reads(bundled_path):
-    """The loader's reader (gguf-py's, its header parsed through a plain view of the map) gives
-    every field, part, tensor record and tensor byte exactly as ``gguf.GGUFReader`` does."""
+@pytest.mark.parametrize("which", ["bundled", "spm"])
+def test_mapped_reader_reads_what_gguf_py_reads(bundled_path, tmp_path, which):
+    """The loader's reader (gguf-py's, its header parsed through a plain view of the map, its
+    string and scalar arrays in one loop) gives every field, part, tensor record and tensor byte
+    exactly as ``gguf.GGUFReader`` does: on the bundled model (string and int32 arrays, tensors)
+    and on a written SentencePiece vocabulary (float32 scores too)."""
     from gguf import GGUFReader
 
-    ref, got = GGUFReader(str(bundled_path)), gguf_file.open_gguf(bundled_path)
-    assert type(got) is gguf_file.MappedReader, "this gguf-py's _get changed: open_gguf fell back to GGUFReader"
+    from fixtures_tokenizer import write_spm_gguf
+
+    path = bundled_path if which == "bundled" else write_spm_gguf(tmp_path / "spm.gguf")
+    ref, got = GGUFReader(str(path)), gguf_file.open_gguf(path)
+    assert type(got) is gguf_file.MappedReader, "this gguf-py's _get or _get_field_parts changed: open_gguf fell back to GGUFReader"
     assert list(ref.fields) == list(got.fields)
     for key, a in ref.fields.items():
         b = got.fields[key]
         assert (a.offset, a.types, a.data) == (b.offset, b.types, b.data), key
-        assert all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(a.parts, b.parts, strict=True)), key
+        assert all(x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y)
+                   for x, y in zip(a.parts, b.parts, strict=True)), key
         assert a.contents() == b.contents(), key
     assert len(ref.tensors) == len(got.tensors)
     for a, b in zip(ref.tensors, got.tensors):
