@@ -19,8 +19,6 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_shape_gguf_reads_back_as_the_dummy_shape(tmp_path, bundled_path):
-    from gguf import GGUFReader
-
     from monobatch.loader import load_model
     from monobatch.loader.gguf_file import model_args, open_gguf
     from monobatch.models.shapes import SHAPES
@@ -30,7 +28,7 @@ def test_shape_gguf_reads_back_as_the_dummy_shape(tmp_path, bundled_path):
     res = run("--tokenizer-only", "--tokenizer-from", str(bundled_path), "-o", str(tok))
     assert res.returncode == 0, res.stderr
     assert tok.stat().st_size < 4 * 2**20  # small enough to carry to the GPU machine
-    assert not GGUFReader(str(tok)).tensors
+    assert not open_gguf(tok).tensors  # the loader's reader: gguf-py's, parsed faster (test_loader.py)
 
     out = tmp_path / "smollm2-1layer.gguf"
     res = run("--shape", "smollm2-135m", "--num-layers", "1", "--tokenizer-from", str(tok), "-o", str(out), "--check")
@@ -43,7 +41,7 @@ def test_shape_gguf_reads_back_as_the_dummy_shape(tmp_path, bundled_path):
     for key, value in shape.items():
         want = 1 if key == "num_hidden_layers" else value
         assert getattr(args, key) == want, key
-    bundled = GGUFReader(str(bundled_path))
+    bundled = open_gguf(bundled_path)
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                 "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.chat_template"):
         assert reader.fields[key].contents() == bundled.fields[key].contents(), key
