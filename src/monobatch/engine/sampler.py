@@ -439,7 +439,8 @@ class RowSampler:
 
         Returns:
             state index -> the masked argmax, for each refused pick (empty when none is). A
-            refusal costs one mask and a device-to-host read on the current stream.
+            refusal costs one mask and a device-to-host read on the current stream (which may
+            be a side stream: nothing here uses a per-device workspace).
         """
         which = list(range(len(states))) if rows is None else rows
         refused = [i for i, r in enumerate(which) if states[r].grammar is not None
@@ -448,7 +449,10 @@ class RowSampler:
             return {}
         sub = logits if len(refused) == logits.shape[0] else \
             logits.index_select(0, torch.tensor(refused, device=logits.device))
-        again = argmax(self._masked(sub, [states[which[i]] for i in refused])).tolist()
+        # torch's argmax, not kernels.argmax: the redraw may run on a side stream beside a step's own
+        # argmax, whose split counters are one per device; the result is the same by definition
+        # (the first index of the maximum)
+        again = self._masked(sub, [states[which[i]] for i in refused]).argmax(-1).tolist()
         return {which[i]: t for i, t in zip(refused, again)}
 
     def _masked(self, logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
