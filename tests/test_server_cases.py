@@ -133,8 +133,8 @@ def test_s2_held_prefix_released_at_eos(server):
     ref = run(server, "chat", QUESTION, False, max_tokens=32)
     assert ref["finish"] == "stop" and len(ref["ids"]) < 32  # ended by EOS
     stop = ref["text"][-2:] + NEVER
-    for streamed in (False, True):
-        out = run(server, "chat", QUESTION, streamed, max_tokens=32, stop=[stop])
+    for out in parallel(lambda streamed: run(server, "chat", QUESTION, streamed, max_tokens=32, stop=[stop]),
+                        [(False,), (True,)]):
         assert out["text"] == ref["text"] and out["finish"] == "stop"
 
 
@@ -167,9 +167,13 @@ def test_text_offset_streamed_equals_non_streamed(server):
     prompt = T1_PROMPTS["completions"]
     first = run(server, "completions", prompt, False, max_tokens=16)["text"]
     body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "logprobs": 0, "stop": [first[:1] + NEVER]}
-    plain = server.post("/v1/completions", body).json()["choices"][0]
-    with httpx.stream("POST", server.base_url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
-        events = sse_events(r.iter_lines())
+
+    def streamed_events() -> list:
+        with httpx.stream("POST", server.base_url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            return sse_events(r.iter_lines())
+
+    plain, events = parallel(lambda f: f(), [(lambda: server.post("/v1/completions", body).json()["choices"][0],),
+                                             (streamed_events,)])
     chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
     streamed = {k: [v for c in chunks if c["logprobs"] for v in c["logprobs"][k]] for k in ("tokens", "text_offset")}
     lp = plain["logprobs"]
