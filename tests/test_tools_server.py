@@ -3,7 +3,9 @@ SmolLM2's template knows no tools: the generic format, constrained JSON).
 
 ``required`` and a named function are enforced by the grammar: the call is valid JSON matching
 ``parameters`` even from the 135M model (validated with ``jsonschema``); ``auto`` lets the model
-choose. Streamed tool-call arguments joined equal the non-streamed ones.
+choose. Streamed tool-call arguments joined equal the non-streamed ones. The server runs
+``--deterministic`` (a request's tokens do not depend on its neighbours), so a test's independent
+requests (the streamed and the non-streamed one) are sent concurrently.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import jsonschema
 import pytest
 
 from server_util import assert_400_naming, shared_server
-from test_server import MAIN_ARGS
+from test_server import MAIN_ARGS, parallel
 
 openai = pytest.importorskip("openai")
 
@@ -68,10 +70,16 @@ def _stream(client, **kw):
     return calls, content, reason, chunks
 
 
+def plain_and_streamed(client, **kw):
+    """The non-streamed reply and :func:`_stream`'s result for the same request, sent concurrently."""
+    return parallel(lambda streamed: _stream(client, **kw) if streamed else client.chat.completions.create(**kw),
+                    [(False,), (True,)])
+
+
 @pytest.mark.parametrize("choice,names", [("required", {"get_weather", "get_time"}), (NAMED, {"get_time"})])
 def test_required_and_named_are_enforced_streamed_and_not(client, model, choice, names):
     kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=80)
-    done = client.chat.completions.create(**kw)
+    done, (calls, content, reason, _) = plain_and_streamed(client, **kw)
     c = done.choices[0]
     want = "stop" if isinstance(choice, dict) else "tool_calls"  # OpenAI: a named function ends with stop
     assert c.finish_reason == want and c.message.content is None
@@ -80,7 +88,6 @@ def test_required_and_named_are_enforced_streamed_and_not(client, model, choice,
     assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
     schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
     jsonschema.validate(json.loads(call.function.arguments), schema)
-    calls, content, reason, _ = _stream(client, **kw)
     assert reason == want and content == "" and list(calls) == [0]
     assert calls[0]["name"] == call.function.name and calls[0]["arguments"] == call.function.arguments
 
@@ -95,8 +102,8 @@ def test_auto_lets_the_model_choose_and_is_parsed(client, model):
     """The generic format's auto: a call or a text response; either way the shape is OpenAI's."""
     kw = dict(model=model, messages=[{"role": "user", "content": "Say hello."}], tools=TOOLS, tool_choice="auto",
               temperature=0, max_tokens=60)
-    c = client.chat.completions.create(**kw).choices[0]
-    calls, content, reason, _ = _stream(client, **kw)
+    done, (calls, content, reason, _) = plain_and_streamed(client, **kw)
+    c = done.choices[0]
     if c.message.tool_calls:
         assert c.finish_reason == "tool_calls" and reason == "tool_calls"
         assert [calls[i]["arguments"] for i in sorted(calls)] == [t.function.arguments for t in c.message.tool_calls]
@@ -112,11 +119,10 @@ def test_round_trip_call_result_answer(client, model):
     call = first.tool_calls[0]
     history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                      {"role": "tool", "tool_call_id": call.id, "content": "14:05"}]
-    final = client.chat.completions.create(model=model, messages=history, tools=TOOLS, tool_choice="none",
-                                           temperature=0, max_tokens=40).choices[0]
+    final, again = (r.choices[0] for r in parallel(lambda kw: client.chat.completions.create(**kw), [
+        (dict(model=model, messages=history, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=40),),
+        (dict(model=model, messages=history, tools=TOOLS, temperature=0, max_tokens=60),)]))  # auto again: valid either way
     assert final.finish_reason in ("stop", "length") and final.message.content and not final.message.tool_calls
-    again = client.chat.completions.create(model=model, messages=history, tools=TOOLS, temperature=0,
-                                           max_tokens=60).choices[0]  # auto again: valid either way
     assert again.message.tool_calls or again.message.content
 
 
@@ -132,10 +138,10 @@ def test_stop_string_inside_the_arguments_gives_no_call(client, model):
     finish_reason stop; no half marker leaks."""
     kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice=NAMED, temperature=0, max_tokens=80,
               stop=["Paris"])
-    c = client.chat.completions.create(**kw).choices[0]
+    done, (calls, content, reason, _) = plain_and_streamed(client, **kw)
+    c = done.choices[0]
     assert c.finish_reason == "stop" and not c.message.tool_calls
     assert c.message.content.startswith('{"tool_calls"') and "Paris" not in c.message.content
-    calls, content, reason, _ = _stream(client, **kw)
     assert not calls and content == c.message.content and reason == "stop"
 
 
