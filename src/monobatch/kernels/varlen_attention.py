@@ -102,8 +102,12 @@ def _split_setting(text: str) -> tuple[int, int, int]:
 #: Deterministic mode's fixed KV split (module docstring, rule 2): a row's keys are cut every
 #: :func:`split_size` keys, at least ``SPLIT_MIN``, about ``SPLIT_PARTS`` splits for a long row;
 #: the split grid aims at ``SPLIT_WAVES`` programs per SM (:func:`grid_splits`).
-#: ``MONOBATCH_DET_SPLIT=64,32[,2]`` overrides them (A/B runs; a process's bits follow them).
-SPLIT_MIN, SPLIT_PARTS, SPLIT_WAVES = _split_setting(os.environ.get("MONOBATCH_DET_SPLIT", "64,32"))
+#: ``MONOBATCH_DET_SPLIT=128,32[,2]`` overrides them (A/B runs; a process's bits follow them).
+#: 128 keys, from an H200 A/B (llama-1b shape, docs/benchmarks/README.md, 2026-12-02): a
+#: smaller split folds after every key block on the loop schedule, which costs batched decode
+#: (B=64 total 33.8k tok/s at 64 keys, 41.5k at 128, 51.6k at 256); a larger one leaves a
+#: short-context B=1 decode fewer programs (p256: 905 / 891 / 857 tok/s).
+SPLIT_MIN, SPLIT_PARTS, SPLIT_WAVES = _split_setting(os.environ.get("MONOBATCH_DET_SPLIT", "128,32"))
 #: Most splits of one tile (a sliding window's keys may start mid-split: ``SPLIT_PARTS + 2``).
 MAX_SPLITS = SPLIT_PARTS + 2
 #: Steps of more query rows than this never use the split grid (they have tiles enough, and the
