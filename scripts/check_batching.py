@@ -81,7 +81,13 @@ def long_checks(loaded, n: int, rng: random.Random) -> dict:
         return [(o.outputs[0].token_ids, [lp for _, lp, _ in o.outputs[0].logprobs])
                 for o in llm.generate(ps, params, use_tqdm=False)]
 
+    # every engine here lives to the end: a bounded paged pool each (twice the batch's tokens), not the
+    # default share of the free GPU memory, which the second engine would find taken (H200, 2026-12-02)
+    pool = 2 * (sum(lengths) + len(lengths) * (n + 1) + 1024) * loaded_kv_bytes_per_token(loaded)
+
     def llm_for(storage="paged", **kw):
+        if storage == "paged":
+            kw.setdefault("kv_cache_memory", pool)
         return LLM(loaded=loaded, kv_storage=storage, deterministic=True, max_model_len=limit + n + 1, **kw)
 
     ref = [gen(llm_for("dense"), [p])[0] for p in prompts]  # each alone, dense, one prompt chunk of 2,048
