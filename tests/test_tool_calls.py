@@ -513,3 +513,21 @@ def test_bundled_model_calls_a_tool_under_the_generic_constraint(loaded):
             jsonschema.validate(json.loads(calls[0].arguments), WEATHER["function"]["parameters"])
         else:
             assert content == json.loads(out.text)["response"] and content
+
+
+def test_tool_history_without_tools_renders_in_the_generic_format(loaded):
+    """A tool history sent without ``tools`` (vLLM's clients do) is rendered as the tool format
+    renders history — for the bundled SmolLM2, whose template knows no tools, the generic JSON —
+    instead of failing in the template on an assistant message with ``content: None``."""
+    from monobatch.chat_prompt import prepare_chat
+
+    tok = loaded.tokenizer
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "18C"}]
+    prompt = prepare_chat(tok, messages)
+    text = tok.decode(prompt.prompt_ids, skip_special_tokens=False)
+    assert '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}' in text
+    assert '"tool_response": {"id": "c1", "name": "get_weather", "content": "18C"}' in text
+    assert prompt.tools.choice == "none" and prompt.structured is None  # no tools offered: none constrained

@@ -88,6 +88,13 @@ def template_messages(messages: list) -> list:
             for m in messages]
 
 
+def _has_tool_history(messages: Any) -> bool:
+    """True when a message is a tool result or an assistant message with ``tool_calls``."""
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and (m.get("role") == "tool" or (m.get("role") == "assistant" and m.get("tool_calls")))
+        for m in messages)
+
+
 def prepare_chat(tok: "Tokenizer", messages: list, *, tools: Any = None, tool_choice: Any = None,
                  parallel_tool_calls: Any = None, add_generation_prompt: bool = True,
                  template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
@@ -113,7 +120,10 @@ def prepare_chat(tok: "Tokenizer", messages: list, *, tools: Any = None, tool_ch
         raise InvalidRequestError(f"chat_template_kwargs: may not set {', '.join(clash)}", "chat_template_kwargs")
     spec = check_tools(tools, tool_choice, parallel_tool_calls)
     fmt = detect_format(tok.chat_template)
-    if spec.tools:  # tools in the request: the format renders them and the tool history
+    if spec.tools or _has_tool_history(messages):
+        # tools in the request, or a tool history without them (vLLM's clients send one): the
+        # format renders the tools and the history (a template that knows no tools gets the
+        # generic format's rewrite, not a tool message it cannot render)
         rendered, extra = prepare_messages(template_messages(messages), spec, fmt)
     else:  # none: the messages reach the template as they are (its own rules, raise_exception too)
         rendered, extra = template_messages(messages), {}

@@ -382,7 +382,8 @@ class Engine:
 
         Args:
             batch: a step whose logit rows belong to ``rows`` (no prompt logprobs).
-            rows: R sequences, every one :attr:`SamplerState.history_free`.
+            rows: R sequences, every one :attr:`SamplerState.history_free` or
+                :attr:`SamplerState.grammar_only`.
             ahead: draws of these rows not yet resolved (0 or 1); ``token_ids`` then holds the
                 last of them, on the device, and the KV commit is left to the caller.
             defer_draw: only queue the forward; :meth:`draw_deferred` draws once the rows'
@@ -430,7 +431,10 @@ class Engine:
             tokens = self.sampler.draw(masked, [s.sampler for s in rows], ahead, unchecked=True)
             gram = [r for r, seq in enumerate(rows) if seq.sampler.grammar is not None]
             if gram:  # grammar rows have no engine-side mask: their raw logits are the model's
-                idx = torch.tensor(gram, device=logits.device) if len(gram) < len(rows) else None
+                idx = None
+                if len(gram) < len(rows):  # page-locked, no wait for the step in flight
+                    idx = torch.tensor(gram, dtype=torch.int64)
+                    idx = idx.pin_memory().to(logits.device, non_blocking=True) if logits.is_cuda else idx
                 check = (gram, (logits if idx is None else logits.index_select(0, idx)).to(torch.float32, copy=True))
         elif self._per_row_draws(rows):  # one row per draw, as in step()
             tokens = torch.cat([self.sampler.draw(masked[r:r + 1], [seq.sampler], ahead)
@@ -486,18 +490,17 @@ class Engine:
         busy through a refusal)."""
         gram, x = pending.check
         pending.check = None
-        rows = [r for r in gram if r not in pending.void and not pending.rows[r].is_finished]
-        if not rows:
+        live = {r for r in gram if r not in pending.void and not pending.rows[r].is_finished}
+        if not live:
             return
         states = [seq.sampler for seq in pending.rows]
         with contextlib.ExitStack() as stack:
             if x.is_cuda:
                 side = self._side_stream()
                 side.wait_event(pending.ready)  # x is complete at the step's event
+                x.record_stream(side)  # made on the main stream, read on this one
                 stack.enter_context(torch.cuda.stream(side))
-            if len(rows) < len(gram):
-                x = x[[gram.index(r) for r in rows]]
-            fixed = self.sampler.correct(x, states, ids, rows)
+            fixed = self.sampler.correct(x, states, ids, gram, only=live)  # waits for its redraws
         for r, t in fixed.items():
             ids[r] = t
         pending.corrected = sorted(fixed)

@@ -419,7 +419,7 @@ class RowSampler:
         return torch.tensor(picks, dtype=torch.int64, device=x.device)
 
     def correct(self, logits: torch.Tensor, states: list[SamplerState], picks: list[int],
-                rows: list[int] | None = None) -> dict[int, int]:
+                rows: list[int] | None = None, only: set[int] | None = None) -> dict[int, int]:
         """Check greedy picks against their grammars; redraw the refused ones under the full mask.
 
         The argmax of the masked logits is the raw argmax whenever the grammar allows that token
@@ -436,6 +436,7 @@ class RowSampler:
                 for (every earlier token accepted).
             picks: the raw argmax of each state's row, indexed like ``states``.
             rows: which states ``logits`` holds (default: all of them, in order).
+            only: check just these state indices (default: every state in ``rows``).
 
         Returns:
             state index -> the masked argmax, for each refused pick (empty when none is). A
@@ -443,7 +444,7 @@ class RowSampler:
             be a side stream: nothing here uses a per-device workspace).
         """
         which = list(range(len(states))) if rows is None else rows
-        refused = [i for i, r in enumerate(which) if states[r].grammar is not None
+        refused = [i for i, r in enumerate(which) if (only is None or r in only) and states[r].grammar is not None
                    and not states[r].grammar.is_stopped and not states[r].grammar.allows(picks[r])]
         if not refused:
             return {}
