@@ -4,6 +4,7 @@ kernel check in the interpreter."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import subprocess
 import sys
@@ -106,3 +107,22 @@ def one_gguf_parse():
         yield
     finally:
         gguf.GGUFReader, gguf.get_tensor_name_map = real, real_map
+
+
+@functools.cache
+def sm90_compile_problem() -> str | None:
+    """None when the installed Triton compiles for sm_90 here (its NVIDIA backend and ptxas, no
+    GPU needed), else why not: the PTX-inspecting tests skip with it."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    @triton.jit
+    def probe(X):
+        tl.store(X, 1.0)
+    try:
+        triton.compile(ASTSource(fn=probe, signature={"X": "*fp32"}), target=GPUTarget("cuda", 90, 32))
+    except Exception as e:  # pragma: no cover - depends on the install
+        return f"{type(e).__name__}: {e}"
+    return None

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 
-import functools
 
 import pytest
 
@@ -27,6 +26,7 @@ try:
 except ImportError:
     pytest.skip("this Triton has no griddepcontrol helpers", allow_module_level=True)
 
+from helpers import sm90_compile_problem  # noqa: E402
 from monobatch.kernels import fused, gemv, paged_decode  # noqa: E402
 
 #: Pointer arguments that are not the model dtype.
@@ -77,24 +77,13 @@ KERNELS = {
 }
 
 
-@functools.cache
-def _can_compile() -> str | None:
-    """None when this Triton compiles for sm_90 here (its NVIDIA backend and ptxas), else why not."""
-    @triton.jit
-    def probe(X):
-        tl.store(X, 1.0)
-    try:
-        triton.compile(ASTSource(fn=probe, signature={"X": "*fp32"}), target=GPUTarget("cuda", 90, 32))
-    except Exception as e:  # pragma: no cover - depends on the install
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 @pytest.mark.parametrize("name", list(KERNELS))
 def test_nothing_touched_before_the_wait(name):
     """Before the wait: no store, atomic or async copy (cp.async: a pipelined load, whose
     operand could be an activation), and for the kernels without weights no load at all."""
-    if (why := _can_compile()) is not None:
+    if (why := sm90_compile_problem()) is not None:
         pytest.skip(f"cannot compile for sm_90 here: {why}")
     fn, constexprs, has_weights = KERNELS[name]
     ptx = _ptx(fn, {**constexprs, "PDL": True}, num_warps=4, launch_pdl=True)

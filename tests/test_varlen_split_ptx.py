@@ -32,6 +32,7 @@ try:
 except ImportError:
     pytest.skip("this Triton has no griddepcontrol helpers", allow_module_level=True)
 
+from helpers import sm90_compile_problem  # noqa: E402
 from monobatch.kernels import varlen_attention as va  # noqa: E402
 
 _UNSPECIALIZED = {"stride_tb", "window", "rows_q"}  # the kernel's do_not_specialize
@@ -64,17 +65,6 @@ def _compiled(split: bool, dtype: str, g: int, hd: int, pdl: bool):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm
 
 
-@functools.cache
-def _can_compile() -> str | None:
-    """None when this Triton compiles for sm_90 here (its NVIDIA backend and ptxas), else why not."""
-    @triton.jit
-    def probe(X):
-        tl.store(X, 1.0)
-    try:
-        triton.compile(ASTSource(fn=probe, signature={"X": "*fp32"}), target=GPUTarget("cuda", 90, 32))
-    except Exception as e:  # pragma: no cover - depends on the install
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 #: (dtype, G, head_dim): llama-1b (32/8 heads, 64), float32 (the CUDA tests' IEEE path; SmolLM2's
@@ -109,7 +99,7 @@ def _fusable_mul_adds(ptx: str) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
 def test_both_schedules_compile_to_one_arithmetic(case):
-    if (why := _can_compile()) is not None:
+    if (why := sm90_compile_problem()) is not None:
         pytest.skip(f"cannot compile for sm_90 here: {why}")
     dtype, g, hd = case
     det = _compiled(True, dtype, g, hd, False)
@@ -123,7 +113,7 @@ def test_both_schedules_compile_to_one_arithmetic(case):
 def test_pdl_wait_comes_first():
     """The PDL rule (kernels/pdl.py) in deterministic mode's kernel: one wait, nothing stored,
     updated or copied asynchronously before it (the split grid's counter and partials included)."""
-    if (why := _can_compile()) is not None:
+    if (why := sm90_compile_problem()) is not None:
         pytest.skip(f"cannot compile for sm_90 here: {why}")
     for split in (True, False):
         ptx = _compiled(split, "bf16", 4, 64, True)["ptx"]
