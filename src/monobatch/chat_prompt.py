@@ -89,10 +89,11 @@ def template_messages(messages: list) -> list:
 
 
 def _has_tool_history(messages: Any) -> bool:
-    """True when a message is a tool result or an assistant message with ``tool_calls``."""
+    """True when an assistant message carries ``tool_calls`` (a tool history: its calls and the
+    tool results after them are the tool format's to render). Tool messages alone are left to
+    the template, whose own checks (``raise_exception``, case F2) then answer."""
     return isinstance(messages, list) and any(
-        isinstance(m, dict) and (m.get("role") == "tool" or (m.get("role") == "assistant" and m.get("tool_calls")))
-        for m in messages)
+        isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls") for m in messages)
 
 
 def prepare_chat(tok: "Tokenizer", messages: list, *, tools: Any = None, tool_choice: Any = None,
