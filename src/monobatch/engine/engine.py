@@ -456,8 +456,7 @@ class Engine:
         greedy draw needing at most the grammar mask: an argmax is exact whatever the batch
         (the row's maximum, ties to the lowest id), and a mask is elementwise, so the batch
         draws at once."""
-        return self.config.deterministic and not all(seq.sampler.plain_greedy or seq.sampler.greedy_checked
-                                                     for seq in rows)
+        return self.config.deterministic and not all(seq.sampler.argmax_draw for seq in rows)
 
     def resolve(self, pending: PendingStep) -> list[RowOutput]:
         """Wait for a launched step's draws and run the finish step on the rows still running (a

@@ -146,6 +146,12 @@ class SamplerState:
         return self.grammar_only and p.temperature == 0.0 and not p.logit_bias
 
     @property
+    def argmax_draw(self) -> bool:
+        """True when the draw is an argmax: :attr:`plain_greedy`, or :attr:`greedy_checked` (the
+        raw argmax wherever the grammar allows it). Exact whatever the batch."""
+        return self.plain_greedy or self.greedy_checked
+
+    @property
     def plain_greedy(self) -> bool:
         """True for greedy draws with no logit_bias, penalty or logprobs: the draw is the argmax."""
         p = self.params
@@ -373,7 +379,7 @@ class RowSampler:
         """
         self._check(logits, states)
         if unchecked:
-            if not all(s.plain_greedy or s.greedy_checked for s in states):
+            if not all(s.argmax_draw for s in states):
                 raise ValueError("an unchecked draw needs greedy rows whose only stage is a grammar")
             return argmax(self._raw(logits, copy=False))
         return self._draw(logits, states, ahead)[0]
@@ -384,7 +390,7 @@ class RowSampler:
         and its uploaded tensors (None for an all plain-greedy batch) for logprobs."""
         if all(s.plain_greedy for s in states):  # the common case: one argmax, no plan to upload
             return argmax(self._raw(logits, copy=False)), None, None
-        if all(s.plain_greedy or s.greedy_checked for s in states):  # the best token first, masks only where refused
+        if all(s.argmax_draw for s in states):  # the best token first, masks only where refused
             return self._greedy_checked(logits, states), None, None
         R = logits.shape[0]
         plan = _Plan(states, self.vocab_size, ahead)

@@ -349,7 +349,7 @@ class BatchScheduler:
         accepted — no mask and no wait on most steps; a refused draw is redrawn under the mask
         and the step launched on it recomputes that row (its draw is void)."""
         return any(seq.sampler.grammar is not None for seq in rows) and \
-            all(seq.sampler.plain_greedy or seq.sampler.greedy_checked for seq in rows)
+            all(seq.sampler.argmax_draw for seq in rows)
 
     def _account(self, seq: Sequence, batch_seqs: int) -> None:
         """Batch evidence for the request's metrics."""
