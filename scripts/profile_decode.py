@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("-p", type=int, default=256, help="prompt tokens")
     ap.add_argument("-n", type=int, default=128, help="decode steps")
+    ap.add_argument("--quant", help="random packed weights of this GGUF type's layout (Q4_0, Q4_K, Q8_0, Q6_K)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--deterministic", action="store_true", help="the engine's --deterministic mode")
     ap.add_argument("--no-profile", action="store_true", help="skip the torch.profiler tables")
@@ -56,7 +57,7 @@ def main() -> None:
         target, value = item.split("=", 1)
         module, name = target.rsplit(".", 1)
         setattr(importlib.import_module(module), name, ast.literal_eval(value))
-    loaded = dummy_model(ns.shape, ns.device)
+    loaded = dummy_model(ns.shape, ns.device, quant=ns.quant)
     engine = Engine(loaded, EngineConfig(cuda_graphs=not ns.enforce_eager, deterministic=ns.deterministic))
     sched = BatchScheduler(engine)
     cuda = engine.device.type == "cuda"
