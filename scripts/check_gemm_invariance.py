@@ -2,7 +2,6 @@
 configs and row counts on this GPU? And cuBLAS's (torch.mm)? Plus each config's time beside cuBLAS.
 
     PYTHONPATH=src python3 scripts/check_gemm_invariance.py [--shapes llama-1b,smollm2-135m] [--json OUT]
-    PYTHONPATH=src python3 scripts/check_gemm_invariance.py --candidates prefill --flatten 0,1   # the A/B of FLATTEN
 
 For every weight shape of the named model shapes: x ``[2048, K]`` bf16 random; each candidate tile
 computes ``x[:M] @ W^T`` for M in (1, 3, 16, 17, 64, 100, 512); every row must equal the same row
@@ -29,9 +28,6 @@ CANDIDATES = [
     (16, 16, 128, 2, 4), (16, 64, 64, 4, 4), (16, 32, 64, 4, 3), (32, 64, 64, 4, 4), (64, 64, 64, 4, 4),
     (64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 32, 4, 4),
 ]
-#: ``--candidates prefill``: the tiles in use and wgmma-sized ones for long prompts.
-PREFILL = [tuple(t) for t in invariant_gemm.TILES] + [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
-                                                     (128, 128, 128, 8, 3), (128, 64, 64, 4, 4)]
 ROWS = (1, 3, 16, 17, 64, 100, 512)
 TIMED_ROWS = (1, 64, 256, 2048)
 
@@ -68,12 +64,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="llama-1b,smollm2-135m")
     ap.add_argument("--json")
-    ap.add_argument("--candidates", choices=("all", "prefill"), default="all")
-    ap.add_argument("--flatten", default="", help="comma list of 0/1: also time each tile with "
-                    "invariant_gemm's flattened loop (label suffix ':flat'); default: the module's FLATTEN only")
     ns = ap.parse_args()
-    cands = CANDIDATES if ns.candidates == "all" else PREFILL
-    flats = [None] if not ns.flatten else [v == "1" for v in ns.flatten.split(",")]
     torch.manual_seed(0)
     report: dict = {"gpu": torch.cuda.get_device_name(), "shapes": {}}
     for shape in ns.shapes.split(","):
@@ -81,19 +72,17 @@ def main() -> None:
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
             x = torch.randn(2048, k, device="cuda", dtype=torch.bfloat16)
             out_dtype = torch.float32 if n == SHAPES[shape]["vocab_size"] else torch.bfloat16
-            ref = invariant_gemm.linear(x[:512], w, out_dtype=out_dtype, config=CANDIDATES[0], flatten=False)
+            ref = invariant_gemm.linear(x[:512], w, out_dtype=out_dtype, config=CANDIDATES[0])
             entry = {"differing_rows": {}, "time_us": {}}
-            runs = [(c, s, f) for c in cands for s in (False, True) for f in flats] + [(None, None, f) for f in flats]
-            for cfg, split, flat in runs:
+            for cfg, split in [(c, s) for c in CANDIDATES for s in (False, True)] + [(None, None)]:
                 bad = 0
                 for m in ROWS:
-                    y = invariant_gemm.linear(x[:m], w, out_dtype=out_dtype, config=cfg, split=split, flatten=flat)
+                    y = invariant_gemm.linear(x[:m], w, out_dtype=out_dtype, config=cfg, split=split)
                     bad += int((y != ref[:m]).any(dim=1).sum())
-                label = ("default" if cfg is None else "x".join(map(str, cfg)) + (":split" if split else "")) + \
-                    (":flat" if flat else "")
+                label = "default" if cfg is None else "x".join(map(str, cfg)) + (":split" if split else "")
                 entry["differing_rows"][label] = bad
                 entry["time_us"][label] = [round(timed(lambda m=m: invariant_gemm.linear(
-                    x[:m], w, out_dtype=out_dtype, config=cfg, split=split, flatten=flat)), 1) for m in TIMED_ROWS]
+                    x[:m], w, out_dtype=out_dtype, config=cfg, split=split)), 1) for m in TIMED_ROWS]
             mm_ref = torch.mm(x[:512], w.t())
             entry["differing_rows"]["torch.mm"] = sum(int((torch.mm(x[:m], w.t()) != mm_ref[:m]).any(dim=1).sum())
                                                       for m in ROWS)

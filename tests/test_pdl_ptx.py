@@ -65,9 +65,9 @@ KERNELS = {
     "gemv_dot_bias": (*_gemv(HAS_BIAS=True, M_PAD=16, BLOCK_N=64, BLOCK_K=128, STAGES=3, DOT=True), True),
     # the deterministic mode's GEMM, split over K slices (decode rows) and not (prompts)
     "invariant_gemm_split": (invariant_gemm._gemm_kernel, dict(HAS_BIAS=False, BM=16, BN=32, BK=64, SLICE=512,
-                                                               SPLIT=True, GROUP_M=8, IEEE=False, FLAT=False), False),
+                                                               SPLIT=True, GROUP_M=8, IEEE=False), False),
     "invariant_gemm": (invariant_gemm._gemm_kernel, dict(HAS_BIAS=True, BM=128, BN=128, BK=64, SLICE=512,
-                                                         SPLIT=False, GROUP_M=8, IEEE=False, FLAT=True), False),
+                                                         SPLIT=False, GROUP_M=8, IEEE=False), False),
     "rms_norm": (fused._rms_norm_kernel, dict(BLOCK=2048), True),
     "add_rms_norm": (fused._add_rms_norm_kernel, dict(BLOCK=2048), True),
     "rope": (fused._rope_kernel, dict(HALF=32, BLOCK=32), False),

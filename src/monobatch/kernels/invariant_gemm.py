@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 
 import torch
@@ -55,9 +54,6 @@ NARROW_N = 4096
 #: order of a row's sum depends on K alone, whatever M, the tile and the split. A multiple of
 #: every BLOCK_K of :data:`TILES` (and of the check script's candidates), and larger.
 SLICE_K = 512
-#: Whether the kernel's slice and step loops are flattened into one pipelined loop (Triton's
-#: ``tl.range(..., flatten=True)``). ``MONOBATCH_INVARIANT_FLATTEN=0|1`` overrides (A/B runs).
-FLATTEN = os.environ.get("MONOBATCH_INVARIANT_FLATTEN", "0") == "1"
 
 
 #: Per thread: ``active`` is True inside :func:`mode` (True), where
@@ -125,7 +121,7 @@ if triton is not None:
     def _gemm_kernel(X, W, B, Y, WS, CNT, M, N, K, stride_xm, stride_wn, stride_ym,
                      HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      SLICE: tl.constexpr, SPLIT: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr,
-                     FLAT: tl.constexpr, PDL: tl.constexpr):
+                     PDL: tl.constexpr):
         tile = tl.program_id(0)
         pid_m, pid_n = grouped_tile(tile, M, N, BM, BN, GROUP_M)
         offs_m = pid_m * BM + tl.arange(0, BM)
@@ -146,10 +142,7 @@ if triton is not None:
         # kernel before) and every store comes after the wait. The arithmetic is the same either way.
         pdl.wait_prior(PDL)
         total = tl.zeros([BM, BN], tl.float32)
-        # ascending slices, each summed from zero: the order every row sees. FLAT asks Triton to
-        # flatten the two loops into one software-pipelined loop (the same operations in the same
-        # order; without it the pipeline drains and refills at every slice).
-        for s in tl.range(first, last, flatten=FLAT):
+        for s in range(first, last):  # ascending slices, each summed from zero: the order every row sees
             acc = tl.zeros([BM, BN], tl.float32)
             for kk in range(0, SLICE, BK):  # ascending K steps inside the slice
                 k = s * SLICE + kk
@@ -186,7 +179,7 @@ def split_for(m: int, n: int, k: int, config: tuple[int, int, int, int, int], de
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None, config: tuple[int, int, int, int, int] | None = None,
-           split: bool | None = None, flatten: bool | None = None) -> torch.Tensor:
+           split: bool | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` with batch-invariant rows.
 
     Args:
@@ -198,8 +191,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         split: force split-K on or off (the check script, the tests); default :func:`split_for`.
             Never split where the fp32 workspace ``[slices, M, N]`` would pass 2**31 elements (the
             split epilogue's offsets are int32).
-        flatten: force the flattened loop on or off (the check script); default :data:`FLATTEN`.
-            A speed choice: the same operations in the same order either way.
 
     Returns:
         ``[M, N]`` in ``out_dtype``.
@@ -234,5 +225,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _gemm_kernel[(tiles, slices if split else 1)](
         x, weight, bias if bias is not None else weight, y, ws, cnt, M, N, K, x.stride(0), weight.stride(0),
         y.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, SLICE=SLICE_K, SPLIT=split, GROUP_M=8,
-        IEEE=x.dtype == torch.float32, FLAT=FLATTEN if flatten is None else bool(flatten), num_warps=warps, num_stages=stages, **pdl.launch(x.device))
+        IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages, **pdl.launch(x.device))
     return y
