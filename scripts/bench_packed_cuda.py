@@ -38,7 +38,7 @@ SHAPES = {
 }
 TYPES = (T.Q4_K, T.Q8_0, T.Q6_K)  # the three layouts: Q4/32, Q8/32, Q8/16
 MS = (1, 4, 16, 64, 512, 2048)
-#: GEMV configs swept at M = 1: DOT ones only (the FMA variant gives wrong rows on sm_90, ADR 0006).
+#: DOT GEMV configs swept at M = 1 (the FMA variant's sweep: scripts/probe_quant_cuda.py).
 SWEEP = [(32, 256, 1, 4, 3, True), (16, 512, 1, 4, 3, True), (16, 1024, 1, 8, 2, True), (32, 512, 2, 4, 3, True),
          (64, 256, 1, 4, 3, True), (16, 256, 4, 4, 3, True), (16, 256, 8, 4, 4, True), (32, 256, 4, 4, 4, True),
          (32, 256, 8, 4, 4, True), (64, 128, 4, 4, 4, True), (32, 512, 4, 8, 3, True), (64, 256, 2, 8, 3, True),

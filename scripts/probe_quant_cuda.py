@@ -1,33 +1,248 @@
-"""Localise a wrong packed CUDA product (H200 diagnosis, 2026-12-01): per type and shape, whether
-the GPU repack equals formats.repack bitwise, and the relative error of the torch dequantize, the
-GEMV (M 1, 8) and the tiled GEMM (M 1, 8, 20) against gguf-py's float64 weights. Found with it: the
-GEMV's FMA variant (M <= 4) was wrong at some tiles on sm_90 while the DOT variant, the GEMM and
-the repack were right (quant_gemm.gemv_config now takes DOT for every M).
+"""The packed GEMV's FMA variant on the GPU (kernels/quant_gemm.py; ADR 0006, CUDA): one command
+checks it, then times it beside the DOT variant and the dense bf16 GEMV.
 
-    PYTHONPATH=src:tests python3 scripts/probe_quant_cuda.py
+(a) ``check``: at every llama-1b and llama-8b weight shape (monobatch.models.shapes; the down
+    projection with the gated input, as the model runs it) for Q4_0, Q4_K, Q8_0 and Q6_K random
+    packed weights, M = 1..8: the FMA GEMV's float32 output against torch's fp32 product of the
+    same bf16 x (``silu_mul(gate, up)`` for the down projection) and the fp32 dequantized weights,
+    one ``PASS``/``FAIL`` line a case with the largest absolute and relative error (relative to
+    the reference's largest magnitude; the bound is tests/test_quant_cuda.py's ``FP32_TOL``), and
+    the same for the default config without split-K.
+(b) ``bench``: per layout (Q4_K: Q4/32, Q8_0: Q8/32, Q6_K: Q8/16), shape and M = 1, 2, 4, 8, the
+    microseconds of the FMA variant's default config, the DOT variant's and the dense bf16 GEMV
+    (kernels/gemv.py, the ``--weights dequant`` path), each in a replayed CUDA graph; on llama-1b's
+    shapes also a sweep of FMA configs (:data:`SWEEP`: tile, bytes a step, warps, stages, each with
+    and without split-K). One JSON object a line: ``"bench"`` rows, and ``"best"`` rows (the
+    fastest FMA config per layout, shape and M) at the end.
+
+The check and every compile the bench needs run first in ``--jobs`` processes (spawned, sharing
+the GPU and Triton's on-disk cache: the ~150 kernel variants compile in parallel), then one process
+times everything in turn, reading the compiled kernels from that cache.
+
+Usage (repo root, one GPU; ~3-4 min)::
+
+    PYTHONPATH=src python3 scripts/probe_quant_cuda.py > probe.txt
+
+``--only check`` or ``--only bench`` runs one part; ``--shapes llama-1b`` fewer shapes. Without a
+GPU (``TRITON_INTERPRET=1``, tiny shapes: ``--shapes tiny``) it runs the check and calls every
+sweep config once, timing nothing (a smoke test of the script).
 """
-import sys, torch
-sys.path.insert(0, "tests")
-import test_quant_cuda as t
-from monobatch.kernels import quant_gemm as Q
-from monobatch.quant import packed
-packed.CUDA_PACKED = True
-from gguf import GGMLQuantizationType as T
-from monobatch.quant.formats import repack
-for qtype in (T.Q8_0, T.Q5_0, T.Q6_K, T.Q4_0, T.Q4_K):
-    for n, k in ((40, 256), (64, 512), (3072, 2048)):
-        data = t.random_blocks(qtype, n, k, 0)
-        rep = t.device_repack.repack(qtype, torch.from_numpy(data).cuda(), k)
-        cpu = repack(qtype, data, k)
-        same = all(torch.equal(getattr(rep, f).cpu(), torch.from_numpy(getattr(cpu, f))) for f in ("qs", "scale", "minimum"))
-        _, w = t._parts(qtype, n, k, 0, "cuda")
-        deq = Q.dequantize(rep.qs, rep.scale, rep.minimum, rep.layout)
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        ref = x.double() @ w.T
-        out = {"deq": t._rel(deq.double(), w)}
-        for M in (1, 8, 20):
-            xm = torch.randn(M, k, device="cuda", dtype=torch.bfloat16); r = xm.double() @ w.T
-            if M <= Q.MAX_M:
-                out[f"gemv{M}"] = round(t._rel(Q.gemv(xm, rep.qs, rep.scale, rep.minimum, rep.layout), r), 4)
-            out[f"gemm{M}"] = round(t._rel(Q.gemm(xm, rep.qs, rep.scale, rep.minimum, rep.layout), r), 4)
-        print(qtype.name, n, k, "repack==cpu", same, "strides", rep.qs.stride(), rep.scale.stride(), rep.minimum.stride(), out, flush=True)
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+from gguf import GGMLQuantizationType as T  # noqa: E402
+
+from monobatch.kernels import gemv as dense_gemv, quant_gemm as Q  # noqa: E402
+from monobatch.kernels.fused import silu_mul  # noqa: E402
+from monobatch.models.shapes import SHAPES as MODELS  # noqa: E402
+from monobatch.quant.random_packed import random_weight  # noqa: E402
+
+
+def model_shapes(name: str) -> dict[str, tuple[int, int, bool]]:
+    """``layer -> (N, K, gated)`` of a named model shape's products (fused qkv and gate/up)."""
+    if name == "tiny":  # the interpreter smoke test: N off the tiles, K of whole Q4_K/Q6_K blocks
+        return {"qkv": (40, 256, False), "down": (24, 512, True)}
+    c = MODELS[name]
+    h, inter = c["hidden_size"], c["intermediate_size"]
+    hd = c.get("head_dim", h // c["num_attention_heads"])
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    return {"qkv": (q + 2 * kv, h, False), "o": (h, q, False), "gate_up": (2 * inter, h, False),
+            "down": (h, inter, True), "lm_head": (c["vocab_size"], h, False)}
+
+
+CHECK_TYPES = (T.Q4_0, T.Q4_K, T.Q8_0, T.Q6_K)
+BENCH_TYPES = (T.Q4_K, T.Q8_0, T.Q6_K)  # one a layout: Q4/32, Q8/32, Q8/16
+CHECK_MS = tuple(range(1, Q.FMA_MAX_M + 1))
+BENCH_MS = (1, 2, 4, 8)
+#: FMA configs swept on llama-1b's shapes: (BLOCK_N, BLOCK_K for Q4 (Q8: half, the same bytes a
+#: step), num_warps, num_stages); each with SPLIT_K 1 and with the default's split (runtime
+#: arguments: no extra compile). The first two are gemv_config's defaults (M <= 4, M > 4).
+SWEEP = [(32, 256, 4, 3), (32, 128, 4, 3), (64, 256, 4, 3), (16, 512, 4, 3), (64, 128, 8, 4)]
+#: |y - reference| / max |reference| allowed for the float32 output (tests/test_quant_cuda.FP32_TOL).
+FP32_TOL = 1e-4
+
+
+def sweep_configs(N: int, K: int, M: int, layout) -> list[tuple]:
+    default = Q.gemv_config(N, K, M, layout, "fma")
+    out = []
+    for bn, bk4, warps, stages in SWEEP:
+        bk = max(32, min(bk4 if layout.q4 else bk4 // 2, Q._pow2(K)))
+        for splits in sorted({1, default[2]}):
+            out.append((bn, bk, splits, warps, stages, False))
+    return out
+
+
+def time_us(fn) -> float:
+    """Median microseconds of a replayed CUDA graph of ``fn``."""
+    import triton
+    return triton.testing.do_bench_cudagraph(fn, rep=20) * 1e3
+
+
+def check_case(shape: str, layer: str, qtype: T, dev: torch.device, gen: torch.Generator) -> tuple[list[str], int]:
+    """The check's lines for one (shape, layer, type), and how many failed."""
+    N, K, gated = model_shapes(shape)[layer]
+    part = random_weight(qtype, N, K, dev, gen).parts[0]
+    args = (part.qs, part.scale, part.minimum, part.layout)
+    w = Q.dequantize(*args)
+    lines, fails = [], 0
+    for M in CHECK_MS:
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        x = torch.randn(M, 2 * K if gated else K, device=dev, generator=gen).to(dtype)
+        ref = (silu_mul(x) if gated else x).float() @ w.T
+        cfg = Q.gemv_config(N, K, M, part.layout, "fma")
+        for c in (cfg, cfg[:2] + (1,) + cfg[3:]) if cfg[2] > 1 else (cfg,):
+            y = Q.gemv(x, *args, config=c, gated=gated, out_dtype=torch.float32)
+            err = (y - ref).abs().max().item()
+            rel = err / max(ref.abs().max().item(), 1e-30)
+            ok = rel <= FP32_TOL and bool(torch.isfinite(y).all())
+            fails += not ok
+            lines.append(f"{'PASS' if ok else 'FAIL'} {qtype.name} {shape} {layer} {N}x{K}{' gated' if gated else ''}"
+                         f" M={M} cfg={list(c)} max_abs_err={err:.3e} rel={rel:.3e}")
+    return lines, fails
+
+
+def bench_configs(shape: str, N: int, K: int, M: int, layout, sweep_shapes: list[str]) -> dict[str, tuple]:
+    """name -> config of what the bench times for one product."""
+    cfgs = {"fma": Q.gemv_config(N, K, M, layout, "fma"), "dot": Q.gemv_config(N, K, M, layout, "dot")}
+    if shape in sweep_shapes:
+        cfgs.update({f"sweep{i}": c for i, c in enumerate(sweep_configs(N, K, M, layout))})
+    return cfgs
+
+
+def warm(task: tuple) -> tuple[list[str], int]:
+    """One (shape, layer, type) in a worker process: its check cases (when ``do_check``), then every
+    kernel the bench will time called once (no timing), so that Triton's compiles of the whole run
+    happen in parallel and land in its on-disk cache, which the timing process then reads."""
+    shape, layer, tname, do_check, sweep_shapes, dense_too = task
+    from monobatch.quant import packed
+    packed.CUDA_PACKED = True
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # (cpu: TRITON_INTERPRET=1)
+    gen = torch.Generator(device=dev).manual_seed(sum(map(ord, shape + layer + tname)))
+    qtype = T[tname]
+    out = check_case(shape, layer, qtype, dev, gen) if do_check else ([], 0)
+    N, K, gated = model_shapes(shape)[layer]
+    if qtype in BENCH_TYPES:
+        part = random_weight(qtype, N, K, dev, gen).parts[0]
+        args = (part.qs, part.scale, part.minimum, part.layout)
+        for M in BENCH_MS:
+            x = torch.randn(M, 2 * K if gated else K, device=dev, generator=gen)
+            x = x.to(torch.bfloat16 if dev.type == "cuda" else torch.float32)
+            for cfg in bench_configs(shape, N, K, M, part.layout, sweep_shapes).values():
+                Q.gemv(x, *args, config=cfg, gated=gated)
+            if dense_too:
+                dense = torch.randn(N, K, device=dev, generator=gen).to(x.dtype)
+                dense_gemv.gated_linear(x, dense) if gated else dense_gemv.linear(x, dense)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return out
+
+
+def check_and_warm(shapes: list[str], sweep_shapes: list[str], only: str | None, jobs: int) -> int:
+    """The check (unless ``only`` is "bench") and the compiles of the bench, in ``jobs`` processes."""
+    import multiprocessing as mp
+    tasks = []
+    for shape in shapes:
+        for layer in model_shapes(shape):
+            for i, t in enumerate(dict.fromkeys(CHECK_TYPES + BENCH_TYPES)):
+                if only == "check" and t not in CHECK_TYPES:
+                    continue
+                tasks.append((shape, layer, t.name, only != "bench" and t in CHECK_TYPES,
+                              tuple(sweep_shapes) if only != "check" else (), only != "check" and i == 0))
+    fails = cases = 0
+    with mp.get_context("spawn").Pool(jobs) as pool:
+        for lines, f in pool.imap(warm, tasks):
+            for line in lines:
+                print(line, flush=True)
+            cases += len(lines)
+            fails += f
+    if only != "bench":
+        print(f"check: {cases - fails} of {cases} PASS{'' if not fails else f', {fails} FAIL'}", flush=True)
+    return fails
+
+
+def check_inline(shapes: list[str], dev: torch.device, gen: torch.Generator) -> int:
+    fails = cases = 0
+    for shape in shapes:
+        for layer in model_shapes(shape):
+            for qtype in CHECK_TYPES:
+                lines, f = check_case(shape, layer, qtype, dev, gen)
+                for line in lines:
+                    print(line, flush=True)
+                cases += len(lines)
+                fails += f
+    print(f"check: {cases - fails} of {cases} PASS{'' if not fails else f', {fails} FAIL'}", flush=True)
+    return fails
+
+
+def bench(shapes: list[str], sweep_shapes: list[str], dev: torch.device, gen: torch.Generator) -> None:
+    timing = dev.type == "cuda"
+    best: dict[tuple, tuple[float, tuple]] = {}
+    for shape in shapes:
+        for layer, (N, K, gated) in model_shapes(shape).items():
+            dense = torch.randn(N, K, device=dev, generator=gen).to(torch.bfloat16 if timing else torch.float32) * 0.02
+            parts = {t: random_weight(t, N, K, dev, gen).parts[0] for t in BENCH_TYPES}
+            for M in BENCH_MS:
+                x = torch.randn(M, 2 * K if gated else K, device=dev, generator=gen)
+                x = x.to(torch.bfloat16 if timing else torch.float32)
+                row = {"bench": True, "shape": shape, "layer": layer, "N": N, "K": K, "M": M, "gated": gated}
+                if timing:
+                    fn = (lambda: dense_gemv.gated_linear(x, dense)) if gated else (lambda: dense_gemv.linear(x, dense))
+                    row["dense_us"] = round(time_us(fn), 2)
+                for t, part in parts.items():
+                    args = (part.qs, part.scale, part.minimum, part.layout)
+                    for name, cfg in bench_configs(shape, N, K, M, part.layout, sweep_shapes).items():
+                        fn = lambda: Q.gemv(x, *args, config=cfg, gated=gated)  # noqa: E731
+                        us = time_us(fn) if timing else (fn(), 0.0)[1]
+                        if not name.startswith("sweep"):
+                            row[f"{t.name}_{name}_cfg"] = list(cfg)
+                            row[f"{t.name}_{name}_us"] = round(us, 2)
+                            row[f"{t.name}_{name}_gbps"] = round(part.nbytes / max(us, 1e-9) / 1e3, 1)
+                        if name != "dot":
+                            key = (t.name, part.layout.name, shape, layer, M)
+                            if key not in best or us < best[key][0]:
+                                best[key] = (us, cfg)
+                print(json.dumps(row), flush=True)
+            del dense, parts
+            if timing:
+                torch.cuda.empty_cache()
+    for (tname, lname, shape, layer, M), (us, cfg) in best.items():
+        print(json.dumps({"best": True, "type": tname, "layout": lname, "shape": shape, "layer": layer, "M": M,
+                          "cfg": list(cfg), "us": round(us, 2)}), flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="llama-1b,llama-8b")
+    p.add_argument("--sweep-shapes", default="llama-1b", help="shapes whose FMA configs are swept ('' none)")
+    p.add_argument("--only", choices=("check", "bench"))
+    p.add_argument("--jobs", type=int, default=8, help="processes for the check and the compiles (GPU)")
+    ns = p.parse_args()
+    from monobatch.quant import packed
+    packed.CUDA_PACKED = True
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    dev = torch.device("cpu" if interpreted else "cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    shapes = ns.shapes.split(",")
+    sweep_shapes = [s for s in ns.sweep_shapes.split(",") if s] if not interpreted else shapes
+    print(f"# MONOBATCH_PACKED_GEMV={Q.VARIANT} FMA_MAX_M={Q.FMA_MAX_M} device={dev}"
+          f"{' ' + torch.cuda.get_device_name(dev) if dev.type == 'cuda' else ''}", flush=True)
+    if interpreted and ns.jobs <= 1:
+        fails = 0 if ns.only == "bench" else check_inline(shapes, dev, gen)
+    else:
+        fails = check_and_warm(shapes, sweep_shapes, ns.only, ns.jobs)
+    if ns.only != "check":
+        bench(shapes, sweep_shapes, dev, gen)
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

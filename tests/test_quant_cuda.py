@@ -7,10 +7,14 @@ Three kinds of test:
 - Triton's CPU interpreter (``*_in_interpreter``; skipped without Triton and on a GPU, where the
   CUDA tests run instead): the GEMV (FMA and DOT paths, split-K) and the tiled GEMM for every type
   against a float64 reference of ``gguf.quants.dequantize``'s weights, with fp32 activations,
-  within :data:`REL_TOL`; rows bitwise equal across M = 1, 3, 17, 64, 200 in batch-invariant mode;
+  within :data:`REL_TOL`; the FMA GEMV at every M it takes (1..8) on the three layouts, N and K
+  off its tile and step, split-K on and off, bias, the gated input; rows bitwise equal across
+  M = 1, 3, 17, 64, 200 in batch-invariant mode;
 - CUDA (``*_cuda``; skipped without a GPU, run by ``scripts/gpu_packed.sh`` with ``-k cuda``): the
-  same in bf16 within :data:`BF16_TOL`, CUDA-graph replay, invariance, a PackedWeight of two
-  types with bias and lookups, and a tiny Q4_0 GGUF loaded packed on CUDA against its dequant load.
+  same in bf16 within :data:`BF16_TOL`, the FMA GEMV at the shapes where the old FMA variant gave
+  wrong rows on the H200 and at llama-1b's five (against a torch fp32 reference, :data:`FP32_TOL`
+  for a float32 output), CUDA-graph replay, invariance, a PackedWeight of two types with bias and
+  lookups, and a tiny Q4_0 GGUF loaded packed on CUDA against its dequant load.
 """
 
 from __future__ import annotations
@@ -31,7 +35,15 @@ REL_TOL = 4 * 512 * 2.0**-24
 #: bf16 activations on CUDA: the same ratio for a bf16 output (bf16's 2^-9 relative rounding of the
 #: output and, on the DOT and GEMM paths, of the weights, as the dequant path's bf16 weights are).
 BF16_TOL = 1e-2
+#: The FMA GEMV on CUDA with a float32 output, against torch's fp32 product of the same bf16 x and
+#: fp32 dequantized weights: both sum the same fp32 products (the FMA path rounds no weight), in
+#: other orders; |difference| / max |reference| is ~K * 2^-24 at worst for these random weights and
+#: in practice ~sqrt(K) * 2^-24 (1e-5 at K = 8192): 1e-4 leaves room and still catches a wrong
+#: group or column (which is >= 1e-2).
+FP32_TOL = 1e-4
 TYPES = list(PACKED_TYPES)
+#: One type a packed layout: Q4/32, Q8/32, Q8/16.
+LAYOUT_TYPES = (T.Q4_0, T.Q8_0, T.Q6_K)
 INVARIANT_MS = (1, 3, 17, 64, 200)
 
 
@@ -113,11 +125,9 @@ def check_kernels(device: str = "cpu") -> str:
             refb = ref + bias.double()
             outs = []
             if M <= Q.MAX_M:
-                dot = M > 4
-                cfgs = [None, (16 if dot else 4, 64, 3, 4, 2, dot), (32, 128, 1, 4, 1, True)]
-                # The FMA variant is wrong on the H200 for some tiles (quant_gemm.gemv_config,
-                # scripts/probe_quant_cuda.py): on CUDA only the DOT configs are checked.
-                for cfg in cfgs[:2] if device == "cpu" else [c for c in cfgs if c is None or c[5]]:
+                fma = M <= Q.FMA_MAX_M
+                cfgs = [None, (4 if fma else 16, 64, 3, 4, 2, not fma), (32, 128, 1, 4, 1, True)]
+                for cfg in cfgs[:2] if device == "cpu" else cfgs:
                     outs.append(Q.gemv(x, *args, bias, config=cfg))
             for cfg in (None, Q.INVARIANT_TILE) if device == "cpu" else (None, quant_gemm_tile(M), Q.INVARIANT_TILE):
                 outs.append(Q.gemm(x, *args, bias, config=cfg))
@@ -132,7 +142,7 @@ def check_kernels(device: str = "cpu") -> str:
             from monobatch.kernels.fused import silu_mul
             for M in (1, 3, 5, 20):
                 gu = (torch.randn(M, 2 * k, generator=g) * 3).to(device, dtype)
-                for cfg in (None, (16, 64, 3, 4, 2, True)) if M <= Q.MAX_M else (None,):
+                for cfg in (None, (16, 64, 3, 4, 2, True), (8, 64, 3, 4, 2, False)) if M <= Q.MAX_M else (None,):
                     if M > Q.MAX_M:
                         got, want = Q.matmul(gu, *args, bias, gated=True), Q.matmul(silu_mul(gu), *args, bias)
                     else:
@@ -157,6 +167,43 @@ def check_kernels(device: str = "cpu") -> str:
 def quant_gemm_tile(M: int) -> tuple:
     """A GEMM tile other than the default for M (rows of 16 or 64, BK 128)."""
     return (64, 32, 128, 4, 2) if M <= 32 else (16, 64, 128, 4, 2)
+
+
+def check_fma_gemv() -> str:
+    """The FMA GEMV (interpreter, fp32 activations) on each layout at every M it takes, against the
+    float64 reference: N = 40 (off every BLOCK_N), K off the step (Q4_0/Q8_0 K = 320 with
+    256-weight steps, Q6_K K = 768 with 512-weight steps), split-K off and on (2 and 3 slices: a
+    short last slice), bias; the gated input has the bits of the product of silu_mul's output."""
+    from monobatch.kernels import quant_gemm as Q
+    from monobatch.kernels.fused import silu_mul
+    g = torch.Generator().manual_seed(7)
+    n = 40
+    for i, qtype in enumerate(LAYOUT_TYPES):
+        k = 768 if qtype == T.Q6_K else 320
+        step = 512 if qtype == T.Q6_K else 256
+        rep, w = _parts(qtype, n, k, seed=20 + i)
+        args = (rep.qs, rep.scale, rep.minimum, rep.layout)
+        bias = torch.randn(n, generator=g)
+        for M in range(1, Q.FMA_MAX_M + 1):
+            x = torch.randn(M, k, generator=g)
+            ref = x.double() @ w.T
+            cfgs = [(16, step, 1, 4, 2, False), (32, 64, 2 if M % 2 else 3, 4, 3, False)]
+            assert Q.gemv_config(n, k, M, rep.layout)[5] is (Q.VARIANT == "dot")
+            for cfg in cfgs:
+                assert _rel(Q.gemv(x, *args, config=cfg), ref) <= REL_TOL, (qtype.name, M, cfg)
+            if M in (1, 3, Q.FMA_MAX_M):
+                assert _rel(Q.gemv(x, *args, bias, config=cfgs[1]), ref + bias.double()) <= REL_TOL
+                gu = torch.randn(M, 2 * k, generator=g) * 3
+                for cfg in cfgs:
+                    got = Q.gemv(gu, *args, bias, config=cfg, gated=True)
+                    assert torch.equal(got, Q.gemv(silu_mul(gu), *args, bias, config=cfg)), (qtype.name, M, cfg)
+        with pytest.raises(ValueError):
+            Q.gemv(torch.zeros(Q.FMA_MAX_M + 1, k), *args, config=(16, 64, 1, 4, 2, False))
+    return "ok"
+
+
+def test_fma_gemv_in_interpreter():
+    run_in_triton_interpreter("test_quant_cuda", "check_fma_gemv")
 
 
 def check_invariance(device: str = "cpu") -> str:
@@ -234,7 +281,10 @@ def test_configs_are_valid():
         for layout in (Q4, Q8, Q8_16):
             for M in range(1, Q.MAX_M + 1):
                 bn, bk, splits, warps, stages, dot = Q.gemv_config(N, K, M, layout)
-                assert bk % 32 == 0 and bn & (bn - 1) == 0 and (bn >= 16 if dot else M <= 4) and splits >= 1
+                assert bk % 32 == 0 and bn & (bn - 1) == 0 and (bn >= 16 if dot else M <= Q.FMA_MAX_M) and splits >= 1
+                bw = bk // (2 if layout.q4 else 1)
+                assert bw & (bw - 1) == 0 and (dot or bw >= (16 if layout.q4 else layout.group))
+                assert dot == (M > Q.FMA_MAX_M or Q.VARIANT == "dot")
                 k_per, s = Q._slices(K, bk, splits)
                 assert k_per % bk == 0 and (s - 1) * k_per < K <= s * k_per
             for M in (1, 17, 64, 300, 4096):
@@ -282,7 +332,43 @@ def test_model_shapes_cuda(qtype, N, K):
             assert y32.dtype == torch.float32 and _rel(y32, ref) < BF16_TOL
 
 
-@pytest.mark.parametrize("cfg", [(4, 512, 1, 4, 3, False), (8, 256, 4, 4, 2, False), (32, 256, 3, 4, 3, True)])
+#: (N, K, gated) of the CUDA FMA-GEMV test: where the old FMA variant gave wrong rows on the H200
+#: (M = 1 at 64x512 for every type, 3072x2048 for the 8-bit layouts) and llama-1b's five products.
+FMA_SHAPES = [(64, 512, False), (3072, 2048, False), (2048, 2048, False), (16384, 2048, False), (2048, 8192, True),
+              (49152, 2048, False)]
+
+
+@pytest.mark.parametrize("N,K,gated", FMA_SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_fma_gemv_cuda(qtype, N, K, gated):
+    """The FMA GEMV (its default config, and one without split-K) at M = 1..FMA_MAX_M: within
+    FP32_TOL of torch's fp32 product (bf16 x, or silu_mul(gate, up) for the gated down projection,
+    times the fp32 dequantized weights) with a float32 output, BF16_TOL with a bf16 one."""
+    _cuda()
+    from gguf.constants import GGML_QUANT_SIZES
+    if K % GGML_QUANT_SIZES[qtype][0]:
+        pytest.skip(f"{qtype.name} rows are whole {GGML_QUANT_SIZES[qtype][0]}-weight blocks; K = {K}")
+    if N >= 16384 and qtype not in LAYOUT_TYPES + (T.Q4_K,):
+        pytest.skip("the wide shapes: one type a layout (and Q4_K)")
+    from monobatch.kernels import quant_gemm as Q
+    from monobatch.kernels.fused import silu_mul
+    rep, _ = _parts(qtype, N, K, seed=N % 89, device="cuda")
+    args = (rep.qs, rep.scale, rep.minimum, rep.layout)
+    w = Q.dequantize(*args)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for M in range(1, Q.FMA_MAX_M + 1):
+        x = torch.randn(M, 2 * K if gated else K, generator=g, device="cuda", dtype=torch.bfloat16)
+        ref = (silu_mul(x) if gated else x).float() @ w.T
+        cfg = Q.gemv_config(N, K, M, rep.layout)
+        cfg = cfg if not cfg[5] else (32, 256 if rep.layout.q4 else 128, 4, 4, 3, False)  # (MONOBATCH_PACKED_GEMV=dot)
+        for c in (cfg, cfg[:2] + (1,) + cfg[3:]):
+            y32 = Q.gemv(x, *args, config=c, gated=gated, out_dtype=torch.float32)
+            assert _rel(y32, ref) < FP32_TOL, (M, c)
+            assert _rel(Q.gemv(x, *args, config=c, gated=gated), ref) < BF16_TOL, (M, c)
+
+
+@pytest.mark.parametrize("cfg", [(4, 512, 1, 4, 3, False), (8, 256, 4, 4, 2, False), (32, 256, 4, 4, 3, False),
+                                 (32, 256, 3, 4, 3, True)])
 def test_graph_replay_cuda(cfg):
     """A captured GEMV (split-K included) and GEMM replay with the eager bits, run after run."""
     _cuda()
@@ -291,7 +377,7 @@ def test_graph_replay_cuda(cfg):
     args = (rep.qs, rep.scale, rep.minimum, rep.layout)
     g = torch.Generator(device="cuda").manual_seed(4)
     for M in (1, 4, 16, 48):
-        if M > Q.MAX_M or (not cfg[5] and M > 4):
+        if M > Q.MAX_M or (not cfg[5] and M > Q.FMA_MAX_M):
             fn = lambda x: Q.gemm(x, *args)  # noqa: E731
         else:
             fn = lambda x: Q.gemv(x, *args, config=cfg)  # noqa: E731
@@ -387,14 +473,38 @@ def _sm90(fn, constexprs: dict, signature: dict, **options) -> str:
 _PTRS = {"X": "*bf16", "S": "*fp32", "MN": "*fp32", "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT": "*i32"}
 
 
+def _ptxas_usage(ptx: str) -> tuple[int, int]:
+    """``(registers, spill bytes)`` of a kernel's PTX by Triton's bundled ptxas (sm_90a: what
+    Triton targets on the H200)."""
+    import re
+    import subprocess
+    import tempfile
+    from triton.backends.nvidia.compiler import get_ptxas
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        err = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
+                             capture_output=True, text=True, check=True).stderr
+    regs = int(re.search(r"Used (\d+) registers", err).group(1))
+    spills = sum(int(v) for v in re.findall(r"(\d+) bytes spill", err))
+    return regs, spills
+
+
+def _check_pdl(ptx: str) -> None:
+    import re
+    assert ptx.count("griddepcontrol.wait") == 1
+    before, after = ptx.split("griddepcontrol.wait", 1)
+    assert not re.search(r"\bst\.global|\batom\.|\bred\.|\bcp\.async", before)
+    assert "griddepcontrol.launch_dependents" in after
+
+
 @pytest.mark.parametrize("q4", [True, False], ids=["Q4", "Q8"])
-@pytest.mark.parametrize("variant", ["fma1", "fma4", "dot_bias", "gemm", "gemm_invariant", "take"])
+@pytest.mark.parametrize("variant", ["dot_bias", "gemm", "gemm_invariant", "take"])
 def test_kernels_compile_for_sm90(q4, variant):
     """Every kernel variant compiles for sm_90 with bf16 activations (what the H200 runs; the
     interpreter does not compile); the GEMV with PDL touches nothing before ``griddepcontrol.wait``
-    but its first weight tile (loads only: kernels/pdl.py's rule)."""
+    but its first weight tile (loads only: kernels/pdl.py's rule). The FMA GEMV: below."""
     import os
-    import re
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the interpreter compiles nothing")
     from monobatch.kernels import quant_gemm as Q
@@ -411,23 +521,50 @@ def test_kernels_compile_for_sm90(q4, variant):
         ptx = _sm90(Q._gemm_kernel, c, sig, num_warps=warps, num_stages=stages)
         assert "mma" in ptx
         return
-    dot = variant == "dot_bias"
-    bn, bk, _, warps, stages, _ = Q.gemv_config(4096, 4096, 16 if dot else (1 if variant == "fma1" else 4),
-                                                Q.Layout(q4, group))
-    c = dict(HAS_BIAS=dot, M_PAD=16 if dot else (1 if variant == "fma1" else 4), BLOCK_N=bn,
-             BW=bk // 2 if q4 else bk, STAGES=stages, DOT=dot, IEEE=False, Q4=q4, GROUP=group,
-             GATED=variant == "fma4")
+    bn, bk, _, warps, stages, _ = Q.gemv_config(4096, 4096, 16, Q.Layout(q4, group))
+    c = dict(HAS_BIAS=True, M_PAD=16, BLOCK_N=bn, BW=bk // 2 if q4 else bk, STAGES=stages, IEEE=False, Q4=q4,
+             GROUP=group, GATED=False)
     try:
         from triton.language.extra.cuda import gdc_wait  # noqa: F401  (Triton >= 3.4)
     except ImportError:
         ptx = _sm90(Q._gemv_kernel, {**c, "PDL": False}, sig, num_warps=warps)
         return
-    ptx = _sm90(Q._gemv_kernel, {**c, "PDL": True}, sig, num_warps=warps, launch_pdl=True)
-    assert ptx.count("griddepcontrol.wait") == 1
-    before, after = ptx.split("griddepcontrol.wait", 1)
-    assert not re.search(r"\bst\.global|\batom\.|\bred\.|\bcp\.async", before)
-    assert "griddepcontrol.launch_dependents" in after
+    _check_pdl(_sm90(Q._gemv_kernel, {**c, "PDL": True}, sig, num_warps=warps, launch_pdl=True))
     assert "griddepcontrol" not in _sm90(Q._gemv_kernel, {**c, "PDL": False}, sig, num_warps=warps)
+
+
+@pytest.mark.parametrize("layout", [(True, 32), (False, 32), (False, 16)], ids=["Q4", "Q8", "Q8_16"])
+@pytest.mark.parametrize("rows", [1, 2, 4, 8])
+def test_fma_gemv_compiles_for_sm90(layout, rows):
+    """The FMA GEMV at its default config for llama-1b's gate/up (rows 2: the gated input, bias)
+    compiles for sm_90 with no register spills, its packed bytes in 16-byte loads (``cp.async`` of
+    16 bytes into the pipeline's buffers, ``ld.global.v4`` for the tile before the loop), no
+    int-to-float conversion, and PDL's rule."""
+    import os
+    import re
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter compiles nothing")
+    from helpers import sm90_compile_problem
+    from monobatch.kernels import quant_gemm as Q
+    if Q.triton is None:
+        pytest.skip("Triton not installed")
+    if sm90_compile_problem():
+        pytest.skip(sm90_compile_problem())
+    q4, group = layout
+    bn, bk, _, warps, stages, dot = Q.gemv_config(16384, 2048, rows, Q.Layout(q4, group))
+    if dot:
+        pytest.skip("MONOBATCH_PACKED_GEMV=dot")
+    gb = 16 if q4 else group
+    c = dict(HAS_BIAS=rows == 2, ROWS=rows, M_PAD=Q._pow2(rows), BLOCK_N=bn, NG=bk // (2 if q4 else 1) // gb,
+             GB=gb, STAGES=stages, Q4=q4, GATED=rows == 2, PDL=True)
+    sig = {**_PTRS, "QS": "*u8" if q4 else "*i8"}
+    ptx = _sm90(Q._gemv_fma_kernel, c, sig, num_warps=warps, num_stages=stages, launch_pdl=True)
+    _check_pdl(ptx)
+    assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)  # the first tile's bytes
+    assert re.search(r"cp\.async\.cg\.shared\.global[^;]*, 0x10", ptx)  # the pipelined tiles', 16 B each
+    assert not re.search(r"cvt\.rn\.f32\.[su]32", ptx)  # the magic-number conversion only
+    regs, spills = _ptxas_usage(ptx)
+    assert spills == 0 and regs <= 255, (regs, spills)
 
 
 def test_random_packed_dummy_weights():

@@ -6,24 +6,39 @@ int8 ``[N, K]``; ``scale`` and ``minimum`` float32 ``[N, K/G]`` (G 32, or 16 for
 ``w = q * scale + min``. The weight is never materialised: each program loads a tile of the packed
 bytes and its groups' scales, dequantizes it in registers and multiplies it at once. Every GGUF
 type the CPU path packs (Q4_0, Q4_1, Q4_K -> Q4/32; Q8_0, Q5_0, Q5_K -> Q8/32; Q6_K -> Q8/16) runs
-through these two kernels; the layout's (Q4, G) are compile-time constants.
+through these kernels; the layout's (Q4, G) are compile-time constants.
 
 A Q4 tile is used in its byte order, not its column order: byte p of a row holds columns
 ``c = (p // 16) * 32 + p % 16`` (low nibble) and ``c + 16`` (high nibble), so the kernels load the
 activations at those two column sets and sum the two halves' products (the sum's order is fixed
 by the tile, like any other). No shuffle of nibbles into column order is needed.
 
-* :func:`gemv` (decode rows, M <= :data:`MAX_M`): ``[BLOCK_N, BLOCK_K]`` tiles streamed along K.
-  FMA path (M <= 4; not used: it gave wrong rows on the H200 at some tiles, see
-  :func:`gemv_config`, and :func:`gemv` refuses it on CUDA): the fp32 dequantized tile times each
-  row of x, one fp32 register accumulator per row, reduced over K after the loop. DOT path (every
-  M, 1..16): the tile rounded to x's dtype (bf16: the dequant path's weights exactly, which
-  are rounded to bf16 at load) times x^T padded to 16 columns on the tensor cores, fp32
-  accumulation. Split-K as :mod:`monobatch.kernels.gemv`'s (partials in a workspace, the last
-  slice of a tile sums them in slice order: deterministic), and PDL (the first weight tile is
-  loaded before :func:`monobatch.kernels.pdl.wait_prior`). One launch, no host sync, no
-  data-dependent allocation: CUDA-graph capturable. A gated input (SwiGLU's down projection) is
-  ``silu(gate) * up`` computed as it is loaded, with :func:`monobatch.kernels.fused.silu_mul`'s bits.
+* :func:`gemv` (decode rows, M <= :data:`MAX_M`), two variants (:func:`gemv_config` picks;
+  ``MONOBATCH_PACKED_GEMV=fma|dot``, read at import, :data:`VARIANT`, is the A/B switch):
+
+  - **FMA** (the default for M <= :data:`FMA_MAX_M` = 8; CUDA cores, meant to be bound by the
+    weight bytes): each program holds a ``[BLOCK_N, NG, GB]`` tile of packed bytes (GB: a group's
+    bytes, 16 for Q4's 32 weights, GROUP for Q8; one 16-byte load per group and row), kept 3-D
+    throughout (no ``tl.reshape``: the FMA variant before it reshaped that tile to
+    ``[BLOCK_N, NG * GB]`` and gave wrong rows on the H200 at some tiles, ADR 0006). The tile is
+    dequantized once a step in fp32 (``w = q * s + m`` with the group's scale and min broadcast
+    along GB; ``q * s`` is exact, so these are :func:`dequantize`'s float32 weights bit for bit),
+    then for each row of x (unrolled, one ``[BLOCK_N, NG]`` fp32 accumulator a row) multiplied by
+    x at the group's columns (``[NG, GB]``; Q4: the low and the high nibbles' two column sets) and
+    summed over GB within the thread; the accumulators are reduced over NG once, after the K loop.
+    **No weight is rounded to bf16**: the products are of bf16 (or fp32) activations and the exact
+    fp32 weights, so its results differ from the DOT path's and the dequantized bf16 path's by
+    the weights' bf16 rounding (they are closer to the fp32 product).
+  - **DOT** (every M, 1..16; the default above FMA_MAX_M): the ``[BLOCK_N, BLOCK_K]`` tile
+    rounded to x's dtype (bf16: the dequant path's weights exactly, which are rounded to bf16 at
+    load) times x^T padded to 16 columns on the tensor cores, fp32 accumulation.
+
+  Both: split-K as :mod:`monobatch.kernels.gemv`'s (partials in a workspace, the last slice of a
+  tile sums them in slice order: deterministic), and PDL (the first weight tile is loaded before
+  :func:`monobatch.kernels.pdl.wait_prior`). One launch, no host sync, no data-dependent
+  allocation: CUDA-graph capturable. A gated input (SwiGLU's down projection) is
+  ``silu(gate) * up`` computed as it is loaded, with :func:`monobatch.kernels.fused.silu_mul`'s
+  bits. The batch-invariant mode does not use either (below).
 * :func:`gemm` (prefill, large batches): ``[BM, BN]`` output tiles, K walked in ascending
   ``BK`` steps; each step dequantizes a ``[BN, BK]`` tile of W in registers (rounded to x's
   dtype) and ``tl.dot``-s it with the x tile into one fp32 accumulator. No split-K.
@@ -39,11 +54,15 @@ mantissa bits; subtracting ``2^23`` is exact), not by int-to-float instructions 
 FMA rate on Hopper).
 
 The configs are fixed functions of (N, K, M, layout) (:func:`gemv_config`, :func:`gemm_config`),
-never timed at run time: the GEMV's from one H200 sweep at M = 1 (``scripts/bench_packed_cuda.py
---sweep``), the GEMM's untuned.
+never timed at run time: the DOT GEMV's from one H200 sweep at M = 1 (``scripts/bench_packed_cuda.py
+--sweep``), the FMA GEMV's and the GEMM's untuned (``scripts/probe_quant_cuda.py`` checks the FMA
+GEMV at the model shapes and sweeps its configs).
 """
 
 from __future__ import annotations
+
+import os
+import sys
 
 import torch
 
@@ -57,6 +76,14 @@ if triton is not None:
 
 #: Most rows the GEMV takes; more go to the tiled GEMM.
 MAX_M = 16
+#: Most rows the FMA variant of the GEMV takes (and, by default, is given: :func:`gemv_config`).
+FMA_MAX_M = 8
+#: ``MONOBATCH_PACKED_GEMV`` (read once, at import): ``fma`` (the default: the FMA variant for
+#: M <= FMA_MAX_M, DOT above) or ``dot`` (the DOT variant for every M; the A/B switch).
+VARIANT = os.environ.get("MONOBATCH_PACKED_GEMV", "fma")
+if VARIANT not in ("fma", "dot"):
+    print(f"monobatch: warning: MONOBATCH_PACKED_GEMV={VARIANT!r} is not one of fma, dot: using fma", file=sys.stderr)
+    VARIANT = "fma"
 #: ``(BM, BN, BK, num_warps, num_stages)`` of every product in batch-invariant mode, any M.
 INVARIANT_TILE = (16, 32, 64, 4, 3)
 
@@ -65,20 +92,28 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def gemv_config(N: int, K: int, M: int, layout: Layout) -> tuple[int, int, int, int, int, bool]:
+def gemv_config(N: int, K: int, M: int, layout: Layout,
+                variant: str | None = None) -> tuple[int, int, int, int, int, bool]:
     """``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, DOT)`` for an ``[M, K] x [N, K]^T``
-    product on ``layout`` (BLOCK_K in weights, a multiple of 32). From the H200 sweep of
-    2026-12-01 (``scripts/bench_packed_cuda.py --sweep``, llama-1b's five weight shapes at M = 1,
-    docs/benchmarks): 64-row tiles of 128 weights, K in 4 slices, 4 stages, were the fastest for
-    the Q4 layout at every shape (1.4-1.7x the earlier 32 x 256 tiles) and for Q8_0's qkv and o
-    (its down projection was 18 % faster still with 32 x 128 tiles in 8 slices); wider 8-bit
-    outputs (gate/up, the LM head) took 256-weight steps without a split. Q6_K's layout (8-bit,
-    16-weight groups) was not swept and takes the 8-bit rule. Every M takes the DOT variant
-    (below)."""
-    # The FMA variant (M <= 4 without tensor cores) gave wrong rows on the H200 for some tiles
-    # (2026-12-01, scripts/probe_quant_cuda.py: M = 1 at 64x512 for every type, at 3072x2048 for
-    # the 8-bit layouts), though it is right in the interpreter; until that is understood every M
-    # takes the DOT variant (an M = 1 row padded to 16), which was right at every shape probed.
+    product on ``layout`` (BLOCK_K in weights, a power of two times 32). ``DOT`` False: the FMA
+    variant (CUDA cores), taken for M <= :data:`FMA_MAX_M` unless ``MONOBATCH_PACKED_GEMV=dot``
+    (:data:`VARIANT`; ``variant`` "fma" or "dot" overrides it, for A/B runs); else the DOT
+    variant (tensor cores, x^T padded to 16 columns).
+
+    DOT configs: from the H200 sweep of 2026-12-01 (``scripts/bench_packed_cuda.py --sweep``,
+    llama-1b's five weight shapes at M = 1, docs/benchmarks): 64-row tiles of 128 weights, K in 4
+    slices, 4 stages, were the fastest for the Q4 layout at every shape and for Q8_0's qkv and o;
+    wider 8-bit outputs (gate/up, the LM head) took 256-weight steps without a split. FMA configs:
+    untuned (to be measured: ``scripts/probe_quant_cuda.py``'s sweep): 32-row tiles of 128
+    packed bytes a step (256 weights for Q4, 128 for Q8; half that for M > 4, where the Q4 tile's
+    fp32 weights and 8 accumulators spill at 128 bytes), K split until the grid has ~528 programs
+    (4 a streaming multiprocessor on the H200's 132)."""
+    if (variant or VARIANT) == "fma" and M <= FMA_MAX_M:
+        block_n, block_k = 32, (256 if layout.q4 else 128) if M <= 4 else (128 if layout.q4 else 64)
+        block_k = max(32, min(block_k, _pow2(K)))
+        steps = -(-K // block_k)
+        splits = max(1, min(steps, -(-528 // -(-N // block_n))))
+        return block_n, block_k, splits, 4, 3, False
     wide_q8 = not layout.q4 and N > 8192
     block_n, block_k, splits, warps, stages = (64, 256, 1, 4, 3) if wide_q8 else (64, 128, 4, 4, 4)
     block_k = max(32, min(block_k, _pow2(K)))
@@ -147,48 +182,31 @@ if triton is not None:
             return p
 
     @triton.jit
-    def _fma_row(acc, lo, hi, X, row, M, K, stride_xm, col, cmask, Q4: tl.constexpr, GATED: tl.constexpr):
-        xm = cmask & (col * 0 + row < M)
-        xr = _load_x(X + row * stride_xm + col, xm, K, GATED).to(tl.float32)
-        acc += lo * xr[None, :]
-        if Q4:
-            xh = _load_x(X + row * stride_xm + col + 16, xm, K, GATED).to(tl.float32)
-            acc += hi * xh[None, :]
-        return acc
-
-    @triton.jit
-    def _gemv_step(acc, acc0, acc1, acc2, acc3, lo, hi, X, col, cmask, mmask, offs_m, M, K, stride_xm,
-                   M_PAD: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, Q4: tl.constexpr, GATED: tl.constexpr):
-        if DOT:
-            xp = X + offs_m[None, :] * stride_xm + col[:, None]  # x^T at these columns [BW, M_PAD]
-            xm = cmask[:, None] & mmask[None, :]
-            xt = _load_x(xp, xm, K, GATED)
-            if IEEE:
-                acc = tl.dot(lo, xt, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(lo.to(xt.dtype), xt, acc)
-            if Q4:
-                xt = _load_x(xp + 16, xm, K, GATED)
-                if IEEE:
-                    acc = tl.dot(hi, xt, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(hi.to(xt.dtype), xt, acc)
+    def _gemv_step(acc, lo, hi, X, col, cmask, mmask, offs_m, K, stride_xm, IEEE: tl.constexpr, Q4: tl.constexpr,
+                   GATED: tl.constexpr):
+        # DOT: the tile times x^T at these columns [BW, M_PAD] on the tensor cores
+        xp = X + offs_m[None, :] * stride_xm + col[:, None]
+        xm = cmask[:, None] & mmask[None, :]
+        xt = _load_x(xp, xm, K, GATED)
+        if IEEE:
+            acc = tl.dot(lo, xt, acc, input_precision="ieee")
         else:
-            acc0 = _fma_row(acc0, lo, hi, X, 0, M, K, stride_xm, col, cmask, Q4, GATED)
-            if M_PAD > 1:
-                acc1 = _fma_row(acc1, lo, hi, X, 1, M, K, stride_xm, col, cmask, Q4, GATED)
-            if M_PAD > 2:
-                acc2 = _fma_row(acc2, lo, hi, X, 2, M, K, stride_xm, col, cmask, Q4, GATED)
-                acc3 = _fma_row(acc3, lo, hi, X, 3, M, K, stride_xm, col, cmask, Q4, GATED)
-        return acc, acc0, acc1, acc2, acc3
+            acc = tl.dot(lo.to(xt.dtype), xt, acc)
+        if Q4:
+            xt = _load_x(xp + 16, xm, K, GATED)
+            if IEEE:
+                acc = tl.dot(hi, xt, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(hi.to(xt.dtype), xt, acc)
+        return acc
 
     @triton.jit(do_not_specialize=["M", "splits"])
     def _gemv_kernel(X, QS, S, MN, B, Y, WS, CNT, M, N, K, NB, b_per, splits, stride_xm, stride_qn, stride_sn,
                      stride_ym, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BW: tl.constexpr,
-                     STAGES: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, Q4: tl.constexpr,
-                     GROUP: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
-        # NB: bytes of a row (K / 2 for Q4, K for Q8); BW: bytes a K step (BLOCK_K / 2 or BLOCK_K);
-        # b_per: bytes a K slice. Positions p are bytes.
+                     STAGES: tl.constexpr, IEEE: tl.constexpr, Q4: tl.constexpr, GROUP: tl.constexpr,
+                     GATED: tl.constexpr, PDL: tl.constexpr):
+        # The DOT variant. NB: bytes of a row (K / 2 for Q4, K for Q8); BW: bytes a K step
+        # (BLOCK_K / 2 or BLOCK_K); b_per: bytes a K slice. Positions p are bytes.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -203,29 +221,136 @@ if triton is not None:
         s_rows = S + rows * stride_sn
         m_rows = MN + rows * stride_sn
         acc = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-        acc0 = tl.zeros((BLOCK_N, BW), tl.float32)  # FMA: one 2D accumulator per row of x
-        acc1, acc2, acc3 = acc0, acc0, acc0
         # The first W tile is loaded before the PDL wait (no kernel writes weights), x after it.
         p = b_lo + offs_b
         pmask = p < b_hi
         lo, hi = _w_tile(q_rows, s_rows, m_rows, nmask, b_lo, b_hi, BLOCK_N, BW, Q4, GROUP)
         pdl.wait_prior(PDL)
-        acc, acc0, acc1, acc2, acc3 = _gemv_step(acc, acc0, acc1, acc2, acc3, lo, hi, X, _cols(p, Q4), pmask,
-                                                 mmask, offs_m, M, K, stride_xm, M_PAD, DOT, IEEE, Q4, GATED)
+        acc = _gemv_step(acc, lo, hi, X, _cols(p, Q4), pmask, mmask, offs_m, K, stride_xm, IEEE, Q4, GATED)
         for b in tl.range(b_lo + BW, b_hi, BW, num_stages=STAGES):
             p = b + offs_b
             pmask = p < b_hi
             lo, hi = _w_tile(q_rows, s_rows, m_rows, nmask, b, b_hi, BLOCK_N, BW, Q4, GROUP)
-            acc, acc0, acc1, acc2, acc3 = _gemv_step(acc, acc0, acc1, acc2, acc3, lo, hi, X, _cols(p, Q4), pmask,
-                                                     mmask, offs_m, M, K, stride_xm, M_PAD, DOT, IEEE, Q4,
-                                                     GATED)
-        if not DOT:  # reduce over K once; column m of acc <- row m of x
-            acc = tl.where(offs_m[None, :] == 0, tl.sum(acc0, 1)[:, None], acc)
-            if M_PAD > 1:
-                acc = tl.where(offs_m[None, :] == 1, tl.sum(acc1, 1)[:, None], acc)
-            if M_PAD > 2:
-                acc = tl.where(offs_m[None, :] == 2, tl.sum(acc2, 1)[:, None], acc)
-                acc = tl.where(offs_m[None, :] == 3, tl.sum(acc3, 1)[:, None], acc)
+            acc = _gemv_step(acc, lo, hi, X, _cols(p, Q4), pmask, mmask, offs_m, K, stride_xm, IEEE, Q4, GATED)
+        split_k_store(acc, WS, CNT, B, Y, M, N, pid_n, pid_k, splits, offs_m, offs_n, mmask, nmask, stride_ym, HAS_BIAS)
+
+    @triton.jit
+    def _fma_load(q_rows, s_rows, m_rows, nmask, g, g_hi, GB: tl.constexpr):
+        # The packed bytes [BN, NG, GB] of groups g [NG] (GB bytes a group: one 16-byte vector load
+        # per group and row for Q4 and Q8/16, two for Q8/32) and their scales and mins [BN, NG].
+        # Kept 3-D: no reshape (the old FMA variant's [BN, NG, GB] -> [BN, NG * GB] reshape was
+        # the suspect of its wrong rows on sm_90).
+        gmask = nmask[:, None] & (g < g_hi)[None, :]
+        off = (g * GB)[None, :, None] + tl.arange(0, GB)[None, None, :]
+        raw = tl.load(q_rows[:, None, None] + off, mask=gmask[:, :, None], other=0)
+        s = tl.load(s_rows[:, None] + g[None, :], mask=gmask, other=0.0)
+        m = tl.load(m_rows[:, None] + g[None, :], mask=gmask, other=0.0)
+        return raw, s, m
+
+    @triton.jit
+    def _fma_row(acc, wlo, whi, X, row: tl.constexpr, stride_xm, col, xmask, K, Q4: tl.constexpr,
+                 GATED: tl.constexpr):
+        # acc [BN, NG] += each group's sum_j w_j x_j over the tile [BN, NG, GB] (fp32 products of the
+        # exact fp32 weights and this row's x at the group's columns [NG, GB]; Q4: the low nibbles'
+        # columns, the high nibbles' are +16). The sum over a group's GB bytes is within a thread.
+        xp = X + row * stride_xm + col
+        xl = _load_x(xp, xmask, K, GATED).to(tl.float32)
+        d = tl.sum(wlo * xl[None, :, :], axis=2)
+        if Q4:
+            xh = _load_x(xp + 16, xmask, K, GATED).to(tl.float32)
+            d += tl.sum(whi * xh[None, :, :], axis=2)
+        return acc + d
+
+    @triton.jit
+    def _fma_step(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, raw, s, m, X, g, g_hi, stride_xm, K,
+                  ROWS: tl.constexpr, Q4: tl.constexpr, GB: tl.constexpr, GATED: tl.constexpr):
+        # one K step of every row (ROWS <= 8, unrolled: one [BN, NG] accumulator a row); the tile is
+        # dequantized once, w = q * s + m in fp32 (q * s exact: the bits of dequantize()'s float32)
+        u = raw.to(tl.int32)
+        s3 = s[:, :, None]
+        m3 = m[:, :, None]
+        if Q4:
+            wlo = _small_int_to_float(u & 15) * s3 + m3
+            whi = _small_int_to_float(u >> 4) * s3 + m3
+            col = (g * 32)[:, None] + tl.arange(0, GB)[None, :]  # group g's bytes hold columns 32g + j (+16)
+        else:  # int8 q: 2^23 + q + 128 as its bits, minus 2^23 + 128 (exact)
+            wlo = (((u + 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0) * s3 + m3
+            whi = wlo
+            col = (g * GB)[:, None] + tl.arange(0, GB)[None, :]
+        xmask = (g < g_hi)[:, None] & (tl.arange(0, GB) < GB)[None, :]
+        acc0 = _fma_row(acc0, wlo, whi, X, 0, stride_xm, col, xmask, K, Q4, GATED)
+        if ROWS > 1:
+            acc1 = _fma_row(acc1, wlo, whi, X, 1, stride_xm, col, xmask, K, Q4, GATED)
+        if ROWS > 2:
+            acc2 = _fma_row(acc2, wlo, whi, X, 2, stride_xm, col, xmask, K, Q4, GATED)
+        if ROWS > 3:
+            acc3 = _fma_row(acc3, wlo, whi, X, 3, stride_xm, col, xmask, K, Q4, GATED)
+        if ROWS > 4:
+            acc4 = _fma_row(acc4, wlo, whi, X, 4, stride_xm, col, xmask, K, Q4, GATED)
+        if ROWS > 5:
+            acc5 = _fma_row(acc5, wlo, whi, X, 5, stride_xm, col, xmask, K, Q4, GATED)
+        if ROWS > 6:
+            acc6 = _fma_row(acc6, wlo, whi, X, 6, stride_xm, col, xmask, K, Q4, GATED)
+        if ROWS > 7:
+            acc7 = _fma_row(acc7, wlo, whi, X, 7, stride_xm, col, xmask, K, Q4, GATED)
+        return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+    @triton.jit
+    def _put_row(acc, part, offs_m, row: tl.constexpr):
+        # column ``row`` of the [BN, M_PAD] output tile <- the row's accumulator summed over groups
+        return tl.where(offs_m[None, :] == row, tl.sum(part, axis=1)[:, None], acc)
+
+    @triton.jit(do_not_specialize=["M", "splits"])
+    def _gemv_fma_kernel(X, QS, S, MN, B, Y, WS, CNT, M, N, K, NG_ROW, g_per, splits, stride_xm, stride_qn,
+                         stride_sn, stride_ym, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, M_PAD: tl.constexpr,
+                         BLOCK_N: tl.constexpr, NG: tl.constexpr, GB: tl.constexpr, STAGES: tl.constexpr,
+                         Q4: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+        # The FMA variant (CUDA cores, M = ROWS <= 8). Positions are groups of GB packed bytes
+        # (GB 16 for Q4: 32 weights; GROUP bytes for Q8): NG_ROW groups a row, NG a K step, g_per a
+        # K slice. Each group's scale and min apply once to its integer-weighted sum of x.
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, M_PAD)
+        offs_g = tl.arange(0, NG)
+        nmask = offs_n < N
+        mmask = offs_m < M
+        g_lo = pid_k * g_per
+        g_hi = tl.minimum(g_lo + g_per, NG_ROW)
+        rows = offs_n.to(tl.int64)
+        q_rows = QS + rows * stride_qn
+        s_rows = S + rows * stride_sn
+        m_rows = MN + rows * stride_sn
+        acc0 = tl.zeros((BLOCK_N, NG), tl.float32)
+        acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
+        # The first W tile is loaded before the PDL wait (no kernel writes weights), x after it.
+        g = g_lo + offs_g
+        raw, s, m = _fma_load(q_rows, s_rows, m_rows, nmask, g, g_hi, GB)
+        pdl.wait_prior(PDL)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _fma_step(
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, raw, s, m, X, g, g_hi, stride_xm, K, ROWS, Q4, GB, GATED)
+        for g0 in tl.range(g_lo + NG, g_hi, NG, num_stages=STAGES):
+            g = g0 + offs_g
+            raw, s, m = _fma_load(q_rows, s_rows, m_rows, nmask, g, g_hi, GB)
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _fma_step(
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, raw, s, m, X, g, g_hi, stride_xm, K, ROWS, Q4, GB,
+                GATED)
+        acc = tl.zeros((BLOCK_N, M_PAD), tl.float32)  # reduce over the groups once; column r <- row r
+        acc = _put_row(acc, acc0, offs_m, 0)
+        if ROWS > 1:
+            acc = _put_row(acc, acc1, offs_m, 1)
+        if ROWS > 2:
+            acc = _put_row(acc, acc2, offs_m, 2)
+        if ROWS > 3:
+            acc = _put_row(acc, acc3, offs_m, 3)
+        if ROWS > 4:
+            acc = _put_row(acc, acc4, offs_m, 4)
+        if ROWS > 5:
+            acc = _put_row(acc, acc5, offs_m, 5)
+        if ROWS > 6:
+            acc = _put_row(acc, acc6, offs_m, 6)
+        if ROWS > 7:
+            acc = _put_row(acc, acc7, offs_m, 7)
         split_k_store(acc, WS, CNT, B, Y, M, N, pid_n, pid_k, splits, offs_m, offs_n, mmask, nmask, stride_ym, HAS_BIAS)
 
     @triton.jit
@@ -349,12 +474,14 @@ def gemv(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.
         out: write here instead (``[M, N]``, unit stride along N; a column slice of a wider
             output is fine); its dtype wins over ``out_dtype``.
         config: ``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, DOT)``; None: :func:`gemv_config`.
+            DOT False: the FMA variant (M <= :data:`FMA_MAX_M`; BLOCK_K of Q8/32 at least 32 weights,
+            a step of whole groups).
 
     Returns:
         ``[M, N]``, fp32 accumulation.
 
     Raises:
-        RuntimeError: no Triton. ValueError: shapes that do not fit, M > MAX_M, an FMA config with M > 4.
+        RuntimeError: no Triton. ValueError: shapes that do not fit, M > MAX_M, an FMA config with M > FMA_MAX_M.
     """
     N, K = _check(x, qs, scale, layout, gated)
     M = x.shape[0]
@@ -364,25 +491,32 @@ def gemv(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.
     if M == 0 or N == 0:
         return y
     block_n, block_k, splits, warps, stages, dot = config or gemv_config(N, K, M, layout)
-    if not dot and M > 4:
-        raise ValueError("FMA configs take M <= 4 rows")
-    if not dot and x.is_cuda:
-        raise ValueError("the FMA variant gives wrong rows on sm_90 (ADR 0006, CUDA): use a DOT config")
-    if block_k % 32:
-        raise ValueError("BLOCK_K must be a multiple of 32")
+    if not dot and M > FMA_MAX_M:
+        raise ValueError(f"FMA configs take M <= {FMA_MAX_M} rows")
+    per_byte = 2 if layout.q4 else 1
+    bw = block_k // per_byte
+    if block_k % 32 or bw & (bw - 1) or block_n & (block_n - 1):
+        raise ValueError("BLOCK_K must be a power of two times 32, BLOCK_N a power of two")
     x = x if x.stride(1) == 1 else x.contiguous()
     k_per, splits = _slices(K, block_k, splits)
-    per_byte = 2 if layout.q4 else 1
     tiles = -(-N // block_n)
     ws = torch.empty((splits, M, N) if splits > 1 else (1,), dtype=torch.float32, device=x.device)
     cnt = counters(x.device, tiles) if splits > 1 else COUNTERS.get(x.device)
     cnt = ws.new_empty(1, dtype=torch.int32) if cnt is None else cnt  # unused without split-K
+    b = y if bias is None else bias.contiguous()
+    if not dot:
+        gb = 16 if layout.q4 else layout.group  # bytes a group
+        _gemv_fma_kernel[(tiles, splits)](
+            x, qs, scale, minimum, b, y, ws, cnt, M, N, K, K // per_byte // gb, k_per // per_byte // gb, splits,
+            x.stride(0), qs.stride(0), scale.stride(0), y.stride(0), HAS_BIAS=bias is not None, ROWS=M,
+            M_PAD=_pow2(M), BLOCK_N=block_n, NG=max(1, bw // gb), GB=gb, STAGES=stages, Q4=layout.q4, GATED=gated,
+            num_warps=warps, num_stages=stages, **pdl.launch(x.device))
+        return y
     _gemv_kernel[(tiles, splits)](
-        x, qs, scale, minimum, y if bias is None else bias.contiguous(), y, ws, cnt, M, N, K, K // per_byte,
-        k_per // per_byte, splits,
+        x, qs, scale, minimum, b, y, ws, cnt, M, N, K, K // per_byte, k_per // per_byte, splits,
         x.stride(0), qs.stride(0), scale.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-        M_PAD=16 if dot else _pow2(M), BLOCK_N=block_n, BW=block_k // 2 if layout.q4 else block_k, STAGES=stages,
-        DOT=bool(dot), IEEE=x.dtype == torch.float32, Q4=layout.q4, GROUP=layout.group, GATED=gated,
+        M_PAD=16, BLOCK_N=block_n, BW=bw, STAGES=stages,
+        IEEE=x.dtype == torch.float32, Q4=layout.q4, GROUP=layout.group, GATED=gated,
         num_warps=warps, num_stages=stages, **pdl.launch(x.device))
     return y
 
