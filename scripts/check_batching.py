@@ -6,14 +6,18 @@ alone, the first divergent index and the top-2 logit margin there. Where CUDA gr
 (CUDA, paged, default mode), graph-replayed decode steps against eager ones, alone and batched.
 ``--shape NAME``: random weights of a named shape instead of a checkpoint (no model file needed).
 ``--deterministic``: the deterministic-mode checks only. ``--long``: also long prompts whose rows
-cross deterministic mode's KV split sizes (kernels/varlen_attention.py: 64 keys a split to 2,048,
-then 128, 256 from 4,096, ...): alone / batched / chunked / on a pool small enough to preempt,
+cross deterministic mode's KV split sizes (:func:`long_lengths`: the positions where
+``kernels.varlen_attention.split_size`` changes, taken from that function itself, so they follow
+``MONOBATCH_DET_SPLIT``; with the default ``128,32``, 128 keys a split up to position 4,095, 256
+from 4,096, 512 from 8,192): alone / batched / chunked / on a pool small enough to preempt,
 on both storages, ids and logprobs bit for bit; and each continued as a new prompt (its
 generated tokens, first computed as decode rows, recomputed as prompt rows, cold and on a
 prefix-cache hit) giving the rest of the same tokens and logprobs.
 
     PYTHONPATH=src python3 scripts/check_batching.py --model SmolLM2-135M-Instruct.Q4_1.gguf --device cuda
     PYTHONPATH=src python3 scripts/check_batching.py --shape llama-1b --device cuda --deterministic --long
+    # a quick run on CPU: split changes at 128 and 256 keys, so the long prompts are short
+    MONOBATCH_DET_SPLIT=128,1 PYTHONPATH=src python3 scripts/check_batching.py --device cpu --deterministic --long -n 8
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import random
 
 from monobatch import LLM, SamplingParams
 from monobatch.engine.engine import Engine
+from monobatch.kernels.varlen_attention import SPLIT_MIN, SPLIT_PARTS, split_size
 from monobatch.loader import load_model
 from monobatch.loader.dummy import dummy_model
 
@@ -63,19 +68,43 @@ def deterministic_checks(report: dict, run, a, b, loaded, greedy) -> None:
     report["deterministic_prefix_hit_divergence"] = divergences(Engine(loaded), [b], [cold], [warm.outputs[0].token_ids])
 
 
-#: --long's prompt lengths: rows on both sides of the split size changes at 2,048 and 4,096 keys
-#: (decode crosses them too), a short one beside them, one past 8,192 where the context allows.
-LONG_LENGTHS = (2040, 4090, 700, 3000, 8200)
+#: --long straddles this many of the first split size changes (4,096 and 8,192 keys by default).
+LONG_SPLIT_CHANGES = 2
+#: --long's short prompt, batched beside the long ones.
+LONG_SHORT = 700
+
+
+def split_changes(end: int, windows=(0,)) -> list[int]:
+    """Positions ``p < end`` whose deterministic KV split size differs from position ``p - 1``'s on
+    some layer (``kernels.varlen_attention.split_size``, the kernel's own rule, under this
+    process's ``MONOBATCH_DET_SPLIT``; ``windows``: the layers' sliding windows, 0 for none)."""
+    return sorted({p for w in set(windows) or {0} for p in range(1, end)
+                   if split_size(p, w) != split_size(p - 1, w)})
+
+
+def long_lengths(limit: int, n: int, windows=(0,)) -> list[int]:
+    """--long's prompt lengths (at most ``limit``, for ``n`` generated tokens): for each of the
+    first :data:`LONG_SPLIT_CHANGES` split size changes ``c``, a prompt ending ``n // 2`` before
+    it (its decode rows cross ``c``) and one ending ``n // 2`` past it (its prompt rows straddle
+    ``c``), and a short one beside them; just ``limit`` when the context reaches no change."""
+    lengths = [min(LONG_SHORT, limit)]
+    for c in split_changes(limit + n, windows)[:LONG_SPLIT_CHANGES]:
+        lengths += [m for m in (c - n // 2, c + n // 2) if 0 < m <= limit and m not in lengths]
+    return lengths if len(lengths) > 1 else [limit]
 
 
 def long_checks(loaded, n: int, rng: random.Random) -> dict:
     """--long (deterministic mode): see the module docstring. Returns the report's entries."""
     limit = loaded.model.args.max_position_embeddings - n - 1
-    lengths = [m for m in LONG_LENGTHS if m <= limit] or [limit]
+    windows = loaded.model.args.layer_windows()
+    lengths = long_lengths(limit, n, windows)
     vocab = loaded.tokenizer.vocab_size
     prompts = [[rng.randrange(1, vocab) for _ in range(m)] for m in lengths]
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0)
-    report: dict = {"long_prompt_lengths": lengths}
+    report: dict = {"long_prompt_lengths": lengths, "long_split": [SPLIT_MIN, SPLIT_PARTS],
+                    "long_split_changes": split_changes(limit + n, windows)[:LONG_SPLIT_CHANGES],
+                    # keys a split at each prompt's first decode row and at its last row (full-attention layers)
+                    "long_split_sizes": [[split_size(m), split_size(m + n - 1)] for m in lengths]}
 
     def gen(llm, ps):
         return [(o.outputs[0].token_ids, [lp for _, lp, _ in o.outputs[0].logprobs])

@@ -485,3 +485,263 @@ def test_padded_logit_columns_and_a_grammar(loaded):
     for token in sampler.draw(logits, states).tolist():
         assert token < tok.vocab_size and tok.decode([token]) in ("y", "n", "yes", "no", "ye")
     assert sampler.sample(logits, states).token_ids[0] < tok.vocab_size
+
+
+# -- async scheduling: void rows meet aborts, preemption, a finish on the corrected token ------------
+def _req(rid, prompt, structured=None, **fields):
+    """:func:`_request` that computes its whole prompt (no prefix-cache sharing between rows, so
+    a sequence's KV blocks are its own and their count is exact)."""
+    req = _request(rid, prompt, structured, **fields)
+    req.bypass_prefix_cache = True
+    return req
+
+
+def _void_seqs(sched):
+    """After a step: the running sequences whose row in the step in flight is void."""
+    p = sched._pending
+    return [] if p is None else [p.rows[r] for r in sorted(p.void) if not p.rows[r].is_finished]
+
+
+def _held_blocks(sched, seq):
+    return sum(b is not None for b in sched.kv.block_table(seq.seq_id))
+
+
+def _step_until_void(sched, outs, seen):
+    """Step until the step in flight has a void row; returns its sequence."""
+    while sched.has_unfinished():
+        for o in sched.step():
+            outs.setdefault(o.request_id, []).append(o)
+        void = _void_seqs(sched)
+        if void:
+            assert seen["corrected"], seen  # a refused draw was redrawn; the row launched on it is void
+            return void[0]
+    raise AssertionError(f"no void row in the whole run: {seen}")
+
+
+def _drain(sched, outs):
+    while sched.has_unfinished():
+        for o in sched.step():
+            outs.setdefault(o.request_id, []).append(o)
+
+
+def _tokens(outs, rid):
+    return [t for o in outs[rid] for t in o.token_ids]
+
+
+def _pool_is_whole(sched):
+    pool = sched.kv.blocks.pool
+    assert sched.kv.usage().used_blocks == 0 and pool.num_available == pool.num_blocks
+    assert sched.kv.num_sequences() == 0 and not sched.has_unfinished()
+
+
+@pytest.fixture(scope="module")
+def void_requests(prompt, loaded):
+    from monobatch.bench import CONSTRAINED_SCHEMA
+    from monobatch.engine.constraint import StructuredOutput
+
+    other = loaded.tokenizer.encode_chat([{"role": "user", "content": "Name three colours."}])
+
+    def requests():
+        return [_req("long", prompt, StructuredOutput.json_schema(CONSTRAINED_SCHEMA), max_tokens=40),
+                _req("long2", other, StructuredOutput.json_schema(CONSTRAINED_SCHEMA), max_tokens=40),
+                _req("json", prompt, StructuredOutput.json_schema(SCHEMAS[19][0]), max_tokens=30),
+                _req("free", other, max_tokens=24, ignore_eos=True)]
+    return requests
+
+
+def test_abort_of_a_sequence_whose_ahead_row_is_void(make_scheduler, void_requests):
+    """A request aborted while the step in flight holds a void row for it: its KV blocks are freed
+    at once, its last output is the abort (nothing after), the other rows' tokens are unchanged
+    (deterministic mode: a row's tokens do not depend on its neighbours), nothing leaks."""
+    sched = make_scheduler(async_scheduling=True, deterministic=True)
+    seen = _spy_async(sched)
+    for req in void_requests():
+        sched.add_request(req)
+    outs: dict = {}
+    victim = _step_until_void(sched, outs, seen)
+    others = [r.request_id for r in void_requests() if r.request_id != victim.request_id]
+    ref = _run(make_scheduler(async_scheduling=False, deterministic=True),
+               [r for r in void_requests() if r.request_id in others])
+    full = _run(make_scheduler(async_scheduling=False, deterministic=True),
+                [r for r in void_requests() if r.request_id == victim.request_id])[victim.request_id]
+    used, held = sched.kv.usage().used_blocks, _held_blocks(sched, victim)
+    assert held > 0 and sched.abort(victim.request_id)
+    assert sched.kv.block_table(victim.seq_id) == [] and sched.kv.usage().used_blocks == used - held
+    before = len(outs.get(victim.request_id, []))
+    _drain(sched, outs)
+    mine = outs[victim.request_id]
+    assert [o.finish_reason.value if o.finished else None for o in mine[before:]] == ["abort"]
+    assert not mine[-1].token_ids and _tokens(outs, victim.request_id) == full[1][:len(_tokens(outs, victim.request_id))]
+    for rid in others:
+        assert (_tokens(outs, rid), outs[rid][-1].finish_reason.value) == ref[rid][1:], rid
+    _pool_is_whole(sched)
+
+
+def test_preempting_a_sequence_whose_ahead_row_is_void(make_scheduler, void_requests):
+    """Preempted (recompute) while its row in the step in flight is void: the pending step is
+    resolved first, the sequence's KV is freed, and once re-admitted it continues where it was:
+    every request's tokens equal the synchronous loop's."""
+    ref = _run(make_scheduler(async_scheduling=False, deterministic=True), void_requests())
+    sched = make_scheduler(async_scheduling=True, deterministic=True)
+    seen = _spy_async(sched)
+    for req in void_requests():
+        sched.add_request(req)
+    outs: dict = {}
+    victim = _step_until_void(sched, outs, seen)
+    assert sched.preempt(victim.request_id)
+    assert sched.kv.block_table(victim.seq_id) == [] and victim in sched.waiting and victim.num_computed == 0
+    _drain(sched, outs)
+    assert sched.stats().num_preemptions == 1
+    for rid in ref:
+        assert (_tokens(outs, rid), outs[rid][-1].finish_reason.value) == ref[rid][1:], rid
+    _pool_is_whole(sched)
+
+
+def test_kv_pressure_preempts_through_void_rows(make_scheduler, void_requests):
+    """A pool too small for every request: the ahead step cannot reserve, the planned step
+    preempts the newest sequence, while refusals keep voiding rows. Same tokens as the
+    synchronous loop on the same pool; every block comes back."""
+    small = dict(deterministic=True, max_model_len=128, block_size=16)
+    probe = make_scheduler(**small)
+    small["kv_cache_memory"] = 12 * probe.kv.block_bytes  # 192 tokens for four answers of ~80
+    ref_sched = make_scheduler(async_scheduling=False, **small)
+    ref = _run(ref_sched, void_requests())
+    sched = make_scheduler(async_scheduling=True, **small)
+    seen = _spy_async(sched)
+    preempted = []
+    real_preempt = sched.preempt
+
+    def preempt(rid):
+        seq = sched._find(rid)
+        preempted.append((rid, seq.num_computed < seq.num_tokens))
+        return real_preempt(rid)
+
+    sched.preempt = preempt
+    got = _run(sched, void_requests())
+    assert sched.stats().num_preemptions > 0 and seen["corrected"] and seen["void"], (preempted, seen)
+    assert got == ref
+    _pool_is_whole(sched)
+
+
+def test_a_corrected_token_that_ends_the_sequence(make_scheduler, prompt):
+    """The redrawn (corrected) token ends its sequence — the grammar's end, a stop string, or
+    max_tokens — while the step launched on the refused draw is in flight (its row is void):
+    nothing is emitted after the finish, and the tokens equal the synchronous loop's."""
+    from monobatch.engine.constraint import StructuredOutput
+
+    schema = StructuredOutput.json_schema(SCHEMAS[19][0])
+
+    def requests():
+        return [_request("choice", prompt, StructuredOutput.choice(["yes", "no"]), max_tokens=10),
+                _request("stop", prompt, schema, max_tokens=40, stop=["country"]),
+                _request("length", prompt, schema, max_tokens=6),
+                _request("json", prompt, schema, max_tokens=30)]
+
+    sync = _run(make_scheduler(async_scheduling=False), requests())
+    sched = make_scheduler(async_scheduling=True)
+    seen = _spy_async(sched)
+    ended = []
+    real_finish = sched._finish_pending
+
+    def finish_pending(pending, ahead=None):
+        out = real_finish(pending, ahead)
+        for r in pending.corrected:
+            seq = pending.rows[r]
+            if seq.is_finished:
+                ended.append((seq.request_id, seq.finish_reason.value, ahead is not None and r in ahead.void))
+        return out
+
+    sched._finish_pending = finish_pending
+    outs: dict = {}
+    for req in requests():
+        sched.add_request(req)
+    _drain(sched, outs)
+    # the choice's "no" and the stop string's token were redraws, each with the ahead step in flight;
+    # max_tokens on a redraw launches no step ahead (the pending step is the sequence's last)
+    assert ("choice", "stop", True) in ended and ("stop", "stop", True) in ended, (ended, seen)
+    assert ("length", "length", False) in ended, (ended, seen)
+    for rid, (text, ids, reason) in sync.items():
+        mine = outs[rid]
+        assert [o.finished for o in mine].index(True) == len(mine) - 1, rid  # the finish is the last output
+        assert ("".join(o.text for o in mine), _tokens(outs, rid), mine[-1].finish_reason.value) == (text, ids, reason)
+    assert sync["stop"][2] == "stop" and "country" not in sync["stop"][0]
+    _pool_is_whole(sched)
+
+
+def test_void_recomputes_are_not_counted_as_steps(make_scheduler, prompt):
+    """Batch evidence (``shared_steps``) counts a request's steps: its prompt chunks and one decode
+    per token after the first. A void row is recomputed the step after: counted once, so two
+    identical requests sharing every step report exactly their steps, as the synchronous loop
+    does, and the tokens generated are the tokens delivered."""
+    from monobatch.bench import CONSTRAINED_SCHEMA
+    from monobatch.engine.constraint import StructuredOutput
+
+    def requests():
+        return [_req(rid, prompt, StructuredOutput.json_schema(CONSTRAINED_SCHEMA), max_tokens=32) for rid in "ab"]
+
+    metrics = {}
+    for mode in (False, True):
+        sched = make_scheduler(async_scheduling=mode)
+        seen = _spy_async(sched)
+        sched.add_finish_observer(lambda rec: metrics.__setitem__((mode, rec.request_id), rec.metrics))
+        got = _run(sched, requests())
+        assert sched.stats().generation_tokens_total == sum(len(ids) for _, ids, _ in got.values())
+    assert seen["void"] > 0, seen
+    for rid in "ab":
+        sync, overlapped = metrics[(False, rid)], metrics[(True, rid)]
+        steps = len(sync.prefill_chunks) + sync.num_output_tokens - 1
+        assert sync.shared_steps == steps and sync.max_batch_seqs == 2
+        assert (overlapped.shared_steps, overlapped.max_batch_seqs) == (steps, 2), rid
+
+
+def test_a_refused_draw_is_redrawn_from_its_best_candidates_exactly(loaded, monkeypatch):
+    """RowSampler.correct finds a refused pick's masked argmax among the row's best tokens (grammar
+    checks, no mask) and masks only rows whose candidates are all refused; either way the result is
+    the full mask's argmax, ties included (the first id of the maximum)."""
+    from monobatch.engine import sampler as sampler_mod
+    from monobatch.engine.constraint import GrammarCompiler, StructuredOutput
+    from monobatch.engine.params import SamplingParams
+    from monobatch.engine.sampler import RowSampler, SamplerState
+
+    tok = loaded.tokenizer
+    grammars = GrammarCompiler(tok, tok.vocab_size)
+    spec = StructuredOutput.json_schema(SCHEMAS[19][0])
+    prefixes = ["", '{"', '{"city": "Pa', '{"city": "Paris", "coun']
+    states = []
+    for text in prefixes:
+        state = SamplerState(SamplingParams(temperature=0), [1], 0, grammar=grammars.matcher(spec))
+        for t in tok.encode(text, add_special_tokens=False):
+            assert state.grammar.accept(t)
+        states.append(state)
+    sampler = RowSampler(tok.vocab_size)
+    masks = []
+    real_masked = sampler._masked
+    monkeypatch.setattr(sampler, "_masked", lambda x, st: (masks.append(x.shape[0]), real_masked(x, st))[1])
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(6):
+        logits = torch.randn(len(states), tok.vocab_size, generator=gen) * 3
+        if trial in (1, 3):  # ties at the top: more ids than candidates (masks), or a few (sorted by id)
+            top = logits.max(dim=-1, keepdim=True).values + 1
+            logits[:, ::97 if trial == 1 else 9001] = top
+        if trial == 5:  # row 0 must open with "{": every candidate is refused, only a mask finds it
+            logits[0, :] = torch.arange(tok.vocab_size, dtype=torch.float32) % 1000
+        if trial >= 4:  # each row's masked argmax just below its raw best: the candidates serve it
+            best = real_masked(logits, states).argmax(-1)
+            served = torch.arange(trial - 4, len(states))  # (trial 5: not row 0)
+            logits[served, best[served]] = logits[served].max(dim=-1).values - 1e-3
+        picks = logits.argmax(-1).tolist()
+        want = real_masked(logits, states).argmax(-1).tolist()
+        masks.clear()
+        fixed = sampler.correct(logits, states, picks)
+        assert [fixed.get(r, p) for r, p in enumerate(picks)] == want, trial
+        assert fixed, trial  # random logits: the grammars refuse the raw argmax
+        if trial == 5:
+            assert masks == [1], masks  # the one row the candidates could not serve
+        elif trial == 4:
+            assert not masks and len(fixed) >= 2, (masks, fixed)  # redraws, and no mask at all
+    # fewer candidates than a row needs: the mask, and still the same answer
+    monkeypatch.setattr(sampler_mod, "REDRAW_CANDIDATES", 1)
+    logits = torch.randn(len(states), tok.vocab_size, generator=gen) * 3
+    picks = logits.argmax(-1).tolist()
+    fixed = sampler.correct(logits, states, picks)
+    assert [fixed.get(r, p) for r, p in enumerate(picks)] == real_masked(logits, states).argmax(-1).tolist()

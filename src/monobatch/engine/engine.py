@@ -44,9 +44,10 @@ class PendingStep:
         logits: ``[R, V]`` on the device while the draw is deferred (``tokens``/``host`` None):
             constrained rows, whose masks need the previous step's tokens accepted first.
         check: an unchecked draw's grammar rows (:attr:`SamplerState.greedy_checked`): their row
-            indices and a ``[M, V]`` float32 copy of their raw logits (the step's own logits are
-            a CUDA graph's static buffer, overwritten by the next step), so :meth:`Engine.resolve`
-            can check each raw argmax against its grammar and redraw a refused one.
+            indices and their ``[M, V]`` float32 raw logits (a copy where the step's own logits
+            are a CUDA graph's static buffer, overwritten by the next step), so
+            :meth:`Engine.resolve` can check each raw argmax against its grammar and redraw a
+            refused one.
         void: rows whose draw is void: their input id was a refused draw of the step before
             (its replacement is ``seq.output_ids[-1]``); :meth:`Engine.resolve` skips them.
         corrected: rows whose draw :meth:`Engine.resolve` replaced (a refused unchecked draw):
@@ -403,11 +404,12 @@ class Engine:
             as :meth:`forward` (the KV store's errors) and :meth:`RowSampler.draw`.
         """
         if replace:  # one page-locked copy, no wait for the step in flight
-            buf = torch.tensor([*replace, *replace.values()], dtype=torch.int64)
-            if token_ids.is_cuda:
-                buf = buf.pin_memory().to(token_ids.device, non_blocking=True)
-            k = len(replace)
-            token_ids = token_ids.index_copy(0, buf[:k], buf[k:].to(token_ids.dtype))
+            with self._on_device():
+                buf = torch.tensor([*replace, *replace.values()], dtype=torch.int64)
+                if token_ids.is_cuda:
+                    buf = buf.pin_memory().to(token_ids.device, non_blocking=True)
+                k = len(replace)
+                token_ids = token_ids.index_copy(0, buf[:k], buf[k:].to(token_ids.dtype))
         logits = self.forward(batch, token_ids)
         if defer_draw:
             return PendingStep(batch, rows, None, None, None, logits)
@@ -424,31 +426,36 @@ class Engine:
     def _draw_async(self, batch: StepBatch, rows: list[Sequence], logits: torch.Tensor, ahead: int,
                     unchecked: bool = False) -> PendingStep:
         """Draw on the device and queue the copy of the draws to the host behind an event
-        (``unchecked``: as :meth:`launch`; the grammar rows' raw logits are kept for the check)."""
-        masked = self.finisher.ban_early_stops(logits, rows, ahead)
-        check = None
-        if unchecked:  # an argmax is exact whatever the batch: one draw, in any mode
-            tokens = self.sampler.draw(masked, [s.sampler for s in rows], ahead, unchecked=True)
-            gram = [r for r, seq in enumerate(rows) if seq.sampler.grammar is not None]
-            if gram:  # grammar rows have no engine-side mask: their raw logits are the model's
-                idx = None
-                if len(gram) < len(rows):  # page-locked, no wait for the step in flight
-                    idx = torch.tensor(gram, dtype=torch.int64)
-                    idx = idx.pin_memory().to(logits.device, non_blocking=True) if logits.is_cuda else idx
-                check = (gram, (logits if idx is None else logits.index_select(0, idx)).to(torch.float32, copy=True))
-        elif self._per_row_draws(rows):  # one row per draw, as in step()
-            tokens = torch.cat([self.sampler.draw(masked[r:r + 1], [seq.sampler], ahead)
-                                for r, seq in enumerate(rows)])
-        else:
-            tokens = self.sampler.draw(masked, [s.sampler for s in rows], ahead)
-        cuda = tokens.is_cuda
-        host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=cuda)
-        host.copy_(tokens, non_blocking=cuda)
-        ready = None
-        if cuda:
-            ready = torch.cuda.Event()
-            ready.record()
-        return PendingStep(batch, rows, tokens, host, ready, check=check)
+        (``unchecked``: as :meth:`launch`; the grammar rows' raw logits are kept for the check).
+        Runs in :meth:`_on_device` (the event, the pinned copies and the argmax kernel's launch use
+        the current CUDA device, which must be the model's: an engine on ``cuda:1``)."""
+        with self._on_device():
+            masked = self.finisher.ban_early_stops(logits, rows, ahead)
+            check = None
+            if unchecked:  # an argmax is exact whatever the batch: one draw, in any mode
+                tokens = self.sampler.draw(masked, [s.sampler for s in rows], ahead, unchecked=True)
+                gram = [r for r, seq in enumerate(rows) if seq.sampler.grammar is not None]
+                if gram:  # grammar rows have no engine-side mask: their raw logits are the model's
+                    if len(gram) < len(rows):  # page-locked, no wait for the step in flight (a new tensor)
+                        idx = torch.tensor(gram, dtype=torch.int64)
+                        idx = idx.pin_memory().to(logits.device, non_blocking=True) if logits.is_cuda else idx
+                        x = logits.index_select(0, idx).to(torch.float32)
+                    else:  # a CUDA graph's logits are its static buffer, overwritten by the next replay
+                        x = logits.to(torch.float32, copy=self._graph_for(batch) is not None)
+                    check = (gram, x)
+            elif self._per_row_draws(rows):  # one row per draw, as in step()
+                tokens = torch.cat([self.sampler.draw(masked[r:r + 1], [seq.sampler], ahead)
+                                    for r, seq in enumerate(rows)])
+            else:
+                tokens = self.sampler.draw(masked, [s.sampler for s in rows], ahead)
+            cuda = tokens.is_cuda
+            host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=cuda)
+            host.copy_(tokens, non_blocking=cuda)
+            ready = None
+            if cuda:
+                ready = torch.cuda.Event()
+                ready.record()
+            return PendingStep(batch, rows, tokens, host, ready, check=check)
 
     def _per_row_draws(self, rows: list[Sequence]) -> bool:
         """Deterministic mode samples one row per sampler call, so no reduction over a row (a
@@ -494,6 +501,7 @@ class Engine:
             return
         states = [seq.sampler for seq in pending.rows]
         with contextlib.ExitStack() as stack:
+            stack.enter_context(self._on_device())  # the side stream and its event wait: the model's GPU
             if x.is_cuda:
                 side = self._side_stream()
                 side.wait_event(pending.ready)  # x is complete at the step's event

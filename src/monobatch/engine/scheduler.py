@@ -302,8 +302,7 @@ class BatchScheduler:
         chunks = [(seq.seq_id, (0,), seq.num_computed, True) for seq in rows]  # ids: the device's draws
         # a void row's input is the id that replaced its refused draw
         replace = {r: rows[r].output_ids[-1] for r in sorted(pending.void)}
-        for seq in rows:
-            self._account(seq, len(rows))
+        for seq in rows:  # (batch evidence at the commit: a row that turns void is no step of its sequence)
             seq.num_computed += 1
         batch = self.engine.build_batch(chunks)
         # grammar rows: greedy ones draw their raw argmax now, checked once N's tokens are accepted
@@ -327,9 +326,13 @@ class BatchScheduler:
                 ahead.void.add(r)
                 if not ahead.rows[r].is_finished:
                     ahead.rows[r].num_computed -= 1
-            live = [Chunk(c.seq_id, c.start, c.pos, c.length, c.wants_logits, (seq.output_ids[-1],))
-                    for r, (c, seq) in enumerate(zip(ahead.batch.chunks, ahead.rows))
-                    if not seq.is_finished and r not in ahead.void]
+            live = []
+            for r, (c, seq) in enumerate(zip(ahead.batch.chunks, ahead.rows)):
+                if not seq.is_finished and r not in ahead.void:
+                    live.append(Chunk(c.seq_id, c.start, c.pos, c.length, c.wants_logits, (seq.output_ids[-1],)))
+                    # counted here, not at the launch: a void row (recomputed next step) or the row of
+                    # a sequence that ended at ``pending`` is not one of its sequence's steps
+                    self._account(seq, len(ahead.rows))
             self.kv.commit(StepBatch(ahead.batch.token_ids, ahead.batch.positions, ahead.batch.seq_ids,
                                      ahead.batch.logit_rows, tuple(live), ahead.batch.row_tile))
         return self._after_step(step_outputs)
@@ -352,7 +355,11 @@ class BatchScheduler:
             all(seq.sampler.argmax_draw for seq in rows)
 
     def _account(self, seq: Sequence, batch_seqs: int) -> None:
-        """Batch evidence for the request's metrics."""
+        """Batch evidence for the request's metrics: one step of ``seq`` (a prompt chunk, or a
+        decode whose KV is kept) computed beside ``batch_seqs - 1`` other rows. Async scheduling
+        counts an ahead step's row when it is committed (:meth:`_finish_pending`), so a void row's
+        recompute is counted once and ``shared_steps`` stays within the request's steps
+        (prompt chunks + generated tokens - 1)."""
         seq.max_batch_seqs = max(seq.max_batch_seqs, batch_seqs)
         seq.shared_steps += batch_seqs > 1
 
