@@ -1,6 +1,14 @@
 """Where a B=1 CPU decode step of a real model goes (issue 17): per step wall and thread-CPU time
-(medians), the packed GEMVs' share (each ``quant_cpu.gemm`` call timed), and optionally
+(medians), the time inside the C++ extension (every call of ``quant_cpu.module()``'s functions
+timed, by name: the packed GEMVs, the fused ops, the attention; ``kernel_ms``), the host work
+(``host_ms`` = step wall - extension time: Python, torch dispatch, allocations; of which
+``forward_host_ms`` inside the model's forward and ``outside_forward_ms`` the engine's step around
+it: scheduling, the KV store's prepare/commit, sampling, the finish checks), and optionally
 torch.profiler's operator table or cProfile's top host functions over the decode steps.
+
+The extension's functions are wrapped before the model loads (callers that bind a function once,
+:class:`monobatch.models.layers.CpuRoute`, bind the wrapper), so the same script times the unfused
+and the fused layers alike; the wrapper's own cost (~1 us a call) lands in ``kernel_ms``.
 
     PYTHONPATH=src .venv/bin/python scripts/profile_cpu_decode.py -t 1                 # the bundled model
     PYTHONPATH=src .venv/bin/python scripts/profile_cpu_decode.py -t 1 --kv-storage dense --torch-profile
@@ -42,26 +50,33 @@ def main() -> None:
     ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="print cProfile's N top host functions")
     ns = ap.parse_args()
     torch.set_num_threads(ns.threads)
+    spent: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    timed = Timed(quant_cpu.module(), spent, calls)
+    quant_cpu.module = lambda: timed  # every caller asks module() (or binds a function it returned)
     loaded = load_model(ns.model, "cpu", progress=False, weights=ns.weights)
     engine = Engine(loaded, EngineConfig(kv_storage=ns.kv_storage))
     sched = BatchScheduler(engine)
     prompt = list(range(1, 129))
-    gemm_s, gemm = [0.0], quant_cpu.gemm
+    fwd = [0.0, 0.0]  # the model's forward: start, total seconds
 
-    def timed_gemm(*args):
-        t = time.perf_counter()
-        out = gemm(*args)
-        gemm_s[0] += time.perf_counter() - t
-        return out
+    def pre(*_):
+        fwd[0] = time.perf_counter()
 
-    quant_cpu.gemm = timed_gemm
+    def post(*_):
+        fwd[1] += time.perf_counter() - fwd[0]
+
+    engine.model.register_forward_pre_hook(pre)
+    engine.model.register_forward_hook(post)
     params = SamplingParams(max_tokens=ns.n, temperature=0.0, ignore_eos=True)
     for _ in sched.run([Request("warm", prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                                 bypass_prefix_cache=True)]):
         pass
     sched.add_request(Request("r", prompt, params, bypass_prefix_cache=True))
     sched.step()  # the prompt
-    gemm_s[0] = 0.0
+    spent.clear()
+    calls.clear()
+    fwd[1] = 0.0
     walls, cpus = [], []
     prof = cProfile.Profile() if ns.cprofile else None
     tprof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if ns.torch_profile else None
@@ -80,11 +95,41 @@ def main() -> None:
     if prof:
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(ns.cprofile)
-    print(json.dumps({"threads": ns.threads, "kv": ns.kv_storage, "weights": ns.weights, "steps": len(walls),
+    n = len(walls)
+    kernel = sum(spent.values()) * 1000 / n
+    print(json.dumps({"threads": ns.threads, "kv": ns.kv_storage, "weights": ns.weights, "steps": n,
                       "step_wall_ms": round(statistics.median(walls), 2),
+                      "step_wall_ms_mean": round(statistics.mean(walls), 2),
                       "step_thread_cpu_ms": round(statistics.median(cpus), 2),
-                      "gemv_wall_ms_per_step": round(gemm_s[0] * 1000 / len(walls), 2),
+                      "kernel_ms": round(kernel, 2), "host_ms": round(statistics.mean(walls) - kernel, 2),
+                      "forward_host_ms": round(fwd[1] * 1000 / n - kernel, 2),
+                      "outside_forward_ms": round(statistics.mean(walls) - fwd[1] * 1000 / n, 2),
+                      "extension_calls_per_step": round(sum(calls.values()) / n, 1),
+                      "by_function_ms": {k: round(v * 1000 / n, 2) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])},
                       "profiled": bool(prof or tprof)}))
+
+
+class Timed:
+    """The extension module with each function wrapped: wall time and calls summed by name."""
+
+    def __init__(self, mod, spent: dict[str, float], calls: dict[str, int]) -> None:
+        self._mod, self._spent, self._calls = mod, spent, calls
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._mod, name)
+        if not callable(fn) or isinstance(fn, type):
+            return fn
+        spent, calls = self._spent, self._calls
+
+        def timed(*args):
+            t = time.perf_counter()
+            out = fn(*args)
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
+            calls[name] = calls.get(name, 0) + 1
+            return out
+
+        setattr(self, name, timed)
+        return timed
 
 
 if __name__ == "__main__":

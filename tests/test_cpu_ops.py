@@ -123,3 +123,80 @@ def test_attention_refuses_indices_out_of_range():
         cpu_ops.attention(q, k, v, kc, vc, torch.tensor([NBLOCKS * BS]), torch.tensor([[0, 3, 0]]), TABLES, BS, 0,
                           torch.zeros(1, H, HD))
     assert not kc.any()  # nothing written
+
+
+def _packed(qtype: str, n: int, k: int, seed: int):
+    """A random packed weight [n, k] of GGUF type ``qtype`` (one part)."""
+    from gguf import GGMLQuantizationType
+
+    from monobatch.quant.random_packed import random_weight
+
+    return random_weight(GGMLQuantizationType[qtype], n, k, torch.device("cpu"), torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("T", [1, 3, 8])
+def test_fused_layer_halves_are_the_separate_calls_bitwise(T):
+    """add_norm_qkv_rope and o_add_norm_mlp (one call each a decode layer half) give the bits of
+    add_rms_norm, the packed GEMV, rope_qk_ and silu_mul called one by one (issue 17's host work)."""
+    from monobatch.kernels import quant_cpu
+
+    g = torch.Generator().manual_seed(5)
+    D, F_ = 576, 1536
+    qkv_w, o_w = _packed("Q4_1", (H + 2 * KV) * HD, D, 1), _packed("Q4_1", D, H * HD, 2)
+    gu_w, down_w = _packed("Q4_1", 2 * F_, D, 3), _packed("Q8_0", D, F_, 4)
+    x, d, w = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g), torch.rand(D, generator=g) + 0.5
+    table = torch.randn(T, 2, HD, generator=g)
+    cos, sin = table[:, 0], table[:, 1]
+
+    def gemm(x, wt):
+        p = wt.parts[0]
+        return quant_cpu.gemm(x, p.qs, p.scale, p.minimum, p.layout.group, p.layout.q4)
+
+    for delta in (d, None):
+        s_ref, h = cpu_ops.add_rms_norm(x, delta, w, 1e-5) if delta is not None else (x, cpu_ops.rms_norm(x, w, 1e-5))
+        qkv = gemm(h, qkv_w)
+        cpu_ops.rope_qk_(qkv, cos, sin, H + KV, HD)
+        s, q, k, v = cpu_ops.add_norm_qkv_rope(x, delta, w, 1e-5, qkv_w.parts[0].mat(), cos, sin, H, KV, HD)
+        assert torch.equal(s, s_ref)
+        assert q.shape == (T, H, HD) and k.shape == v.shape == (T, KV, HD)
+        assert torch.equal(q, qkv[:, :H * HD].view(T, H, HD))
+        assert torch.equal(k, qkv[:, H * HD:(H + KV) * HD].view(T, KV, HD))
+        assert torch.equal(v, qkv[:, (H + KV) * HD:].view(T, KV, HD))
+    a = torch.randn(T, H, HD, generator=g)
+    s_ref, h = cpu_ops.add_rms_norm(x, gemm(a.flatten(1), o_w), w, 1e-5)
+    y_ref = gemm(cpu_ops.silu_mul(gemm(h, gu_w)), down_w)
+    for attn_out in (a, a.flatten(1)):
+        s, y = cpu_ops.o_add_norm_mlp(x, attn_out, o_w.parts[0].mat(), w, 1e-5, gu_w.parts[0].mat(),
+                                      down_w.parts[0].mat())
+        assert torch.equal(s, s_ref) and torch.equal(y, y_ref)
+
+
+def test_cpu_route_is_decided_once_and_not_copied():
+    """The fused route of the shared layers: decided at the first call (float32 CPU, packed), the
+    same bits as the unfused layer; a deepcopy (tensor-parallel shards) starts undecided."""
+    import copy
+
+    from monobatch.models.args import ModelArgs
+    from monobatch.models.layers import Attention, CpuRoute, GatedMLP, RMSNorm, hold_packed
+
+    args = ModelArgs(hidden_size=576, intermediate_size=1536, num_attention_heads=H, num_key_value_heads=KV,
+                     head_dim=HD, num_hidden_layers=1, vocab_size=64)
+    g = torch.Generator().manual_seed(6)
+    attn, mlp, norm = Attention(args, 0), GatedMLP(args), RMSNorm(576, 1e-5)
+    norm.weight.data = torch.rand(576, generator=g) + 0.5
+    for i, (m, name, n, k) in enumerate([(attn.qkv_proj, "weight", (H + 2 * KV) * HD, 576), (attn.o_proj, "weight", 576, H * HD),
+                                         (mlp.gate_up_proj, "weight", 2 * 1536, 576), (mlp.down_proj, "weight", 576, 1536)]):
+        hold_packed(m, name, _packed("Q4_1", n, k, 10 + i))
+    r, d = torch.randn(2, 576, generator=g), torch.randn(2, 576, generator=g)
+    table = torch.randn(2, 2, HD, generator=g)
+    cos, sin = table[:, 0], table[:, 1]
+    got = attn.add_norm_project(norm, r, d, cos, sin)
+    assert attn.cpu_route.call and attn.cpu_route.call[0] is not None
+    s, h = norm.add_forward(r, d)
+    want = (s, *attn.project(h, cos, sin))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    a = torch.randn(2, H, HD, generator=g)
+    got = mlp.attn_add_forward(attn.o_proj, norm, r, a)
+    s, h = norm.add_forward(r, attn.o_proj(a.flatten(1)))
+    assert mlp.cpu_route.call and torch.equal(got[0], s) and torch.equal(got[1], mlp(h))
+    assert copy.deepcopy(attn).cpu_route.call is None and isinstance(copy.deepcopy(mlp).cpu_route, CpuRoute)

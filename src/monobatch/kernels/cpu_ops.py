@@ -31,6 +31,17 @@ def _available() -> bool:
     return _ON and quant_cpu.available()
 
 
+def available() -> bool:
+    """Whether the fused CPU ops are on: the extension built, not switched off."""
+    return _available()
+
+
+def op(name: str):
+    """The extension's function ``name`` itself (a caller that binds it once skips this module's
+    wrapper frame: :class:`monobatch.models.layers.CpuRoute`)."""
+    return getattr(quant_cpu.module(), name)
+
+
 def enabled(x: torch.Tensor) -> bool:
     """True when ``x`` takes the fused CPU path: a float32 CPU tensor, the extension built, not
     switched off."""
@@ -65,7 +76,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               write: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor, block_size: int, window: int,
-              out: torch.Tensor) -> torch.Tensor:
+              out: torch.Tensor | None) -> torch.Tensor:
     """Store a step's new K/V, then causal attention of query rows over a cache read in place.
 
     Args:
@@ -78,14 +89,37 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
             ``tables[off + j // block_size] * block_size + j % block_size``.
         tables: int32 block ids (a dense buffer: ``[0]`` with ``block_size`` its capacity).
         window: 0, or a sliding window (the row sees positions ``max(0, p - window + 1) .. p``).
-        out: float32 ``[T, H, hd]`` contiguous; the rows named in ``rows`` are written.
+        out: float32 ``[T, H, hd]`` contiguous; the rows named in ``rows`` are written. None: a
+            new one (when ``rows`` names every row).
 
     Returns:
-        ``out``. Softmax scale ``1/sqrt(hd)``; each row alone (its query and the keys it sees).
+        ``out`` (or the new one). Softmax scale ``1/sqrt(hd)``; each row alone (its query and the keys it sees).
 
     Raises:
         RuntimeError: shapes, dtypes or indices out of range (checked before anything is written
             past the new K/V).
     """
-    quant_cpu.module().attention(q, k, v, k_cache, v_cache, write, rows, tables, block_size, window, out)
-    return out
+    return quant_cpu.module().attention(q, k, v, k_cache, v_cache, write, rows, tables, block_size, window, out)
+
+
+def add_norm_qkv_rope(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, qkv_w,
+                      cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv: int, head_dim: int
+                      ) -> tuple[torch.Tensor, ...]:
+    """A decode layer's first half up to attention, one call: ``s = x + delta`` (``x`` when delta
+    is None), ``qkv = rms_norm(s) @ W^T`` (``qkv_w``: a ``PackedMat`` handle,
+    :meth:`monobatch.quant.packed.PackedPart.mat`), then :func:`rope_qk_` of q's and k's heads ->
+    ``(s, q, k, v)``: float32 ``[T, D]``, ``[T, n_heads, hd]``, ``[T, n_kv, hd]`` twice (views of
+    qkv). The same functions in the same order as :func:`add_rms_norm`,
+    :func:`monobatch.kernels.quant_cpu.gemm` and :func:`rope_qk_` called one by one: the same bits."""
+    s, q, k, v = quant_cpu.module().add_norm_qkv_rope(x, delta, weight, eps, qkv_w, cos, sin, n_heads, n_kv, head_dim)
+    return s, q, k, v
+
+
+def o_add_norm_mlp(x: torch.Tensor, attn_out: torch.Tensor, o_w, weight: torch.Tensor, eps: float, gate_up_w,
+                   down_w) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode layer's second half, one call: ``s = x + attn_out @ Wo^T`` (attn_out ``[T, H*hd]``
+    or ``[T, H, hd]``), ``h = rms_norm(s)``,
+    ``y = silu_mul(h @ Wgu^T) @ Wdown^T`` -> ``(s, y)`` float32 ``[T, D]`` each (weights as
+    ``PackedMat`` handles); the bits of the separate calls."""
+    s, y = quant_cpu.module().o_add_norm_mlp(x, attn_out, o_w, weight, eps, gate_up_w, down_w)
+    return s, y

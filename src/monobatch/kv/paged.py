@@ -179,6 +179,9 @@ class PagedKv(KvStore):
             raise InsufficientMemoryError(
                 f"cannot allocate the KV pool ({num_blocks} blocks, "
                 f"{num_blocks * self.block_bytes / 2**20:.0f} MiB); lower --kv-cache-memory") from e
+        #: per layer, its (k_cache, v_cache) ``[slots, n_kv, hd]`` views of ``cache`` (made once, not per call)
+        self._layer_cache = [(self.cache[i, 0], self.cache[i, 1])
+                             for i in (self._where[layer][1] for layer in range(num_layers))]
         self._step: list[_EagerStep] | DecodeStep | PrefillStep | None = None
         #: one varlen launch per layer for a step's chunks (CUDA with Triton); else the torch path
         self.varlen = triton_usable(self.device, head_dim)
@@ -186,6 +189,7 @@ class PagedKv(KvStore):
         #: attended in place by one call per layer (:func:`cpu_ops.attention`); prompt chunks of the
         #: default mode gather their keys for torch's attention
         self.cpu_kernel = not self.varlen and cpu_ops.enabled(self.cache)
+        self._cpu_attention = cpu_ops.op("attention") if self.cpu_kernel else None  # the C++ function, bound once
         self._meta_of: DecodeStep | None = None  # the static decode step _meta was built for
         self._meta: dict[int, VarlenMeta] = {}  # per layer group
         self.scratch_block = num_blocks  # never allocated: see DecodeStep
@@ -391,8 +395,8 @@ class PagedKv(KvStore):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         self.paged_attention_calls += 1
-        g, i = self._where[layer]
-        k_cache, v_cache = self.cache[i, 0], self.cache[i, 1]  # (slots, n_kv, hd)
+        g = self._where[layer][0]
+        k_cache, v_cache = self._layer_cache[layer]  # (slots, n_kv, hd)
         if isinstance(self._step, PrefillStep):  # a prefill graph's static step (capturable)
             store_kv(k, v, k_cache, v_cache, self._step.write[g])
             return varlen_paged_attention(q, k_cache, v_cache, self._step.meta(g, self.batch_invariant),
@@ -417,11 +421,12 @@ class PagedKv(KvStore):
                                        self.device, fixed_split=det)
             store_kv(k, v, k_cache, v_cache, step.write)
             return varlen_paged_attention(q, k_cache, v_cache, step.meta, self.block_size, window=window)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self.cpu_kernel:  # stores the step's K/V, attends the kernel's rows in place
-            cpu_ops.attention(q, k, v, k_cache, v_cache, step.write, step.rows, step.flat_tables, self.block_size,
-                              window, out)
+            out = None if step.gather is None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            out = self._cpu_attention(q, k, v, k_cache, v_cache, step.write, step.rows, step.flat_tables,
+                                      self.block_size, window, out)  # cpu_ops.attention (None: every row, a new out)
         else:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             k_cache.index_copy_(0, step.write, k)
             v_cache.index_copy_(0, step.write, v)
         if step.gather is None:  # every chunk attended by the kernel

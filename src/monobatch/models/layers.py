@@ -32,7 +32,7 @@ from monobatch.batch import StepBatch
 from monobatch.kernels import cpu_ops, fused, gemv
 from monobatch.models.args import ModelArgs
 from monobatch.models.rope import RotaryEmbedding, apply_rope, rope_inv_freq
-from monobatch.quant.packed import PackedWeight
+from monobatch.quant.packed import GEMV_ROWS, PackedWeight
 
 #: HF tensor suffix -> (packed parameter, index of its slice). Read by the loaders.
 PACKED = {
@@ -94,6 +94,60 @@ def hold_packed(module: nn.Module, name: str, weight: PackedWeight) -> None:
         raise ValueError(f"packed weight {weight.shape} for a parameter of shape {tuple(dense.shape)}")
     delattr(module, name)  # the parameter's (never touched) storage goes with it
     setattr(module, name, weight)
+
+
+class CpuRoute:
+    """The fused CPU route of a block's half (:meth:`Attention.add_norm_project`,
+    :meth:`GatedMLP.attn_add_forward`): its C++ entry point and the arguments that do not change
+    between steps (weight handles, norm weights, shapes), decided at the first call after load.
+
+    The route is a kernel choice, not a second forward: it runs where the unfused layers would run
+    the CPU ops of :mod:`monobatch.kernels.cpu_ops` and the packed GEMV back to back (float32 on
+    CPU, single-part packed weights without bias, at most :data:`GEMV_ROWS` rows), and its C++
+    calls those same functions in the same order, so the bits are the same. A copy of the module
+    (``deepcopy``, pickling: tensor-parallel shards) gets an undecided route;
+    :meth:`DecoderModel.to_device` forgets it (weights moved).
+
+    Attributes:
+        call: None until decided; False: this module takes the unfused path; else
+            ``(function, *fixed arguments)``.
+    """
+
+    __slots__ = ("call",)
+
+    def __init__(self) -> None:
+        self.call = None
+
+    def __deepcopy__(self, memo: dict) -> "CpuRoute":
+        return CpuRoute()
+
+    def __reduce__(self):
+        return CpuRoute, ()
+
+    @staticmethod
+    def usable(x: torch.Tensor) -> bool:
+        """Whether rows ``x`` ``[T, ...]`` can take a decided route: float32, on CPU, few rows."""
+        return x.dtype is torch.float32 and x.is_cpu and x.shape[0] <= GEMV_ROWS
+
+    def decide(self, build, *args) -> tuple | bool:
+        """Set and return ``self.call``: ``build(*args)`` (a tuple, or False) where the fused CPU
+        ops are available, else False."""
+        self.call = build(*args) if cpu_ops.available() else False
+        return self.call
+
+
+def packed_mat(lin: nn.Module):
+    """The C++ handle of a plain :class:`Linear` whose weight is one packed CPU part without bias
+    (what :meth:`PackedWeight.matmul` sends straight to the GEMV), or None."""
+    if type(lin) is not Linear or lin.bias is not None or not isinstance(lin.weight, PackedWeight) \
+            or len(lin.weight.parts) != 1 or not lin.weight.parts[0].qs.is_cpu:
+        return None
+    return lin.weight.parts[0].mat()
+
+
+def plain_norm(norm: nn.Module) -> bool:
+    """Whether ``norm`` is a plain :class:`RMSNorm` (the fused routes' norm) on a float32 CPU weight."""
+    return type(norm) is RMSNorm and norm.weight.dtype is torch.float32 and norm.weight.is_cpu
 
 
 class Linear(nn.Module):
@@ -170,6 +224,31 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, args.hidden_size)
         self.q_norm = RMSNorm(self.hd, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.hd, args.rms_norm_eps) if args.qk_norm else None
+        self.cpu_route = CpuRoute()  # add_norm_project's fused CPU call
+
+    def add_norm_project(self, norm: RMSNorm, residual: torch.Tensor, delta: torch.Tensor | None,
+                         cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The residual add, the block's input ``norm`` and :meth:`project`: residual and delta
+        ``[T, D]`` (delta None: nothing to add) -> (residual + delta ``[T, D]``, q ``[T, H, hd]``,
+        k, v ``[T, K, hd]``). On CPU (float32, packed qkv, no q/k norm or scale) one C++ call
+        (:class:`CpuRoute`)."""
+        call = self.cpu_route.call
+        if call is None:
+            call = self.cpu_route.decide(self._cpu_project, norm)
+        if not call or not CpuRoute.usable(residual):
+            if delta is None:
+                return (residual, *self.project(norm(residual), cos, sin))
+            residual, h = norm.add_forward(residual, delta)
+            return (residual, *self.project(h, cos, sin))
+        fn, w, eps, mat, n_heads, n_kv, hd = call
+        return fn(residual, delta, w, eps, mat, cos, sin, n_heads, n_kv, hd)  # (residual, q, k, v)
+
+    def _cpu_project(self, norm: RMSNorm) -> tuple | bool:
+        """:attr:`cpu_route`'s call: (:func:`cpu_ops.add_norm_qkv_rope`'s C++ function, its fixed arguments), or False."""
+        mat = packed_mat(self.qkv_proj)
+        if mat is None or not plain_norm(norm) or self.q_norm is not None or self.q_scale != 1.0:
+            return False
+        return cpu_ops.op("add_norm_qkv_rope"), norm.weight, norm.eps, mat, self.n_heads, self.n_kv, self.hd
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x ``[T, D]`` (normed), cos/sin ``[T, hd]`` -> q ``[T, H, hd]``, k and v ``[T, K, hd]``
@@ -213,6 +292,28 @@ class GatedMLP(nn.Module):
         self.act = act
         self.gate_up_proj = Linear(args.hidden_size, 2 * self.ffn)
         self.down_proj = Linear(self.ffn, args.hidden_size)
+        self.cpu_route = CpuRoute()  # attn_add_forward's fused CPU call
+
+    def attn_add_forward(self, o_proj: nn.Module, norm: RMSNorm, residual: torch.Tensor,
+                         attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention line's end and this MLP: ``(s, mlp(norm(s)))`` with ``s = residual +
+        o_proj(attn_out)``; residual ``[T, D]``, attn_out ``[T, H, hd]`` (or ``[T, H*hd]``) ->
+        ``[T, D]`` each. On CPU (float32, packed weights, SwiGLU) one C++ call (:class:`CpuRoute`)."""
+        call = self.cpu_route.call
+        if call is None:
+            call = self.cpu_route.decide(self._cpu_forward, o_proj, norm)
+        if not call or not CpuRoute.usable(attn_out):
+            residual, h = norm.add_forward(residual, o_proj(attn_out.flatten(1)))
+            return residual, self(h)
+        fn, o, w, eps, gate_up, down = call
+        return fn(residual, attn_out, o, w, eps, gate_up, down)  # (s, y); flattens a 3-D attn_out
+
+    def _cpu_forward(self, o_proj: nn.Module, norm: RMSNorm) -> tuple | bool:
+        """:attr:`cpu_route`'s call: (C++ function, o handle, norm weight, eps, gate_up and down handles), or False."""
+        mats = [packed_mat(lin) for lin in (o_proj, self.gate_up_proj, self.down_proj)]
+        if None in mats or not plain_norm(norm) or self.act is not F.silu:
+            return False
+        return cpu_ops.op("o_add_norm_mlp"), mats[0], norm.weight, norm.eps, mats[1], mats[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, D]`` -> ``[T, D]``."""
@@ -278,6 +379,8 @@ class DecoderModel(nn.Module):
         float32 until :meth:`build_rope_tables`."""
         self.to(device=device, dtype=dtype)
         for m in self.modules():
+            if isinstance(getattr(m, "cpu_route", None), CpuRoute):
+                m.cpu_route = CpuRoute()  # decided again at the next call, on the moved weights
             for v in vars(m).values():
                 if isinstance(v, PackedWeight):
                     v.to(device)

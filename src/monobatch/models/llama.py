@@ -71,26 +71,22 @@ class DecoderLayer(nn.Module):
             and this layer's MLP output, to be added by the next norm. Everything but attention
             is row-wise (tiled in deterministic mode, see :func:`rowwise`).
         """
-        attn, tile = self.self_attn, batch.row_tile
-        if delta is None:
-            q, k, v = rowwise(tile, lambda x, c, s: attn.project(self.input_layernorm(x), c, s), residual, cos, sin)
-        else:
-            residual, q, k, v = rowwise(tile, self._add_project, residual, delta, cos, sin)
-        out = kv.attend(attn.layer, q, k, v, batch)  # (T, H, hd)
-        return rowwise(tile, self._attn_add_mlp, residual, out.flatten(1))
+        tile = batch.row_tile
+        residual, q, k, v = rowwise(tile, self._add_project, residual, cos, sin, *(() if delta is None else (delta,)))
+        out = kv.attend(self.self_attn.layer, q, k, v, batch)  # (T, H, hd)
+        return rowwise(tile, self._attn_add_mlp, residual, out)
 
-    def _add_project(self, residual: torch.Tensor, delta: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The previous MLP line's add, input_layernorm and the q/k/v projection: residual and
-        delta ``[T, D]`` -> (residual + delta ``[T, D]``, q ``[T, H, hd]``, k, v ``[T, K, hd]``)."""
-        residual, h = self.input_layernorm.add_forward(residual, delta)
-        return (residual, *self.self_attn.project(h, cos, sin))
+    def _add_project(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     delta: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """The previous MLP line's add (none at the first layer), input_layernorm and the q/k/v
+        projection: residual and delta ``[T, D]`` -> (residual + delta ``[T, D]``, q ``[T, H, hd]``,
+        k, v ``[T, K, hd]``)."""
+        return self.self_attn.add_norm_project(self.input_layernorm, residual, delta, cos, sin)
 
     def _attn_add_mlp(self, residual: torch.Tensor, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """o_proj, the attention line's add, post_attention_layernorm and the MLP: residual
-        ``[T, D]``, attn_out ``[T, H*hd]`` -> (residual + o_proj(attn_out), MLP output), ``[T, D]`` each."""
-        residual, h = self.post_attention_layernorm.add_forward(residual, self.self_attn.o_proj(attn_out))
-        return residual, self.mlp(h)
+        ``[T, D]``, attn_out ``[T, H, hd]`` -> (residual + o_proj(attn_out), MLP output), ``[T, D]`` each."""
+        return self.mlp.attn_add_forward(self.self_attn.o_proj, self.post_attention_layernorm, residual, attn_out)
 
 
 class Model(DecoderModel):

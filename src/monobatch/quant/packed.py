@@ -91,6 +91,11 @@ class PackedPart:
         """x float32 ``[M, K]`` -> float32 ``[M, rows]`` with the packed kernel."""
         return quant_cpu.gemm(x, self.qs, self.scale, self.minimum, self.layout.group, self.layout.q4)
 
+    def mat(self):
+        """This part bound as the extension's ``PackedMat`` (CPU): one argument of the fused
+        decode-layer ops (:mod:`monobatch.kernels.cpu_ops`) instead of five."""
+        return quant_cpu.module().PackedMat(self.qs, self.scale, self.minimum, self.layout.group, self.layout.q4)
+
     def to(self, device: torch.device) -> "PackedPart":
         """This part's tensors on ``device`` (the same object where they are already there)."""
         if self.qs.device == torch.device(device):

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <vector>
+#include "packed.h"
 #include "simd.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -231,14 +232,17 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
 //          `tables`); tables int32: block ids; position j of that sequence is at slot
 //          tables[off + j / block_size] * block_size + j % block_size;
 //   window 0: the row sees positions 0..p; > 0: max(0, p - window + 1)..p;
-//   out    float32 [T, H, hd] contiguous: the rows in `rows` are written.
+//   out    float32 [T, H, hd] contiguous: the rows in `rows` are written; None: a new one
+//          (torch::empty; every row of it should be in `rows`). Returned.
 // Softmax scale 1/sqrt(hd). Per (row, KV head): the g query heads' scores over every key, their
 // max, e^(s - max), the sum, then sum_j e_j v_j / sum — one fixed order whatever else runs.
-void attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache,
-               torch::Tensor& v_cache, const torch::Tensor& write, const torch::Tensor& rows,
-               const torch::Tensor& tables, int64_t block_size, int64_t window, torch::Tensor& out) {
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache,
+                        torch::Tensor& v_cache, const torch::Tensor& write, const torch::Tensor& rows,
+                        const torch::Tensor& tables, int64_t block_size, int64_t window,
+                        const c10::optional<torch::Tensor>& out_) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
               "q, k, v and the caches are [*, heads, head_dim]");
+  torch::Tensor out = out_.has_value() ? *out_ : torch::empty(q.sizes(), q.options());
   const std::vector<const torch::Tensor*> all = {&q, &k, &v, &k_cache, &v_cache, &out};
   for (const torch::Tensor* t : all)
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->stride(2) == 1 && t->stride(1) == t->size(2),
@@ -322,6 +326,46 @@ void attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tens
       }
     }
   });
+  return out;
+}
+
+// Fused entry points of a Llama-style decode layer (issue 17's host work: a B=1 step was ~30 small
+// calls a layer, each microseconds of Python and dispatch). Each runs the functions above and the
+// packed GEMV (mb_quant::gemm) in the order the unfused layer calls them, on the same values: the
+// results are bitwise those of the separate calls; only the intermediates stay in C++.
+//
+// add_norm_qkv_rope: s = x + d (d given) or x, h = rms_norm(s), qkv = h @ Wqkv^T, RoPE of q's and
+// k's heads (H + K) of qkv in place -> (s [T, D], q [T, H, hd], k, v [T, K, hd]): q, k, v views
+// of qkv's columns (as the unfused layer's split and views).
+std::vector<torch::Tensor> add_norm_qkv_rope(const torch::Tensor& x, const c10::optional<torch::Tensor>& d,
+                                             const torch::Tensor& w, double eps, const mb_quant::PackedMat& qkv_w,
+                                             const torch::Tensor& cos, const torch::Tensor& sin, int64_t n_heads,
+                                             int64_t n_kv, int64_t hd) {
+  torch::Tensor s = x, h;
+  if (d.has_value()) {
+    auto sy = add_rms_norm(x, *d, w, eps);
+    s = sy[0];
+    h = sy[1];
+  } else {
+    h = rms_norm(x, w, eps);
+  }
+  torch::Tensor qkv = qkv_w.gemm(h);
+  TORCH_CHECK(qkv.size(1) == (n_heads + 2 * n_kv) * hd, "qkv width is not (H + 2K) hd");
+  rope_qk_(qkv, cos, sin, n_heads + n_kv, hd);
+  const int64_t T = qkv.size(0);
+  return {s, qkv.narrow(1, 0, n_heads * hd).view({T, n_heads, hd}),
+          qkv.narrow(1, n_heads * hd, n_kv * hd).view({T, n_kv, hd}),
+          qkv.narrow(1, (n_heads + n_kv) * hd, n_kv * hd).view({T, n_kv, hd})};
+}
+
+// o_add_norm_mlp: o = a @ Wo^T, (s, h) = add_rms_norm(x, o), y = silu_mul(h @ Wgu^T) @ Wdown^T
+// -> (s, y) ([T, D] each): o_proj, the attention line's add, the post-attention norm, SwiGLU.
+// a: [T, H*hd], or the attention's [T, H, hd] (flattened here).
+std::vector<torch::Tensor> o_add_norm_mlp(const torch::Tensor& x, const torch::Tensor& a,
+                                          const mb_quant::PackedMat& o_w, const torch::Tensor& w, double eps,
+                                          const mb_quant::PackedMat& gate_up_w, const mb_quant::PackedMat& down_w) {
+  auto sh = add_rms_norm(x, o_w.gemm(a.dim() == 3 ? a.flatten(1) : a), w, eps);
+  return {sh[0], down_w.gemm(silu_mul(gate_up_w.gemm(sh[1])))};
 }
 
 void register_ops(pybind11::module& m) {
@@ -332,6 +376,8 @@ void register_ops(pybind11::module& m) {
   m.def("add_rms_norm", &add_rms_norm, "(x + d, RMSNorm(x + d)) (float32)");
   m.def("rope_qk_", &rope_qk_, "RoPE of q and k inside the packed qkv rows, in place (float32)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of the packed gate/up rows (float32)");
+  m.def("add_norm_qkv_rope", &add_norm_qkv_rope, "(x + d or x, RoPE(rms_norm(.) @ Wqkv^T)) (float32)");
+  m.def("o_add_norm_mlp", &o_add_norm_mlp, "(x + a @ Wo^T, SwiGLU MLP of its RMSNorm) (float32)");
   m.def("attention", &attention, "store new K/V, then causal attention over a block-table cache (float32)");
 }
 

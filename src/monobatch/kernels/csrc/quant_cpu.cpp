@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <cstring>
+#include "packed.h"
 #include "simd.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -175,6 +176,9 @@ void check(const torch::Tensor& qs, const torch::Tensor& sc, const torch::Tensor
   TORCH_CHECK(qs.size(1) == (q4 ? K / 2 : K) && sc.size(1) == K / G && mn.sizes() == sc.sizes(), "bad packed shapes");
 }
 
+}  // namespace
+
+namespace mb_quant {
 // out = x @ W^T: x float32 [M, K] -> float32 [M, N].
 torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& sc, const torch::Tensor& mn,
                    int64_t group, bool q4) {
@@ -194,6 +198,9 @@ torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& qs, const torch:
   return out;
 }
 
+}  // namespace mb_quant
+
+namespace {
 // W as float32 into out [N, K] (contiguous).
 void dequant(const torch::Tensor& qs, const torch::Tensor& sc, const torch::Tensor& mn, int64_t group, bool q4,
              torch::Tensor& out) {
@@ -217,7 +224,11 @@ void register_ops(pybind11::module& m);  // cpu_ops.cpp: the fused ops of a deco
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemm", &gemm, "out[M, N] = x[M, K] @ W^T for a packed W (float32)");
+  m.def("gemm", &mb_quant::gemm, "out[M, N] = x[M, K] @ W^T for a packed W (float32)");
+  pybind11::class_<mb_quant::PackedMat>(m, "PackedMat", "a packed weight's tensors and layout, for the fused ops")
+      .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, bool>());
+  m.def("gemm_mat", [](const torch::Tensor& x, const mb_quant::PackedMat& w) { return w.gemm(x); },
+        "gemm with a bound PackedMat");
   m.def("dequant", &dequant, "W as float32 into out [N, K]");
   mb_cpu_ops::register_ops(m);
   m.def("has_avx2", []() {
