@@ -160,10 +160,11 @@ class GrammarMatcher:
     end-of-generation token, or nothing more can follow).
     """
 
-    __slots__ = ("_m",)
+    __slots__ = ("_m", "_ahead")
 
     def __init__(self, matcher: Any) -> None:
         self._m = matcher
+        self._ahead: int | None = None  # a token :meth:`advance_if_allowed` consumed, not yet accepted
 
     @property
     def raw(self) -> Any:
@@ -172,8 +173,28 @@ class GrammarMatcher:
 
     def accept(self, token_id: int) -> bool:
         """Advance past ``token_id``; False when the grammar did not allow it (the matcher is then
-        in an error state: :attr:`is_stopped` is True)."""
-        return bool(self._m.consume_token(int(token_id)))
+        in an error state: :attr:`is_stopped` is True). After :meth:`advance_if_allowed` of the
+        same token this only confirms it (another token first rolls that one back)."""
+        t = int(token_id)
+        if self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            if ahead == t:
+                return True
+            self._m.rollback(1)
+        return bool(self._m.consume_token(t))
+
+    def advance_if_allowed(self, token_id: int) -> bool:
+        """:meth:`allows` and, when it does, the advance, in one llguidance call (~30 % less than
+        the check and the advance apart): the caller must :meth:`accept` the same token next,
+        which then costs nothing (async scheduling's check of an unchecked draw, right before the
+        finish step accepts it). False (the matcher unchanged) when the token is refused."""
+        if self._ahead is not None:
+            raise RuntimeError("advance_if_allowed: the token advanced past before is not accepted yet")
+        t = int(token_id)
+        if self._m.try_consume_tokens([t]) != 1:
+            return False
+        self._ahead = t
+        return True
 
     def allows(self, token_id: int) -> bool:
         """Whether ``token_id`` may come next (the matcher is not advanced)."""

@@ -507,7 +507,8 @@ class Engine:
                 side.wait_event(pending.ready)  # x is complete at the step's event
                 x.record_stream(side)  # made on the main stream, read on this one
                 stack.enter_context(torch.cuda.stream(side))
-            fixed = self.sampler.correct(x, states, ids, gram, only=live)  # waits for its redraws
+            # (advance: an allowed draw advances its grammar now, the finish step's accept confirms it)
+            fixed = self.sampler.correct(x, states, ids, gram, only=live, advance=True)  # waits for its redraws
         for r, t in fixed.items():
             ids[r] = t
         pending.corrected = sorted(fixed)

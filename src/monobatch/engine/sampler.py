@@ -431,7 +431,8 @@ class RowSampler:
         return torch.tensor(picks, dtype=torch.int64, device=x.device)
 
     def correct(self, logits: torch.Tensor, states: list[SamplerState], picks: list[int],
-                rows: list[int] | None = None, only: set[int] | None = None) -> dict[int, int]:
+                rows: list[int] | None = None, only: set[int] | None = None, advance: bool = False
+                ) -> dict[int, int]:
         """Check greedy picks against their grammars; redraw the refused ones: the masked argmax.
 
         The argmax of the masked logits is the raw argmax whenever the grammar allows that token
@@ -451,6 +452,9 @@ class RowSampler:
             picks: the raw argmax of each state's row, indexed like ``states``.
             rows: which states ``logits`` holds (default: all of them, in order).
             only: check just these state indices (default: every state in ``rows``).
+            advance: advance each grammar past its pick where it is allowed (the check and the
+                advance in one call, :meth:`GrammarMatcher.advance_if_allowed`): the caller then
+                accepts exactly those picks, and the returned redraws, next (the finish step).
 
         Returns:
             state index -> the masked argmax, for each refused pick (empty when none is).
@@ -462,7 +466,8 @@ class RowSampler:
         refused = []
         for i, r in enumerate(which):
             g = states[r].grammar
-            if g is not None and (only is None or r in only) and not g.is_stopped and not g.allows(picks[r]):
+            if g is not None and (only is None or r in only) and not g.is_stopped \
+                    and not (g.advance_if_allowed(picks[r]) if advance else g.allows(picks[r])):
                 refused.append(i)
         if not refused:
             return {}
