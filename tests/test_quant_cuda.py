@@ -107,9 +107,10 @@ def test_torch_dequantize_is_gguf(qtype):
 
 
 def check_kernels(device: str = "cpu") -> str:
-    """Every type: GEMV (M 1, 3 FMA; 5, 16 DOT; split-K configs) and GEMM (M 1, 20, 70; three
-    tiles) against the float64 reference, bias, output into a column slice, float32 out; in fp32
-    (interpreter: fewer M and configs, a few seconds) or bf16 (CUDA)."""
+    """Every type: GEMV (default configs; FMA ones up to M = 8, DOT ones above and, on CUDA, at any
+    M; split-K) and GEMM (M 1, 20, 70; three tiles) against the float64 reference, bias, output
+    into a column slice, float32 out; in fp32 (interpreter: fewer M and configs, a few seconds)
+    or bf16 (CUDA)."""
     from monobatch.kernels import common, quant_gemm as Q
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     tol = REL_TOL if device == "cpu" else BF16_TOL
@@ -188,7 +189,7 @@ def check_fma_gemv() -> str:
             x = torch.randn(M, k, generator=g)
             ref = x.double() @ w.T
             cfgs = [(16, step, 1, 4, 2, False), (32, 64, 2 if M % 2 else 3, 4, 3, False)]
-            assert Q.gemv_config(n, k, M, rep.layout)[5] is (Q.VARIANT == "dot")
+            assert Q.gemv_config(n, k, M, rep.layout)[5] is (Q.VARIANT == "dot" or M > Q.FMA_DEFAULT_M)
             for cfg in cfgs:
                 assert _rel(Q.gemv(x, *args, config=cfg), ref) <= REL_TOL, (qtype.name, M, cfg)
             if M in (1, 3, Q.FMA_MAX_M):
@@ -284,7 +285,9 @@ def test_configs_are_valid():
                 assert bk % 32 == 0 and bn & (bn - 1) == 0 and (bn >= 16 if dot else M <= Q.FMA_MAX_M) and splits >= 1
                 bw = bk // (2 if layout.q4 else 1)
                 assert bw & (bw - 1) == 0 and (dot or bw >= (16 if layout.q4 else layout.group))
-                assert dot == (M > Q.FMA_MAX_M or Q.VARIANT == "dot")
+                assert dot == (M > Q.FMA_DEFAULT_M or Q.VARIANT == "dot")
+                fma = Q.gemv_config(N, K, M, layout, "fma")
+                assert (not fma[5]) == (M <= Q.FMA_MAX_M) and fma[2] >= 1 and fma[1] % 32 == 0
                 k_per, s = Q._slices(K, bk, splits)
                 assert k_per % bk == 0 and (s - 1) * k_per < K <= s * k_per
             for M in (1, 17, 64, 300, 4096):
@@ -341,7 +344,7 @@ FMA_SHAPES = [(64, 512, False), (3072, 2048, False), (2048, 2048, False), (16384
 @pytest.mark.parametrize("N,K,gated", FMA_SHAPES, ids=lambda v: str(v))
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_fma_gemv_cuda(qtype, N, K, gated):
-    """The FMA GEMV (its default config, and one without split-K) at M = 1..FMA_MAX_M: within
+    """The FMA GEMV (its config, and the same without split-K) at M = 1..FMA_MAX_M: within
     FP32_TOL of torch's fp32 product (bf16 x, or silu_mul(gate, up) for the gated down projection,
     times the fp32 dequantized weights) with a float32 output, BF16_TOL with a bf16 one."""
     _cuda()
@@ -359,8 +362,7 @@ def test_fma_gemv_cuda(qtype, N, K, gated):
     for M in range(1, Q.FMA_MAX_M + 1):
         x = torch.randn(M, 2 * K if gated else K, generator=g, device="cuda", dtype=torch.bfloat16)
         ref = (silu_mul(x) if gated else x).float() @ w.T
-        cfg = Q.gemv_config(N, K, M, rep.layout)
-        cfg = cfg if not cfg[5] else (32, 256 if rep.layout.q4 else 128, 4, 4, 3, False)  # (MONOBATCH_PACKED_GEMV=dot)
+        cfg = Q.gemv_config(N, K, M, rep.layout, "fma")
         for c in (cfg, cfg[:2] + (1,) + cfg[3:]):
             y32 = Q.gemv(x, *args, config=c, gated=gated, out_dtype=torch.float32)
             assert _rel(y32, ref) < FP32_TOL, (M, c)
@@ -551,9 +553,7 @@ def test_fma_gemv_compiles_for_sm90(layout, rows):
     if sm90_compile_problem():
         pytest.skip(sm90_compile_problem())
     q4, group = layout
-    bn, bk, _, warps, stages, dot = Q.gemv_config(16384, 2048, rows, Q.Layout(q4, group))
-    if dot:
-        pytest.skip("MONOBATCH_PACKED_GEMV=dot")
+    bn, bk, _, warps, stages, _ = Q.gemv_config(16384, 2048, rows, Q.Layout(q4, group), "fma")
     gb = 16 if q4 else group
     c = dict(HAS_BIAS=rows == 2, ROWS=rows, M_PAD=Q._pow2(rows), BLOCK_N=bn, NG=bk // (2 if q4 else 1) // gb,
              GB=gb, STAGES=stages, Q4=q4, GATED=rows == 2, PDL=True)

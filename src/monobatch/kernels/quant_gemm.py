@@ -16,8 +16,8 @@ by the tile, like any other). No shuffle of nibbles into column order is needed.
 * :func:`gemv` (decode rows, M <= :data:`MAX_M`), two variants (:func:`gemv_config` picks;
   ``MONOBATCH_PACKED_GEMV=fma|dot``, read at import, :data:`VARIANT`, is the A/B switch):
 
-  - **FMA** (the default for M <= :data:`FMA_MAX_M` = 8; CUDA cores, meant to be bound by the
-    weight bytes): each program holds a ``[BLOCK_N, NG, GB]`` tile of packed bytes (GB: a group's
+  - **FMA** (M <= :data:`FMA_MAX_M` = 8, the default for M <= :data:`FMA_DEFAULT_M` = 2; CUDA
+    cores, meant to be bound by the weight bytes): each program holds a ``[BLOCK_N, NG, GB]`` tile of packed bytes (GB: a group's
     bytes, 16 for Q4's 32 weights, GROUP for Q8; one 16-byte load per group and row), kept 3-D
     throughout (no ``tl.reshape``: the FMA variant before it reshaped that tile to
     ``[BLOCK_N, NG * GB]`` and gave wrong rows on the H200 at some tiles, ADR 0006). The tile is
@@ -29,7 +29,7 @@ by the tile, like any other). No shuffle of nibbles into column order is needed.
     **No weight is rounded to bf16**: the products are of bf16 (or fp32) activations and the exact
     fp32 weights, so its results differ from the DOT path's and the dequantized bf16 path's by
     the weights' bf16 rounding (they are closer to the fp32 product).
-  - **DOT** (every M, 1..16; the default above FMA_MAX_M): the ``[BLOCK_N, BLOCK_K]`` tile
+  - **DOT** (every M, 1..16; the default above FMA_DEFAULT_M): the ``[BLOCK_N, BLOCK_K]`` tile
     rounded to x's dtype (bf16: the dequant path's weights exactly, which are rounded to bf16 at
     load) times x^T padded to 16 columns on the tensor cores, fp32 accumulation.
 
@@ -55,8 +55,8 @@ FMA rate on Hopper).
 
 The configs are fixed functions of (N, K, M, layout) (:func:`gemv_config`, :func:`gemm_config`),
 never timed at run time: the DOT GEMV's from one H200 sweep at M = 1 (``scripts/bench_packed_cuda.py
---sweep``), the FMA GEMV's and the GEMM's untuned (``scripts/probe_quant_cuda.py`` checks the FMA
-GEMV at the model shapes and sweeps its configs).
+--sweep``), the FMA GEMV's at M <= 2 from one H200 run of ``scripts/probe_quant_cuda.py`` (which
+checks the FMA GEMV at the model shapes and sweeps its configs), the GEMM's untuned.
 """
 
 from __future__ import annotations
@@ -76,10 +76,14 @@ if triton is not None:
 
 #: Most rows the GEMV takes; more go to the tiled GEMM.
 MAX_M = 16
-#: Most rows the FMA variant of the GEMV takes (and, by default, is given: :func:`gemv_config`).
+#: Most rows the FMA variant of the GEMV takes (a config asking for it, or ``variant="fma"``).
 FMA_MAX_M = 8
+#: Most rows :func:`gemv_config` gives the FMA variant by default: on the H200 (2026-12-02,
+#: ``scripts/probe_quant_cuda.py``) it beat the DOT variant at M = 1 (1.1-2x) and about tied at
+#: M = 2 for Q4 (ahead for the 8-bit layouts); from M = 4 DOT was faster for Q4 at most shapes.
+FMA_DEFAULT_M = 2
 #: ``MONOBATCH_PACKED_GEMV`` (read once, at import): ``fma`` (the default: the FMA variant for
-#: M <= FMA_MAX_M, DOT above) or ``dot`` (the DOT variant for every M; the A/B switch).
+#: M <= FMA_DEFAULT_M, DOT above) or ``dot`` (the DOT variant for every M; the A/B switch).
 VARIANT = os.environ.get("MONOBATCH_PACKED_GEMV", "fma")
 if VARIANT not in ("fma", "dot"):
     print(f"monobatch: warning: MONOBATCH_PACKED_GEMV={VARIANT!r} is not one of fma, dot: using fma", file=sys.stderr)
@@ -96,23 +100,32 @@ def gemv_config(N: int, K: int, M: int, layout: Layout,
                 variant: str | None = None) -> tuple[int, int, int, int, int, bool]:
     """``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, DOT)`` for an ``[M, K] x [N, K]^T``
     product on ``layout`` (BLOCK_K in weights, a power of two times 32). ``DOT`` False: the FMA
-    variant (CUDA cores), taken for M <= :data:`FMA_MAX_M` unless ``MONOBATCH_PACKED_GEMV=dot``
-    (:data:`VARIANT`; ``variant`` "fma" or "dot" overrides it, for A/B runs); else the DOT
-    variant (tensor cores, x^T padded to 16 columns).
+    variant (CUDA cores), taken for M <= :data:`FMA_DEFAULT_M` unless ``MONOBATCH_PACKED_GEMV=dot``
+    (:data:`VARIANT`); else the DOT variant (tensor cores, x^T padded to 16 columns). ``variant``
+    "fma" (any M <= :data:`FMA_MAX_M`) or "dot" overrides both, for A/B runs and the probe.
 
     DOT configs: from the H200 sweep of 2026-12-01 (``scripts/bench_packed_cuda.py --sweep``,
     llama-1b's five weight shapes at M = 1, docs/benchmarks): 64-row tiles of 128 weights, K in 4
     slices, 4 stages, were the fastest for the Q4 layout at every shape and for Q8_0's qkv and o;
-    wider 8-bit outputs (gate/up, the LM head) took 256-weight steps without a split. FMA configs:
-    untuned (to be measured: ``scripts/probe_quant_cuda.py``'s sweep): 32-row tiles of 128
-    packed bytes a step (256 weights for Q4, 128 for Q8; half that for M > 4, where the Q4 tile's
-    fp32 weights and 8 accumulators spill at 128 bytes), K split until the grid has ~528 programs
-    (4 a streaming multiprocessor on the H200's 132)."""
-    if (variant or VARIANT) == "fma" and M <= FMA_MAX_M:
-        block_n, block_k = 32, (256 if layout.q4 else 128) if M <= 4 else (128 if layout.q4 else 64)
+    wider 8-bit outputs (gate/up, the LM head) took 256-weight steps without a split. FMA configs,
+    M <= 2, from the H200 probe of 2026-12-02 (``scripts/probe_quant_cuda.py``'s sweep on llama-1b's
+    shapes, then its defaults on llama-1b's and llama-8b's): K <= 4096 (qkv, o, gate/up, LM head),
+    16-row tiles of 256 packed bytes a step (512 weights for Q4, 256 for Q8) without a split; the
+    down projections (K 8192, 14336), 32-row tiles of 128 bytes a step with K split until the
+    grid has ~528 programs (4 a multiprocessor on the H200's 132; 16-row tiles were 1.3-1.9x
+    slower there). M > 2 (``variant="fma"`` only; slower than DOT there for Q4): the latter,
+    untuned, with 64-byte steps for M > 4 (the Q4 tile's fp32 weights and 8 accumulators spill
+    at 128)."""
+    fma = M <= FMA_MAX_M if variant == "fma" else (variant or VARIANT) == "fma" and M <= FMA_DEFAULT_M
+    if fma:
+        if M <= 2 and K <= 4096:  # the H200 probe's fastest (2026-12-02): 16 x 256 bytes, no split
+            block_n, block_k = 16, (512 if layout.q4 else 256)
+        else:  # 32 x 128 bytes (64 bytes for M > 4), K split to ~4 programs a multiprocessor
+            block_n, block_k = 32, (256 if layout.q4 else 128) if M <= 4 else (128 if layout.q4 else 64)
         block_k = max(32, min(block_k, _pow2(K)))
         steps = -(-K // block_k)
-        splits = max(1, min(steps, -(-528 // -(-N // block_n))))
+        tiles = -(-N // block_n)
+        splits = 1 if M <= 2 and K <= 4096 else max(1, min(steps, -(-528 // tiles)))
         return block_n, block_k, splits, 4, 3, False
     wide_q8 = not layout.q4 and N > 8192
     block_n, block_k, splits, warps, stages = (64, 256, 1, 4, 3) if wide_q8 else (64, 128, 4, 4, 4)
