@@ -70,7 +70,7 @@ def deterministic_checks(report: dict, run, a, b, loaded, greedy) -> None:
 
 #: --long straddles this many of the first split size changes (4,096 and 8,192 keys by default).
 LONG_SPLIT_CHANGES = 2
-#: --long's short prompt, batched beside the long ones.
+#: --long's short prompt, batched beside the long ones (at most half the first change).
 LONG_SHORT = 700
 
 
@@ -86,9 +86,11 @@ def long_lengths(limit: int, n: int, windows=(0,)) -> list[int]:
     """--long's prompt lengths (at most ``limit``, for ``n`` generated tokens): for each of the
     first :data:`LONG_SPLIT_CHANGES` split size changes ``c``, a prompt ending ``n // 2`` before
     it (its decode rows cross ``c``) and one ending ``n // 2`` past it (its prompt rows straddle
-    ``c``), and a short one beside them; just ``limit`` when the context reaches no change."""
-    lengths = [min(LONG_SHORT, limit)]
-    for c in split_changes(limit + n, windows)[:LONG_SPLIT_CHANGES]:
+    ``c``), and a short one beside them (below the first change); just ``limit`` when the context
+    reaches no change."""
+    changes = split_changes(limit + n, windows)[:LONG_SPLIT_CHANGES]
+    lengths = [min(LONG_SHORT, limit, *(c // 2 for c in changes[:1]))]  # below the first change
+    for c in changes:
         lengths += [m for m in (c - n // 2, c + n // 2) if 0 < m <= limit and m not in lengths]
     return lengths if len(lengths) > 1 else [limit]
 
