@@ -114,7 +114,9 @@ def long_checks(loaded, n: int, rng: random.Random) -> dict:
 
     # every engine here lives to the end: a bounded paged pool each (twice the batch's tokens), not the
     # default share of the free GPU memory, which the second engine would find taken (H200, 2026-12-02)
-    pool = 2 * (sum(lengths) + len(lengths) * (n + 1) + 1024) * loaded_kv_bytes_per_token(loaded)
+    # (at least two contexts: the engine refuses a pool smaller than one, and short --long prompts,
+    # as under a small MONOBATCH_DET_SPLIT, would size it below that)
+    pool = 2 * max(sum(lengths) + len(lengths) * (n + 1) + 1024, limit + n + 1) * loaded_kv_bytes_per_token(loaded)
 
     def llm_for(storage="paged", **kw):
         if storage == "paged":
