@@ -26,13 +26,13 @@ except ImportError:
     pytest.skip("this Triton has no griddepcontrol helpers", allow_module_level=True)
 
 from helpers import sm90_compile_problem  # noqa: E402
-from monobatch.kernels import fused, gemv, invariant_gemm, paged_decode  # noqa: E402
+from monobatch.kernels import fused, gemv, paged_decode  # noqa: E402
 
 #: Pointer arguments that are not the model dtype.
 _POINTERS = {"WS": "*fp32", "O_PART": "*fp32", "LSE_PART": "*fp32", "CNT": "*i32", "TABLES": "*i32",
              "LENS": "*i32", "SLOTS": "*i64"}
 _FLOATS = {"eps", "scale"}
-_INTS = {"_gemv_kernel": {"M", "N", "K"}, "_gemm_kernel": {"M", "N", "K"}, "_silu_mul_kernel": {"F"}}  # upper-case sizes, per kernel
+_INTS = {"_gemv_kernel": {"M", "N", "K"}, "_silu_mul_kernel": {"F"}}  # upper-case sizes, per kernel
 
 
 def _ptx(fn, constexprs: dict, **options) -> str:
@@ -63,11 +63,6 @@ KERNELS = {
     "gemv_fma": (*_gemv(), True),
     "gemv_fma_gated_pipelined": (*_gemv(BLOCK_N=8, BLOCK_K=512, STAGES=3, GATED=True), True),
     "gemv_dot_bias": (*_gemv(HAS_BIAS=True, M_PAD=16, BLOCK_N=64, BLOCK_K=128, STAGES=3, DOT=True), True),
-    # the deterministic mode's GEMM, split over K slices (decode rows) and not (prompts)
-    "invariant_gemm_split": (invariant_gemm._gemm_kernel, dict(HAS_BIAS=False, BM=16, BN=32, BK=64, SLICE=512,
-                                                               SPLIT=True, GROUP_M=8, IEEE=False), False),
-    "invariant_gemm": (invariant_gemm._gemm_kernel, dict(HAS_BIAS=True, BM=128, BN=128, BK=64, SLICE=512,
-                                                         SPLIT=False, GROUP_M=8, IEEE=False), False),
     "rms_norm": (fused._rms_norm_kernel, dict(BLOCK=2048), True),
     "add_rms_norm": (fused._add_rms_norm_kernel, dict(BLOCK=2048), True),
     "rope": (fused._rope_kernel, dict(HALF=32, BLOCK=32), False),

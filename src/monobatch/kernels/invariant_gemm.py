@@ -18,10 +18,7 @@ give a row the same bits (mma.sync for small tiles, wgmma from 64 rows on Hopper
 every one of them gives every row the same bits as every other — :data:`TILES` keeps only tiles
 that passed there.
 
-Inputs bf16/fp16 (fp32 accumulation); float32 inputs use IEEE products. Launched with PDL where
-:func:`monobatch.kernels.pdl.enabled` (as the decode step's other kernels), so a deterministic
-decode step's GEMMs start while the kernel before them ends; PDL changes when a program starts,
-never what it computes.
+Inputs bf16/fp16 (fp32 accumulation); float32 inputs use IEEE products.
 """
 
 from __future__ import annotations
@@ -32,7 +29,6 @@ import threading
 
 import torch
 
-from monobatch.kernels import pdl
 from monobatch.kernels.common import sm_count, tl, triton
 
 if triton is not None:
@@ -120,8 +116,7 @@ if triton is not None:
     @triton.jit
     def _gemm_kernel(X, W, B, Y, WS, CNT, M, N, K, stride_xm, stride_wn, stride_ym,
                      HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     SLICE: tl.constexpr, SPLIT: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr,
-                     PDL: tl.constexpr):
+                     SLICE: tl.constexpr, SPLIT: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr):
         tile = tl.program_id(0)
         pid_m, pid_n = grouped_tile(tile, M, N, BM, BN, GROUP_M)
         offs_m = pid_m * BM + tl.arange(0, BM)
@@ -138,9 +133,6 @@ if triton is not None:
         else:
             first = 0
             last = slices
-        # PDL (kernels/pdl.py): only addresses are computed above; every load of x (written by the
-        # kernel before) and every store comes after the wait. The arithmetic is the same either way.
-        pdl.wait_prior(PDL)
         total = tl.zeros([BM, BN], tl.float32)
         for s in range(first, last):  # ascending slices, each summed from zero: the order every row sees
             acc = tl.zeros([BM, BN], tl.float32)
@@ -225,5 +217,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _gemm_kernel[(tiles, slices if split else 1)](
         x, weight, bias if bias is not None else weight, y, ws, cnt, M, N, K, x.stride(0), weight.stride(0),
         y.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, SLICE=SLICE_K, SPLIT=split, GROUP_M=8,
-        IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages, **pdl.launch(x.device))
+        IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
     return y
