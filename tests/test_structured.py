@@ -549,16 +549,22 @@ def void_requests(prompt, loaded):
     return requests
 
 
-def test_abort_of_a_sequence_whose_ahead_row_is_void(make_scheduler, void_requests):
-    """A request aborted while the step in flight holds a void row for it: its KV blocks are freed
-    at once, its last output is the abort (nothing after), the other rows' tokens are unchanged
-    (deterministic mode: a row's tokens do not depend on its neighbours), nothing leaks."""
+def _async_until_void(make_scheduler, void_requests):
+    """An async deterministic scheduler holding ``void_requests()``, stepped until the step in
+    flight holds a void row: ``(scheduler, outputs so far by request id, that row's sequence)``."""
     sched = make_scheduler(async_scheduling=True, deterministic=True)
     seen = _spy_async(sched)
     for req in void_requests():
         sched.add_request(req)
     outs: dict = {}
-    victim = _step_until_void(sched, outs, seen)
+    return sched, outs, _step_until_void(sched, outs, seen)
+
+
+def test_abort_of_a_sequence_whose_ahead_row_is_void(make_scheduler, void_requests):
+    """A request aborted while the step in flight holds a void row for it: its KV blocks are freed
+    at once, its last output is the abort (nothing after), the other rows' tokens are unchanged
+    (deterministic mode: a row's tokens do not depend on its neighbours), nothing leaks."""
+    sched, outs, victim = _async_until_void(make_scheduler, void_requests)
     others = [r.request_id for r in void_requests() if r.request_id != victim.request_id]
     ref = _run(make_scheduler(async_scheduling=False, deterministic=True),
                [r for r in void_requests() if r.request_id in others])
@@ -582,12 +588,7 @@ def test_preempting_a_sequence_whose_ahead_row_is_void(make_scheduler, void_requ
     resolved first, the sequence's KV is freed, and once re-admitted it continues where it was:
     every request's tokens equal the synchronous loop's."""
     ref = _run(make_scheduler(async_scheduling=False, deterministic=True), void_requests())
-    sched = make_scheduler(async_scheduling=True, deterministic=True)
-    seen = _spy_async(sched)
-    for req in void_requests():
-        sched.add_request(req)
-    outs: dict = {}
-    victim = _step_until_void(sched, outs, seen)
+    sched, outs, victim = _async_until_void(make_scheduler, void_requests)
     assert sched.preempt(victim.request_id)
     assert sched.kv.block_table(victim.seq_id) == [] and victim in sched.waiting and victim.num_computed == 0
     _drain(sched, outs)
