@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Structured outputs on the H200 (issue 15): the CUDA mask test, constrained vs unconstrained decode
-# (B=1 and B=32, two interleaved rounds, the plain arm twice per round as a null), and parity of the
-# constrained config in both modes. Run on the device after the bundled GGUF was assembled at
-# /tmp/model.gguf (see ../shared/tools/split-for-device.sh) and the wheels installed:
+# (B=1 and B=32, ROUNDS interleaved rounds (default 2), the plain arm twice per round as a null, and
+# the constrained arm also with MONOBATCH_FORCED_DRAWS=0: no redraw at forced grammar positions), and
+# parity of the constrained config in both modes. Run on the device after the bundled GGUF was
+# assembled at /tmp/model.gguf (see ../shared/tools/split-for-device.sh) and the wheels installed:
 #   bash scripts/gpu_structured.sh /tmp/model.gguf "$OUT"      (writes log.txt, bench.jsonl, parity-*.json)
 set -uo pipefail
 MODEL=${1:?model}; OUT=${2:?out dir}; LOG="$OUT/log.txt"; mkdir -p "$OUT"
@@ -10,10 +11,12 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$LOG"
 python3 -m pytest -q tests/test_structured.py -k "bitmask" -p no:cacheprovider >> "$LOG" 2>&1
 B="python3 -m monobatch bench -m $MODEL --device cuda -p 128 -n 256 --batch-size 1,32 -r 5 --json --no-progress"
-for round in 1 2; do
-  for arm in plain constrained plain2; do
-    flag=""; [ "$arm" = constrained ] && flag="--constrained"
-    $B $flag 2>>"$LOG" | sed "s/^/{\"round\": $round, \"arm\": \"$arm\", \"row\": /; s/\$/}/" >> "$OUT/bench.jsonl"
+for round in $(seq "${ROUNDS:-2}"); do
+  for arm in plain constrained unforced plain2; do
+    flag=""; env=""
+    [ "$arm" = constrained ] && flag="--constrained"
+    [ "$arm" = unforced ] && flag="--constrained" && env="MONOBATCH_FORCED_DRAWS=0"
+    env $env $B $flag 2>>"$LOG" | sed "s/^/{\"round\": $round, \"arm\": \"$arm\", \"row\": /; s/\$/}/" >> "$OUT/bench.jsonl"
   done
 done
 python3 - "$OUT/bench.jsonl" >> "$LOG" <<'PY'

@@ -353,9 +353,17 @@ def test_constrained_length_stop_on_the_server(server):
 
 def _spy_async(sched):
     """Count the async paths a run takes: deferred draws, unchecked draws, the refused unchecked
-    draws that were redrawn (``corrected``) and the steps that recomputed such a row (``void``)."""
-    engine, seen = sched.engine, {"deferred": 0, "unchecked": 0, "corrected": 0, "void": 0}
+    draws that were redrawn (``corrected``), the steps that recomputed such a row (``void``) and
+    the rows redrawn at forced grammar positions before the next step read them (``forced``)."""
+    engine, seen = sched.engine, {"deferred": 0, "unchecked": 0, "corrected": 0, "void": 0, "forced": 0}
     real_launch, real_deferred, real_resolve = engine.launch, engine.draw_deferred, engine.resolve
+    real_forced = engine.draw_forced
+
+    def draw_forced(pending):
+        real_forced(pending)
+        seen["forced"] += len(pending.forced[0]) if pending.forced else 0
+
+    engine.draw_forced = draw_forced
 
     def launch(batch, rows, *args, **kw):
         seen["unchecked"] += bool(kw.get("unchecked"))
@@ -372,13 +380,30 @@ def _spy_async(sched):
     return seen
 
 
+@pytest.fixture
+def unforced(monkeypatch):
+    """Async scheduling without the forced-position redraws (Engine.draw_forced), so refusals of
+    unchecked draws, and the void rows after them, happen at every forced grammar position: the
+    tests of that path get many of them."""
+    from monobatch.engine import engine
+
+    monkeypatch.setattr(engine, "FORCED_DRAWS", False)
+
+
+@pytest.mark.parametrize("forced", [True, False], ids=["forced", "unforced"])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_async_scheduling_with_greedy_constrained_rows_equals_sync(make_scheduler, prompt, loaded, deterministic):
+def test_async_scheduling_with_greedy_constrained_rows_equals_sync(make_scheduler, prompt, loaded, deterministic,
+                                                                   forced, monkeypatch):
     """Async scheduling keeps greedy constrained rows in the overlap without masks: each draws its
     raw argmax on the device, checked against its grammar once the previous token is accepted;
     a refused draw is redrawn under the mask and the step already launched on it recomputes that
-    row. Same tokens as the synchronous loop, beside free rows; a row whose grammar ends mid-run
-    drops out cleanly; refusals really happen (the bench's long schema forces them)."""
+    row; rows at forced grammar positions are redrawn among their allowed tokens before the next
+    step reads them (or, ``unforced``, left to the check). Same tokens as the synchronous loop,
+    beside free rows; a row whose grammar ends mid-run drops out cleanly; refusals really happen
+    (the bench's long schema forces them)."""
+    from monobatch.engine import engine
+
+    monkeypatch.setattr(engine, "FORCED_DRAWS", forced)
     from monobatch.bench import CONSTRAINED_SCHEMA
     from monobatch.engine.constraint import StructuredOutput
 
@@ -395,7 +420,10 @@ def test_async_scheduling_with_greedy_constrained_rows_equals_sync(make_schedule
     seen = _spy_async(sched)
     overlapped = _run(sched, requests())
     assert seen["unchecked"] and not seen["deferred"], seen
-    assert seen["corrected"] > 0 and seen["void"] > 0, seen  # refusals, and rows recomputed after them
+    if forced:
+        assert seen["forced"] > 0, seen
+    else:
+        assert seen["corrected"] > 0 and seen["void"] > 0 and not seen["forced"], seen  # refusals, recomputed rows
     for rid in sync:
         assert overlapped[rid] == sync[rid], rid
     assert sched.kv.usage().used_blocks == 0 and not sched.has_unfinished()
@@ -446,13 +474,113 @@ def test_the_greedy_mask_path_equals_the_full_chain(loaded):
     fast = sampler.draw(logits[:3], states).tolist()
     assert fast == sampler.transform(logits[:3], states).argmax(dim=-1).tolist()
     assert fast == sampler._masked(logits[:3], states).argmax(dim=-1).tolist()
-    # a row whose best token the grammar allows: the check passes, no mask is computed
+    # a row whose best token the grammar allows: the check passes (inside a string: the mask's last token)
+    inside = logits[2:3].clone()
+    last = int(torch.isfinite(sampler._masked(inside, states[2:3])[0]).nonzero().max())
+    inside[0, last] = 1e4
+    assert last != fast[2] and sampler.draw(inside, states[2:3]).tolist() == [last]
+    # "{" is a split of the forced '{"city": "' the mask refuses (its canonical first token is '{"'): redrawn
     allowed_best = logits[:1].clone()
     allowed_best[0, tok.encode("{", add_special_tokens=False)[0]] = 1e4
-    assert sampler.draw(allowed_best, states[:1]).tolist() == [tok.encode("{", add_special_tokens=False)[0]]
+    assert sampler.draw(allowed_best, states[:1]).tolist() == sampler._masked(allowed_best, states[:1]).argmax(-1).tolist()
     assert tok.decode([fast[0]]).startswith("{")
     mixed = states + [SamplerState(SamplingParams(temperature=0.7, seed=1), [1], 1, grammar=grammars.matcher(spec))]
     assert sampler.draw(logits, mixed).tolist()[:3] == fast  # the full chain (a sampled row present)
+
+
+def test_the_check_follows_the_mask_at_forced_positions(loaded):
+    """Where the grammar forces the next bytes, llguidance's mask allows only their canonical
+    tokens while its token check accepts other splits of them; GrammarMatcher.allows (and the
+    check-and-advance) answer from the mask there, and from the check elsewhere, so a greedy draw
+    checked first is the masked argmax on every path. Walked over the states of a schema."""
+    from monobatch.engine.constraint import GrammarCompiler, StructuredOutput, fill_bitmasks, mask_ids
+
+    tok = loaded.tokenizer
+    grammars = GrammarCompiler(tok, tok.vocab_size)
+    brace = tok.encode("{", add_special_tokens=False)[0]
+    m = grammars.matcher(StructuredOutput.json_schema(SCHEMAS[19][0]))  # forces '{"city": "' first
+    assert m.next_is_forced and m.raw.validate_tokens([brace]) == 1  # the check alone would take "{"
+    assert not m.allows(brace) and not m.advance_if_allowed(brace)
+    by_bytes: dict[bytes, list[int]] = {}
+    for t in range(tok.vocab_size):
+        by_bytes.setdefault(tok.token_bytes(t), []).append(t)
+    rng = np.random.default_rng(0)
+    forced_seen = split_seen = 0
+    for _ in range(40):
+        if m.is_stopped:  # (the engine never checks a token there: the sequence has ended)
+            break
+        mask = mask_ids(fill_bitmasks([m], tok.vocab_size)[0])
+        ff = m.raw.compute_ff_bytes()
+        assert m.next_is_forced == bool(ff)
+        if ff:
+            forced_seen += 1
+            assert m.forced_ids().tolist() == mask.tolist()
+        else:
+            assert m.forced_ids() is None
+        # every split of the forced bytes, a sample of the mask and of the rest of the vocabulary
+        probe = {t for k in range(1, len(ff) + 1) for t in by_bytes.get(ff[:k], [])}
+        probe |= set(rng.choice(mask, min(8, len(mask))).tolist()) | set(rng.integers(0, tok.vocab_size, 32).tolist())
+        for t in sorted(probe):
+            split_seen += bool(ff) and m.raw.validate_tokens([t]) == 1 and t not in mask
+            assert m.allows(t) == (t in mask), (t, ff)
+        assert m.accept(int(rng.choice(mask)))
+    assert forced_seen > 5 and split_seen > 5, (forced_seen, split_seen)
+
+
+def test_forced_draws_are_the_masked_argmax(loaded):
+    """RowSampler.forced_draws draws forced rows among their allowed tokens on the device: the
+    masked argmax (first maximum: ties go to the lowest id), rows not forced left out."""
+    from monobatch.bench import CONSTRAINED_SCHEMA
+    from monobatch.engine.constraint import GrammarCompiler, StructuredOutput
+    from monobatch.engine.params import SamplingParams
+    from monobatch.engine.sampler import RowSampler, SamplerState
+
+    tok = loaded.tokenizer
+    grammars = GrammarCompiler(tok, tok.vocab_size)
+    spec = StructuredOutput.json_schema(CONSTRAINED_SCHEMA)
+    states = [SamplerState(SamplingParams(temperature=0), [1], 0, grammar=grammars.matcher(spec)) for _ in range(4)]
+    for t in tok.encode('[{"name": "ab', add_special_tokens=False):  # inside a string: not forced
+        assert states[1].grammar.accept(t)
+    for t in tok.encode('[{"name": "ab", "value": 7}', add_special_tokens=False):
+        assert states[2].grammar.accept(t)
+    assert [s.grammar.next_is_forced for s in states] == [True, False, True, True]
+    sampler = RowSampler(tok.vocab_size)
+    torch.manual_seed(5)
+    logits = torch.randn(4, tok.vocab_size)
+    for r in (0, 2):  # every allowed token of two rows tied: the lowest id wins
+        logits[r, states[r].grammar.forced_ids()] = 9.0
+    rows, at, ids = sampler.forced_draws(logits, states, [0, 1, 2, 3], only={0, 1, 2})
+    assert rows == [0, 2] and at.tolist() == rows
+    want = sampler._masked(logits, states).argmax(dim=-1).tolist()
+    assert ids.tolist() == [want[0], want[2]]
+    assert want[0] == int(states[0].grammar.forced_ids()[0])
+
+
+def test_forced_redraws_leave_fewer_void_rows(make_scheduler, prompt, loaded, monkeypatch):
+    """With the forced-position redraws on, async scheduling's unchecked draws are refused far
+    less often, so far fewer rows are recomputed (void) — and the tokens stay the synchronous
+    loop's (deterministic mode; two long constrained answers beside a free row)."""
+    from monobatch.bench import CONSTRAINED_SCHEMA
+    from monobatch.engine import engine
+    from monobatch.engine.constraint import StructuredOutput
+
+    other = loaded.tokenizer.encode_chat([{"role": "user", "content": "Name three colours."}])
+
+    def requests():
+        return [_req("a", prompt, StructuredOutput.json_schema(CONSTRAINED_SCHEMA), max_tokens=48),
+                _req("b", other, StructuredOutput.json_schema(CONSTRAINED_SCHEMA), max_tokens=48),
+                _req("free", other, max_tokens=24, ignore_eos=True)]
+
+    ref = _run(make_scheduler(async_scheduling=False, deterministic=True), requests())
+    seen = {}
+    for forced in (False, True):
+        monkeypatch.setattr(engine, "FORCED_DRAWS", forced)
+        sched = make_scheduler(async_scheduling=True, deterministic=True)
+        seen[forced] = _spy_async(sched)
+        assert _run(sched, requests()) == ref, forced
+        _pool_is_whole(sched)
+    assert seen[True]["forced"] > 10 and seen[False]["void"] >= 5, seen
+    assert seen[True]["void"] * 4 <= seen[False]["void"], seen
 
 
 def test_a_schema_nested_too_deep_is_an_invalid_request():
@@ -560,7 +688,7 @@ def _async_until_void(make_scheduler, void_requests):
     return sched, outs, _step_until_void(sched, outs, seen)
 
 
-def test_abort_of_a_sequence_whose_ahead_row_is_void(make_scheduler, void_requests):
+def test_abort_of_a_sequence_whose_ahead_row_is_void(make_scheduler, void_requests, unforced):
     """A request aborted while the step in flight holds a void row for it: its KV blocks are freed
     at once, its last output is the abort (nothing after), the other rows' tokens are unchanged
     (deterministic mode: a row's tokens do not depend on its neighbours), nothing leaks."""
@@ -583,7 +711,7 @@ def test_abort_of_a_sequence_whose_ahead_row_is_void(make_scheduler, void_reques
     _pool_is_whole(sched)
 
 
-def test_preempting_a_sequence_whose_ahead_row_is_void(make_scheduler, void_requests):
+def test_preempting_a_sequence_whose_ahead_row_is_void(make_scheduler, void_requests, unforced):
     """Preempted (recompute) while its row in the step in flight is void: the pending step is
     resolved first, the sequence's KV is freed, and once re-admitted it continues where it was:
     every request's tokens equal the synchronous loop's."""
@@ -598,7 +726,7 @@ def test_preempting_a_sequence_whose_ahead_row_is_void(make_scheduler, void_requ
     _pool_is_whole(sched)
 
 
-def test_kv_pressure_preempts_through_void_rows(make_scheduler, void_requests):
+def test_kv_pressure_preempts_through_void_rows(make_scheduler, void_requests, unforced):
     """A pool too small for every request: the ahead step cannot reserve, the planned step
     preempts the newest sequence, while refusals keep voiding rows. Same tokens as the
     synchronous loop on the same pool; every block comes back."""
@@ -624,7 +752,7 @@ def test_kv_pressure_preempts_through_void_rows(make_scheduler, void_requests):
     _pool_is_whole(sched)
 
 
-def test_a_corrected_token_that_ends_the_sequence(make_scheduler, prompt):
+def test_a_corrected_token_that_ends_the_sequence(make_scheduler, prompt, unforced):
     """The redrawn (corrected) token ends its sequence — the grammar's end, a stop string, or
     max_tokens — while the step launched on the refused draw is in flight (its row is void):
     nothing is emitted after the finish, and the tokens equal the synchronous loop's."""
@@ -669,7 +797,7 @@ def test_a_corrected_token_that_ends_the_sequence(make_scheduler, prompt):
     _pool_is_whole(sched)
 
 
-def test_void_recomputes_are_not_counted_as_steps(make_scheduler, prompt):
+def test_void_recomputes_are_not_counted_as_steps(make_scheduler, prompt, unforced):
     """Batch evidence (``shared_steps``) counts a request's steps: its prompt chunks and one decode
     per token after the first. A void row is recomputed the step after: counted once, so two
     identical requests sharing every step report exactly their steps, as the synchronous loop

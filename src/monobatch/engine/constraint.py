@@ -158,13 +158,24 @@ class GrammarMatcher:
 
     ``accept`` a drawn token; :attr:`is_stopped` once the grammar has ended (it accepted an
     end-of-generation token, or nothing more can follow).
+
+    The grammar's allowed tokens at a position are its mask (:func:`fill_bitmasks`). Where the
+    grammar forces the next bytes (a key, a quote, a separator: :attr:`next_is_forced`),
+    llguidance's mask allows only the tokens of the forced bytes' canonical tokenization, while its
+    token check (``validate_tokens``) also accepts other splits of them (`` {`` then ``"`` where the
+    mask allows `` {"``); elsewhere the two agree (checked over ~300k tokens of 22 grammars'
+    states). So :meth:`allows` and :meth:`advance_if_allowed` answer from the mask at forced
+    positions (computed once per position and cached: :meth:`forced_ids`) and from the cheap check
+    elsewhere: a greedy draw checked first is then exactly the masked argmax, whichever path drew it.
     """
 
-    __slots__ = ("_m", "_ahead")
+    __slots__ = ("_m", "_ahead", "_forced")
 
     def __init__(self, matcher: Any) -> None:
         self._m = matcher
         self._ahead: int | None = None  # a token :meth:`advance_if_allowed` consumed, not yet accepted
+        # this position's forced_ids: None unknown, False not forced, True forced (ids not computed yet)
+        self._forced: np.ndarray | bool | None = None
 
     @property
     def raw(self) -> Any:
@@ -181,6 +192,7 @@ class GrammarMatcher:
             if ahead == t:
                 return True
             self._m.rollback(1)
+        self._forced = None
         return bool(self._m.consume_token(t))
 
     def advance_if_allowed(self, token_id: int) -> bool:
@@ -191,14 +203,41 @@ class GrammarMatcher:
         if self._ahead is not None:
             raise RuntimeError("advance_if_allowed: the token advanced past before is not accepted yet")
         t = int(token_id)
+        forced = self.forced_ids()
+        if forced is not None and not _contains(forced, t):
+            return False
         if self._m.try_consume_tokens([t]) != 1:
             return False
-        self._ahead = t
+        self._ahead, self._forced = t, None
         return True
 
     def allows(self, token_id: int) -> bool:
-        """Whether ``token_id`` may come next (the matcher is not advanced)."""
-        return self._m.validate_tokens([int(token_id)]) == 1
+        """Whether ``token_id`` may come next: it is in the grammar's mask (the matcher is not
+        advanced). ~2 µs away from forced positions; at one, the mask's cached ids."""
+        t = int(token_id)
+        forced = self.forced_ids()
+        if forced is not None:
+            return _contains(forced, t)
+        return self._m.validate_tokens([t]) == 1
+
+    @property
+    def next_is_forced(self) -> bool:
+        """The grammar forces the next bytes (llguidance's forced bytes are not empty: a key, a
+        quote, a separator of a JSON schema), so only a few tokens may come next. ~0.2 µs, where a
+        mask costs 15 µs or more; such positions are where a greedy model's raw argmax is refused
+        (measured on the bundled model: 91 % of refusals, at a median of one allowed token)."""
+        if self._forced is None:
+            self._forced = not self.is_stopped and bool(self._m.compute_ff_bytes())
+        return self._forced is not False
+
+    def forced_ids(self) -> np.ndarray | None:
+        """At a forced position (:attr:`next_is_forced`), the token ids the grammar's mask allows
+        there (``[n]`` int64, ascending; computed once per position); None elsewhere."""
+        if not self.next_is_forced:
+            return None
+        if self._forced is True:
+            self._forced = mask_ids(np.frombuffer(self._m.compute_bitmask(), np.uint8))
+        return self._forced
 
     @property
     def is_stopped(self) -> bool:
@@ -220,6 +259,18 @@ class GrammarMatcher:
     def error(self) -> str | None:
         """The matcher's error message, if it is in an error state."""
         return self._m.get_error() if self._m.is_error() else None
+
+
+def _contains(ids: np.ndarray, t: int) -> bool:
+    # membership in an ascending id array
+    i = int(np.searchsorted(ids, t))
+    return i < len(ids) and int(ids[i]) == t
+
+
+def mask_ids(bitmask: np.ndarray) -> np.ndarray:
+    """The allowed token ids of one bitmask row (``[W * 4]`` uint8 or ``[W]`` int32 in the
+    layout of :func:`fill_bitmasks`): ``[n]`` int64, ascending."""
+    return np.flatnonzero(np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), bitorder="little"))
 
 
 class GrammarCompiler:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,10 @@ from monobatch.kv.dense import DenseKv
 from monobatch.kv.paged import PagedKv
 from monobatch.kv.store import KvStore
 from monobatch.loader import LoadedModel
+
+#: Redraw unchecked draws at forced grammar positions before the next step reads them
+#: (:meth:`Engine.draw_forced`); ``MONOBATCH_FORCED_DRAWS=0`` turns it off for A/B runs.
+FORCED_DRAWS = os.environ.get("MONOBATCH_FORCED_DRAWS", "1") != "0"
 
 
 @dataclass(slots=True)
@@ -52,6 +57,9 @@ class PendingStep:
             (its replacement is ``seq.output_ids[-1]``); :meth:`Engine.resolve` skips them.
         corrected: rows whose draw :meth:`Engine.resolve` replaced (a refused unchecked draw):
             a step launched on this step's device draws computed those rows from a wrong id.
+        forced: rows of an unchecked draw redrawn at a forced grammar position before the next
+            step reads ``tokens`` (:meth:`Engine.draw_forced`): their indices, the ``[k]`` int64
+            host copy of the redraws and its CUDA event (None on CPU).
     """
 
     batch: StepBatch
@@ -63,6 +71,7 @@ class PendingStep:
     check: tuple[list[int], torch.Tensor] | None = None
     void: set[int] = dataclasses.field(default_factory=set)
     corrected: list[int] = dataclasses.field(default_factory=list)
+    forced: tuple[list[int], torch.Tensor, torch.cuda.Event | None] | None = None
 
 
 @dataclass(slots=True)
@@ -423,6 +432,40 @@ class Engine:
         drawn = self._draw_async(pending.batch, pending.rows, pending.logits, 0)
         pending.tokens, pending.host, pending.ready, pending.logits = drawn.tokens, drawn.host, drawn.ready, None
 
+    @torch.inference_mode()
+    def draw_forced(self, pending: PendingStep) -> None:
+        """Redraw a launched unchecked step's grammar rows whose grammar forces the next bytes,
+        once their previous tokens are accepted — before the step after it reads ``tokens``.
+
+        An unchecked draw is the raw argmax; the grammar refuses it mostly where it forces the
+        next bytes (a key, a quote, a separator), and a refusal voids the row in the step
+        launched on it (recomputed one step later). At those positions the grammar allows a few
+        tokens, so their masked argmax is drawn now on the device (:meth:`RowSampler.forced_draws`,
+        exact) and written into ``tokens``: the next step computes those rows from the right
+        ids, and :meth:`resolve` checks the redraws (allowed) instead of the raw argmax. Runs on
+        the host while the step's forward runs; no wait for the device.
+        """
+        if not FORCED_DRAWS or pending.check is None or pending.tokens is None:
+            return
+        gram, x = pending.check
+        live = {r for r in gram if r not in pending.void and not pending.rows[r].is_finished}
+        if not live:
+            return
+        with self._on_device():
+            got = self.sampler.forced_draws(x, [seq.sampler for seq in pending.rows], gram, live)
+            if got is None:
+                return
+            rows, at, ids = got
+            cuda = ids.is_cuda
+            pending.tokens.index_copy_(0, at, ids)
+            host = torch.empty(ids.shape, dtype=torch.int64, pin_memory=cuda)
+            host.copy_(ids, non_blocking=cuda)
+            ready = None
+            if cuda:
+                ready = torch.cuda.Event()
+                ready.record()
+            pending.forced = (rows, host, ready)
+
     def _draw_async(self, batch: StepBatch, rows: list[Sequence], logits: torch.Tensor, ahead: int,
                     unchecked: bool = False) -> PendingStep:
         """Draw on the device and queue the copy of the draws to the host behind an event
@@ -480,6 +523,12 @@ class Engine:
         if pending.ready is not None:
             pending.ready.synchronize()
         ids = pending.host.tolist()
+        if pending.forced is not None:  # redrawn after the copy above was queued (draw_forced)
+            rows, host, ready = pending.forced
+            if ready is not None:
+                ready.synchronize()
+            for r, t in zip(rows, host.tolist()):
+                ids[r] = t
         if pending.check is not None:
             self._check_draws(pending, ids)
         live = [(seq, t) for r, (seq, t) in enumerate(zip(pending.rows, ids))

@@ -212,6 +212,9 @@ _PER_ROW_FLTS = ("temp", "log_min_p", "typical", "top_p")
 #: A refused greedy draw is redrawn from this many best tokens, checked one by one against the
 #: grammar, before a full mask is computed (:meth:`RowSampler.correct`).
 REDRAW_CANDIDATES = 16
+#: A forced position (:attr:`GrammarMatcher.next_is_forced`) is drawn ahead of its check
+#: (:meth:`RowSampler.forced_draws`) when the grammar allows at most this many tokens there.
+FORCED_MAX_TOKENS = 64
 
 
 class _Plan:
@@ -510,6 +513,50 @@ class RowSampler:
                     break
             out.append(best)
         return out
+
+    def forced_draws(self, logits: torch.Tensor, states: list[SamplerState], rows: list[int],
+                     only: set[int]) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
+        """The masked argmax of the rows whose grammar forces its next bytes, drawn on the device
+        among the few tokens the grammar allows there — for async scheduling's unchecked draws,
+        whose raw argmax is refused mostly at such positions (:attr:`GrammarMatcher.next_is_forced`).
+
+        Exact: the argmax over a row's allowed ids, in ascending id order, is the first maximum
+        of the masked row, as :meth:`correct` and the synchronous draw find it. Rows with more
+        than :data:`FORCED_MAX_TOKENS` allowed tokens are left to the check. Costs one mask per
+        forced row (kept by the matcher for the check that follows), one host-to-device copy and
+        four small kernels on the current stream; nothing waits for the device.
+
+        Args:
+            logits: ``(M, V)`` float32 raw logits; row i belongs to ``states[rows[i]]``.
+            states: the sampler states, their grammars at the position the logits draw (every
+                earlier token accepted).
+            rows: which states ``logits`` holds.
+            only: the state indices to consider.
+
+        Returns:
+            (state indices, the same as a ``[k]`` int64 tensor on the logits' device, ``[k]``
+            int64 draws there), or None when no row is forced.
+        """
+        keep = []
+        for i, r in enumerate(rows):
+            g = states[r].grammar
+            ids = g.forced_ids() if r in only and g is not None else None  # (cached by the check that follows)
+            if ids is not None and 0 < len(ids) <= FORCED_MAX_TOKENS:
+                keep.append((i, r, ids))
+        if not keep:
+            return None
+        k, width = len(keep), max(len(ids) for _, _, ids in keep)
+        table = np.empty((k, width), dtype=np.int64)
+        for j, (_, _, ids) in enumerate(keep):  # padded with the row's lowest id: argmax keeps the first
+            table[j, :len(ids)] = ids
+            table[j, len(ids):] = ids[0]
+        head = np.array([i for i, _, _ in keep] + [r for _, r, _ in keep], np.int64)
+        buf = torch.from_numpy(np.concatenate([head, table.ravel()]))  # one copy: logit rows, state rows, ids
+        if logits.device.type != "cpu":
+            buf = buf.pin_memory().to(logits.device, non_blocking=True)
+        cols = buf[2 * k:].view(k, width)
+        vals = logits.index_select(0, buf[:k]).gather(1, cols)
+        return [r for _, r, _ in keep], buf[k:2 * k], cols.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1)
 
     def _masked(self, logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
         """The raw logits with each live grammar's mask applied (stage 0 alone, for rows that

@@ -24,7 +24,10 @@ their raw argmax on the device, unchecked; when N is read back each draw is chec
 grammar (llama.cpp's "sampled token first"): an allowed one is the masked argmax already, a
 refused one is redrawn under the mask (a side stream, so the device stays busy), and N+1,
 launched on the refused id, leaves that row *void* — its KV position is not committed and the
-next step recomputes it from the corrected id. Other grammar rows (sampled, logit_bias) have
+next step recomputes it from the corrected id. Refusals happen mostly where the grammar forces
+the next bytes (a key, a quote, a separator): once N's tokens are accepted, the rows of N+1 at
+such a position are redrawn on the device among their few allowed tokens before N+2 reads them
+(:meth:`Engine.draw_forced`), so they are not void. Other grammar rows (sampled, logit_bias) have
 the draw of N+1 deferred: its forward is queued first, then N's tokens are read and accepted
 into the matchers, and the masks of N+1 are computed on the host while that forward runs
 (:meth:`Engine.draw_deferred`). Step N+1's KV commit
@@ -229,6 +232,8 @@ class BatchScheduler:
                 outputs += self._finish_pending(pending, ahead)
                 if ahead is not None and ahead.tokens is None:  # its grammar masks needed N's tokens
                     self.engine.draw_deferred(ahead)
+                elif ahead is not None and ahead.check is not None:  # forced grammar positions, redrawn
+                    self.engine.draw_forced(ahead)
             except BaseException:
                 # N's draws (and N+1's) are lost with the error: end their sequences (abort, KV
                 # freed); outputs already due are kept for the next step.
@@ -256,6 +261,7 @@ class BatchScheduler:
         try:
             if self.engine.async_scheduling and not prompt_rows and batch.is_decode_only and self._overlappable(rows):
                 self._pending = self.engine.launch(batch, rows, unchecked=self._unchecked(rows))
+                self.engine.draw_forced(self._pending)
                 return outputs
             step_outputs = self.engine.step(batch, rows, prompt_rows)
         except BaseException:
