@@ -528,8 +528,9 @@ def test_the_check_follows_the_mask_at_forced_positions(loaded):
 
 
 def test_forced_draws_are_the_masked_argmax(loaded):
-    """RowSampler.forced_draws draws forced rows among their allowed tokens on the device: the
-    masked argmax (first maximum: ties go to the lowest id), rows not forced left out."""
+    """RowSampler.forced_draws draws forced rows among their allowed tokens: the masked argmax
+    (first maximum: ties go to the lowest id), on the device by a gather where a row allows several
+    tokens, on the host where each allows one; rows not forced, or not asked for, left out."""
     from monobatch.bench import CONSTRAINED_SCHEMA
     from monobatch.engine.constraint import GrammarCompiler, StructuredOutput
     from monobatch.engine.params import SamplingParams
@@ -543,17 +544,25 @@ def test_forced_draws_are_the_masked_argmax(loaded):
         assert states[1].grammar.accept(t)
     for t in tok.encode('[{"name": "ab", "value": 7}', add_special_tokens=False):
         assert states[2].grammar.accept(t)
-    assert [s.grammar.next_is_forced for s in states] == [True, False, True, True]
+    # a forced ' "' that allows many tokens (' ', ' "', ' ""', ...): drawn by a gather on the device
+    states.append(SamplerState(SamplingParams(temperature=0), [1], 0,
+                               grammar=grammars.matcher(StructuredOutput.json_schema(SCHEMAS[0][0]))))
+    for t in tok.encode('{"name":', add_special_tokens=False):
+        assert states[4].grammar.accept(t)
+    assert [s.grammar.next_is_forced for s in states] == [True, False, True, True, True]
+    assert [len(states[r].grammar.forced_ids()) for r in (0, 2)] == [1, 1] and len(states[4].grammar.forced_ids()) > 4
     sampler = RowSampler(tok.vocab_size)
     torch.manual_seed(5)
-    logits = torch.randn(4, tok.vocab_size)
-    for r in (0, 2):  # every allowed token of two rows tied: the lowest id wins
-        logits[r, states[r].grammar.forced_ids()] = 9.0
-    rows, at, ids = sampler.forced_draws(logits, states, [0, 1, 2, 3], only={0, 1, 2})
-    assert rows == [0, 2] and at.tolist() == rows
+    logits = torch.randn(5, tok.vocab_size)
+    logits[4, states[4].grammar.forced_ids()[1:]] = 9.0  # tied allowed tokens: the lowest id of them wins
     want = sampler._masked(logits, states).argmax(dim=-1).tolist()
-    assert ids.tolist() == [want[0], want[2]]
-    assert want[0] == int(states[0].grammar.forced_ids()[0])
+    assert want[4] == int(states[4].grammar.forced_ids()[1])
+    rows, at, ids, known = sampler.forced_draws(logits, states, [0, 1, 2, 3, 4], only={0, 1, 2, 4})
+    assert rows == [0, 2, 4] and at.tolist() == rows and known is None
+    assert ids.tolist() == [want[0], want[2], want[4]]
+    # rows with one allowed token each: their draws are known on the host
+    rows, at, ids, known = sampler.forced_draws(logits[:4], states[:4], [0, 1, 2, 3], only={0, 1, 2})
+    assert rows == [0, 2] and known == [want[0], want[2]] == ids.tolist() and at.tolist() == rows
 
 
 def test_forced_redraws_leave_fewer_void_rows(make_scheduler, prompt, loaded, monkeypatch):

@@ -269,8 +269,13 @@ def _contains(ids: np.ndarray, t: int) -> bool:
 
 def mask_ids(bitmask: np.ndarray) -> np.ndarray:
     """The allowed token ids of one bitmask row (``[W * 4]`` uint8 or ``[W]`` int32 in the
-    layout of :func:`fill_bitmasks`): ``[n]`` int64, ascending."""
-    return np.flatnonzero(np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), bitorder="little"))
+    layout of :func:`fill_bitmasks`): ``[n]`` int64, ascending. Only the non-zero words are
+    unpacked (~8 µs for a forced position's mask of a 49k vocabulary, ~90 µs unpacking it whole)."""
+    words = np.ascontiguousarray(bitmask).view(np.uint32)
+    nz = np.flatnonzero(words)
+    bits = np.unpackbits(words[nz].view(np.uint8), bitorder="little").reshape(len(nz), 32)
+    word, bit = np.nonzero(bits)  # row-major: ascending ids
+    return nz[word] * 32 + bit
 
 
 class GrammarCompiler:

@@ -58,8 +58,9 @@ class PendingStep:
         corrected: rows whose draw :meth:`Engine.resolve` replaced (a refused unchecked draw):
             a step launched on this step's device draws computed those rows from a wrong id.
         forced: rows of an unchecked draw redrawn at a forced grammar position before the next
-            step reads ``tokens`` (:meth:`Engine.draw_forced`): their indices, the ``[k]`` int64
-            host copy of the redraws and its CUDA event (None on CPU).
+            step reads ``tokens`` (:meth:`Engine.draw_forced`): their indices, the redraws (a
+            list, or a ``[k]`` int64 host copy) and that copy's CUDA event (None on CPU, or when
+            the redraws were known on the host).
     """
 
     batch: StepBatch
@@ -71,7 +72,7 @@ class PendingStep:
     check: tuple[list[int], torch.Tensor] | None = None
     void: set[int] = dataclasses.field(default_factory=set)
     corrected: list[int] = dataclasses.field(default_factory=list)
-    forced: tuple[list[int], torch.Tensor, torch.cuda.Event | None] | None = None
+    forced: tuple[list[int], list[int] | torch.Tensor, torch.cuda.Event | None] | None = None
 
 
 @dataclass(slots=True)
@@ -455,9 +456,12 @@ class Engine:
             got = self.sampler.forced_draws(x, [seq.sampler for seq in pending.rows], gram, live)
             if got is None:
                 return
-            rows, at, ids = got
-            cuda = ids.is_cuda
+            rows, at, ids, known = got
             pending.tokens.index_copy_(0, at, ids)
+            if known is not None:  # one allowed token a row: the draws are known here
+                pending.forced = (rows, known, None)
+                return
+            cuda = ids.is_cuda
             host = torch.empty(ids.shape, dtype=torch.int64, pin_memory=cuda)
             host.copy_(ids, non_blocking=cuda)
             ready = None
@@ -527,7 +531,7 @@ class Engine:
             rows, host, ready = pending.forced
             if ready is not None:
                 ready.synchronize()
-            for r, t in zip(rows, host.tolist()):
+            for r, t in zip(rows, host if isinstance(host, list) else host.tolist()):
                 ids[r] = t
         if pending.check is not None:
             self._check_draws(pending, ids)

@@ -515,16 +515,17 @@ class RowSampler:
         return out
 
     def forced_draws(self, logits: torch.Tensor, states: list[SamplerState], rows: list[int],
-                     only: set[int]) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
-        """The masked argmax of the rows whose grammar forces its next bytes, drawn on the device
-        among the few tokens the grammar allows there — for async scheduling's unchecked draws,
-        whose raw argmax is refused mostly at such positions (:attr:`GrammarMatcher.next_is_forced`).
+                     only: set[int]) -> tuple[list[int], torch.Tensor, torch.Tensor, list[int] | None] | None:
+        """The masked argmax of the rows whose grammar forces its next bytes, drawn among the few
+        tokens the grammar allows there — for async scheduling's unchecked draws, whose raw argmax
+        is refused mostly at such positions (:attr:`GrammarMatcher.next_is_forced`).
 
         Exact: the argmax over a row's allowed ids, in ascending id order, is the first maximum
-        of the masked row, as :meth:`correct` and the synchronous draw find it. Rows with more
-        than :data:`FORCED_MAX_TOKENS` allowed tokens are left to the check. Costs one mask per
-        forced row (kept by the matcher for the check that follows), one host-to-device copy and
-        four small kernels on the current stream; nothing waits for the device.
+        of the masked row, as :meth:`correct` and the synchronous draw find it; a row with one
+        allowed token draws it. Rows with more than :data:`FORCED_MAX_TOKENS` allowed tokens are
+        left to the check. Costs one mask per forced row (kept by the matcher for the check that
+        follows) and one host-to-device copy; a gather and an argmax on the device only where a
+        row allows several tokens. Nothing waits for the device.
 
         Args:
             logits: ``(M, V)`` float32 raw logits; row i belongs to ``states[rows[i]]``.
@@ -534,29 +535,37 @@ class RowSampler:
             only: the state indices to consider.
 
         Returns:
-            (state indices, the same as a ``[k]`` int64 tensor on the logits' device, ``[k]``
-            int64 draws there), or None when no row is forced.
+            ``(state indices, the same as a [k] int64 tensor on the logits' device, [k] int64
+            draws there, the draws as a list when every row allowed one token, else None)``, or
+            None when no row is forced.
         """
         keep = []
         for i, r in enumerate(rows):
             g = states[r].grammar
-            ids = g.forced_ids() if r in only and g is not None else None  # (cached by the check that follows)
+            ids = g.forced_ids() if r in only and g is not None else None  # (cached for the check that follows)
             if ids is not None and 0 < len(ids) <= FORCED_MAX_TOKENS:
                 keep.append((i, r, ids))
         if not keep:
             return None
         k, width = len(keep), max(len(ids) for _, _, ids in keep)
+        picked = [r for _, r, _ in keep]
+        if width == 1:  # every row's draw is its one allowed token: known on the host
+            known = [int(ids[0]) for _, _, ids in keep]
+            buf = torch.tensor(picked + known, dtype=torch.int64)
+            if logits.device.type != "cpu":
+                buf = buf.pin_memory().to(logits.device, non_blocking=True)
+            return picked, buf[:k], buf[k:], known
         table = np.empty((k, width), dtype=np.int64)
         for j, (_, _, ids) in enumerate(keep):  # padded with the row's lowest id: argmax keeps the first
             table[j, :len(ids)] = ids
             table[j, len(ids):] = ids[0]
-        head = np.array([i for i, _, _ in keep] + [r for _, r, _ in keep], np.int64)
+        head = np.array([i for i, _, _ in keep] + picked, np.int64)
         buf = torch.from_numpy(np.concatenate([head, table.ravel()]))  # one copy: logit rows, state rows, ids
         if logits.device.type != "cpu":
             buf = buf.pin_memory().to(logits.device, non_blocking=True)
         cols = buf[2 * k:].view(k, width)
         vals = logits.index_select(0, buf[:k]).gather(1, cols)
-        return [r for _, r, _ in keep], buf[k:2 * k], cols.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1)
+        return picked, buf[k:2 * k], cols.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1), None
 
     def _masked(self, logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
         """The raw logits with each live grammar's mask applied (stage 0 alone, for rows that
