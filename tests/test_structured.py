@@ -454,8 +454,10 @@ def test_async_scheduling_with_sampled_constrained_rows_equals_sync(make_schedul
 
 
 def test_the_greedy_mask_path_equals_the_full_chain(loaded):
-    """Greedy rows under grammars skip the stage tables (RowSampler._masked); their draws equal the
-    argmax of the full chain's logits (RowSampler.transform), beside plain and sampled rows."""
+    """Greedy rows under grammars skip the stage tables: their draws are the best token the grammar
+    accepts (a scan of llguidance's check over the vocabulary) and the argmax of the full chain's
+    masked logits (RowSampler.transform), beside plain and sampled rows — a forced position's
+    splits included (the mask alone leaves "{" out where '{"city": "' is forced)."""
     from monobatch.engine.constraint import GrammarCompiler, StructuredOutput
     from monobatch.engine.params import SamplingParams
     from monobatch.engine.sampler import RowSampler, SamplerState
@@ -472,65 +474,75 @@ def test_the_greedy_mask_path_equals_the_full_chain(loaded):
         assert states[2].grammar.accept(t)
     sampler = RowSampler(tok.vocab_size)
     fast = sampler.draw(logits[:3], states).tolist()
+    assert fast == [_accepted_argmax(logits[r], states[r].grammar, tok.vocab_size) if states[r].grammar
+                    else int(logits[r].argmax()) for r in range(3)]
     assert fast == sampler.transform(logits[:3], states).argmax(dim=-1).tolist()
     assert fast == sampler._masked(logits[:3], states).argmax(dim=-1).tolist()
-    # a row whose best token the grammar allows: the check passes (inside a string: the mask's last token)
-    inside = logits[2:3].clone()
-    last = int(torch.isfinite(sampler._masked(inside, states[2:3])[0]).nonzero().max())
-    inside[0, last] = 1e4
-    assert last != fast[2] and sampler.draw(inside, states[2:3]).tolist() == [last]
-    # "{" is a split of the forced '{"city": "' the mask refuses (its canonical first token is '{"'): redrawn
+    assert tok.decode([fast[0]]) == "{"  # row 0's forced '{"city": "' split where the check accepts it
+    # a row whose best token the grammar allows: the check passes, no mask is computed
     allowed_best = logits[:1].clone()
     allowed_best[0, tok.encode("{", add_special_tokens=False)[0]] = 1e4
-    assert sampler.draw(allowed_best, states[:1]).tolist() == sampler._masked(allowed_best, states[:1]).argmax(-1).tolist()
+    assert sampler.draw(allowed_best, states[:1]).tolist() == [tok.encode("{", add_special_tokens=False)[0]]
     assert tok.decode([fast[0]]).startswith("{")
     mixed = states + [SamplerState(SamplingParams(temperature=0.7, seed=1), [1], 1, grammar=grammars.matcher(spec))]
     assert sampler.draw(logits, mixed).tolist()[:3] == fast  # the full chain (a sampled row present)
 
 
-def test_the_check_follows_the_mask_at_forced_positions(loaded):
-    """Where the grammar forces the next bytes, llguidance's mask allows only their canonical
-    tokens while its token check accepts other splits of them; GrammarMatcher.allows (and the
-    check-and-advance) answer from the mask there, and from the check elsewhere, so a greedy draw
-    checked first is the masked argmax on every path. Walked over the states of a schema."""
-    from monobatch.engine.constraint import GrammarCompiler, StructuredOutput, fill_bitmasks, mask_ids
+def _accepted(matcher, vocab_size):
+    """Every token id llguidance's check accepts next (a scan of the vocabulary: the oracle)."""
+    return [t for t in range(vocab_size) if matcher.allows(t)]
+
+
+def _accepted_argmax(row, matcher, vocab_size):
+    """The greedy draw's definition: the best token the grammar accepts (first maximum)."""
+    masked = torch.full_like(row, float("-inf"))
+    ids = torch.tensor(_accepted(matcher, vocab_size))
+    masked[ids] = row[ids]
+    return int(masked.argmax())
+
+
+def test_forced_ids_are_every_token_the_check_accepts(loaded):
+    """At a forced position (a key, a quote, a separator) GrammarMatcher.forced_ids enumerates the
+    splits of the forced bytes and the tokens extending them: exactly the tokens llguidance's check
+    accepts there (a scan of the whole vocabulary). llguidance's own mask leaves some splits out
+    there; fill_bitmasks adds them (GrammarMatcher.splits), so the masks are the accepted set at
+    every position, forced or not. Walked over the states of two schemas."""
+    from monobatch.bench import CONSTRAINED_SCHEMA
+    from monobatch.engine.constraint import GrammarCompiler, StructuredOutput, fill_bitmasks
 
     tok = loaded.tokenizer
     grammars = GrammarCompiler(tok, tok.vocab_size)
-    brace = tok.encode("{", add_special_tokens=False)[0]
-    m = grammars.matcher(StructuredOutput.json_schema(SCHEMAS[19][0]))  # forces '{"city": "' first
-    assert m.next_is_forced and m.raw.validate_tokens([brace]) == 1  # the check alone would take "{"
-    assert not m.allows(brace) and not m.advance_if_allowed(brace)
-    by_bytes: dict[bytes, list[int]] = {}
-    for t in range(tok.vocab_size):
-        by_bytes.setdefault(tok.token_bytes(t), []).append(t)
     rng = np.random.default_rng(0)
-    forced_seen = split_seen = 0
-    for _ in range(40):
-        if m.is_stopped:  # (the engine never checks a token there: the sequence has ended)
-            break
-        mask = mask_ids(fill_bitmasks([m], tok.vocab_size)[0])
-        ff = m.raw.compute_ff_bytes()
-        assert m.next_is_forced == bool(ff)
-        if ff:
-            forced_seen += 1
-            assert m.forced_ids().tolist() == mask.tolist()
-        else:
-            assert m.forced_ids() is None
-        # every split of the forced bytes, a sample of the mask and of the rest of the vocabulary
-        probe = {t for k in range(1, len(ff) + 1) for t in by_bytes.get(ff[:k], [])}
-        probe |= set(rng.choice(mask, min(8, len(mask))).tolist()) | set(rng.integers(0, tok.vocab_size, 32).tolist())
-        for t in sorted(probe):
-            split_seen += bool(ff) and m.raw.validate_tokens([t]) == 1 and t not in mask
-            assert m.allows(t) == (t in mask), (t, ff)
-        assert m.accept(int(rng.choice(mask)))
-    assert forced_seen > 5 and split_seen > 5, (forced_seen, split_seen)
+
+    def ids(bitmask):
+        return np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:tok.vocab_size]).tolist()
+
+    forced_seen = fewer_in_mask = 0
+    for schema in (SCHEMAS[0][0], CONSTRAINED_SCHEMA):
+        m = grammars.matcher(StructuredOutput.json_schema(schema))
+        for _ in range(14):
+            if m.is_stopped:  # (the engine never checks a token there: the sequence has ended)
+                break
+            accepted = _accepted(m, tok.vocab_size)
+            llg = ids(np.frombuffer(m.raw.compute_bitmask(), np.uint8))
+            assert ids(fill_bitmasks([m], tok.vocab_size)[0]) == accepted
+            forced = m.forced_ids()
+            if m.raw.compute_ff_bytes():
+                forced_seen += 1
+                assert forced is not None and forced.tolist() == accepted
+                assert sorted(set(llg) | set(m.splits())) == accepted
+                fewer_in_mask += len(llg) < len(accepted)
+            else:
+                assert forced is None and not m.splits() and llg == accepted
+            assert m.accept(int(rng.choice(accepted)))
+    assert forced_seen >= 6 and fewer_in_mask >= 2, (forced_seen, fewer_in_mask)
 
 
-def test_forced_draws_are_the_masked_argmax(loaded):
-    """RowSampler.forced_draws draws forced rows among their allowed tokens: the masked argmax
-    (first maximum: ties go to the lowest id), on the device by a gather where a row allows several
-    tokens, on the host where each allows one; rows not forced, or not asked for, left out."""
+def test_forced_draws_are_the_best_accepted_tokens(loaded):
+    """RowSampler.forced_draws draws forced rows among the tokens their grammar accepts: the greedy
+    draw's definition (first maximum: ties go to the lowest id), on the device by a gather where a
+    row accepts several tokens, on the host where each accepts one; rows not forced, or not asked
+    for, left out."""
     from monobatch.bench import CONSTRAINED_SCHEMA
     from monobatch.engine.constraint import GrammarCompiler, StructuredOutput
     from monobatch.engine.params import SamplingParams
@@ -538,31 +550,35 @@ def test_forced_draws_are_the_masked_argmax(loaded):
 
     tok = loaded.tokenizer
     grammars = GrammarCompiler(tok, tok.vocab_size)
-    spec = StructuredOutput.json_schema(CONSTRAINED_SCHEMA)
-    states = [SamplerState(SamplingParams(temperature=0), [1], 0, grammar=grammars.matcher(spec)) for _ in range(4)]
-    for t in tok.encode('[{"name": "ab', add_special_tokens=False):  # inside a string: not forced
-        assert states[1].grammar.accept(t)
-    for t in tok.encode('[{"name": "ab", "value": 7}', add_special_tokens=False):
-        assert states[2].grammar.accept(t)
-    # a forced ' "' that allows many tokens (' ', ' "', ' ""', ...): drawn by a gather on the device
-    states.append(SamplerState(SamplingParams(temperature=0), [1], 0,
-                               grammar=grammars.matcher(StructuredOutput.json_schema(SCHEMAS[0][0]))))
-    for t in tok.encode('{"name":', add_special_tokens=False):
-        assert states[4].grammar.accept(t)
-    assert [s.grammar.next_is_forced for s in states] == [True, False, True, True, True]
-    assert [len(states[r].grammar.forced_ids()) for r in (0, 2)] == [1, 1] and len(states[4].grammar.forced_ids()) > 4
+
+    def state(schema, text):
+        s = SamplerState(SamplingParams(temperature=0), [1], 0, grammar=grammars.matcher(StructuredOutput.json_schema(schema)))
+        for t in tok.encode(text, add_special_tokens=False):
+            assert s.grammar.accept(t)
+        return s
+
+    states = [state(CONSTRAINED_SCHEMA, ""),  # forced '[{"name": "': one accepted token, '['
+              state(CONSTRAINED_SCHEMA, '[{"name": "ab'),  # inside a string: not forced
+              state(SCHEMAS[2][0], '{"tags":'),  # forced ' ["': ' ', ' [' and ' ["'
+              state(CONSTRAINED_SCHEMA, ""),
+              state(SCHEMAS[0][0], '{"name":')]  # forced ' "': many accepted (' ', ' "', ' ""', ...)
+    widths = [None if s.grammar.forced_ids() is None else len(s.grammar.forced_ids()) for s in states]
+    assert widths[0] == widths[3] == 1 and widths[1] is None and widths[2] > 1 and widths[4] > 4, widths
     sampler = RowSampler(tok.vocab_size)
     torch.manual_seed(5)
     logits = torch.randn(5, tok.vocab_size)
-    logits[4, states[4].grammar.forced_ids()[1:]] = 9.0  # tied allowed tokens: the lowest id of them wins
-    want = sampler._masked(logits, states).argmax(dim=-1).tolist()
-    assert want[4] == int(states[4].grammar.forced_ids()[1])
+    tied = states[4].grammar.forced_ids()[1:]
+    logits[4, tied] = 9.0  # tied accepted tokens: the lowest id of them wins
+    want = [_accepted_argmax(logits[r], states[r].grammar, tok.vocab_size) for r in range(5)]
+    assert want[4] == int(tied[0])
     rows, at, ids, known = sampler.forced_draws(logits, states, [0, 1, 2, 3, 4], only={0, 1, 2, 4})
     assert rows == [0, 2, 4] and at.tolist() == rows and known is None
     assert ids.tolist() == [want[0], want[2], want[4]]
-    # rows with one allowed token each: their draws are known on the host
-    rows, at, ids, known = sampler.forced_draws(logits[:4], states[:4], [0, 1, 2, 3], only={0, 1, 2})
-    assert rows == [0, 2] and known == [want[0], want[2]] == ids.tolist() and at.tolist() == rows
+    # rows with one accepted token each: their draws are known on the host
+    rows, at, ids, known = sampler.forced_draws(logits, states, [0, 1, 2, 3, 4], only={0, 1, 3})
+    assert rows == [0, 3] and known == [want[0], want[3]] == ids.tolist() and at.tolist() == rows
+    # a refused pick at a forced position is redrawn the same way (RowSampler.correct)
+    assert sampler.correct(logits, states, [t + 1 for t in want], only={2, 4}) == {2: want[2], 4: want[4]}
 
 
 def test_forced_redraws_leave_fewer_void_rows(make_scheduler, prompt, loaded, monkeypatch):

@@ -26,6 +26,7 @@ Bitmask layout (llguidance's and xgrammar's): ``[R, ceil(V / 32)]`` int32, bit `
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import json
 import threading
@@ -153,29 +154,68 @@ class StructuredOutput:
             raise InvalidRequestError(f"{self.param}: the grammar does not parse: {exc}", self.param) from None
 
 
+#: Forced positions whose candidate tokens (splits of the forced bytes, and tokens that extend
+#: them) number more than this are left to the check alone (:meth:`GrammarMatcher.forced_ids`).
+FORCED_MAX_TOKENS = 64
+
+
+class TokenIndex:
+    """A vocabulary's tokens by their bytes, for the tokens that spell the start of given bytes.
+
+    Args:
+        token_bytes: each token id's bytes (``Tokenizer.token_bytes``).
+        vocab_size: ids ``0 .. vocab_size - 1`` are indexed.
+    """
+
+    def __init__(self, token_bytes: Any, vocab_size: int) -> None:
+        pairs = sorted((token_bytes(t), t) for t in range(vocab_size))
+        self._bytes = [b for b, _ in pairs]
+        self._ids = [t for _, t in pairs]
+        self._by_bytes: dict[bytes, list[int]] = {}
+        for b, t in pairs:
+            if b:
+                self._by_bytes.setdefault(b, []).append(t)
+
+    def splits(self, forced: bytes) -> list[int]:
+        """The tokens whose bytes are a proper, non-empty prefix of ``forced``."""
+        return [t for k in range(1, len(forced)) for t in self._by_bytes.get(forced[:k], ())]
+
+    def extensions(self, forced: bytes, limit: int) -> list[int] | None:
+        """The tokens whose bytes start with all of ``forced``, or None when more than ``limit``."""
+        out = []
+        i = bisect.bisect_left(self._bytes, forced)
+        while i < len(self._bytes) and self._bytes[i].startswith(forced):
+            if len(out) == limit:
+                return None
+            out.append(self._ids[i])
+            i += 1
+        return out
+
+
 class GrammarMatcher:
     """One sequence's position in its grammar (an llguidance ``LLMatcher``).
 
     ``accept`` a drawn token; :attr:`is_stopped` once the grammar has ended (it accepted an
     end-of-generation token, or nothing more can follow).
 
-    The grammar's allowed tokens at a position are its mask (:func:`fill_bitmasks`). Where the
-    grammar forces the next bytes (a key, a quote, a separator: :attr:`next_is_forced`),
-    llguidance's mask allows only the tokens of the forced bytes' canonical tokenization, while its
-    token check (``validate_tokens``) also accepts other splits of them (`` {`` then ``"`` where the
-    mask allows `` {"``); elsewhere the two agree (checked over ~300k tokens of 22 grammars'
-    states). So :meth:`allows` and :meth:`advance_if_allowed` answer from the mask at forced
-    positions (computed once per position and cached: :meth:`forced_ids`) and from the cheap check
-    elsewhere: a greedy draw checked first is then exactly the masked argmax, whichever path drew it.
+    The tokens a grammar accepts next are those llguidance's token check accepts
+    (``validate_tokens``; :meth:`allows`). Where the grammar forces the next bytes (a key, a
+    quote, a separator) the check accepts every split of them (`` {`` then ``"``, or `` {"``),
+    while llguidance's mask leaves the shorter splits out (:meth:`splits`): there the accepted
+    set is enumerated from the forced bytes (:meth:`forced_ids`), and :func:`fill_bitmasks` adds
+    the splits to the mask; elsewhere the check and the mask agree (compared over ~300k tokens
+    of 22 grammars' states; ADR 0004). So every draw — checked first, redrawn, masked, sampled —
+    is over one set.
     """
 
-    __slots__ = ("_m", "_ahead", "_forced")
+    __slots__ = ("_m", "_ahead", "_index", "_forced", "_splits")
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, index: TokenIndex | None = None) -> None:
         self._m = matcher
+        self._index = index
         self._ahead: int | None = None  # a token :meth:`advance_if_allowed` consumed, not yet accepted
-        # this position's forced_ids: None unknown, False not forced, True forced (ids not computed yet)
-        self._forced: np.ndarray | bool | None = None
+        self._forced: np.ndarray | bool | None = None  # forced_ids of this position (False: none; None: unknown)
+        self._splits: list[int] = []  # splits() of this position, once _forced is known
 
     @property
     def raw(self) -> Any:
@@ -203,41 +243,46 @@ class GrammarMatcher:
         if self._ahead is not None:
             raise RuntimeError("advance_if_allowed: the token advanced past before is not accepted yet")
         t = int(token_id)
-        forced = self.forced_ids()
-        if forced is not None and not _contains(forced, t):
-            return False
         if self._m.try_consume_tokens([t]) != 1:
             return False
         self._ahead, self._forced = t, None
         return True
 
     def allows(self, token_id: int) -> bool:
-        """Whether ``token_id`` may come next: it is in the grammar's mask (the matcher is not
-        advanced). ~2 µs away from forced positions; at one, the mask's cached ids."""
-        t = int(token_id)
-        forced = self.forced_ids()
-        if forced is not None:
-            return _contains(forced, t)
-        return self._m.validate_tokens([t]) == 1
-
-    @property
-    def next_is_forced(self) -> bool:
-        """The grammar forces the next bytes (llguidance's forced bytes are not empty: a key, a
-        quote, a separator of a JSON schema), so only a few tokens may come next. ~0.2 µs, where a
-        mask costs 15 µs or more; such positions are where a greedy model's raw argmax is refused
-        (measured on the bundled model: 91 % of refusals, at a median of one allowed token)."""
-        if self._forced is None:
-            self._forced = not self.is_stopped and bool(self._m.compute_ff_bytes())
-        return self._forced is not False
+        """Whether ``token_id`` may come next (the matcher is not advanced)."""
+        return self._m.validate_tokens([int(token_id)]) == 1
 
     def forced_ids(self) -> np.ndarray | None:
-        """At a forced position (:attr:`next_is_forced`), the token ids the grammar's mask allows
-        there (``[n]`` int64, ascending; computed once per position); None elsewhere."""
-        if not self.next_is_forced:
-            return None
-        if self._forced is True:
-            self._forced = mask_ids(np.frombuffer(self._m.compute_bitmask(), np.uint8))
-        return self._forced
+        """Where the grammar forces the next bytes (llguidance's forced bytes, ~0.2 µs to ask),
+        every token it accepts there: ``[n]`` int64, ascending (the splits of the forced bytes
+        and the tokens that extend them, each checked; a few µs; kept until the matcher moves).
+        None elsewhere, with no token index, or with more than :data:`FORCED_MAX_TOKENS`
+        tokens extending the forced bytes. Such positions are where a greedy model's raw argmax
+        is refused (on the bundled model, 91 % of refusals, at a median of one allowed token)."""
+        self._forced_position()
+        return None if self._forced is False else self._forced
+
+    def splits(self) -> list[int]:
+        """The tokens accepted next that llguidance's mask leaves out: at a forced position, the
+        splits of the forced bytes the check accepts (`` {`` of a forced `` {"name``); elsewhere
+        none. The mask plus these is exactly the accepted set (ADR 0004; :func:`fill_bitmasks`)."""
+        self._forced_position()
+        return self._splits
+
+    def _forced_position(self) -> None:
+        # fills _forced and _splits for this position, once
+        if self._forced is not None:
+            return
+        self._forced, self._splits = False, []
+        forced = self._m.compute_ff_bytes() if self._index is not None and not self.is_stopped else b""
+        if not forced:
+            return
+        ok = self._m.validate_tokens
+        self._splits = [t for t in self._index.splits(forced) if ok([t]) == 1]
+        ext = self._index.extensions(forced, FORCED_MAX_TOKENS - len(self._splits))
+        if ext is not None:
+            ids = sorted(self._splits + [t for t in ext if ok([t]) == 1])
+            self._forced = np.array(ids, dtype=np.int64) if ids else False
 
     @property
     def is_stopped(self) -> bool:
@@ -261,23 +306,6 @@ class GrammarMatcher:
         return self._m.get_error() if self._m.is_error() else None
 
 
-def _contains(ids: np.ndarray, t: int) -> bool:
-    # membership in an ascending id array
-    i = int(np.searchsorted(ids, t))
-    return i < len(ids) and int(ids[i]) == t
-
-
-def mask_ids(bitmask: np.ndarray) -> np.ndarray:
-    """The allowed token ids of one bitmask row (``[W * 4]`` uint8 or ``[W]`` int32 in the
-    layout of :func:`fill_bitmasks`): ``[n]`` int64, ascending. Only the non-zero words are
-    unpacked (~8 µs for a forced position's mask of a 49k vocabulary, ~90 µs unpacking it whole)."""
-    words = np.ascontiguousarray(bitmask).view(np.uint32)
-    nz = np.flatnonzero(words)
-    bits = np.unpackbits(words[nz].view(np.uint8), bitorder="little").reshape(len(nz), 32)
-    word, bit = np.nonzero(bits)  # row-major: ascending ids
-    return nz[word] * 32 + bit
-
-
 class GrammarCompiler:
     """Compiles :class:`StructuredOutput` specs for one tokenizer and hands out matchers.
 
@@ -293,6 +321,7 @@ class GrammarCompiler:
         self._tokenizer = tokenizer
         self.vocab_size = int(vocab_size)
         self._lltok = None
+        self._index: TokenIndex | None = None
         self._lock = threading.Lock()
         self._build_lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
@@ -350,6 +379,7 @@ class GrammarCompiler:
         # ~0.4 s for SmolLM2's): it is not the spec's compile time, so the timeout starts after it.
         try:
             self._ll_tokenizer()
+            self._token_index()
         except Exception as exc:  # llguidance missing or refusing the vocabulary: a 400 naming the field
             raise InvalidRequestError(f"{spec.param}: the grammar engine cannot load this model's tokenizer "
                                       f"({_first_line(str(exc))})", spec.param) from None
@@ -383,7 +413,14 @@ class GrammarCompiler:
                 template = self._cache.get(key)
             if template is None:  # evicted at once by a full cache under load: build directly
                 template = self._build(spec)
-        return GrammarMatcher(template.deep_copy())
+        return GrammarMatcher(template.deep_copy(), self._token_index())
+
+    def _token_index(self) -> TokenIndex:
+        """The vocabulary by token bytes (forced positions' splits), built on first use (~0.1 s)."""
+        with self._build_lock:
+            if self._index is None:
+                self._index = TokenIndex(self._tokenizer.token_bytes, self._tokenizer.vocab_size)
+            return self._index
 
 
 def _first_line(message: str) -> str:
@@ -414,7 +451,8 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 def fill_bitmasks(matchers: Sequence[GrammarMatcher], vocab_size: int) -> np.ndarray:
-    """The allowed tokens of each matcher's next position.
+    """The allowed tokens of each matcher's next position: llguidance's mask plus, at a forced
+    position, the splits of the forced bytes its check accepts (:meth:`GrammarMatcher.splits`).
 
     Args:
         matchers: R matchers, none stopped.
@@ -429,6 +467,10 @@ def fill_bitmasks(matchers: Sequence[GrammarMatcher], vocab_size: int) -> np.nda
         matchers[0].raw.unsafe_compute_mask_ptr(out.ctypes.data, W * 4)
     elif R:
         _executor().unsafe_compute_mask_ptr([(m.raw, i) for i, m in enumerate(matchers)], out.ctypes.data, W * 4, R)
+    words = out.view(np.uint32)
+    for i, m in enumerate(matchers):  # the splits of forced bytes the check accepts and the mask leaves out
+        for t in m.splits():
+            words[i, t >> 5] |= np.uint32(1 << (t & 31))
     return out
 
 

@@ -212,9 +212,6 @@ _PER_ROW_FLTS = ("temp", "log_min_p", "typical", "top_p")
 #: A refused greedy draw is redrawn from this many best tokens, checked one by one against the
 #: grammar, before a full mask is computed (:meth:`RowSampler.correct`).
 REDRAW_CANDIDATES = 16
-#: A forced position (:attr:`GrammarMatcher.next_is_forced`) is drawn ahead of its check
-#: (:meth:`RowSampler.forced_draws`) when the grammar allows at most this many tokens there.
-FORCED_MAX_TOKENS = 64
 
 
 class _Plan:
@@ -436,16 +433,18 @@ class RowSampler:
     def correct(self, logits: torch.Tensor, states: list[SamplerState], picks: list[int],
                 rows: list[int] | None = None, only: set[int] | None = None, advance: bool = False
                 ) -> dict[int, int]:
-        """Check greedy picks against their grammars; redraw the refused ones: the masked argmax.
+        """Check greedy picks against their grammars; redraw the refused ones: the best token the
+        grammar accepts (the argmax with every token it refuses at ``-inf``).
 
-        The argmax of the masked logits is the raw argmax whenever the grammar allows that token
-        (masking only lowers other tokens to ``-inf``, and the argmax is the first maximum), so a
-        pick the grammar allows is already the masked draw, and a refused one is replaced by the
-        masked argmax: the result equals masking every row first. That is found among the row's
-        best tokens first (:meth:`_best_allowed`: checks, no mask); the full mask only where none
-        of them is allowed. Most steps of a JSON answer then compute no mask (llguidance's masks
-        cost ~15 µs median, with p99 spikes of 0.2-0.3 ms, and over 1 ms inside a string; a
-        check costs ~2 µs).
+        That is the raw argmax whenever the grammar accepts that token (the argmax is the first
+        maximum), so an accepted pick is already the draw, and a refused one is replaced by the
+        best accepted token: the result equals filtering every row first. At a forced position
+        (:meth:`GrammarMatcher.forced_ids`) it is the best of the few accepted tokens there;
+        elsewhere it is found among the row's best tokens first (:meth:`_best_allowed`: checks,
+        no mask), and from the full mask only where none of them is accepted (away from forced
+        positions the mask and the check agree; ADR 0004). Most steps of a JSON answer then compute
+        no mask (llguidance's masks cost ~15 µs median, with p99 spikes of 0.2-0.3 ms, and over
+        1 ms inside a string; a check costs ~2 µs).
 
         Args:
             logits: ``(M, V)`` raw logits (float32 or the model's dtype); row i belongs to
@@ -460,10 +459,10 @@ class RowSampler:
                 accepts exactly those picks, and the returned redraws, next (the finish step).
 
         Returns:
-            state index -> the masked argmax, for each refused pick (empty when none is).
-            Refusals cost one ``topk`` and a device-to-host read on the current stream (which may
-            be a side stream: nothing here uses a per-device workspace), plus a mask and a second
-            read for rows whose candidates are all refused.
+            state index -> its redraw, for each refused pick (empty when none is). Refusals cost
+            one ``topk`` (a gather at forced positions) and a device-to-host read on the current
+            stream (which may be a side stream: nothing here uses a per-device workspace), plus a
+            mask and a second read for rows whose candidates are all refused.
         """
         which = list(range(len(states))) if rows is None else rows
         refused = []
@@ -474,6 +473,14 @@ class RowSampler:
                 refused.append(i)
         if not refused:
             return {}
+        out: dict[int, int] = {}
+        forced = [(i, ids) for i in refused if (ids := states[which[i]].grammar.forced_ids()) is not None]
+        if forced:  # at a forced position: the best of the few tokens the grammar accepts there
+            _, drawn = self._argmax_among(logits, [i for i, _ in forced], [ids for _, ids in forced], [0] * len(forced))
+            out = {which[i]: t for (i, _), t in zip(forced, drawn.tolist())}
+            refused = [i for i in refused if which[i] not in out]
+            if not refused:
+                return out
         sub = logits if len(refused) == logits.shape[0] else \
             logits.index_select(0, torch.tensor(refused, device=logits.device))
         fixed = self._best_allowed(sub, [states[which[i]] for i in refused], [picks[which[i]] for i in refused])
@@ -485,7 +492,7 @@ class RowSampler:
             part = sub if len(rest) == sub.shape[0] else sub.index_select(0, torch.tensor(rest, device=sub.device))
             for j, t in zip(rest, self._masked(part, [states[which[refused[j]]] for j in rest]).argmax(-1).tolist()):
                 fixed[j] = t
-        return {which[i]: t for i, t in zip(refused, fixed)}
+        return out | {which[i]: t for i, t in zip(refused, fixed)}
 
     def _best_allowed(self, logits: torch.Tensor, states: list[SamplerState], refused: list[int]) -> list[int | None]:
         """Each row's masked argmax found among its :data:`REDRAW_CANDIDATES` best tokens, without a
@@ -516,16 +523,15 @@ class RowSampler:
 
     def forced_draws(self, logits: torch.Tensor, states: list[SamplerState], rows: list[int],
                      only: set[int]) -> tuple[list[int], torch.Tensor, torch.Tensor, list[int] | None] | None:
-        """The masked argmax of the rows whose grammar forces its next bytes, drawn among the few
-        tokens the grammar allows there — for async scheduling's unchecked draws, whose raw argmax
-        is refused mostly at such positions (:attr:`GrammarMatcher.next_is_forced`).
+        """The greedy draws of the rows whose grammar forces its next bytes, drawn among the few
+        tokens the grammar accepts there (:meth:`GrammarMatcher.forced_ids`) — for async
+        scheduling's unchecked draws, whose raw argmax is refused mostly at such positions.
 
-        Exact: the argmax over a row's allowed ids, in ascending id order, is the first maximum
-        of the masked row, as :meth:`correct` and the synchronous draw find it; a row with one
-        allowed token draws it. Rows with more than :data:`FORCED_MAX_TOKENS` allowed tokens are
-        left to the check. Costs one mask per forced row (kept by the matcher for the check that
-        follows) and one host-to-device copy; a gather and an argmax on the device only where a
-        row allows several tokens. Nothing waits for the device.
+        Exact: the argmax over a row's accepted ids, in ascending id order, is the first maximum
+        over the tokens the grammar accepts, as :meth:`correct` and the synchronous draw find it;
+        a row that accepts one token draws it. Costs a few grammar checks per forced row and one
+        host-to-device copy; a gather and an argmax on the device only where a row accepts several
+        tokens. Nothing waits for the device.
 
         Args:
             logits: ``(M, V)`` float32 raw logits; row i belongs to ``states[rows[i]]``.
@@ -536,36 +542,45 @@ class RowSampler:
 
         Returns:
             ``(state indices, the same as a [k] int64 tensor on the logits' device, [k] int64
-            draws there, the draws as a list when every row allowed one token, else None)``, or
+            draws there, the draws as a list when every row accepts one token, else None)``, or
             None when no row is forced.
         """
-        keep = []
-        for i, r in enumerate(rows):
-            g = states[r].grammar
-            ids = g.forced_ids() if r in only and g is not None else None  # (cached for the check that follows)
-            if ids is not None and 0 < len(ids) <= FORCED_MAX_TOKENS:
-                keep.append((i, r, ids))
+        keep = [(i, r, ids) for i, r in enumerate(rows) if r in only and states[r].grammar is not None
+                and (ids := states[r].grammar.forced_ids()) is not None]
         if not keep:
             return None
-        k, width = len(keep), max(len(ids) for _, _, ids in keep)
+        k = len(keep)
         picked = [r for _, r, _ in keep]
-        if width == 1:  # every row's draw is its one allowed token: known on the host
+        if all(len(ids) == 1 for _, _, ids in keep):  # each row's one accepted token: known on the host
             known = [int(ids[0]) for _, _, ids in keep]
             buf = torch.tensor(picked + known, dtype=torch.int64)
             if logits.device.type != "cpu":
                 buf = buf.pin_memory().to(logits.device, non_blocking=True)
             return picked, buf[:k], buf[k:], known
+        at, ids = self._argmax_among(logits, [i for i, _, _ in keep], [ids for _, _, ids in keep], picked)
+        return picked, at, ids, None
+
+    @staticmethod
+    def _argmax_among(logits: torch.Tensor, local: list[int], allowed: list[np.ndarray],
+                      tags: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each listed row's argmax over its allowed ids (ascending: ties go to the lowest id, as
+        an argmax over the whole row with the others at -inf). One host-to-device copy (the rows,
+        ``tags`` and the ids, padded with each row's lowest id), then index_select, gather and argmax.
+
+        Returns:
+            (``tags`` as a ``[k]`` int64 tensor, the ``[k]`` int64 draws), on the logits' device.
+        """
+        k, width = len(local), max(len(ids) for ids in allowed)
         table = np.empty((k, width), dtype=np.int64)
-        for j, (_, _, ids) in enumerate(keep):  # padded with the row's lowest id: argmax keeps the first
+        for j, ids in enumerate(allowed):
             table[j, :len(ids)] = ids
             table[j, len(ids):] = ids[0]
-        head = np.array([i for i, _, _ in keep] + picked, np.int64)
-        buf = torch.from_numpy(np.concatenate([head, table.ravel()]))  # one copy: logit rows, state rows, ids
+        buf = torch.from_numpy(np.concatenate([np.array(local + tags, np.int64), table.ravel()]))
         if logits.device.type != "cpu":
             buf = buf.pin_memory().to(logits.device, non_blocking=True)
         cols = buf[2 * k:].view(k, width)
         vals = logits.index_select(0, buf[:k]).gather(1, cols)
-        return picked, buf[k:2 * k], cols.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1), None
+        return buf[k:2 * k], cols.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1)
 
     def _masked(self, logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
         """The raw logits with each live grammar's mask applied (stage 0 alone, for rows that
