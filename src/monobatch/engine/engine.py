@@ -36,6 +36,20 @@ from monobatch.loader import LoadedModel
 FORCED_DRAWS = os.environ.get("MONOBATCH_FORCED_DRAWS", "1") != "0"
 
 
+def _to_host(ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Queue the copy of ``[k]`` int64 device ids to the host: ``(host tensor, its CUDA event)``;
+    on CUDA the host tensor is page-locked and valid once the event is done (nothing waits here),
+    on CPU it is a copy already (event None). Runs on the current stream and device."""
+    cuda = ids.is_cuda
+    host = torch.empty(ids.shape, dtype=torch.int64, pin_memory=cuda)
+    host.copy_(ids, non_blocking=cuda)
+    ready = None
+    if cuda:
+        ready = torch.cuda.Event()
+        ready.record()
+    return host, ready
+
+
 @dataclass(slots=True)
 class PendingStep:
     """A step launched on the device whose draws the host has not read yet (async scheduling).
@@ -461,14 +475,7 @@ class Engine:
             if known is not None:  # one allowed token a row: the draws are known here
                 pending.forced = (rows, known, None)
                 return
-            cuda = ids.is_cuda
-            host = torch.empty(ids.shape, dtype=torch.int64, pin_memory=cuda)
-            host.copy_(ids, non_blocking=cuda)
-            ready = None
-            if cuda:
-                ready = torch.cuda.Event()
-                ready.record()
-            pending.forced = (rows, host, ready)
+            pending.forced = (rows, *_to_host(ids))
 
     def _draw_async(self, batch: StepBatch, rows: list[Sequence], logits: torch.Tensor, ahead: int,
                     unchecked: bool = False) -> PendingStep:
@@ -495,14 +502,7 @@ class Engine:
                                     for r, seq in enumerate(rows)])
             else:
                 tokens = self.sampler.draw(masked, [s.sampler for s in rows], ahead)
-            cuda = tokens.is_cuda
-            host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=cuda)
-            host.copy_(tokens, non_blocking=cuda)
-            ready = None
-            if cuda:
-                ready = torch.cuda.Event()
-                ready.record()
-            return PendingStep(batch, rows, tokens, host, ready, check=check)
+            return PendingStep(batch, rows, tokens, *_to_host(tokens), check=check)
 
     def _per_row_draws(self, rows: list[Sequence]) -> bool:
         """Deterministic mode samples one row per sampler call, so no reduction over a row (a
