@@ -850,8 +850,9 @@ def test_void_recomputes_are_not_counted_as_steps(make_scheduler, prompt, unforc
 
 def test_a_refused_draw_is_redrawn_from_its_best_candidates_exactly(loaded, monkeypatch):
     """RowSampler.correct finds a refused pick's masked argmax among the row's best tokens (grammar
-    checks, no mask) and masks only rows whose candidates are all refused; either way the result is
-    the full mask's argmax, ties included (the first id of the maximum)."""
+    checks, no mask) and masks only rows whose candidates are all refused (at a forced position, the
+    few accepted tokens instead: no mask either); either way the result is the full mask's argmax,
+    ties included (the first id of the maximum)."""
     from monobatch.engine import sampler as sampler_mod
     from monobatch.engine.constraint import GrammarCompiler, StructuredOutput
     from monobatch.engine.params import SamplingParams
@@ -860,13 +861,16 @@ def test_a_refused_draw_is_redrawn_from_its_best_candidates_exactly(loaded, monk
     tok = loaded.tokenizer
     grammars = GrammarCompiler(tok, tok.vocab_size)
     spec = StructuredOutput.json_schema(SCHEMAS[19][0])
-    prefixes = ["", '{"', '{"city": "Pa', '{"city": "Paris", "coun']
+    # row 0: an enum's value (free: E..., A..., O...); rows 1 and 3 at forced keys; row 2 inside a string
+    prefixes = ['{"city": "Paris", "country": {"name": "France", "continent": "', '{"', '{"city": "Pa',
+                '{"city": "Paris", "coun']
     states = []
     for text in prefixes:
         state = SamplerState(SamplingParams(temperature=0), [1], 0, grammar=grammars.matcher(spec))
         for t in tok.encode(text, add_special_tokens=False):
             assert state.grammar.accept(t)
         states.append(state)
+    assert [s.grammar.forced_ids() is not None for s in states] == [False, True, False, True]
     sampler = RowSampler(tok.vocab_size)
     masks = []
     real_masked = sampler._masked
@@ -877,7 +881,7 @@ def test_a_refused_draw_is_redrawn_from_its_best_candidates_exactly(loaded, monk
         if trial in (1, 3):  # ties at the top: more ids than candidates (masks), or a few (sorted by id)
             top = logits.max(dim=-1, keepdim=True).values + 1
             logits[:, ::97 if trial == 1 else 9001] = top
-        if trial == 5:  # row 0 must open with "{": every candidate is refused, only a mask finds it
+        if trial == 5:  # row 0's few allowed tokens rank low: every candidate is refused, only a mask finds it
             logits[0, :] = torch.arange(tok.vocab_size, dtype=torch.float32) % 1000
         if trial >= 4:  # each row's masked argmax just below its raw best: the candidates serve it
             best = real_masked(logits, states).argmax(-1)
