@@ -19,7 +19,7 @@ import llguidance
 import numpy as np
 
 from monobatch.bench import CONSTRAINED_SCHEMA
-from monobatch.engine.constraint import JSON_OPTIONS, GrammarMatcher, fill_bitmasks
+from monobatch.engine.constraint import JSON_OPTIONS, GrammarMatcher, TokenIndex, fill_bitmasks
 
 
 def main() -> None:
@@ -37,6 +37,7 @@ def main() -> None:
     doc = json.dumps([{"name": f"item{i}", "value": i * 37} for i in range(400)])[:-1]
     ids = tok.tokenize_str(doc)[: ns.steps]
     W = (V + 31) // 32
+    index = TokenIndex(lambda t: tok.decode_bytes([t]), V)  # the engine's forced-position splits
     print(f"cpus {os.cpu_count()}, {len(ids)} steps, vocab {V}")
     for threads in (None, 4):
         ex = llguidance.LLExecutor(threads)
@@ -44,7 +45,7 @@ def main() -> None:
             sets = [[template.deep_copy() for _ in range(B)] for _ in range(3)]  # one per way: no shared cache
             out = np.zeros((B, W), np.int32)
             par, ser, adv, eng = [], [], [], []
-            wrapped = [GrammarMatcher(m) for m in sets[2]]
+            wrapped = [GrammarMatcher(m, index) for m in sets[2]]
             for t in ids:
                 t0 = time.perf_counter()
                 ex.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(sets[0])], out.ctypes.data, W * 4, B)

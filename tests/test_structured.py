@@ -903,3 +903,38 @@ def test_a_refused_draw_is_redrawn_from_its_best_candidates_exactly(loaded, monk
     picks = logits.argmax(-1).tolist()
     fixed = sampler.correct(logits, states, picks)
     assert [fixed.get(r, p) for r, p in enumerate(picks)] == real_masked(logits, states).argmax(-1).tolist()
+
+
+def test_a_long_forced_literal_costs_no_more_than_the_longest_token(loaded):
+    """A schema's const (or a regex literal) forces up to 64 KiB of text at once; the split lookups
+    at that position are bounded by the vocabulary's longest token, not the literal's length, and
+    the forced position still draws from the accepted set. A position with more accepted splits
+    and extensions than FORCED_MAX_TOKENS is left to the check (forced_ids None), its mask still
+    the accepted set."""
+    from monobatch.engine import constraint
+    from monobatch.engine.constraint import GrammarCompiler, StructuredOutput, fill_bitmasks
+
+    tok = loaded.tokenizer
+    grammars = GrammarCompiler(tok, tok.vocab_size)
+    literal = "abc " * 8000  # 32,000 forced characters
+    m = grammars.matcher(StructuredOutput.json_schema({"const": literal}))
+    index = grammars._token_index()
+    forced = m.raw.compute_ff_bytes()
+    assert len(forced) > 30000
+    calls = []
+    real_get = index._by_bytes.get
+    index._by_bytes = type("Counted", (dict,), {"get": lambda self, k, d=None: (calls.append(len(k)), real_get(k, d))[1]})(index._by_bytes)
+    ids = m.forced_ids()
+    assert ids is not None and len(calls) <= index._longest and max(calls) <= index._longest
+    assert ids.tolist() == _accepted(m, tok.vocab_size)
+    m2 = grammars.matcher(StructuredOutput.json_schema(SCHEMAS[0][0]))
+    for t in tok.encode('{"name":', add_special_tokens=False):  # a forced ' "' with ~29 accepted tokens
+        assert m2.accept(t)
+    old = constraint.FORCED_MAX_TOKENS
+    try:
+        constraint.FORCED_MAX_TOKENS = 2
+        assert m2.forced_ids() is None
+        bits = np.unpackbits(fill_bitmasks([m2], tok.vocab_size)[0].view(np.uint8), bitorder="little")
+        assert np.flatnonzero(bits[:tok.vocab_size]).tolist() == _accepted(m2, tok.vocab_size)
+    finally:
+        constraint.FORCED_MAX_TOKENS = old

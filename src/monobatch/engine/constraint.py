@@ -171,17 +171,21 @@ class TokenIndex:
         pairs = sorted((token_bytes(t), t) for t in range(vocab_size))
         self._bytes = [b for b, _ in pairs]
         self._ids = [t for _, t in pairs]
+        self._longest = max(map(len, self._bytes), default=0)
         self._by_bytes: dict[bytes, list[int]] = {}
         for b, t in pairs:
             if b:
                 self._by_bytes.setdefault(b, []).append(t)
 
     def splits(self, forced: bytes) -> list[int]:
-        """The tokens whose bytes are a proper, non-empty prefix of ``forced``."""
-        return [t for k in range(1, len(forced)) for t in self._by_bytes.get(forced[:k], ())]
+        """The tokens whose bytes are a proper, non-empty prefix of ``forced`` (at most the longest
+        token's length of lookups, however long ``forced`` is: a schema's ``const`` may be 64 KiB)."""
+        return [t for k in range(1, min(len(forced), self._longest + 1)) for t in self._by_bytes.get(forced[:k], ())]
 
     def extensions(self, forced: bytes, limit: int) -> list[int] | None:
         """The tokens whose bytes start with all of ``forced``, or None when more than ``limit``."""
+        if limit < 0:
+            return None
         out = []
         i = bisect.bisect_left(self._bytes, forced)
         while i < len(self._bytes) and self._bytes[i].startswith(forced):
@@ -210,7 +214,7 @@ class GrammarMatcher:
 
     __slots__ = ("_m", "_ahead", "_index", "_forced", "_splits")
 
-    def __init__(self, matcher: Any, index: TokenIndex | None = None) -> None:
+    def __init__(self, matcher: Any, index: TokenIndex) -> None:
         self._m = matcher
         self._index = index
         self._ahead: int | None = None  # a token :meth:`advance_if_allowed` consumed, not yet accepted
@@ -256,16 +260,17 @@ class GrammarMatcher:
         """Where the grammar forces the next bytes (llguidance's forced bytes, ~0.2 µs to ask),
         every token it accepts there: ``[n]`` int64, ascending (the splits of the forced bytes
         and the tokens that extend them, each checked; a few µs; kept until the matcher moves).
-        None elsewhere, with no token index, or with more than :data:`FORCED_MAX_TOKENS`
-        tokens extending the forced bytes. Such positions are where a greedy model's raw argmax
-        is refused (on the bundled model, 91 % of refusals, at a median of one allowed token)."""
+        None elsewhere, or where the accepted splits and the (unchecked) extensions number more
+        than :data:`FORCED_MAX_TOKENS`. Such positions are where a greedy model's raw argmax is
+        refused (on the bundled model, 91 % of refusals, at a median of one allowed token)."""
         self._forced_position()
         return None if self._forced is False else self._forced
 
     def splits(self) -> list[int]:
-        """The tokens accepted next that llguidance's mask leaves out: at a forced position, the
-        splits of the forced bytes the check accepts (`` {`` of a forced `` {"name``); elsewhere
-        none. The mask plus these is exactly the accepted set (ADR 0004; :func:`fill_bitmasks`)."""
+        """At a forced position, the splits of the forced bytes the check accepts (`` {`` and
+        `` {"`` of a forced `` {"name``): a superset of the accepted tokens llguidance's mask leaves
+        out; elsewhere none. The mask plus these is exactly the accepted set (ADR 0004;
+        :func:`fill_bitmasks`)."""
         self._forced_position()
         return self._splits
 
@@ -274,7 +279,7 @@ class GrammarMatcher:
         if self._forced is not None:
             return
         self._forced, self._splits = False, []
-        forced = self._m.compute_ff_bytes() if self._index is not None and not self.is_stopped else b""
+        forced = b"" if self.is_stopped else self._m.compute_ff_bytes()
         if not forced:
             return
         ok = self._m.validate_tokens
@@ -419,7 +424,7 @@ class GrammarCompiler:
         """The vocabulary by token bytes (forced positions' splits), built on first use (~0.1 s)."""
         with self._build_lock:
             if self._index is None:
-                self._index = TokenIndex(self._tokenizer.token_bytes, self._tokenizer.vocab_size)
+                self._index = TokenIndex(self._tokenizer.token_bytes, self.vocab_size)
             return self._index
 
 
@@ -468,7 +473,7 @@ def fill_bitmasks(matchers: Sequence[GrammarMatcher], vocab_size: int) -> np.nda
     elif R:
         _executor().unsafe_compute_mask_ptr([(m.raw, i) for i, m in enumerate(matchers)], out.ctypes.data, W * 4, R)
     words = out.view(np.uint32)
-    for i, m in enumerate(matchers):  # the splits of forced bytes the check accepts and the mask leaves out
+    for i, m in enumerate(matchers):  # the accepted splits of forced bytes (the mask leaves some out)
         for t in m.splits():
             words[i, t >> 5] |= np.uint32(1 << (t & 31))
     return out

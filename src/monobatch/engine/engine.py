@@ -454,11 +454,12 @@ class Engine:
 
         An unchecked draw is the raw argmax; the grammar refuses it mostly where it forces the
         next bytes (a key, a quote, a separator), and a refusal voids the row in the step
-        launched on it (recomputed one step later). At those positions the grammar allows a few
-        tokens, so their masked argmax is drawn now on the device (:meth:`RowSampler.forced_draws`,
-        exact) and written into ``tokens``: the next step computes those rows from the right
-        ids, and :meth:`resolve` checks the redraws (allowed) instead of the raw argmax. Runs on
-        the host while the step's forward runs; no wait for the device.
+        launched on it (recomputed one step later). At those positions the grammar accepts a few
+        tokens, so the best of them is drawn now (:meth:`RowSampler.forced_draws`, exact: on the
+        host where a row accepts one token, else a gather on the device) and written into
+        ``tokens``: the next step computes those rows from the right ids, and :meth:`resolve`
+        checks the redraws (accepted) instead of the raw argmax. Runs on the host while the step's
+        forward runs; no wait for the device.
         """
         if not FORCED_DRAWS or pending.check is None or pending.tokens is None:
             return
@@ -516,7 +517,7 @@ class Engine:
         """Wait for a launched step's draws and run the finish step on the rows still running (a
         row whose sequence ended or was aborted meanwhile is dropped, and so is a void row).
         An unchecked draw's grammar rows are checked first; a refused one is replaced by the
-        masked argmax (recorded in ``pending.corrected``).
+        best token the grammar accepts (recorded in ``pending.corrected``).
 
         Returns:
             One RowOutput per row still running, in row order.

@@ -451,7 +451,8 @@ class RowSampler:
                 ``states[rows[i]]`` (to ``states[i]`` when ``rows`` is None).
             states: the sampler states, their grammars at the position the picks are drawn
                 for (every earlier token accepted).
-            picks: the raw argmax of each state's row, indexed like ``states``.
+            picks: each state's draw to check, indexed like ``states``: the row's raw argmax, or
+                a forced position's redraw (:meth:`forced_draws`, accepted).
             rows: which states ``logits`` holds (default: all of them, in order).
             only: check just these state indices (default: every state in ``rows``).
             advance: advance each grammar past its pick where it is allowed (the check and the
@@ -476,7 +477,7 @@ class RowSampler:
         out: dict[int, int] = {}
         forced = [(i, ids) for i in refused if (ids := states[which[i]].grammar.forced_ids()) is not None]
         if forced:  # at a forced position: the best of the few tokens the grammar accepts there
-            _, drawn = self._argmax_among(logits, [i for i, _ in forced], [ids for _, ids in forced], [0] * len(forced))
+            _, drawn = self._argmax_among(logits, [i for i, _ in forced], [ids for _, ids in forced])
             out = {which[i]: t for (i, _), t in zip(forced, drawn.tolist())}
             refused = [i for i in refused if which[i] not in out]
             if not refused:
@@ -562,25 +563,26 @@ class RowSampler:
 
     @staticmethod
     def _argmax_among(logits: torch.Tensor, local: list[int], allowed: list[np.ndarray],
-                      tags: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                      tags: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """Each listed row's argmax over its allowed ids (ascending: ties go to the lowest id, as
         an argmax over the whole row with the others at -inf). One host-to-device copy (the rows,
-        ``tags`` and the ids, padded with each row's lowest id), then index_select, gather and argmax.
+        the ``tags`` riding along, and the ids, padded with each row's lowest id), then
+        index_select, gather and argmax.
 
         Returns:
-            (``tags`` as a ``[k]`` int64 tensor, the ``[k]`` int64 draws), on the logits' device.
+            (``tags`` as an int64 tensor, the ``[k]`` int64 draws), on the logits' device.
         """
-        k, width = len(local), max(len(ids) for ids in allowed)
+        k, n, width = len(local), len(tags), max(len(ids) for ids in allowed)
         table = np.empty((k, width), dtype=np.int64)
         for j, ids in enumerate(allowed):
             table[j, :len(ids)] = ids
             table[j, len(ids):] = ids[0]
-        buf = torch.from_numpy(np.concatenate([np.array(local + tags, np.int64), table.ravel()]))
+        buf = torch.from_numpy(np.concatenate([np.array([*local, *tags], np.int64), table.ravel()]))
         if logits.device.type != "cpu":
             buf = buf.pin_memory().to(logits.device, non_blocking=True)
-        cols = buf[2 * k:].view(k, width)
+        cols = buf[k + n:].view(k, width)
         vals = logits.index_select(0, buf[:k]).gather(1, cols)
-        return buf[k:2 * k], cols.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1)
+        return buf[k:k + n], cols.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1)
 
     def _masked(self, logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
         """The raw logits with each live grammar's mask applied (stage 0 alone, for rows that

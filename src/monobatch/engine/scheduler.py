@@ -21,12 +21,12 @@ step N+1 — same sequences, input ids taken from N's draws on the device — *b
 draws back, then runs N's finish step while the device computes N+1. Rows with a
 structured-output grammar take part too. Greedy ones (:attr:`SamplerState.greedy_checked`) draw
 their raw argmax on the device, unchecked; when N is read back each draw is checked against its
-grammar (llama.cpp's "sampled token first"): an allowed one is the masked argmax already, a
-refused one is redrawn under the mask (a side stream, so the device stays busy), and N+1,
+grammar (llama.cpp's "sampled token first"): an allowed one is the grammar's best token already, a
+refused one is redrawn from the tokens the grammar accepts (a side stream, so the device stays busy), and N+1,
 launched on the refused id, leaves that row *void* — its KV position is not committed and the
 next step recomputes it from the corrected id. Refusals happen mostly where the grammar forces
 the next bytes (a key, a quote, a separator): once N's tokens are accepted, the rows of N+1 at
-such a position are redrawn on the device among their few allowed tokens before N+2 reads them
+such a position are redrawn among the few tokens the grammar accepts there before N+2 reads them
 (:meth:`Engine.draw_forced`), so they are not void. Other grammar rows (sampled, logit_bias) have
 the draw of N+1 deferred: its forward is queued first, then N's tokens are read and accepted
 into the matchers, and the masks of N+1 are computed on the host while that forward runs
@@ -260,8 +260,9 @@ class BatchScheduler:
         batch, rows, prompt_rows = planned
         try:
             if self.engine.async_scheduling and not prompt_rows and batch.is_decode_only and self._overlappable(rows):
-                self._pending = self.engine.launch(batch, rows, unchecked=self._unchecked(rows))
-                self.engine.draw_forced(self._pending)
+                pending = self.engine.launch(batch, rows, unchecked=self._unchecked(rows))
+                self.engine.draw_forced(pending)
+                self._pending = pending
                 return outputs
             step_outputs = self.engine.step(batch, rows, prompt_rows)
         except BaseException:
@@ -355,7 +356,7 @@ class BatchScheduler:
         """True when the step has grammar rows and every row is a greedy draw needing at most the
         grammar mask (:attr:`SamplerState.greedy_checked`): the grammar rows draw their raw
         argmax on the device, and :meth:`Engine.resolve` checks it once the previous tokens are
-        accepted — no mask and no wait on most steps; a refused draw is redrawn under the mask
+        accepted — no mask and no wait on most steps; a refused draw is redrawn from the tokens the grammar accepts
         and the step launched on it recomputes that row (its draw is void)."""
         return any(seq.sampler.grammar is not None for seq in rows) and \
             all(seq.sampler.argmax_draw for seq in rows)
