@@ -938,3 +938,26 @@ def test_a_long_forced_literal_costs_no_more_than_the_longest_token(loaded):
         assert np.flatnonzero(bits[:tok.vocab_size]).tolist() == _accepted(m2, tok.vocab_size)
     finally:
         constraint.FORCED_MAX_TOKENS = old
+
+
+def test_accepting_another_token_than_the_one_advanced_past_rolls_it_back(loaded):
+    """GrammarMatcher.accept of a token other than the one advance_if_allowed consumed (a draw
+    replaced after the check) rolls that one back first: the matcher ends where a matcher that
+    accepted the second token alone ends (same allowed set, same forced ids), and it can go on."""
+    from monobatch.engine.constraint import GrammarCompiler, StructuredOutput, fill_bitmasks
+
+    tok = loaded.tokenizer
+    grammars = GrammarCompiler(tok, tok.vocab_size)
+    spec = StructuredOutput.json_schema(SCHEMAS[19][0])
+    a, b = grammars.matcher(spec), grammars.matcher(spec)
+    for m in (a, b):
+        for t in tok.encode('{"city": "Pa', add_special_tokens=False):
+            assert m.accept(t)
+    first, second = tok.encode("ris", add_special_tokens=False)[0], tok.encode("lo", add_special_tokens=False)[0]
+    assert a.advance_if_allowed(first) and a.accept(second)
+    assert b.accept(second)
+    assert (fill_bitmasks([a], tok.vocab_size) == fill_bitmasks([b], tok.vocab_size)).all()
+    assert a.forced_ids() is None and b.forced_ids() is None
+    for t in tok.encode('", "country": {"name": "', add_special_tokens=False):
+        assert a.accept(t) and b.accept(t)
+    assert (fill_bitmasks([a], tok.vocab_size) == fill_bitmasks([b], tok.vocab_size)).all()
