@@ -608,6 +608,19 @@ def test_forced_redraws_leave_fewer_void_rows(make_scheduler, prompt, loaded, mo
     assert seen[True]["void"] * 4 <= seen[False]["void"], seen
 
 
+def test_a_schema_over_the_size_limit_says_so():
+    """A schema whose JSON text is over MAX_SPEC_CHARS is refused with the limit in the message
+    (it was reported as "cannot be serialized as JSON": the size check's error was caught as one)."""
+    from monobatch.engine.constraint import MAX_SPEC_CHARS, StructuredOutput
+    from monobatch.errors import InvalidRequestError
+
+    schema = {"type": "object", "description": "x" * (MAX_SPEC_CHARS + 10)}
+    for given in (schema, json.dumps(schema)):
+        with pytest.raises(InvalidRequestError) as info:
+            StructuredOutput.json_schema(given, "response_format")
+        assert info.value.param == "response_format" and f"the limit of {MAX_SPEC_CHARS}" in str(info.value)
+
+
 def test_a_schema_nested_too_deep_is_an_invalid_request():
     from monobatch.engine.constraint import StructuredOutput
     from monobatch.errors import InvalidRequestError

@@ -99,10 +99,11 @@ class StructuredOutput:
         if not isinstance(schema, dict):
             raise InvalidRequestError(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param)
         try:
-            return cls("json_schema", json.dumps(schema, ensure_ascii=False), param)
+            text = json.dumps(schema, ensure_ascii=False)
         except (RecursionError, ValueError, TypeError) as exc:  # nested too deep, a cycle, a non-JSON value
             raise InvalidRequestError(f"{param}: the schema cannot be serialized as JSON ({type(exc).__name__})",
                                       param) from None
+        return cls("json_schema", text, param)  # (its own checks: the size limit)
 
     @classmethod
     def json_object(cls, param: str = "response_format") -> "StructuredOutput":
