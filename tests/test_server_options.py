@@ -133,7 +133,7 @@ def test_generate_chat_shares_the_reasoning_split(server, template_file):
 # -- F2: template errors ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("stream_", [False, True])
 def test_f2_template_raise_is_a_400_with_its_message(server, stream_):
-    body = {"messages": [{"role": "tool", "content": "x"}], "stream": stream_}
+    body = {"messages": [{"role": "tool", "tool_call_id": "call_1", "content": "x"}], "stream": stream_}
     assert_error(post(server, "/v1/chat/completions", body), 400, "messages", "cannot start with a tool message")
     assert server.get("/health").status_code == 200
 

@@ -289,6 +289,22 @@ def test_json_fields_on_both_endpoints_streamed_and_not(server, fields, endpoint
     assert "".join(pieces) == text
 
 
+@pytest.mark.parametrize("json_schema", [{"name": "x"}, {"name": "x", "schema": None, "strict": True}])
+def test_json_schema_without_a_schema_is_any_json_object(server, json_schema):
+    """OpenAI's ``response_format.json_schema`` requires ``name``; ``schema`` is optional (its
+    OpenAPI document, the ``openai`` client's types): without one the reply is a JSON object, as
+    with ``json_object`` (this prompt's greedy reply to an empty schema is ``null``), streamed and not."""
+    body = {"messages": [{"role": "user", "content": "Say hello."}], "temperature": 0, "max_tokens": 20,
+            "response_format": {"type": "json_schema", "json_schema": json_schema}}
+    whole = server.post("/v1/chat/completions", body)
+    assert whole.status_code == 200, whole.text
+    choice = whole.json()["choices"][0]
+    text = choice["message"]["content"]
+    assert choice["finish_reason"] == "stop" and isinstance(json.loads(text), dict), text
+    with httpx_stream(server, "/v1/chat/completions", {**body, "stream": True}) as events:
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in events if c.get("choices")) == text
+
+
 def httpx_stream(server, path, body):
     """The SSE chunks of a streamed request (a context manager yielding the parsed events)."""
     import contextlib
@@ -333,6 +349,8 @@ def test_regex_choice_and_grammar_fields(server, fields, check):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strang"}}}},
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}},
+     "response_format.json_schema.name"),  # OpenAI requires the name
     ({"guided_regex": "[0-9"}, "guided_regex"),
     ({"grammar": "root ::= ("}, "grammar"),
     ({"guided_json": "{not json"}, "guided_json"),

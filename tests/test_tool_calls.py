@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 from monobatch.errors import InvalidRequestError
 from monobatch.tokenizer.chat_template import ChatTemplate
-from monobatch.tool_calls import (ToolCallParser, ToolFormat, ToolSpec, check_tools, detect_format,
-                                  generic_system_prompt, parse_tool_calls, prepare_messages, tool_constraint)
+from monobatch.tool_calls import (MAX_PARALLEL_CALLS, ToolCallParser, ToolFormat, ToolSpec, check_tools,
+                                  detect_format, generic_system_prompt, parse_tool_calls, prepare_messages,
+                                  tool_constraint)
 
 H, L, M, G = ToolFormat.HERMES, ToolFormat.LLAMA3_JSON, ToolFormat.MISTRAL, ToolFormat.GENERIC
 WEATHER = {"type": "function", "function": {
@@ -70,8 +71,8 @@ def call_text(fmt, calls, prefix="", ensure_ascii=False, indent=None, tag=False)
 def test_check_tools_normalizes():
     sp = check_tools([{"function": {"name": "ping"}}, WEATHER])
     assert sp.choice == "auto" and sp.parallel is True and sp.active
-    assert sp.tools[0] == {"type": "function", "function": {"name": "ping",
-                                                            "parameters": {"type": "object", "properties": {}}}}
+    assert sp.tools[0] == {"type": "function", "function": {"name": "ping", "parameters": {  # no arguments (OpenAI)
+        "type": "object", "properties": {}, "additionalProperties": False}}}
     assert check_tools(None) == ToolSpec([], "none", True) and not check_tools([], "auto").active
     assert check_tools(TOOLS, {"type": "function", "function": {"name": "move"}}, False).choice == "move"
     named = check_tools(TOOLS, {"type": "function", "function": {"name": "move"}})
@@ -278,6 +279,44 @@ def test_named_function_is_enforced(compiler, loaded, fmt):
     assert not matches(compiler, loaded.tokenizer, so, call_text(fmt, [PARIS]))
 
 
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+@pytest.mark.parametrize("parallel", [True, False])
+def test_named_function_allows_exactly_one_call(compiler, loaded, fmt, parallel):
+    """OpenAI forces exactly one call of a named function, whatever parallel_tool_calls says."""
+    named = spec({"type": "function", "function": {"name": "move"}}, parallel)
+    so = tool_constraint(named, fmt, loaded.tokenizer)
+    assert named.max_calls == 1
+    assert matches(compiler, loaded.tokenizer, so, call_text(fmt, [ORIGIN]))
+    assert not matches(compiler, loaded.tokenizer, so, call_text(fmt, [ORIGIN, ORIGIN]))
+    if fmt is G:
+        assert "exactly one call" in generic_system_prompt(named)
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_parallel_calls_are_bounded_and_may_end_after_each(compiler, loaded, fmt):
+    """"required" with parallel calls: one to MAX_PARALLEL_CALLS calls, the grammar accepting
+    (the end allowed) after each complete call; one more is refused."""
+    tok, so = loaded.tokenizer, tool_constraint(spec("required", True), fmt, loaded.tokenizer)
+    for n in (1, 2, MAX_PARALLEL_CALLS):
+        assert matches(compiler, tok, so, call_text(fmt, [PARIS] * n)), n
+    assert not matches(compiler, tok, so, call_text(fmt, [PARIS] * (MAX_PARALLEL_CALLS + 1)))
+    if fmt is G:  # GENERIC's "auto" has the same bound
+        auto = tool_constraint(spec("auto", True), fmt)
+        assert matches(compiler, tok, auto, call_text(fmt, [PARIS] * MAX_PARALLEL_CALLS))
+        assert not matches(compiler, tok, auto, call_text(fmt, [PARIS] * (MAX_PARALLEL_CALLS + 1)))
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_a_tool_without_parameters_takes_no_arguments(compiler, loaded, fmt):
+    """OpenAI reads a missing ``parameters`` as a function without arguments: only ``{}``."""
+    sp = spec("required", False, tools=[{"type": "function", "function": {"name": "now"}}])
+    so = tool_constraint(sp, fmt, loaded.tokenizer)
+    assert matches(compiler, loaded.tokenizer, so, call_text(fmt, [("now", {})]))
+    for args in ({"city": "Paris"}, {"type": "object", "properties": {}}):
+        assert not matches(compiler, loaded.tokenizer, so, call_text(fmt, [("now", args)])), args
+    assert parse_tool_calls(call_text(fmt, [("now", {})]), sp, fmt)[1][0].arguments == "{}"
+
+
 def test_generic_auto_is_calls_or_response(compiler, loaded):
     tok, so = loaded.tokenizer, tool_constraint(spec("auto"), G)
     assert matches(compiler, tok, so, '{"response": "It is \\"sunny\\" in Paris."}')
@@ -423,6 +462,43 @@ def test_g2_a_call_cut_mid_json_is_no_call(fmt):
     for cuts in (None, []):
         content, calls, deltas = stream(cut, fmt, cuts=cuts)
         assert calls == [] and deltas == [] and content == cut
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_a_further_call_cut_mid_json_keeps_the_complete_ones(fmt):
+    """A reply cut inside its second call: the first call stays a call, the cut one is content,
+    and the parser says the reply was cut (so finish_reason is not "tool_calls"); a whole reply is
+    not cut."""
+    full = call_text(fmt, [PARIS, ORIGIN])
+    cut = full[:full.index('"move"') + 3]
+    for pieces in ([cut], list(cut)):  # whole, and one character at a time
+        parser = ToolCallParser(spec(), fmt)
+        for piece in pieces:
+            parser.feed(piece)
+        parser.flush()
+        assert pairs(parser.tool_calls) == [PARIS] and parser.cut
+        assert parser.content.endswith('"mo') and '"get_weather"' not in parser.content
+        whole = ToolCallParser(spec(), fmt)
+        whole.feed(full)
+        whole.flush()
+        assert pairs(whole.tool_calls) == [PARIS, ORIGIN] and not whole.cut
+
+
+@pytest.mark.parametrize("engine, calls, cut, choice, want", [
+    ("stop", True, False, "required", "tool_calls"),
+    ("stop", True, False, "auto", "tool_calls"),
+    ("length", True, False, "required", "length"),  # max_tokens after complete calls: still cut
+    ("length", True, True, "required", "length"),   # max_tokens inside a further call
+    ("stop", True, True, "required", "stop"),       # a stop string inside a further call
+    ("stop", True, False, {"type": "function", "function": {"name": "move"}}, "stop"),  # OpenAI: named -> stop
+    ("length", True, False, {"type": "function", "function": {"name": "move"}}, "length"),
+    ("stop", False, False, "auto", "stop"),
+    ("length", False, True, "required", "length"),
+])
+def test_finish_reason_is_tool_calls_only_after_a_normal_end(engine, calls, cut, choice, want):
+    from monobatch.chat_prompt import ChatPrompt
+
+    assert ChatPrompt([1], spec(choice), G, None, False).finish_reason(engine, calls, cut) == want
 
 
 # -- parser: properties over split points ---------------------------------------------------------

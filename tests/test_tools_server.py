@@ -15,6 +15,7 @@ import json
 import jsonschema
 import pytest
 
+from monobatch.tool_calls import MAX_PARALLEL_CALLS
 from server_util import assert_400_naming, shared_server
 from test_server import MAIN_ARGS, parallel
 
@@ -31,6 +32,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                                "required": ["city"], "additionalProperties": False}}}]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_time"}}
+#: Asked this, the greedy 135M model calls get_weather again and again (Paris, London, Paris, ...).
+TWO_CITIES = [{"role": "user", "content": "What is the weather in Paris and in London?"}]
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +99,76 @@ def test_parallel_tool_calls_false_allows_one_call(client, model):
     done = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
                                           parallel_tool_calls=False, temperature=0, max_tokens=80)
     assert len(done.choices[0].message.tool_calls) == 1
+
+
+def _calls(message):
+    return [(t.function.name, t.function.arguments) for t in message.tool_calls or ()]
+
+
+def _streamed_calls(calls):
+    return [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)]
+
+
+def test_max_tokens_inside_a_further_call_ends_with_length(client, model):
+    """max_tokens cuts the reply inside a second call: finish_reason is length (the reply was cut),
+    never tool_calls, streamed and not. The complete call is still returned (a stream has sent it
+    when it completed) and the cut call's text is content, the same both ways."""
+    kw = dict(model=model, messages=TWO_CITIES, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=60)
+    done, (calls, content, reason, _) = plain_and_streamed(client, **kw)
+    c = done.choices[0]
+    assert c.finish_reason == "length" and reason == "length"
+    assert c.message.tool_calls and c.message.content, "precondition: a complete call, then a cut one"
+    assert c.message.content.startswith('{"name"') and '"get_weather"' not in c.message.content
+    assert _streamed_calls(calls) == _calls(c.message) and content == c.message.content
+
+
+def test_a_named_function_is_called_exactly_once(client, model):
+    """OpenAI forces exactly one call of a named function, whatever parallel_tool_calls says: the
+    grammar allows one (this model, offered the one tool, calls it for both cities otherwise)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kw = dict(model=model, messages=TWO_CITIES, tools=TOOLS[:1], tool_choice=named, parallel_tool_calls=True,
+              temperature=0, max_tokens=80)
+    done, (calls, content, reason, _) = plain_and_streamed(client, **kw)
+    c = done.choices[0]
+    assert c.finish_reason == "stop" and reason == "stop" and c.message.content is None and content == ""
+    assert [name for name, _ in _calls(c.message)] == ["get_weather"] and _streamed_calls(calls) == _calls(c.message)
+
+
+def test_required_parallel_calls_are_bounded(client, model):
+    """"required" with parallel calls: the grammar ends the list after MAX_PARALLEL_CALLS calls at
+    the latest (this model repeats its call until the context ends otherwise), so the reply ends
+    normally (tool_calls, not length); with parallel_tool_calls false exactly one call."""
+    kw = dict(model=model, messages=TWO_CITIES, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=250)
+    many, one = (r.choices[0] for r in parallel(lambda extra: client.chat.completions.create(**kw, **extra),
+                                                [({},), ({"parallel_tool_calls": False},)]))
+    assert many.finish_reason == "tool_calls" and many.message.content is None
+    assert 2 <= len(many.message.tool_calls) <= MAX_PARALLEL_CALLS
+    assert one.finish_reason == "tool_calls" and len(one.message.tool_calls) == 1
+
+
+def test_a_tool_without_parameters_is_called_with_no_arguments(client, model):
+    """A tool declared without parameters takes no arguments (OpenAI's reading): its arguments are
+    "{}" (this model writes the schema's keys as arguments otherwise)."""
+    now = [{"type": "function", "function": {"name": "get_time", "description": "The local time in a city"}}]
+    kw = dict(model=model, messages=[{"role": "user", "content": "What time is it in Paris?"}], tools=now,
+              tool_choice={"type": "function", "function": {"name": "get_time"}}, temperature=0, max_tokens=40)
+    done, (calls, _, reason, _) = plain_and_streamed(client, **kw)
+    assert _calls(done.choices[0].message) == [("get_time", "{}")] == _streamed_calls(calls)
+    assert done.choices[0].finish_reason == "stop" == reason
+
+
+@pytest.mark.parametrize("path,stream", [("/v1/chat/completions", False), ("/v1/chat/completions", True),
+                                         ("/tokenize", False)])
+@pytest.mark.parametrize("tool_call_id", [None, "missing", 7])
+def test_a_tool_message_without_tool_call_id_is_a_400(server, path, stream, tool_call_id):
+    """OpenAI answers 400 to a role "tool" message without a tool_call_id (a string); the error
+    names messages[i].tool_call_id, before any SSE byte (and /tokenize's messages, which get a
+    chat request's ids, the same)."""
+    tool = {"role": "tool", "content": "18 C"} | ({} if tool_call_id == "missing" else {"tool_call_id": tool_call_id})
+    messages = ASK + [{"role": "assistant", "content": "Let me look."}, tool]
+    body = {"messages": messages} | ({"max_tokens": 4, "stream": stream, "tools": TOOLS} if path != "/tokenize" else {})
+    err = assert_400_naming(server, path, body, "messages[2].tool_call_id")
+    assert err["param"] == "messages[2].tool_call_id"
 
 
 def test_auto_lets_the_model_choose_and_is_parsed(client, model):

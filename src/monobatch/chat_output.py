@@ -167,6 +167,11 @@ class ChatReply:
         """The finished tool calls (after :meth:`flush`)."""
         return self._tools.tool_calls if self._tools is not None else []
 
+    @property
+    def cut_call(self) -> bool:
+        """The reply ended inside a tool call (after :meth:`flush`; ``ToolCallParser.cut``)."""
+        return self._tools is not None and self._tools.cut
+
     def feed(self, text: str) -> ChatDelta:
         """Add the next piece of the reply; returns what can be shown now."""
         return self._calls(self._reasoning.feed(text), final=False)

@@ -72,12 +72,16 @@ class ChatPrompt:
             changes["skip_special_tokens"] = False
         return dataclasses.replace(params, **changes) if changes else params
 
-    def finish_reason(self, engine_reason: str | None, has_calls: bool) -> str | None:
-        """OpenAI's ``finish_reason``: ``tool_calls`` when the reply holds complete calls (a call is
-        parsed only once its JSON is complete, so also when ``max_tokens`` came right after it),
-        unless ``tool_choice`` named the function (OpenAI answers ``stop`` then)."""
+    def finish_reason(self, engine_reason: str | None, has_calls: bool, cut: bool = False) -> str | None:
+        """OpenAI's ``finish_reason`` of a reply: ``tool_calls`` when it holds complete calls and
+        generation ended normally (``stop``: the end of generation, the grammar's end, a stop
+        string after the calls) with no call left unfinished (``cut``, ``ChatReply.cut_call``),
+        unless ``tool_choice`` named the function (OpenAI answers ``stop`` then). Otherwise the
+        engine's reason: ``length`` whenever ``max_tokens`` or the context cut the reply, even
+        after complete calls (they are still returned; a stream has sent them already), ``stop``
+        when a stop string cut a further call."""
         named = self.tools.choice not in ("none", "auto", "required")
-        return "tool_calls" if has_calls and engine_reason in ("stop", "length") and not named else engine_reason
+        return "tool_calls" if has_calls and engine_reason == "stop" and not cut and not named else engine_reason
 
 
 def template_messages(messages: list) -> list:
@@ -86,6 +90,20 @@ def template_messages(messages: list) -> list:
     check. The client's dicts are not modified."""
     return [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
             for m in messages]
+
+
+def check_tool_results(messages: Any) -> None:
+    """OpenAI's rule for ``tool`` messages: each carries the ``tool_call_id`` (a string) of the
+    call it answers. Checked for every chat door before the template runs, with or without tools.
+
+    Raises:
+        InvalidRequestError: param ``messages[i].tool_call_id``: missing, null or not a string.
+    """
+    for i, m in enumerate(messages if isinstance(messages, list) else ()):
+        if isinstance(m, dict) and m.get("role") == "tool" and not isinstance(m.get("tool_call_id"), str):
+            what = "is missing" if m.get("tool_call_id") is None else "must be a string"
+            raise InvalidRequestError(f"messages[{i}].tool_call_id {what}: a message with role 'tool' must carry "
+                                      "the id of the tool call it answers", f"messages[{i}].tool_call_id")
 
 
 def _has_tool_history(messages: Any) -> bool:
@@ -113,8 +131,10 @@ def prepare_chat(tok: "Tokenizer", messages: list, *, tools: Any = None, tool_ch
         The :class:`ChatPrompt`.
 
     Raises:
-        InvalidRequestError: bad messages or tools, a template's ``raise_exception``, reserved kwargs.
+        InvalidRequestError: bad messages or tools (a ``tool`` message without ``tool_call_id``:
+            :func:`check_tool_results`), a template's ``raise_exception``, reserved kwargs.
     """
+    check_tool_results(messages)
     kwargs = dict(template_kwargs or {})
     clash = sorted(RESERVED_TEMPLATE_VARS & kwargs.keys())
     if clash:

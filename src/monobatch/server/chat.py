@@ -69,8 +69,8 @@ class _Chat:
         return ChatReply(self.reasoning_format, self.chat.in_reasoning, self.chat.tools, self.chat.fmt)
 
     def finish_reason(self, c: Choice, reply: ChatReply) -> str | None:
-        """``tool_calls`` when the reply called tools (:meth:`ChatPrompt.finish_reason`)."""
-        return self.chat.finish_reason(c.finish_reason, bool(reply.tool_calls))
+        """``tool_calls`` when the reply called tools and ended normally (:meth:`ChatPrompt.finish_reason`)."""
+        return self.chat.finish_reason(c.finish_reason, bool(reply.tool_calls), reply.cut_call)
 
     def _chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
         chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,

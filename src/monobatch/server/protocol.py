@@ -161,8 +161,8 @@ MESSAGE_SCHEMA: dict[str, Any] = {
     "type": "object",
     "description": "role in system, developer (rendered as system), user, assistant, tool; content a string or "
                    "a list of text parts (joined with newlines). An assistant message with tool_calls ([{id, type: "
-                   "function, function: {name, arguments}}]) may leave content out. Other keys (name, tool_call_id, "
-                   "...) pass to the chat template.",
+                   "function, function: {name, arguments}}]) may leave content out; a tool message needs "
+                   "tool_call_id (the id of the call it answers). Other keys (name, ...) pass to the chat template.",
     "required": ["role"],
     "properties": {"role": {"enum": sorted(ROLES)},
                    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART},
@@ -174,6 +174,8 @@ MESSAGE_SCHEMA: dict[str, Any] = {
                                                                "tool_calls": {"type": "array", "minItems": 1}}}]},
         {"anyOf": [{"properties": {"role": {"enum": sorted(ROLES - {"assistant"})}}},
                    {"properties": {"tool_calls": {"type": ["array", "null"], "items": _HISTORY_CALL}}}]},
+        {"anyOf": [{"properties": {"role": {"enum": sorted(ROLES - {"tool"})}}},
+                   {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}}]},
     ],
 }
 
@@ -185,8 +187,9 @@ TOOL_SCHEMA: dict[str, Any] = {
                    "function": {"type": "object", "required": ["name"],
                                 "properties": {"name": {"type": "string", "pattern": "\\S"},
                                                "description": {"type": "string"},
-                                               "parameters": {"type": "object",
-                                                              "description": "A JSON schema of the arguments."}}}}}
+                                               "parameters": {"type": "object", "description": (
+                                                   "A JSON schema of the arguments; absent: the function takes "
+                                                   "none (arguments {}).")}}}}}
 
 
 def _tool_choice_schema(schema: dict) -> None:
@@ -260,14 +263,17 @@ class StreamOptions(_NullIsAbsent):
 
 
 class JsonSchemaFormat(_Body):
-    """``response_format.json_schema`` (OpenAI): the schema the reply must match. ``strict`` is
+    """``response_format.json_schema`` (OpenAI): the schema the reply must match. ``name`` is
+    required; ``schema`` is optional in OpenAI's API (its OpenAPI document and the ``openai``
+    client's types), and without it the reply is any JSON object, as ``json_object``. ``strict`` is
     accepted and always honoured: the grammar enforces the whole schema either way."""
 
     model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
 
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
-    schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema")
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema", description=(
+        "A JSON schema of the reply. Absent or null: any JSON object (as type json_object)."))
     strict: bool | None = None
 
 
@@ -432,6 +438,8 @@ class SamplingFields(_Body):
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
             found.append(("response_format", StructuredOutput.json_object("response_format")))
+        elif rf is not None and rf.type == "json_schema" and rf.json_schema.schema_ is None:
+            found.append(("response_format", StructuredOutput.json_object("response_format")))  # OpenAI: optional
         elif rf is not None and rf.type == "json_schema":
             found.append(("response_format", StructuredOutput.json_schema(rf.json_schema.schema_,
                                                                            "response_format.json_schema.schema")))
@@ -525,7 +533,9 @@ class ChatCompletionRequest(SamplingFields):
         "OpenAI's function tools (names unique).", TOOL_SCHEMA))
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = Field(
         None, json_schema_extra=_tool_choice_schema)
-    parallel_tool_calls: bool | None = Field(None, description="OpenAI's: allow several calls in one reply.")
+    parallel_tool_calls: bool | None = Field(None, description=(
+        "OpenAI's: allow several calls in one reply (default true; at most 8 where the grammar enforces the calls; "
+        "a named tool_choice gets exactly one)."))
 
     drop_unsupported = _refuse(UNSUPPORTED_CHAT_FIELDS)
 

@@ -20,7 +20,9 @@ A chat door uses them like this::
     prompt = tokenizer.apply_chat_template(messages, **kwargs)
     structured = tool_constraint(spec, fmt, tokenizer)  # None: free generation
     parser = ToolCallParser(spec, fmt)                  # feed() each text piece, then flush()
-    finish_reason = "tool_calls" if parser.has_calls else finish_reason
+    # "tool_calls" only when the engine ended normally after complete calls (ChatPrompt.finish_reason)
+    if parser.has_calls and not parser.cut and finish_reason == "stop":
+        finish_reason = "tool_calls"
 
 Formats (what the model writes; markers are matched in the reply text, so a marker that is a
 special token -- Mistral's ``[TOOL_CALLS]``, Llama's ``<|python_tag|>`` -- must be decoded with
@@ -42,8 +44,9 @@ special token -- Mistral's ``[TOOL_CALLS]``, Llama's ``<|python_tag|>`` -- must 
       {"tool_calls": [{"name": "<tool name>", "arguments": {<arguments>}}]}   to call tools
       {"response": "<reply text>"}                                           to answer in text
 
-  ``tool_calls`` has one item unless ``parallel_tool_calls``. In history an assistant message with
-  ``tool_calls`` becomes assistant content ``{"tool_calls": [...]}`` (plus ``"content"`` when it had
+  ``tool_calls`` has one item for a named function or without ``parallel_tool_calls``, else at
+  most ``MAX_PARALLEL_CALLS`` (the grammar's bound, every format). In history an assistant
+  message with ``tool_calls`` becomes assistant content ``{"tool_calls": [...]}`` (plus ``"content"`` when it had
   text); consecutive ``tool`` messages become one user message, one line per result:
   ``{"tool_response": {"id": "<tool_call_id>", "name": "<tool name>", "content": "<result>"}}``.
 
@@ -52,16 +55,18 @@ delta carrying index, id, name and the whole ``arguments`` (the canonical ``json
 arguments object, ``ensure_ascii=False``), so streamed and whole-text parses agree exactly and no
 invalid JSON is ever claimed as arguments (field cases G1, G2). A call cut before its JSON ended
 (``max_tokens``, a stop string) is no call: its raw text, markers included, goes to content (as
-vLLM does). A dangling partial marker (``<tool_ca``, two or more characters) at the very end is
-dropped (G2).
+vLLM does), and the parser's ``cut`` says so; calls complete before it stay calls (a stream has
+sent them already). A dangling partial marker (``<tool_ca``, two or more characters) at the very
+end is dropped (G2).
 """
 
 from monobatch.tool_calls.constraint import tool_constraint
 from monobatch.tool_calls.parser import (ToolCall, ToolCallDelta, ToolCallParser, ToolDelta, new_call_id,
                                          parse_tool_calls)
 from monobatch.tool_calls.prompt import generic_system_prompt, prepare_messages
-from monobatch.tool_calls.request import CHOICES, ToolFormat, ToolSpec, check_tools, detect_format
+from monobatch.tool_calls.request import (CHOICES, MAX_PARALLEL_CALLS, NO_ARGUMENTS, ToolFormat, ToolSpec, check_tools,
+                                          detect_format)
 
-__all__ = ["CHOICES", "ToolCall", "ToolCallDelta", "ToolCallParser", "ToolDelta", "ToolFormat", "ToolSpec",
-           "check_tools", "detect_format", "generic_system_prompt", "new_call_id", "parse_tool_calls",
-           "prepare_messages", "tool_constraint"]
+__all__ = ["CHOICES", "MAX_PARALLEL_CALLS", "NO_ARGUMENTS", "ToolCall", "ToolCallDelta", "ToolCallParser",
+           "ToolDelta", "ToolFormat", "ToolSpec", "check_tools", "detect_format", "generic_system_prompt",
+           "new_call_id", "parse_tool_calls", "prepare_messages", "tool_constraint"]

@@ -19,11 +19,13 @@ def tool_constraint(spec: ToolSpec | None, fmt: ToolFormat, tokenizer: "Tokenize
                     ) -> "StructuredOutput | None":
     """The output constraint for a tool request.
 
-    "required" and a named function are enforced: the reply must be a call (one, or one or more
-    with ``parallel``) of an allowed tool whose arguments match its ``parameters`` schema. GENERIC
-    gets a ``json_schema`` (for "auto" too: calls or ``{"response": string}``, as llama-server
-    does); the other formats a ``lark`` grammar with ``%json`` schemas. "auto" for them and "none"
-    get None (free generation, parsed afterwards).
+    "required" and a named function are enforced: the reply must be calls of allowed tools whose
+    arguments match their ``parameters`` schema: exactly one for a named function or without
+    ``parallel``, else one to :data:`~monobatch.tool_calls.request.MAX_PARALLEL_CALLS`, the list
+    allowed to end after each call (``spec.max_calls``). GENERIC gets a ``json_schema`` (for
+    "auto" too: calls or ``{"response": string}``, as llama-server does); the other formats a
+    ``lark`` grammar with ``%json`` schemas. "auto" for them and "none" get None (free generation,
+    parsed afterwards).
 
     Args:
         spec: the checked tools (None: no tools).
@@ -46,7 +48,7 @@ def tool_constraint(spec: ToolSpec | None, fmt: ToolFormat, tokenizer: "Tokenize
         calls.append(_obj({"name": {"type": "string", "const": fn["name"]}, key: args}))
     call = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if fmt is ToolFormat.GENERIC:
-        items = {"type": "array", "items": call, "minItems": 1} | ({} if spec.parallel else {"maxItems": 1})
+        items = {"type": "array", "items": call, "minItems": 1, "maxItems": spec.max_calls}
         schema = _obj({"tool_calls": items})
         if spec.choice == "auto":
             schema = {"anyOf": [schema, _obj({"response": {"type": "string"}})]}
@@ -57,8 +59,9 @@ def tool_constraint(spec: ToolSpec | None, fmt: ToolFormat, tokenizer: "Tokenize
         ids = tokenizer.encode(text, add_special_tokens=False) if tokenizer is not None else []
         return f"<[{ids[0]}]>" if len(ids) == 1 and tokenizer.is_special(ids[0]) else json.dumps(text)
 
-    more = {ToolFormat.HERMES: ' ("\\n" call)*', ToolFormat.MISTRAL: ' (", " args)*',
-            ToolFormat.LLAMA3_JSON: ' ("; " args)*'}[fmt] if spec.parallel else ""
+    bound = f"{{0,{spec.max_calls - 1}}}"  # the further calls: the grammar may end after each one
+    more = {ToolFormat.HERMES: ' ("\\n" call)', ToolFormat.MISTRAL: ' (", " args)',
+            ToolFormat.LLAMA3_JSON: ' ("; " args)'}[fmt] + bound if spec.max_calls > 1 else ""
     if fmt is ToolFormat.HERMES:
         start = f'start: call{more}\ncall: {lit(HERMES_OPEN)} "\\n" args "\\n" {lit(HERMES_CLOSE)}'
     elif fmt is ToolFormat.MISTRAL:

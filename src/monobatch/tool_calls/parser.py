@@ -94,6 +94,7 @@ class ToolCallParser:
         self._depth = self._pos = 0
         self._in_str = self._esc = False
         self._calls: list[ToolCall] = []
+        self._cut = False     # flush found a call begun and not finished
 
     @property
     def tool_calls(self) -> list[ToolCall]:
@@ -104,6 +105,13 @@ class ToolCallParser:
     def has_calls(self) -> bool:
         """Whether any call was reported (the caller's ``finish_reason`` "tool_calls")."""
         return bool(self._calls)
+
+    @property
+    def cut(self) -> bool:
+        """Whether the reply ended inside a call (after :meth:`flush`): its marker or JSON had
+        begun and did not complete (``max_tokens``, a stop string), so its text went to content.
+        Calls complete before it are still reported."""
+        return self._cut
 
     @property
     def content(self) -> str:
@@ -131,6 +139,7 @@ class ToolCallParser:
             held = held[:-keep].rstrip() if keep >= 2 else held
             self._emit(out, held.rstrip() if self._calls else held)
         elif state in ("start", "open", "mopen", "call"):
+            self._cut = state != "start"  # a marker, a separator or a call's "{" began one
             self._emit(out, self._raw + held)
         self._raw = ""  # "after" and "response" hold only a partial separator or escape: dropped
         return out

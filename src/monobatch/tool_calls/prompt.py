@@ -16,7 +16,7 @@ from monobatch.tool_calls.request import ToolFormat, ToolSpec
 def generic_system_prompt(spec: ToolSpec) -> str:
     """The system text GENERIC adds when tools are offered (see the module docstring)."""
     tools = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in spec.tools)
-    many = "one or more calls" if spec.parallel else "exactly one call"
+    many = "one or more calls" if spec.max_calls > 1 else "exactly one call"  # as the grammar allows
     name = "<tool name>" if spec.choice in ("auto", "required") else spec.choice
     calls = f'{{"tool_calls": [{{"name": "{name}", "arguments": {{<arguments>}}}}]}} ({many})'
     text = f"You can call these tools (name, description and a JSON schema of the arguments):\n{tools}\n\n"

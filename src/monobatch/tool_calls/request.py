@@ -14,6 +14,13 @@ CHOICES = ("none", "auto", "required")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_OPEN = "[TOOL_CALLS]"
+#: Most calls in one reply where the grammar enforces the calls ("required"; GENERIC's "auto") and
+#: ``parallel_tool_calls`` allows several: the list may end after each call, and must after this
+#: many (a small model otherwise repeats a call until the context ends).
+MAX_PARALLEL_CALLS = 8
+#: The arguments schema of a tool declared without ``parameters``: a function that takes no
+#: arguments (OpenAI's reading), so the grammar allows only ``{}``.
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclass(frozen=True)
@@ -24,7 +31,7 @@ class ToolSpec:
         tools: ``[{"type": "function", "function": {"name", "description"?, "parameters"}}]``
             (HF's ``apply_chat_template(tools=...)`` shape; copies of the request's).
         choice: "none", "auto", "required" or the name of the one function to call.
-        parallel: more than one call per reply is allowed.
+        parallel: more than one call per reply is allowed (``parallel_tool_calls``).
     """
 
     tools: list = field(default_factory=list)
@@ -42,14 +49,21 @@ class ToolSpec:
         fns = [t["function"] for t in self.tools]
         return fns if self.choice in CHOICES else [f for f in fns if f["name"] == self.choice]
 
+    @property
+    def max_calls(self) -> int:
+        """Most calls one reply may hold: one for a named function (OpenAI forces exactly one
+        call of it, whatever ``parallel_tool_calls`` says) or without ``parallel``, else
+        :data:`MAX_PARALLEL_CALLS`."""
+        return MAX_PARALLEL_CALLS if self.parallel and self.choice in CHOICES else 1
+
 
 def check_tools(tools: Any = None, tool_choice: Any = None, parallel_tool_calls: Any = None) -> ToolSpec:
     """Check OpenAI's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` request fields.
 
     Args:
         tools: a list of ``{"type": "function", "function": {"name", "description"?,
-            "parameters"?}}`` (``type`` may be left out; absent parameters are
-            ``{"type": "object", "properties": {}}``). None or ``[]``: no tools.
+            "parameters"?}}`` (``type`` may be left out; absent parameters are a function without
+            arguments, :data:`NO_ARGUMENTS`). None or ``[]``: no tools.
         tool_choice: "none" | "auto" | "required" | ``{"type": "function", "function":
             {"name": ...}}``; None means "auto" with tools, "none" without (OpenAI's default).
         parallel_tool_calls: bool, default True.
@@ -86,7 +100,7 @@ def check_tools(tools: Any = None, tool_choice: Any = None, parallel_tool_calls:
             raise InvalidRequestError(f"{where}.function.parameters must be a JSON schema object", "tools")
         names.add(name)
         entry = {"name": name} | ({"description": desc} if desc is not None else {})
-        entry["parameters"] = copy.deepcopy(params) if params is not None else {"type": "object", "properties": {}}
+        entry["parameters"] = copy.deepcopy(params if params is not None else NO_ARGUMENTS)
         norm.append({"type": "function", "function": entry})
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
         raise InvalidRequestError("parallel_tool_calls must be a boolean", "parallel_tool_calls")
