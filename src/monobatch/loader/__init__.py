@@ -159,7 +159,7 @@ def load_model(model: str | Path | None = None, device: str | None = None, dtype
         ModelNotFoundError, UnsupportedModelError, InsufficientMemoryError, InvalidRequestError.
     """
     from monobatch.loader import gguf_file, hf_dir
-    from monobatch.loader.weights import peak_rss_bytes
+    from monobatch.loader.weights import peak_rss_bytes, release_freed_memory
     from monobatch.quant.packed import packed_weights, weight_bytes
     from monobatch.tokenizer import Tokenizer
 
@@ -179,8 +179,10 @@ def load_model(model: str | Path | None = None, device: str | None = None, dtype
         tokenizer = Tokenizer.from_gguf(reader)
         gen = gguf_file.generation_defaults(reader)
         reader.fields.clear()  # the parsed metadata (vocab arrays: ~150 MB) is no longer needed
+        release_freed_memory()
         net = gguf_file.load_gguf_model(reader, dev, dt, progress, args, weights or "packed")
         del reader  # unmaps the file
+    release_freed_memory()
     if chat_template is not None:
         tokenizer.set_chat_template(chat_template)
     elif tokenizer.chat_template is None:  # the family's own template, for checkpoints without one (Gemma 3)
