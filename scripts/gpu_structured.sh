@@ -2,8 +2,7 @@
 # Structured outputs on the H200 (issue 15): the CUDA mask test, constrained vs unconstrained decode
 # (B=1 and B=32, ROUNDS interleaved rounds (default 2), the plain arm twice per round as a null, and
 # the constrained arm also with MONOBATCH_FORCED_DRAWS=0: no redraw at forced grammar positions; ARMS
-# picks among "plain constrained unforced plain2 plain-nofreeze constrained-nofreeze", the last two
-# with MONOBATCH_GC_FREEZE=0; PARITY=0 skips the parity runs), and
+# picks among "plain constrained unforced plain2"; PARITY=0 skips the parity runs), and
 # parity of the constrained config in both modes. Run on the device after the bundled GGUF was
 # assembled at /tmp/model.gguf (see ../shared/tools/split-for-device.sh) and the wheels installed:
 #   bash scripts/gpu_structured.sh /tmp/model.gguf "$OUT"      (writes log.txt, bench.jsonl, parity-*.json)
@@ -18,8 +17,6 @@ for round in $(seq "${ROUNDS:-2}"); do
     flag=""; env=""
     [ "$arm" = constrained ] && flag="--constrained"
     [ "$arm" = unforced ] && flag="--constrained" && env="MONOBATCH_FORCED_DRAWS=0"
-    [ "$arm" = plain-nofreeze ] && env="MONOBATCH_GC_FREEZE=0"
-    [ "$arm" = constrained-nofreeze ] && flag="--constrained" && env="MONOBATCH_GC_FREEZE=0"
     env $env $B $flag 2>>"$LOG" | sed "s/^/{\"round\": $round, \"arm\": \"$arm\", \"row\": /; s/\$/}/" >> "$OUT/bench.jsonl"
   done
 done

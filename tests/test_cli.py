@@ -258,17 +258,3 @@ def test_serve_takes_the_model_as_vllm_does(tmp_path):
     assert_one_line_error(monobatch("serve", missing, "--port", "0"), "absent.gguf")
     assert_one_line_error(monobatch("serve", missing, "-m", str(tmp_path / "other.gguf"), "--port", "0"),
                           "give the model once")
-
-
-@pytest.mark.parametrize("knob, frozen", [("1", True), ("0", False)])
-def test_the_startup_heap_is_frozen_once_the_engine_is_built(knob, frozen):
-    """A command that builds an engine moves the start-up objects out of the cyclic GC
-    (``gc.freeze``; ``MONOBATCH_GC_FREEZE=0`` leaves them in, for A/B runs)."""
-    code = ("import gc, sys; from monobatch.cli.main import main; "
-            "rc = main(['generate', '-p', 'Hi', '-n', '1', '--temperature', '0', '--no-progress']); "
-            "print('FROZEN', gc.get_freeze_count(), file=sys.stderr); sys.exit(rc)")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
-                         env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "MONOBATCH_GC_FREEZE": knob})
-    assert res.returncode == 0, res.stderr
-    count = int(res.stderr.rsplit("FROZEN", 1)[1].split()[0])
-    assert (count > 10_000) is frozen, count

@@ -286,7 +286,7 @@ def open_engine(ns: argparse.Namespace, loaded: "LoadedModel | None" = None) -> 
     """
     import torch
 
-    from monobatch.engine.engine import Engine, EngineConfig, freeze_startup_heap
+    from monobatch.engine.engine import Engine, EngineConfig
     from monobatch.engine.scheduler import BatchScheduler
     from monobatch.loader import load_model
     from monobatch.tokenizer.chat_template import load_chat_template
@@ -303,9 +303,7 @@ def open_engine(ns: argparse.Namespace, loaded: "LoadedModel | None" = None) -> 
     if ns.ctx_size and ns.ctx_size > engine.max_model_len:
         prog = f"monobatch {ns.command}" if getattr(ns, "command", None) else "monobatch"
         print(f"{prog}: -c {ns.ctx_size} exceeds the model's context; using {engine.max_model_len}", file=sys.stderr)
-    scheduler = BatchScheduler(engine)
-    freeze_startup_heap()
-    return scheduler
+    return BatchScheduler(engine)
 
 
 def check_writable(path: str, flag: str) -> None:

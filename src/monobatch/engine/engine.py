@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import os
 from dataclasses import dataclass
 
@@ -159,30 +158,6 @@ class EngineConfig:
         """Tokens one step may compute on a device of ``device_type``."""
         return self.max_num_batched_tokens or max(self.prefill_chunk, self.max_num_seqs,
                                                   defaults.STEP_TOKEN_BUDGET.get(device_type, 0))
-
-
-_heap_frozen = os.environ.get("MONOBATCH_GC_FREEZE", "1") == "0"  # the A/B knob (docs/cli.md): never freeze
-
-
-def freeze_startup_heap() -> None:
-    """Move every object alive now (torch's modules, the tokenizer, the model and engine just
-    built: ~230K tracked objects with the bundled model) out of the cyclic garbage collector's
-    generations (``gc.collect()`` then ``gc.freeze()``; vLLM's engine core does the same after
-    start-up). A full collection then scans only what requests create: without it, a
-    ``bench --constrained`` run at B=32 on this project's CPU spent 340 ms in 5 full collections
-    (~70 ms each, a host-bound step's whole budget many times over; 2026-12-02).
-
-    Once per process (the first call; later calls do nothing), by the command line's doors, each a
-    process that builds one engine and then serves with it (:func:`monobatch.cli.args.open_engine`:
-    ``serve``, ``generate``, ``run``/``chat``, ``bench``). Not by :class:`monobatch.llm.LLM`, which
-    lives in a user's process: frozen objects are freed by reference counting only, so an engine
-    dropped later that sits in a reference cycle would never be collected."""
-    global _heap_frozen
-    if _heap_frozen:
-        return
-    _heap_frozen = True
-    gc.collect()
-    gc.freeze()
 
 
 def _size(nbytes: int) -> str:
