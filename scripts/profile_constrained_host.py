@@ -10,6 +10,12 @@ times; each prints its median and quartiles per step and per row. ``--profile AR
 of one round of that arm (the functions by own time).
 
     PYTHONPATH=src python3 scripts/profile_constrained_host.py [-b 32] [-n 48] [--rounds 3] [--profile]
+
+``--diff`` profiles one round of each arm and prints the functions by the own time the constrained
+arm adds per row and step (cProfile's overhead included: compare rows, not totals). With ``--device
+cuda`` the forward is asynchronous: a step's "host time" then holds any wait for the device (the
+one read of the previous step's tokens, and every sync the grammar work adds), which is what a
+host-bound step on the GPU spends.
 """
 
 from __future__ import annotations
@@ -29,6 +35,23 @@ from monobatch.engine.params import SamplingParams
 from monobatch.engine.scheduler import BatchScheduler
 from monobatch.engine.sequence import Request
 from monobatch.loader import load_model
+
+
+def profile_diff(loaded, prompts, n: int, warm: int, top: int = 30) -> None:
+    """One profiled round of each arm; print the own time the constrained arm adds, per row-step."""
+    res = {}
+    for constrained in (False, True):
+        prof = cProfile.Profile()
+        steps = len(one_round(loaded, prompts, n, constrained, warm, prof))
+        stats = pstats.Stats(prof).stats
+        res[constrained] = ({f"{k[0].rsplit('/', 1)[-1]}:{k[1]}({k[2]})": (v[2], v[0]) for k, v in stats.items()},
+                            steps * len(prompts))
+    (cons, rows), (plain, _) = res[True], res[False]
+    diff = sorted((((cons.get(k, (0, 0))[0] - plain.get(k, (0, 0))[0]) / rows * 1e6, k) for k in set(cons) | set(plain)),
+                  reverse=True)
+    print(f"own time the constrained arm adds: {sum(d for d, _ in diff):.2f} us per row-step ({rows} row-steps)")
+    for d, k in diff[:top]:
+        print(f"{d:8.2f} us  {k}  calls {plain.get(k, (0, 0))[1]} -> {cons.get(k, (0, 0))[1]}")
 
 
 def one_round(loaded, prompts, n: int, constrained: bool, warm: int, profile: cProfile.Profile | None = None):
@@ -80,10 +103,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warm", type=int, default=6, help="steps skipped at the start (admission, prefill)")
     ap.add_argument("--profile", choices=("plain", "constrained"), help="cProfile one round of this arm")
+    ap.add_argument("--diff", action="store_true", help="profile one round of each arm; print what the grammar adds")
     ap.add_argument("-t", "--threads", type=int, default=1)
+    ap.add_argument("-m", "--model", default=None, help="a GGUF (default: the bundled model)")
+    ap.add_argument("--device", default="cpu")
     ns = ap.parse_args()
     torch.set_num_threads(ns.threads)
-    loaded = load_model(None, device="cpu", dtype="float32", progress=False)
+    loaded = load_model(ns.model, device=ns.device, dtype="float32" if ns.device == "cpu" else None, progress=False)
     prompts = [synth_prompt(loaded.tokenizer, ns.p, seed=i) for i in range(ns.batch)]
     one_round(loaded, prompts[:2], 8, True, 0)  # the grammar's tokenizer and first compile
     per = {False: [], True: []}
@@ -99,6 +125,8 @@ def main() -> None:
         plain, cons = statistics.median(per[False]), statistics.median(per[True])
         print(f"B={ns.batch}: median of round medians: plain {plain * 1e6:.0f} us/step, constrained {cons * 1e6:.0f} "
               f"us/step; constraint work {(cons - plain) / ns.batch * 1e6:.1f} us per row per step")
+    if ns.diff:
+        profile_diff(loaded, prompts, ns.n, ns.warm)
     if ns.profile:
         prof = cProfile.Profile()
         one_round(loaded, prompts, ns.n, ns.profile == "constrained", ns.warm, prof)
