@@ -54,6 +54,35 @@ def profile_diff(loaded, prompts, n: int, warm: int, top: int = 30) -> None:
         print(f"{d:8.2f} us  {k}  calls {plain.get(k, (0, 0))[1]} -> {cons.get(k, (0, 0))[1]}")
 
 
+def runtime_calls(loaded, prompts, n: int, warm: int, top: int = 25) -> None:
+    """One round of each arm under ``torch.profiler`` (CPU activity, which records the CUDA
+    runtime's calls: launches, copies, synchronizations, page-locked allocations), from the first
+    timed decode step to the round's end: print the calls and ops by host time, per step, each arm."""
+    from torch.profiler import ProfilerActivity, profile
+
+    class FromFirstDecodeStep:  # one_round's profile hooks: the trace starts at the first timed step
+        def __init__(self) -> None:
+            self.prof, self.on = profile(activities=[ProfilerActivity.CPU]), False
+
+        def enable(self) -> None:
+            if not self.on:
+                self.on = True
+                self.prof.start()
+
+        def disable(self) -> None:
+            pass
+
+    for constrained in (False, True):
+        hooks = FromFirstDecodeStep()
+        steps = len(one_round(loaded, prompts, n, constrained, warm, hooks))
+        hooks.prof.stop()
+        prof = hooks.prof
+        rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+        print(f"{'constrained' if constrained else 'plain'}: {steps} timed steps; own host time per step, calls per step")
+        for e in rows:
+            print(f"  {e.self_cpu_time_total / steps:9.1f} us  {e.count / steps:6.2f}  {e.key}")
+
+
 def one_round(loaded, prompts, n: int, constrained: bool, warm: int, profile: cProfile.Profile | None = None):
     """Host seconds of each decode step (after ``warm`` steps) that delivered tokens."""
     engine = Engine(loaded, EngineConfig(async_scheduling=True, max_num_seqs=len(prompts)))
@@ -104,6 +133,8 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=6, help="steps skipped at the start (admission, prefill)")
     ap.add_argument("--profile", choices=("plain", "constrained"), help="cProfile one round of this arm")
     ap.add_argument("--diff", action="store_true", help="profile one round of each arm; print what the grammar adds")
+    ap.add_argument("--runtime", action="store_true", help="torch.profiler of one round of each arm: "
+                    "ops and CUDA runtime calls (copies, synchronizations) by host time per step")
     ap.add_argument("-t", "--threads", type=int, default=1)
     ap.add_argument("-m", "--model", default=None, help="a GGUF (default: the bundled model)")
     ap.add_argument("--device", default="cpu")
@@ -127,6 +158,8 @@ def main() -> None:
               f"us/step; constraint work {(cons - plain) / ns.batch * 1e6:.1f} us per row per step")
     if ns.diff:
         profile_diff(loaded, prompts, ns.n, ns.warm)
+    if ns.runtime:
+        runtime_calls(loaded, prompts, ns.n, ns.warm)
     if ns.profile:
         prof = cProfile.Profile()
         one_round(loaded, prompts, ns.n, ns.profile == "constrained", ns.warm, prof)

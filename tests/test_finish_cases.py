@@ -618,3 +618,38 @@ def test_stop_token_id_ends_at_first_occurrence(loaded, chat_eos, batched):
     assert run.ids == chat_eos.ids[:j + 1]
     assert run.final.text == ""
     assert run.text == loaded.tokenizer.decode(chat_eos.ids[:j])
+
+
+def test_ban_early_stops_masks_each_row_as_a_row_alone():
+    """The grouped mask (one launch per distinct banned set: every row, a run, or scattered rows)
+    equals masking each row by itself, for a mix of ignore_eos, min_tokens with stop ids, rows
+    already past min_tokens and grammar rows (left alone)."""
+    from types import SimpleNamespace
+
+    eog = frozenset({0, 2})
+    finisher = FinishStep(eog, 4096)
+
+    def seq(ignore_eos=False, min_tokens=0, stop_ids=(), made=0, grammar=None):
+        params = SamplingParams(ignore_eos=ignore_eos, min_tokens=min_tokens, stop_token_ids=list(stop_ids))
+        return SimpleNamespace(params=params, output_ids=[5] * made, sampler=SimpleNamespace(grammar=grammar))
+
+    cases = [
+        [seq(ignore_eos=True) for _ in range(4)],  # every row: one index_fill_
+        [seq(), seq(ignore_eos=True), seq(ignore_eos=True), seq()],  # a run of rows
+        [seq(ignore_eos=True), seq(), seq(min_tokens=3, stop_ids=[7, 9]), seq(ignore_eos=True),
+         seq(min_tokens=3, stop_ids=[7, 9], made=3), seq(ignore_eos=True, grammar=object()),
+         seq(min_tokens=8, stop_ids=[7, 9], made=2)],  # scattered rows, two sets, a grammar row
+        [seq(), seq()],  # nothing banned: the logits themselves
+    ]
+    for seqs in cases:
+        logits = torch.randn(len(seqs), 16)
+        for ahead in (0, 1):
+            got = finisher.ban_early_stops(logits, seqs, ahead)
+            want = logits.clone()
+            for r, s in enumerate(seqs):
+                p = s.params
+                early = len(s.output_ids) + ahead < p.min_tokens
+                if s.sampler.grammar is None and (p.ignore_eos or early):
+                    want[r, sorted(eog | (set(p.stop_token_ids) if early else set()))] = float("-inf")
+            assert torch.equal(got, want)
+            assert (got is logits) == torch.equal(want, logits)

@@ -135,22 +135,33 @@ class FinishStep:
             ahead: tokens each row drew that are not appended yet (async scheduling).
 
         Returns:
-            ``logits`` itself when no row needs a mask, else a masked copy.
+            ``logits`` itself when no row needs a mask, else a masked copy. Rows banning the same
+            ids are masked by one launch (every row, or a run of rows: ``index_fill_``; else
+            ``index_put_`` with the rows sent in one page-locked copy), not one a row: at B=32 on
+            the H200 a launch a row cost 0.3 ms of a 1.4 ms host-bound step (2026-12-02).
         """
-        masked = logits
+        groups: dict[frozenset[int], list[int]] = {}
         for r, seq in enumerate(seqs):
             p = seq.params
             if seq.sampler.grammar is not None:
                 continue  # a constrained answer ends where its grammar does (the mask decides)
-            banned = set()
             early = len(seq.output_ids) + ahead < p.min_tokens
-            if p.ignore_eos or early:
-                banned |= self.eog_ids
-            if early:
-                banned |= set(p.stop_token_ids)
-            if banned:
-                masked = logits.clone() if masked is logits else masked
-                masked[r].index_fill_(0, self._ids(frozenset(banned), logits.device), float("-inf"))
+            if not (p.ignore_eos or early):
+                continue
+            banned = self.eog_ids | frozenset(p.stop_token_ids) if early else self.eog_ids
+            groups.setdefault(banned, []).append(r)
+        if not groups:
+            return logits
+        masked = logits.clone()
+        for banned, rows in groups.items():
+            ids = self._ids(banned, logits.device)
+            if rows[-1] - rows[0] == len(rows) - 1:  # a run of rows (rows ascend): a view
+                masked[rows[0]:rows[-1] + 1].index_fill_(1, ids, float("-inf"))
+                continue
+            at = torch.tensor(rows, dtype=torch.int64)
+            if logits.is_cuda:
+                at = at.pin_memory().to(logits.device, non_blocking=True)
+            masked.index_put_((at[:, None], ids[None, :]), masked.new_full((), float("-inf")))
         return masked
 
     def _ids(self, ids: frozenset[int], device: torch.device) -> torch.Tensor:
