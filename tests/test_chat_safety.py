@@ -124,7 +124,7 @@ def conversation(role: str, content) -> list[dict]:
     if role in ("system", "developer"):
         return [{"role": role, "content": content}, {"role": "user", "content": "Hello"}]
     if role == "tool":
-        return [{"role": "user", "content": "Weather?"}, {"role": "tool", "content": content}]
+        return [{"role": "user", "content": "Weather?"}, {"role": "tool", "content": content, "tool_call_id": "call_1"}]
     return [{"role": "user", "content": "Hello"}, {"role": role, "content": content}]
 
 
