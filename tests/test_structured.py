@@ -958,6 +958,15 @@ def test_a_long_forced_literal_costs_no_more_than_the_longest_token(loaded):
     ids = m.forced_ids()
     assert ids is not None and len(calls) <= index._longest and max(calls) <= index._longest
     assert ids.tolist() == _accepted(m, tok.vocab_size)
+    # the remembered candidates: the same lists as the lookups, keyed by at most longest + 1
+    # bytes however long the literal (it stays forced for thousands of positions)
+    index._by_bytes = dict(index._by_bytes)
+    for t in tok.encode('"' + literal[:400], add_special_tokens=False):
+        assert m.accept(t)
+        assert m.forced_ids() is not None
+    for text in (forced, forced[:5], b'"', b"", literal.encode()[:index._longest + 3]):
+        assert index.candidates(text) == (index.splits(text), index.extensions(text, constraint.FORCED_MAX_TOKENS))
+    assert max(map(len, index._candidates)) <= index._longest + 1
     m2 = grammars.matcher(StructuredOutput.json_schema(SCHEMAS[0][0]))
     for t in tok.encode('{"name":', add_special_tokens=False):  # a forced ' "' with ~29 accepted tokens
         assert m2.accept(t)
@@ -992,3 +1001,29 @@ def test_accepting_another_token_than_the_one_advanced_past_rolls_it_back(loaded
     for t in tok.encode('", "country": {"name": "', add_special_tokens=False):
         assert a.accept(t) and b.accept(t)
     assert (fill_bitmasks([a], tok.vocab_size) == fill_bitmasks([b], tok.vocab_size)).all()
+
+
+def test_is_stopped_is_asked_again_after_a_mask_or_a_lookup(loaded):
+    """GrammarMatcher.is_stopped is remembered for a position, but llguidance's mask (and its
+    forced-bytes and token-check lookups) can end the matcher in an error state at that same
+    position (a resource limit: here a lexer fuel of 100): after fill_bitmasks, on one matcher and
+    on the executor's path for several, the answer is llguidance's, not the remembered one."""
+    import llguidance
+
+    from monobatch.engine.constraint import GrammarCompiler, GrammarMatcher, StructuredOutput, fill_bitmasks
+
+    tok = loaded.tokenizer
+    grammars = GrammarCompiler(tok, tok.vocab_size)
+    spec = StructuredOutput.regex("(a|b|c|d|e|f|g|h)*[a-z]{3}[0-9]{2}")
+
+    def starved() -> GrammarMatcher:
+        raw = llguidance.LLMatcher(grammars._ll_tokenizer(), spec.grammar_text(), log_level=0,
+                                   limits=llguidance.LLParserLimits(step_lexer_fuel=100, initial_lexer_fuel=100))
+        return GrammarMatcher(raw, grammars._token_index())
+
+    for matchers in ([starved()], [starved(), starved()]):
+        assert not any(m.is_stopped for m in matchers)  # remembered for this position
+        fill_bitmasks(matchers, tok.vocab_size)
+        for m in matchers:
+            assert m.raw.is_error()  # the limit hit inside the mask
+            assert m.is_stopped and m.failed

@@ -205,11 +205,14 @@ class TokenIndex:
         (at most :data:`CANDIDATE_CACHE` entries): both depend on the bytes alone, and a grammar's
         forced keys and separators come back every row and step (the lookups cost ~10 µs a forced
         position on this project's CPU, 2026-12-02)."""
-        hit = self._candidates.get(forced)
+        # both look at the first longest + 1 bytes alone (no token is longer): a 64 KiB const
+        # stays forced for thousands of positions, and must not make thousands of 64 KiB keys
+        key = forced[:self._longest + 1]
+        hit = self._candidates.get(key)
         if hit is None:
             if len(self._candidates) >= CANDIDATE_CACHE:
                 self._candidates.clear()
-            hit = self._candidates[forced] = (self.splits(forced), self.extensions(forced, FORCED_MAX_TOKENS))
+            hit = self._candidates[key] = (self.splits(key), self.extensions(key, FORCED_MAX_TOKENS))
         return hit
 
 
@@ -297,7 +300,10 @@ class GrammarMatcher:
         if self._forced is not None:
             return
         self._forced, self._splits = False, []
-        forced = b"" if self.is_stopped else self._m.compute_ff_bytes()
+        if self.is_stopped:
+            return
+        forced = self._m.compute_ff_bytes()
+        self.recheck_stopped()  # the lookups below too may leave the matcher in an error state
         if not forced:
             return
         ok = self._m.validate_tokens
@@ -307,11 +313,18 @@ class GrammarMatcher:
             ids = sorted(self._splits + [t for t in ext if ok([t]) == 1])
             self._forced = np.array(ids, dtype=np.int64) if ids else False
 
+    def recheck_stopped(self) -> None:
+        """Forget :attr:`is_stopped`'s answer for this position: llguidance's mask, forced bytes
+        and token checks can put the matcher in an error state (a resource limit) without a
+        token accepted."""
+        self._stopped = None
+
     @property
     def is_stopped(self) -> bool:
         """The grammar has ended (or failed: see :attr:`error`): no further token can be accepted.
         Asked of llguidance once a position (the finish step, the sampler and the forced-position
-        lookup each ask it every step)."""
+        lookup each ask it every step), again after a mask or a forced-bytes lookup
+        (:meth:`recheck_stopped`)."""
         if self._stopped is None:
             self._stopped = bool(self._m.is_stopped() or self._m.is_error())
         return self._stopped
@@ -496,6 +509,7 @@ def fill_bitmasks(matchers: Sequence[GrammarMatcher], vocab_size: int) -> np.nda
         _executor().unsafe_compute_mask_ptr([(m.raw, i) for i, m in enumerate(matchers)], out.ctypes.data, W * 4, R)
     words = out.view(np.uint32)
     for i, m in enumerate(matchers):  # the accepted splits of forced bytes (the mask leaves some out)
+        m.recheck_stopped()  # the mask may have ended the matcher in an error state
         for t in m.splits():
             words[i, t >> 5] |= np.uint32(1 << (t & 31))
     return out
