@@ -607,3 +607,30 @@ def test_tool_history_without_tools_renders_in_the_generic_format(loaded):
     assert '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}' in text
     assert '"tool_response": {"id": "c1", "name": "get_weather", "content": "18C"}' in text
     assert prompt.tools.choice == "none" and prompt.structured is None  # no tools offered: none constrained
+
+
+@pytest.mark.parametrize("fmt", [H, M, L])
+def test_calls_past_the_bound_are_dropped_where_no_grammar_ran(fmt):
+    """auto in a model's own format runs without a grammar: a reply with more calls than the
+    request allows (parallel_tool_calls false: one) reports the first ones only, streamed or not."""
+    text = call_text(fmt, [PARIS, ORIGIN, PARIS])
+    assert pairs(parse_tool_calls(text, spec("auto", True), fmt)[1]) == [PARIS, ORIGIN, PARIS]
+    one = spec("auto", False)
+    assert one.max_calls == 1
+    content, calls = parse_tool_calls(text, one, fmt)
+    assert pairs(calls) == [PARIS] and content == ""
+    _, streamed, deltas = stream(text, fmt, one)
+    assert pairs(streamed) == [PARIS] and {d.index for d in deltas} == {0}
+
+
+def test_a_further_call_whose_marker_was_cut_counts_as_cut():
+    """A reply ending inside a further call's marker (a stop string, EOS) after complete calls:
+    the partial marker is dropped (G2) and the reply counts as cut (finish_reason is not tool_calls)."""
+    parser = ToolCallParser(spec(), H)
+    parser.feed(call_text(H, [PARIS]) + "\n<tool_ca")
+    parser.flush()
+    assert pairs(parser.tool_calls) == [PARIS] and parser.cut and parser.content == ""
+    alone = ToolCallParser(spec(), H)  # no call before: a dangling partial marker is just dropped
+    alone.feed("Sure.\n<tool_ca")
+    alone.flush()
+    assert not alone.cut and alone.content == "Sure."

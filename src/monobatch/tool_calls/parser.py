@@ -71,7 +71,9 @@ class ToolCallParser:
     for each format's markers and the decisions on partial text).
 
     Text that could still be a marker is held back until decided; a call's JSON is held until
-    it is complete. Whitespace right before a marker is dropped, and so is whitespace after a
+    it is complete. Calls past ``spec.max_calls`` (one with ``parallel_tool_calls: false`` or a
+    named function) are dropped, as vLLM does: where a grammar enforces the calls there are none,
+    but ``auto`` in a marker format runs without one. Whitespace right before a marker is dropped, and so is whitespace after a
     call while no content came before, and the trailing whitespace of a reply with calls. With
     no tools or choice "none" every piece passes through as content.
 
@@ -83,6 +85,7 @@ class ToolCallParser:
     def __init__(self, spec: ToolSpec | None, fmt: ToolFormat) -> None:
         self._fmt, self._pass = fmt, spec is None or not spec.active
         self._names = {t["function"]["name"] for t in spec.tools} if spec else set()
+        self._max_calls = spec.max_calls if spec else 0  # calls reported at most (later ones dropped)
         self._marker = {ToolFormat.HERMES: HERMES_OPEN, ToolFormat.MISTRAL: MISTRAL_OPEN}.get(fmt)
         self._state = "text" if self._marker else "start"
         self._held = ""       # text not yet decided
@@ -137,6 +140,7 @@ class ToolCallParser:
         if state in ("text", "start") and self._fmt is not ToolFormat.GENERIC:
             keep = partial_suffix(held, self._marker or PYTHON_TAG)
             held = held[:-keep].rstrip() if keep >= 2 else held
+            self._cut = keep >= 2 and bool(self._calls)  # a further call's marker had begun
             self._emit(out, held.rstrip() if self._calls else held)
         elif state in ("start", "open", "mopen", "call"):
             self._cut = state != "start"  # a marker, a separator or a call's "{" began one
@@ -205,8 +209,9 @@ class ToolCallParser:
                 self._raw += held[:end]
                 self._fail(out)
                 return True
-            self._calls.append(ToolCall(new_call_id(), *call))
-            out.calls.append(ToolCallDelta(len(self._calls) - 1, self._calls[-1].id, *call))
+            if len(self._calls) < self._max_calls:  # past the bound (auto without a grammar): dropped
+                self._calls.append(ToolCall(new_call_id(), *call))
+                out.calls.append(ToolCallDelta(len(self._calls) - 1, self._calls[-1].id, *call))
             self._raw, self._strip, self._state = "", True, "after"
             self._alts = {ToolFormat.HERMES: [([HERMES_CLOSE], "text")],
                           ToolFormat.LLAMA3_JSON: [([";"], "open")],
