@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -166,3 +168,34 @@ def test_mapped_reader_reads_what_gguf_py_reads(bundled_path, tmp_path, which):
         assert (a.name, a.tensor_type, list(a.shape), a.data_offset, a.n_bytes) == \
             (b.name, b.tensor_type, list(b.shape), b.data_offset, b.n_bytes)
         assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_release_freed_memory_returns_freed_heap_pages():
+    """Loading hands freed heap pages back (glibc's malloc_trim): a heap left full of freed small
+    blocks shrinks in resident size once released."""
+    import ctypes
+
+    from monobatch.loader import weights
+
+    trim = weights._malloc_trim()
+    if trim is None:
+        pytest.skip("not glibc")
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    blocks = [libc.malloc(4000) for _ in range(40_000)]  # ~160 MB of small heap blocks, touched
+    for b in blocks:
+        ctypes.memset(b, 1, 4000)
+    keep = blocks[-1]
+    for b in blocks[:-1]:  # freed, but the last one pins the heap's top: no automatic trim
+        libc.free(b)
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = rss()
+    weights.release_freed_memory()
+    assert before - rss() > 100 * 2**20, (before, rss())
+    libc.free(keep)

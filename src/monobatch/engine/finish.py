@@ -149,7 +149,8 @@ class FinishStep:
             if not (p.ignore_eos or early):
                 continue
             banned = self.eog_ids | frozenset(p.stop_token_ids) if early else self.eog_ids
-            groups.setdefault(banned, []).append(r)
+            if banned:
+                groups.setdefault(banned, []).append(r)
         if not groups:
             return logits
         masked = logits.clone()

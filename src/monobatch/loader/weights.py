@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import gc
 import resource
 import sys
@@ -38,15 +37,22 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def _libc_malloc_trim():
-    """glibc's ``malloc_trim`` through ctypes, or None (another C library, or none found)."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
+_MALLOC_TRIM: list = []  # glibc's malloc_trim, looked up at the first release (None: not glibc)
 
 
-_MALLOC_TRIM = _libc_malloc_trim() if sys.platform.startswith("linux") else None
+def _malloc_trim():
+    """glibc's ``malloc_trim`` through ctypes (this process's own symbols), or None where the C
+    library has none (not glibc, not Linux)."""
+    if not _MALLOC_TRIM:
+        fn = None
+        if sys.platform.startswith("linux"):
+            try:
+                fn = ctypes.CDLL(None).malloc_trim
+                fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+            except (OSError, AttributeError):
+                fn = None
+        _MALLOC_TRIM.append(fn)
+    return _MALLOC_TRIM[0]
 
 
 def release_freed_memory() -> None:
@@ -54,12 +60,13 @@ def release_freed_memory() -> None:
     ``malloc_trim(0)``, which returns the free pages inside the heap as well as at its top
     (``MADV_DONTNEED``). Parsing a GGUF header makes ~250K short-lived numpy views and the
     tokenizer's long-lived objects land between them, and repacking leaves freed numpy buffers
-    behind: without it the bundled model keeps ~14 MiB more resident after loading, and that much
-    more peak RSS once a prefill runs (2026-12-02, this project's CPU machine; ADR 0006). A no-op
-    where the C library is not glibc."""
+    behind: without it the bundled model keeps ~14 MiB more resident after loading (419 -> 405
+    MiB), and the dequant path's ``generate`` peaked at 914 rather than 842 MiB (2026-12-02, this
+    project's CPU machine; ADR 0006). A no-op where the C library is not glibc."""
     gc.collect()
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def check_memory(args: ModelArgs, dtype: torch.dtype, device: torch.device, need: int | None = None,
