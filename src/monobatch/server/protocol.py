@@ -436,10 +436,9 @@ class SamplingFields(_Body):
         """
         found: list[tuple[str, StructuredOutput]] = []
         rf = self.response_format
-        if rf is not None and rf.type == "json_object":
+        if rf is not None and (rf.type == "json_object" or rf.type == "json_schema" and rf.json_schema.schema_ is None):
+            # (OpenAI's json_schema.schema is optional: without one, any JSON object)
             found.append(("response_format", StructuredOutput.json_object("response_format")))
-        elif rf is not None and rf.type == "json_schema" and rf.json_schema.schema_ is None:
-            found.append(("response_format", StructuredOutput.json_object("response_format")))  # OpenAI: optional
         elif rf is not None and rf.type == "json_schema":
             found.append(("response_format", StructuredOutput.json_schema(rf.json_schema.schema_,
                                                                            "response_format.json_schema.schema")))

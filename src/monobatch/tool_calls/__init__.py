@@ -20,8 +20,9 @@ A chat door uses them like this::
     prompt = tokenizer.apply_chat_template(messages, **kwargs)
     structured = tool_constraint(spec, fmt, tokenizer)  # None: free generation
     parser = ToolCallParser(spec, fmt)                  # feed() each text piece, then flush()
-    # "tool_calls" only when the engine ended normally after complete calls (ChatPrompt.finish_reason)
-    if parser.has_calls and not parser.cut and finish_reason == "stop":
+    # "tool_calls" only when the engine ended normally after complete calls, and tool_choice did
+    # not name the function (OpenAI answers "stop" then): ChatPrompt.finish_reason
+    if parser.has_calls and not parser.cut and finish_reason == "stop" and spec.choice in CHOICES:
         finish_reason = "tool_calls"
 
 Formats (what the model writes; markers are matched in the reply text, so a marker that is a
