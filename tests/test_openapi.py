@@ -172,10 +172,31 @@ def _int(value) -> bool:
     return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
 
 
+def _answer_calls(messages: list) -> list:
+    """Tool messages answer the calls before them (OpenAI's rule, which a schema cannot state): each
+    assistant message's calls get one answer each right after it, in place of the tool messages
+    there, and a tool message that answers nothing becomes a user message. Values of a wrong type
+    are left alone (negative cases)."""
+    out, answering = [], False
+    for m in messages:
+        if isinstance(m, dict) and m.get("role") == "tool" and isinstance(m.get("tool_call_id"), str):
+            if not answering:
+                out.append({**{k: v for k, v in m.items() if k != "tool_call_id"}, "role": "user"})
+            continue
+        answering = False
+        out.append(m)
+        calls = m.get("tool_calls") if isinstance(m, dict) and m.get("role") == "assistant" else None
+        if isinstance(calls, list) and calls and all(isinstance(c, dict) and isinstance(c.get("id"), str)
+                                                     for c in calls):
+            out += [{"role": "tool", "tool_call_id": i, "content": "ok"} for i in dict.fromkeys(c["id"] for c in calls)]
+            answering = True
+    return out
+
+
 def _cheap(body, chat: bool):
     """A generated body that stays cheap: at most MAX_TOKENS tokens per choice (min_tokens no
-    more), n <= 2, at most 2 prompts, 3 messages (without extra keys) and one tool, at most one
-    constraint field (a rule the schema cannot state). Values of a wrong type are left alone: they
+    more), n <= 2, at most 2 prompts, 3 messages (without extra keys; tool calls answered:
+    :func:`_answer_calls`) and one tool, at most one constraint field (rules the schema cannot state). Values of a wrong type are left alone: they
     are the negative cases."""
     if not isinstance(body, dict):
         return body
@@ -200,8 +221,8 @@ def _cheap(body, chat: bool):
         body["prompt"] = prompt[:2]
     messages = body.get("messages")
     if isinstance(messages, list):  # short conversations: a long one is only a context_length_exceeded 400
-        body["messages"] = [{k: v for k, v in m.items() if k in MESSAGE_KEYS} if isinstance(m, dict) else m
-                            for m in messages[:3]]
+        body["messages"] = _answer_calls([{k: v for k, v in m.items() if k in MESSAGE_KEYS} if isinstance(m, dict)
+                                          else m for m in messages[:3]])
     if isinstance(body.get("tools"), list):
         body["tools"] = body["tools"][:1]
     given = [key for key in CONSTRAINTS if body.get(key) is not None]

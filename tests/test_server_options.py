@@ -26,8 +26,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 #: ChatML (as SmolLM2's own) whose generation prompt opens a reasoning block, DeepSeek-R1 style.
 THINK_TEMPLATE = (
     "{% for message in messages %}"
-    "{% if loop.first and message['role'] == 'tool' %}"
-    "{{ raise_exception('a conversation cannot start with a tool message') }}{% endif %}"
+    "{% if loop.first and message['role'] == 'assistant' %}"
+    "{{ raise_exception('a conversation cannot start with an assistant message') }}{% endif %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}")
@@ -133,8 +133,8 @@ def test_generate_chat_shares_the_reasoning_split(server, template_file):
 # -- F2: template errors ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("stream_", [False, True])
 def test_f2_template_raise_is_a_400_with_its_message(server, stream_):
-    body = {"messages": [{"role": "tool", "tool_call_id": "call_1", "content": "x"}], "stream": stream_}
-    assert_error(post(server, "/v1/chat/completions", body), 400, "messages", "cannot start with a tool message")
+    body = {"messages": [{"role": "assistant", "content": "x"}], "stream": stream_}
+    assert_error(post(server, "/v1/chat/completions", body), 400, "messages", "cannot start with an assistant message")
     assert server.get("/health").status_code == 200
 
 

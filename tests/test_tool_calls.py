@@ -235,6 +235,87 @@ def test_prepare_rejects_malformed_history():
     assert err.value.param == "messages"
 
 
+# -- tool messages answer calls (chat_prompt.check_tool_results: OpenAI's rules) ------------------
+def calling(*ids):
+    """An assistant message calling get_weather once per id."""
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": i, "type": "function", "function": {"name": "get_weather", "arguments": "{}"}} for i in ids]}
+
+
+def answer(call_id, content="18 C"):
+    return {"role": "tool", "tool_call_id": call_id, "content": content}
+
+
+ASKED, LATER = {"role": "user", "content": "Weather?"}, {"role": "user", "content": "And tomorrow?"}
+
+
+@pytest.mark.parametrize("messages, param, words", [
+    ([ASKED, answer("c1")], "messages[1]", "must be a response to a preceding message with 'tool_calls'"),
+    ([ASKED, {"role": "assistant", "content": "Looking."}, answer("c1")], "messages[2]", "preceding message"),
+    ([ASKED, calling("c1"), answer("c1"), LATER, answer("c1")], "messages[4]", "preceding message"),
+    ([ASKED, calling("c1"), answer("c2")], "messages[2].tool_call_id", "'c2' is not the id of a tool call of "
+                                                                        "messages[1] (its ids: c1)"),
+    ([ASKED, calling("c1", "c2"), answer("c1")], "messages[1]",
+     "must be followed by tool messages responding to each 'tool_call_id'. The following tool_call_ids did not "
+     "have response messages: c2"),
+    ([ASKED, calling("c1", "c2"), answer("c2"), LATER], "messages[1]", "response messages: c1"),
+    ([ASKED, calling("c1"), LATER, answer("c1")], "messages[1]", "response messages: c1"),  # the first fault
+    ([ASKED, calling("c1")], "messages[1]", "response messages: c1"),
+    ([ASKED, calling("c1"), {"role": "tool", "content": "18 C"}], "messages[2].tool_call_id", "is missing"),
+    ([ASKED, calling("c1"), answer(7)], "messages[2].tool_call_id", "must be a string"),
+    ([ASKED, {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "get_weather"}}]}],
+     "messages[1].tool_calls[0].id", "is missing"),
+    ([ASKED, {"role": "assistant", "tool_calls": [{"id": 3, "function": {"name": "get_weather"}}]}],
+     "messages[1].tool_calls[0].id", "must be a string"),
+])
+def test_tool_messages_must_answer_the_calls_before_them(messages, param, words):
+    from monobatch.chat_prompt import check_tool_results
+
+    with pytest.raises(InvalidRequestError) as err:
+        check_tool_results(messages)
+    assert err.value.param == param and words in str(err.value)
+
+
+def test_answered_calls_pass_in_any_order():
+    from monobatch.chat_prompt import check_tool_results
+
+    check_tool_results([ASKED, calling("c1", "c2"), answer("c2"), answer("c1"), {"role": "assistant", "content": "ok"},
+                        LATER, calling("c3"), answer("c3")])
+    check_tool_results(HISTORY)
+    check_tool_results([ASKED, {"role": "assistant", "content": "Hi", "tool_calls": []}, LATER])  # no calls
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_the_ids_we_give_calls_round_trip(fmt):
+    """A reply's calls (ids from new_call_id) sent back with their tool results pass the checks as
+    the client sent them, and every format renders that history (Mistral's 9-character rewrite comes
+    after the check: its template gets the rewritten ids on both sides)."""
+    from monobatch.chat_prompt import check_tool_results
+
+    _, calls = parse_tool_calls(call_text(fmt, [PARIS, ORIGIN]), spec(), fmt)
+    history = [ASKED, {"role": "assistant", "content": None, "tool_calls": [c.to_openai() for c in calls]},
+               *(answer(c.id) for c in calls)]
+    assert all(ID.fullmatch(c.id) for c in calls)
+    check_tool_results(history)
+    msgs, _ = prepare_messages(history, spec(), fmt)
+    if fmt is M:
+        ids = [tc["id"] for tc in msgs[1]["tool_calls"]]
+        assert [m["tool_call_id"] for m in msgs[2:]] == ids and all(re.fullmatch(r"[A-Za-z0-9]{9}", i) for i in ids)
+        ChatTemplate(MISTRAL).render(msgs)  # raises on any other id
+
+
+def test_every_chat_door_checks_tool_results(loaded):
+    """The checks run in prepare_chat, which the server, /tokenize and LLM.chat share."""
+    from monobatch.chat_prompt import prepare_chat
+    from monobatch.llm import LLM
+
+    bad = [ASKED, calling("c1"), answer("c2")]
+    for door in (lambda: prepare_chat(loaded.tokenizer, bad), lambda: LLM(loaded=loaded).chat(bad, use_tqdm=False)):
+        with pytest.raises(InvalidRequestError) as err:
+            door()
+        assert err.value.param == "messages[2].tool_call_id"
+
+
 # -- constraints on the bundled tokenizer --------------------------------------------------------
 @pytest.fixture(scope="module")
 def compiler(loaded):

@@ -171,6 +171,31 @@ def test_a_tool_message_without_tool_call_id_is_a_400(server, path, stream, tool
     assert err["param"] == "messages[2].tool_call_id"
 
 
+def _calling(*ids):
+    """An assistant message calling get_weather once per id."""
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": i, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        for i in ids]}
+
+
+@pytest.mark.parametrize("path,stream", [("/v1/chat/completions", False), ("/v1/chat/completions", True),
+                                         ("/tokenize", False)])
+@pytest.mark.parametrize("messages,param,words", [
+    (ASK + [{"role": "assistant", "content": "Let me look."}, {"role": "tool", "tool_call_id": "c1", "content": "18"}],
+     "messages[2]", "must be a response to a preceding message with 'tool_calls'"),
+    (ASK + [_calling("c1"), {"role": "tool", "tool_call_id": "c2", "content": "18"}],
+     "messages[2].tool_call_id", "'c2' is not the id of a tool call of messages[1]"),
+    (ASK + [_calling("c1", "c2"), {"role": "tool", "tool_call_id": "c1", "content": "18"}],
+     "messages[1]", "The following tool_call_ids did not have response messages: c2"),
+])
+def test_tool_messages_must_answer_the_calls_before_them(server, path, stream, messages, param, words):
+    """OpenAI's 400s: a tool message answers a call of the assistant message it follows, by one of
+    its ids, and every call is answered; before any SSE byte, and /tokenize's messages alike."""
+    body = {"messages": messages} | ({"max_tokens": 4, "stream": stream, "tools": TOOLS} if path != "/tokenize" else {})
+    err = assert_400_naming(server, path, body, param)
+    assert err["param"] == param and words in err["message"]
+
+
 def test_auto_lets_the_model_choose_and_is_parsed(client, model):
     """The generic format's auto: a call or a text response; either way the shape is OpenAI's."""
     kw = dict(model=model, messages=[{"role": "user", "content": "Say hello."}], tools=TOOLS, tool_choice="auto",

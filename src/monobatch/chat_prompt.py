@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from monobatch.errors import InvalidRequestError
-from monobatch.tool_calls import ToolFormat, ToolSpec, check_tools, detect_format, prepare_messages, tool_constraint
+from monobatch.tool_calls import (ToolFormat, ToolSpec, check_tools, detect_format, history_calls, prepare_messages,
+                                  tool_constraint)
 
 if TYPE_CHECKING:
     from monobatch.engine.constraint import StructuredOutput
@@ -93,23 +94,60 @@ def template_messages(messages: list) -> list:
 
 
 def check_tool_results(messages: Any) -> None:
-    """OpenAI's rule for ``tool`` messages: each carries the ``tool_call_id`` (a string) of the
-    call it answers. Checked for every chat door before the template runs, with or without tools.
+    """OpenAI's rules for ``tool`` messages, checked for every chat door before the template runs
+    (with or without tools), on the ids as the client sent them (before any format rewrites them,
+    as Mistral's does): each ``tool`` message carries the ``tool_call_id`` (a string) of a call it
+    answers; it follows, directly or after other ``tool`` messages, an assistant message with
+    ``tool_calls``, and its id is one of that message's call ids; and an assistant message with
+    ``tool_calls`` is followed by ``tool`` messages answering each of its ids. These are OpenAI's
+    400s for a tool message without a preceding call and for ids left without a response, worded
+    as its messages.
 
     Raises:
-        InvalidRequestError: param ``messages[i].tool_call_id``: missing, null or not a string.
+        InvalidRequestError: param ``messages[i].tool_call_id`` (missing, null, not a string, or
+            not an id of the calls it follows), ``messages[i]`` (a tool message that follows no
+            assistant ``tool_calls``; an assistant message whose calls are not all answered), or
+            as :func:`monobatch.tool_calls.history_calls` (a malformed call, a call without an id).
     """
+    owner, pending, ids = None, {}, ()  # the assistant message answered now, its unanswered ids, all its ids
     for i, m in enumerate(messages if isinstance(messages, list) else ()):
-        if isinstance(m, dict) and m.get("role") == "tool" and not isinstance(m.get("tool_call_id"), str):
-            what = "is missing" if m.get("tool_call_id") is None else "must be a string"
-            raise InvalidRequestError(f"messages[{i}].tool_call_id {what}: a message with role 'tool' must carry "
-                                      "the id of the tool call it answers", f"messages[{i}].tool_call_id")
+        if not isinstance(m, dict):
+            continue  # normalize_messages refuses it, naming it
+        if m.get("role") == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str):
+                what = "is missing" if call_id is None else "must be a string"
+                raise InvalidRequestError(f"messages[{i}].tool_call_id {what}: a message with role 'tool' must "
+                                          "carry the id of the tool call it answers", f"messages[{i}].tool_call_id")
+            if owner is None:
+                raise InvalidRequestError(f"messages[{i}]: messages with role 'tool' must be a response to a "
+                                          "preceding message with 'tool_calls'", f"messages[{i}]")
+            if call_id not in ids:
+                raise InvalidRequestError(f"messages[{i}].tool_call_id {call_id!r} is not the id of a tool call of "
+                                          f"messages[{owner}] (its ids: {', '.join(ids)})",
+                                          f"messages[{i}].tool_call_id")
+            pending.pop(call_id, None)
+            continue
+        _check_answered(owner, pending)
+        owner, pending, ids = None, {}, ()
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            ids = tuple(call_id for call_id, _, _ in history_calls(m["tool_calls"], i))
+            owner, pending = i, dict.fromkeys(ids)
+    _check_answered(owner, pending)
+
+
+def _check_answered(owner: int | None, pending: dict) -> None:
+    """Refuse an assistant message (index ``owner``) whose call ids in ``pending`` got no tool message."""
+    if owner is not None and pending:
+        raise InvalidRequestError(f"messages[{owner}]: an assistant message with 'tool_calls' must be followed by "
+                                  "tool messages responding to each 'tool_call_id'. The following tool_call_ids did "
+                                  f"not have response messages: {', '.join(pending)}", f"messages[{owner}]")
 
 
 def _has_tool_history(messages: Any) -> bool:
     """True when an assistant message carries ``tool_calls`` (a tool history: its calls and the
-    tool results after them are the tool format's to render). Tool messages alone are left to
-    the template, whose own checks (``raise_exception``, case F2) then answer."""
+    tool results after them are the tool format's to render; :func:`check_tool_results` has
+    refused tool messages that answer no call)."""
     return isinstance(messages, list) and any(
         isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls") for m in messages)
 
@@ -131,8 +169,9 @@ def prepare_chat(tok: "Tokenizer", messages: list, *, tools: Any = None, tool_ch
         The :class:`ChatPrompt`.
 
     Raises:
-        InvalidRequestError: bad messages or tools (a ``tool`` message without ``tool_call_id``:
-            :func:`check_tool_results`), a template's ``raise_exception``, reserved kwargs.
+        InvalidRequestError: bad messages or tools (``tool`` messages that answer no call, calls
+            left unanswered: :func:`check_tool_results`), a template's ``raise_exception``,
+            reserved kwargs.
     """
     check_tool_results(messages)
     kwargs = dict(template_kwargs or {})

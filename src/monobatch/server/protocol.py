@@ -151,8 +151,8 @@ _TOKEN_ID = {"type": "integer", "minimum": 0, "x-monobatch": TOKEN_ID_MARKER}
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
 #: An assistant message's tool call, as monobatch.tool_calls checks history calls.
-_HISTORY_CALL = {"type": "object", "required": ["function"],
-                 "properties": {"type": {"const": "function"},
+_HISTORY_CALL = {"type": "object", "required": ["id", "function"],
+                 "properties": {"id": {"type": "string"}, "type": {"const": "function"},
                                 "function": {"type": "object", "required": ["name"],
                                              "properties": {"name": {"type": "string"}}}}}
 #: One chat message, as monobatch.tokenizer.chat_template.normalize_messages checks it (keys
@@ -161,8 +161,9 @@ MESSAGE_SCHEMA: dict[str, Any] = {
     "type": "object",
     "description": "role in system, developer (rendered as system), user, assistant, tool; content a string or "
                    "a list of text parts (joined with newlines). An assistant message with tool_calls ([{id, type: "
-                   "function, function: {name, arguments}}]) may leave content out; a tool message needs "
-                   "tool_call_id (the id of the call it answers). Other keys (name, ...) pass to the chat template.",
+                   "function, function: {name, arguments}}]) may leave content out, and tool messages follow it, "
+                   "one answering each call (tool_call_id: the id of the call it answers; OpenAI's rule, a 400 "
+                   "otherwise). Other keys (name, ...) pass to the chat template.",
     "required": ["role"],
     "properties": {"role": {"enum": sorted(ROLES)},
                    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART},

@@ -64,10 +64,10 @@ end is dropped (G2).
 from monobatch.tool_calls.constraint import tool_constraint
 from monobatch.tool_calls.parser import (ToolCall, ToolCallDelta, ToolCallParser, ToolDelta, new_call_id,
                                          parse_tool_calls)
-from monobatch.tool_calls.prompt import generic_system_prompt, prepare_messages
+from monobatch.tool_calls.prompt import generic_system_prompt, history_calls, prepare_messages
 from monobatch.tool_calls.request import (CHOICES, MAX_PARALLEL_CALLS, NO_ARGUMENTS, ToolFormat, ToolSpec, check_tools,
                                           detect_format)
 
 __all__ = ["CHOICES", "MAX_PARALLEL_CALLS", "NO_ARGUMENTS", "ToolCall", "ToolCallDelta", "ToolCallParser",
            "ToolDelta", "ToolFormat", "ToolSpec", "check_tools", "detect_format", "generic_system_prompt",
-           "new_call_id", "parse_tool_calls", "prepare_messages", "tool_constraint"]
+           "history_calls", "new_call_id", "parse_tool_calls", "prepare_messages", "tool_constraint"]

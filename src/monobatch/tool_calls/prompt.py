@@ -52,7 +52,7 @@ def prepare_messages(messages: Any, spec: ToolSpec | None, fmt: ToolFormat) -> t
     active = spec is not None and spec.active
     for i, m in enumerate(msgs):
         if m["role"] == "assistant" and m.get("tool_calls"):
-            calls = [_history_call(tc, i) for tc in _listed(m["tool_calls"], i)]
+            calls = history_calls(m["tool_calls"], i)
             names.update((cid, name) for cid, name, _ in calls)
             if fmt is ToolFormat.GENERIC:
                 obj = {"tool_calls": [{"name": n, "arguments": a} for _, n, a in calls]}
@@ -88,17 +88,30 @@ def prepare_messages(messages: Any, spec: ToolSpec | None, fmt: ToolFormat) -> t
     return [{"role": "system", "content": text}, *out], {}
 
 
-def _listed(calls: Any, i: int) -> list:
+def history_calls(calls: Any, i: int) -> list[tuple[str, str, Any]]:
+    """``(id, name, arguments)`` of each call of an assistant message's ``tool_calls`` (message
+    ``i``): arguments as a dict when its JSON text is an object, else as sent.
+
+    Raises:
+        InvalidRequestError: ``tool_calls`` not a list (param "messages"), a call without
+            ``function.name`` (param "messages"), or whose ``id`` is missing or not a string
+            (param ``messages[i].tool_calls[k].id``: OpenAI requires it, and a tool message answers
+            it by that id).
+    """
     if not isinstance(calls, list):
         raise InvalidRequestError(f"messages[{i}].tool_calls must be a list", "messages")
-    return calls
+    return [_history_call(tc, i, k) for k, tc in enumerate(calls)]
 
 
-def _history_call(tc: Any, i: int) -> tuple[str, str, Any]:
+def _history_call(tc: Any, i: int, k: int) -> tuple[str, str, Any]:
     """(id, name, arguments as a dict when its JSON text is an object) of one history call."""
     fn = tc.get("function") if isinstance(tc, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise InvalidRequestError(f"messages[{i}].tool_calls: each needs function.name", "messages")
+    if not isinstance(tc.get("id"), str):
+        what = "is missing" if tc.get("id") is None else "must be a string"
+        raise InvalidRequestError(f"messages[{i}].tool_calls[{k}].id {what}: a tool message answers a call by "
+                                  "its id", f"messages[{i}].tool_calls[{k}].id")
     args = fn.get("arguments", {})
     if isinstance(args, str):
         try:
@@ -106,7 +119,7 @@ def _history_call(tc: Any, i: int) -> tuple[str, str, Any]:
             args = parsed if isinstance(parsed, dict) else args
         except ValueError:
             pass  # left as text: the template shows what the client sent
-    return str(tc.get("id") or ""), fn["name"], copy.deepcopy(args)
+    return tc["id"], fn["name"], copy.deepcopy(args)
 
 
 def _mistral_id(call_id: Any) -> str:
