@@ -136,6 +136,20 @@ def test_no_limit_is_refused_for_a_remote_server_only(n, capsys):
         "temperature": 0.0}
 
 
+def test_a_temperature_over_the_apis_range_applies_in_process():
+    """`run --temperature 3` (llama.cpp's knob, over OpenAI's 0-2 that the HTTP API holds to): in
+    process the field is left out (the server there was built from the flags: its default is 3);
+    to a remote server it is sent, and that server's answer (ours: a 400) is the one line."""
+    from monobatch.cli.main import build_parser
+    from monobatch.cli.session import request_fields
+
+    parse = build_parser().parse_args
+    assert request_fields(parse(["run", "--temperature", "3", "hi"])) == {}
+    assert request_fields(parse(["run", "--temperature", "2", "hi"])) == {"temperature": 2.0}
+    assert request_fields(parse(["run", "--server-base", "http://127.0.0.1:1", "--temperature", "3", "hi"])) == {
+        "temperature": 3.0}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

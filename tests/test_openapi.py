@@ -114,7 +114,7 @@ def test_request_schemas_carry_the_engines_ranges_and_nulls():
         for name, prop in schema["properties"].items():
             if name not in schema.get("required", ()):
                 assert prop.get("type") == "null" or {"type": "null"} in prop.get("anyOf", []), (model, name)
-    expected = {"temperature": {"minimum": 0}, "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    expected = {"temperature": {"minimum": 0, "maximum": 2}, "top_p": {"minimum": 0, "maximum": 1},
                 "min_p": {"minimum": 0, "maximum": 1}, "typical_p": {"exclusiveMinimum": 0, "maximum": 1},
                 "presence_penalty": {"minimum": -2, "maximum": 2}, "frequency_penalty": {"minimum": -2, "maximum": 2},
                 "repeat_penalty": {"exclusiveMinimum": 0}, "repetition_penalty": {"exclusiveMinimum": 0},
@@ -126,6 +126,7 @@ def test_request_schemas_carry_the_engines_ranges_and_nulls():
             branch = _number_branch(_property(doc, model, name))
             assert {k: branch.get(k) for k in bounds} == bounds, (model, name)
     assert _number_branch(_property(doc, "CompletionRequest", "logprobs"))["maximum"] == 20
+    assert _number_branch(_property(doc, "ChatCompletionRequest", "top_logprobs"))["maximum"] == 20
     bias = _number_branch(_property(doc, "CompletionRequest", "logit_bias"))["additionalProperties"]
     assert (bias["minimum"], bias["maximum"]) == (-100, 100)
     assert _property(doc, "CompletionRequest", "best_of")["type"] == "null"  # refused unless null

@@ -11,7 +11,7 @@ from monobatch.errors import InvalidRequestError
 
 @pytest.mark.parametrize("kwargs,field", [
     ({"max_tokens": "10"}, "max_tokens"), ({"temperature": "hot"}, "temperature"), ({"temperature": -1}, "temperature"),
-    ({"top_p": 2}, "top_p"), ({"top_k": -5}, "top_k"), ({"top_k": 2.5}, "top_k"), ({"stop": 7}, "stop"),
+    ({"top_p": 2}, "top_p"), ({"top_p": -0.1}, "top_p"), ({"top_k": -5}, "top_k"), ({"top_k": 2.5}, "top_k"), ({"stop": 7}, "stop"),
     ({"stop_token_ids": 5}, "stop_token_ids"), ({"logprobs": True}, "logprobs"), ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"5": 1e9}}, "logit_bias"),
     ({"logit_bias": {"5_0": 1}}, "logit_bias"), ({"logit_bias": {" 5": 1}}, "logit_bias"),
@@ -22,6 +22,14 @@ def test_bad_values_are_refused_with_the_field_name(kwargs, field):
     with pytest.raises(InvalidRequestError) as err:
         SamplingParams(**kwargs)
     assert err.value.param == field and field in str(err.value)
+
+
+def test_the_cli_and_python_api_take_any_temperature_and_top_p_0():
+    """llama.cpp's knobs: the engine takes any temperature >= 0 (only the HTTP API holds to OpenAI's
+    0-2, server/protocol.py), and top_p 0 keeps the most likely token (OpenAI's and llama.cpp's)."""
+    assert SamplingParams(temperature=3.5).temperature == 3.5
+    assert resolve_sampling({"temperature": 5}, {}, entry_point="chat").temperature == 5
+    assert SamplingParams(top_p=0).top_p == 0
 
 
 def test_openai_shapes_are_accepted():

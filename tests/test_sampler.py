@@ -290,7 +290,7 @@ def test_typical_and_top_p_match_llama_cpp_loops(case):
 
 
 @pytest.mark.parametrize("top_p, expected", [(0.45, {0}), (0.7, {0, 1}), (0.85, {0, 1, 2}),
-                                             (1.0, {0, 1, 2, 3})])
+                                             (1.0, {0, 1, 2, 3}), (0.0, {0})])  # 0: the most likely token only
 def test_top_p_keeps_the_token_that_crosses_the_threshold(top_p, expected):
     assert kept(transform(log_probs(0.5, 0.3, 0.15, 0.05), make(top_p=top_p))[0]) == expected
 

@@ -281,6 +281,18 @@ BAD_BODIES = [
     ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),  # -1 is the CLI's "no limit" only
     ("/v1/chat/completions", {"max_tokens": -1}, "max_tokens"),
     ("/v1/chat/completions", {"max_completion_tokens": -1}, "max_completion_tokens"),
+    # OpenAI's ranges (the HTTP API's; temperature above 2 is the CLI's and the Python API's only)
+    ("/v1/chat/completions", {"temperature": 2.01}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "temperature": 3}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": -0.1}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
+    ("/v1/chat/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty"),
+    ("/v1/chat/completions", {"logit_bias": {"5": 100.5}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": -101}}, "logit_bias"),
+    ("/v1/chat/completions", {"n": 129}, "n"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
 ]
 
 
@@ -291,6 +303,18 @@ def test_e3_wrong_types_are_400(server, path, patch, param, stream_):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} if "chat" in path else {"max_tokens": 2}
     body = {**body, "stream": stream_, **patch}
     assert_error(server.post(path, body), 400, param)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_openai_range_edges_are_accepted(server, path):
+    """The ends of OpenAI's ranges are valid: temperature 2, top_p 0 (the most likely token only),
+    penalties -2 and 2, a bias of -100 and 100."""
+    base = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    for edge in ({"temperature": 2, "top_p": 0, "presence_penalty": -2, "frequency_penalty": 2},
+                 {"temperature": 0, "top_p": 1, "presence_penalty": 2, "frequency_penalty": -2,
+                  "logit_bias": {"5": -100, "6": 100}}):
+        r = server.post(path, {**base, "max_tokens": 2, **edge})
+        assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("content,ctype", [(b"{not json", "application/json"), (b"", "application/json"),

@@ -76,6 +76,11 @@ def request_fields(ns: argparse.Namespace) -> dict[str, Any]:
             raise InvalidRequestError("-n -1 cannot be sent to a remote server (the API has no 'no limit' value); "
                                       "leave -n out to use the server's default", "max_tokens")
         del flags["max_tokens"]  # in process: the field left out (the server here was built from these flags)
+    if ns.server_base is None and "temperature" in flags:
+        from monobatch.server.protocol import MAX_TEMPERATURE
+
+        if flags["temperature"] > MAX_TEMPERATURE:  # llama.cpp's knob, over the HTTP API's (OpenAI's) range:
+            del flags["temperature"]  # in process it is the server's own default (built from these flags)
     if ns.reasoning_format is not None:
         flags["reasoning_format"] = ns.reasoning_format
     structured = constraint_flag(ns)  # sent as the API's fields: response_format, structured_outputs, grammar

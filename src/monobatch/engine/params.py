@@ -124,7 +124,7 @@ class SamplingParams:
         if self.temperature < MIN_TEMPERATURE:  # logits / T would overflow: greedy is what it means
             self.temperature = 0.0
         _check(self.top_k >= -1, "top_k", f"must be >= -1 (0 or -1 disables), got {self.top_k}")
-        _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(0 <= self.top_p <= 1, "top_p", f"must be in [0, 1], got {self.top_p}")  # 0: the top token only
         _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
         _check(0 < self.typical_p <= 1, "typical_p", f"must be in (0, 1], got {self.typical_p}")
         _check(self.repeat_penalty > 0, "repeat_penalty", f"must be > 0, got {self.repeat_penalty}")

@@ -257,13 +257,15 @@ def top_p_sorted(vals: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Nucleus sampling (Holtzman et al. 2020; llama_sampler_top_p).
 
     Keeps the most likely tokens until their mass first reaches ``>= p``, including the token
-    that crosses the threshold.
+    that crosses the threshold, and always the most likely one (llama.cpp's ``min_keep`` of 1:
+    ``p == 0`` keeps only it, as OpenAI's ``top_p: 0`` means).
 
     Args: vals (R, C) sorted descending; p (R,) float, ``inf`` for rows that do not use it.
     Returns vals with -inf.
     """
     mass_before = _exclusive_cumsum(torch.softmax(vals, dim=-1))
     keep = mass_before < p[:, None]
+    keep[:, 0] = True
     return vals.masked_fill(~keep, NEG_INF)
 
 

@@ -7,8 +7,9 @@ field a 400 that names it (``extra="forbid"``). A null value counts as absent.
 
 Value ranges are checked once, by :class:`monobatch.engine.params.SamplingParams`; this module
 checks only JSON types, the fields that never reach it (``n``, ``echo``, ``top_logprobs``), and
-where the HTTP API differs from the CLI (``max_tokens`` -1 is the CLI's "no limit", a 400 here
-as in OpenAI and vLLM).
+where the HTTP API differs from the CLI and the Python API: ``max_tokens`` -1 is the CLI's "no
+limit", a 400 here as in OpenAI and vLLM; ``temperature`` is at most 2 here (OpenAI's range), any
+value >= 0 there (llama.cpp's knob).
 
 The JSON schemas of these models are the request bodies of ``/openapi.json``: the ranges the
 engine checks are written into them (``json_schema_extra``: documented here, still checked and
@@ -41,8 +42,12 @@ UNSUPPORTED_CHAT_FIELDS = ("functions", "function_call", "audio", "modalities", 
                            "documents", "guided_decoding_backend", "guided_whitespace_pattern")
 #: Most choices one request may ask for (``n``).
 MAX_N = 128
-#: Most alternatives per token (``logprobs`` / ``top_logprobs``), as SamplingParams allows.
+#: Most alternatives per token (``logprobs`` / ``top_logprobs``), as SamplingParams allows: OpenAI's
+#: ``top_logprobs`` range (its legacy completions stop ``logprobs`` at 5; 20 is vLLM's default limit).
 MAX_LOGPROBS = 20
+#: The largest ``temperature`` a request may ask for: OpenAI's API reference ("between 0 and 2").
+#: The CLI and the Python API take any temperature >= 0 (llama.cpp's knob): only HTTP bounds it.
+MAX_TEMPERATURE = 2
 ReasoningFormat = Literal[REASONING_FORMATS]  # type: ignore[valid-type]
 #: Seeds are in ``[0, 2**63)`` (SamplingParams); as an exclusive bound it survives FastAPI's float
 #: conversion of schema bounds exactly (2**63 - 1 would not).
@@ -351,9 +356,11 @@ class SamplingFields(_Body):
         "Most tokens to generate (default: 16 for completions, no limit for chat: until an end-of-generation "
         "token or the context end). Prompt + max_tokens may exceed the context: the reply then ends with "
         "finish_reason length there."))
-    temperature: float | None = Field(None, json_schema_extra=_bounds("0 = greedy (argmax).", minimum=0))
-    top_p: float | None = Field(None, json_schema_extra=_bounds("Nucleus sampling; 1 = off.", exclusiveMinimum=0,
-                                                                maximum=1))
+    temperature: float | None = Field(None, json_schema_extra=_bounds(
+        "0 = greedy (argmax); OpenAI's range, 0 to 2 (the CLI and the Python API take any value >= 0).", minimum=0,
+        maximum=MAX_TEMPERATURE))
+    top_p: float | None = Field(None, json_schema_extra=_bounds(
+        "Nucleus sampling; 1 = off, 0 = the most likely token only.", minimum=0, maximum=1))
     stop: str | list[str] | None = Field(None, json_schema_extra=_stop_schema)
     seed: JsonInt | None = Field(None, json_schema_extra=_bounds(
         "Reproducible sampling; with n > 1 choice j uses seed + j.", minimum=0, exclusiveMaximum=SEED_LIMIT))
@@ -402,6 +409,14 @@ class SamplingFields(_Body):
     guided_grammar: str | None = Field(None, description="vLLM's older name: a grammar (GBNF or Lark).")
     json_schema: dict[str, Any] | None = Field(None, description="llama-server's: a JSON schema.")
     grammar: str | None = Field(None, description="llama-server's: a GBNF grammar.")
+
+    @model_validator(mode="after")
+    def _openai_temperature(self) -> "SamplingFields":
+        # the HTTP API's own bound (MAX_TEMPERATURE); below 0, NaN: SamplingParams' 400
+        if self.temperature is not None and self.temperature > MAX_TEMPERATURE:
+            raise PydanticCustomError("temperature", "temperature: must be in [0, 2] (OpenAI's range), got {value}",
+                                      {"field": "temperature", "value": self.temperature})
+        return self
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingFields":
