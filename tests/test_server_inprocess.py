@@ -143,3 +143,61 @@ def test_engine_loop_stop_delivers_the_aborts_and_refuses_later_messages(loaded)
     final = [o for o in delivered if o.request_id == "a" and o.finished]
     assert [o.finish_reason for o in final] == [FinishReason.ABORT]
     assert engine.stats["num_running"] == 0 and engine.stats["kv_used_blocks"] == 0
+
+
+def _lines(caplog, needle: str, timeout: float = 30.0) -> list:
+    """The ``monobatch.server`` records containing ``needle`` (waiting up to ``timeout`` for one)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [r for r in caplog.records if r.name == "monobatch.server" and needle in r.getMessage()]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.02)
+
+
+def test_one_log_line_per_request(loaded, caplog):
+    """`serve` logs one INFO line per request, as vLLM and llama-server do: finished (id,
+    endpoint, stream, prompt and completion tokens, finish reasons, TTFT and total ms), refused
+    (status and message, no traceback), aborted (the client disconnected, streamed or not)."""
+    import logging
+    import re
+
+    caplog.set_level(logging.INFO, logger="monobatch.server")
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0}
+    with ServerThread(create_app(ServerSettings(), lambda: new_scheduler(loaded, max_num_seqs=4))) as server:
+        server.wait_ready(60)
+        url = server.base_url
+        done = httpx.post(url + "/v1/chat/completions", json={**chat, "max_tokens": 3, "n": 2}, timeout=60).json()
+        [line] = _lines(caplog, done["id"])
+        assert line.levelno == logging.INFO and line.exc_info is None
+        fields = dict(re.findall(r"(\w+)=(\S+)", line.getMessage()))
+        assert f"{done['id']} /v1/chat/completions finished:" in line.getMessage()
+        assert fields["stream"] == "false" and fields["finish_reason"] == "length,length"
+        assert int(fields["prompt_tokens"]) == done["usage"]["prompt_tokens"]
+        assert int(fields["completion_tokens"]) == done["usage"]["completion_tokens"] == 6
+        assert 0 < float(fields["ttft_ms"]) <= float(fields["total_ms"])
+
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"prompt": "Hello", "max_tokens": 2, "temperature": 0, "stream": True}) as r:
+            events = sse_events(list(r.iter_lines()))
+        [line] = _lines(caplog, events[0]["id"])
+        assert "/v1/completions finished: stream=true" in line.getMessage()
+        assert "completion_tokens=2 finish_reason=length" in line.getMessage()
+
+        caplog.clear()
+        bad = httpx.post(url + "/v1/chat/completions", json={**chat, "temperature": 3}, timeout=30)
+        assert bad.status_code == 400
+        [line] = _lines(caplog, "POST /v1/chat/completions 400")
+        assert line.levelno == logging.INFO and line.exc_info is None
+        assert line.getMessage().endswith(bad.json()["error"]["message"])
+
+        long = {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json={**long, "stream": True}, timeout=60) as r:
+            first = next(line for line in r.iter_lines() if line)  # generating; then the client leaves
+        [line] = _lines(caplog, "aborted (client disconnected): stream=true")
+        assert sse_events([first])[0]["id"] in line.getMessage() and "completion_tokens=" in line.getMessage()
+        with pytest.raises(httpx.ReadTimeout):  # a non-streamed request whose client gives up
+            httpx.post(url + "/v1/completions", json=long, timeout=httpx.Timeout(30, read=0.5))
+        [line] = _lines(caplog, "aborted (client disconnected): stream=false")
+        assert "/v1/completions" in line.getMessage()
+        assert not [r for r in caplog.records if r.name == "monobatch.server" and r.levelno > logging.INFO]

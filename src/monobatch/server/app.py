@@ -25,7 +25,7 @@ from monobatch import __version__
 from monobatch.engine.scheduler import BatchScheduler
 from monobatch.server import chat, completions
 from monobatch.server.chat import chat_prompt_ids, message_chars
-from monobatch.server.errors import error_body, install_handlers
+from monobatch.server.errors import error_body, install_handlers, log_error_response
 from monobatch.server.generation import check_prompt_chars, created, off_loop
 from monobatch.server.openapi import PROTECTED_PREFIXES, install_openapi, route_responses
 from monobatch.server.protocol import (MODEL_MARKER, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -58,29 +58,31 @@ class Gate:
         if refusal is None and b"content-length" not in headers and scope["method"] in ("POST", "PUT", "PATCH"):
             receive, refusal = await self._read_limited(receive)
         if refusal is not None:
-            await refusal(scope, receive, send)
+            status, message, code, extra = refusal
+            log_error_response(scope["method"], scope["path"], status, message)
+            await JSONResponse(error_body(status, message, code=code), status_code=status, headers=extra)(
+                scope, receive, send)
             return
         await self.app(scope, receive, send)
 
-    def _refusal(self, path: str, headers: dict[bytes, bytes]) -> Response | None:
+    def _refusal(self, path: str, headers: dict[bytes, bytes]) -> tuple | None:
+        """(status, message, code, headers) of a refusal, or None."""
         if self._key is not None and path.startswith(_PROTECTED):
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
-                return JSONResponse(error_body(401, "invalid or missing API key (send Authorization: Bearer <key>)",
-                                               code="invalid_api_key"),
-                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                return (401, "invalid or missing API key (send Authorization: Bearer <key>)", "invalid_api_key",
+                        {"WWW-Authenticate": "Bearer"})
         length = headers.get(b"content-length", b"0")
         if length.isdigit() and int(length) > self.settings.max_body_bytes:
             return self._too_large(f"the request body is {int(length)} bytes")
         return None
 
-    def _too_large(self, what: str) -> Response:
-        return JSONResponse(error_body(413, f"{what}; the limit is {self.settings.max_body_bytes}",
-                                       code="request_too_large"), status_code=413)
+    def _too_large(self, what: str) -> tuple:
+        return 413, f"{what}; the limit is {self.settings.max_body_bytes}", "request_too_large", None
 
     async def _read_limited(self, receive):
         """Read a body of unknown length up to the limit; returns a ``receive`` that replays it
-        (then the connection's own, for the disconnect), or a 413."""
+        (then the connection's own, for the disconnect), or a 413 (as :meth:`_refusal`)."""
         chunks, size = [], 0
         while True:
             message = await receive()

@@ -13,9 +13,9 @@ from monobatch.chat_output import ChatDelta, ChatReply, split_reply
 from monobatch.chat_prompt import ChatPrompt, prepare_chat
 from monobatch.engine.params import resolve_sampling
 from monobatch.server.client import ResponseReader
-from monobatch.server.generation import (Choice, EventStream, build_requests, chat_logprobs, check_prompt_chars,
-                                         compile_constraint, created, new_id, off_loop, respond, sse, stream_frame,
-                                         usage)
+from monobatch.server.generation import (Choice, EventStream, RequestLog, build_requests, chat_logprobs,
+                                         check_prompt_chars, compile_constraint, created, new_id, off_loop, respond,
+                                         sse, stream_frame, usage)
 from monobatch.server.protocol import ChatCompletionRequest
 from monobatch.server.state import ServerState
 from monobatch.tokenizer import Tokenizer
@@ -58,6 +58,7 @@ class _Chat:
     tok: Tokenizer
     chat: ChatPrompt
     reasoning_format: str
+    record: RequestLog
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -111,13 +112,13 @@ class _Chat:
             out["prompt_token_ids"] = self.prompt_ids
         return out
 
-    def stream(self, reader: ResponseReader) -> AsyncIterator[str]:
-        """The SSE events: the role first per choice, one chunk per output with text, a final
+    def stream(self, reader: ResponseReader) -> EventStream:
+        """The SSE response: the role first per choice, one chunk per output with text, a final
         chunk per choice with its finish_reason, usage, ``[DONE]`` (case F1; the frame is
         :func:`stream_frame`)."""
         choices = [Choice(i) for i in range(len(reader.index))]
-        return stream_frame(reader, self._events(reader, choices), choices, self.body.n, self.body.include_usage,
-                            self._chunk)
+        return EventStream(stream_frame(reader, self._events(reader, choices), choices, self.body.n,
+                                        self.body.include_usage, self._chunk, self.record), reader, self.record, choices)
 
     async def _events(self, reader: ResponseReader, choices: list[Choice]) -> AsyncIterator[str]:
         """The body of :meth:`stream`: role chunks, then one chunk per output worth sending."""
@@ -190,7 +191,8 @@ async def create_chat_completion(body: ChatCompletionRequest, http: HttpRequest,
     requests = build_requests(chat_id, [chat.prompt_ids], params, body.n, arrival_time=arrival,
                               bypass_prefix_cache=not body.cache_prompt)
     reader = await client.submit(requests)
-    job = _Chat(chat_id, model, created(), body, tok, chat, body.reasoning_format or state.settings.reasoning_format)
+    job = _Chat(chat_id, model, created(), body, tok, chat, body.reasoning_format or state.settings.reasoning_format,
+                RequestLog(chat_id, http.url.path, arrival, body.stream, body.n))
     if body.stream:
-        return EventStream(job.stream(reader), reader)
-    return await respond(http, reader, job.collect(reader), job.response)
+        return job.stream(reader)
+    return await respond(http, reader, job.collect(reader), job.response, job.record)

@@ -16,9 +16,9 @@ from monobatch.engine.params import resolve_sampling
 from monobatch.engine.sequence import FinishReason
 from monobatch.errors import InvalidRequestError
 from monobatch.server.client import ResponseReader
-from monobatch.server.generation import (Choice, EventStream, TextOffsets, build_requests, check_prompt_chars,
-                                         compile_constraint, completion_logprobs, created, new_id, off_loop, respond,
-                                         sse, stream_frame, usage)
+from monobatch.server.generation import (Choice, EventStream, RequestLog, TextOffsets, build_requests,
+                                         check_prompt_chars, compile_constraint, completion_logprobs, created, new_id,
+                                         off_loop, respond, sse, stream_frame, usage)
 from monobatch.server.protocol import CompletionRequest
 from monobatch.server.state import ServerState
 from monobatch.tokenizer import Tokenizer
@@ -60,6 +60,7 @@ class _Completion:
     prompts: list[list[int]]
     prompt_texts: list[str] | None
     scoring: bool
+    record: RequestLog
 
     def _prompt_of(self, index: int) -> int:
         return index // self.body.n
@@ -117,13 +118,13 @@ class _Completion:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": rows, "usage": usage(choices, self.body.n)}
 
-    def stream(self, reader: ResponseReader) -> AsyncIterator[str]:
-        """The SSE events: the echo first (with logprobs: once the choice's first output brings
+    def stream(self, reader: ResponseReader) -> EventStream:
+        """The SSE response: the echo first (with logprobs: once the choice's first output brings
         the prompt's), one chunk per output with text, usage, ``[DONE]`` (the frame is
         :func:`stream_frame`)."""
         choices = [Choice(i) for i in range(len(reader.index))]
-        return stream_frame(reader, self._events(reader, choices), choices, self.body.n, self.body.include_usage,
-                            self._chunk)
+        return EventStream(stream_frame(reader, self._events(reader, choices), choices, self.body.n,
+                                        self.body.include_usage, self._chunk, self.record), reader, self.record, choices)
 
     async def _events(self, reader: ResponseReader, choices: list[Choice]) -> AsyncIterator[str]:
         """The body of :meth:`stream`: echoes, then one chunk per output worth sending."""
@@ -184,7 +185,8 @@ async def create_completion(body: CompletionRequest, http: HttpRequest, state: S
     except BaseException:
         reader.close()
         raise
-    job = _Completion(completion_id, model, created(), body, tok, prompts, texts, scoring)
+    job = _Completion(completion_id, model, created(), body, tok, prompts, texts, scoring,
+                      RequestLog(completion_id, http.url.path, arrival, body.stream, body.n))
     if body.stream:
-        return EventStream(job.stream(reader), reader)
-    return await respond(http, reader, job.collect(reader), job.response)
+        return job.stream(reader)
+    return await respond(http, reader, job.collect(reader), job.response, job.record)

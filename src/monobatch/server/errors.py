@@ -51,6 +51,13 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
+def log_error_response(method: str, path: str, status: int, message: str) -> None:
+    """The one log line of a request answered with an error status before it ran (a 4xx, a 503
+    while loading or shutting down): INFO, its status and message, no traceback (a client's mistake
+    or the server's state, not a bug: those are logged with their traceback, ``_bug``)."""
+    log.info("%s %s %d: %s", method, path, status, message)
+
+
 def from_monobatch(exc: MonobatchError) -> APIError:
     """A MonobatchError raised on a request's behalf (bad field, prompt too long) as a 400."""
     code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
@@ -84,33 +91,39 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
 
 
 def install_handlers(app: FastAPI) -> None:
-    """Map APIError, MonobatchError, validation and routing errors to OpenAI-shaped responses."""
+    """Map APIError, MonobatchError, validation and routing errors to OpenAI-shaped responses,
+    each logged as one line (:func:`log_error_response`)."""
+
+    def answer(request: Request, status: int, message: str, param: str | None = None, code: str | None = None,
+               headers: dict[str, str] | None = None) -> JSONResponse:
+        log_error_response(request.method, request.url.path, status, message)
+        return error_response(status, message, param, code, headers)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-        return error_response(exc.status, exc.message, exc.param, exc.code, headers)
+        return answer(request, exc.status, exc.message, exc.param, exc.code, headers)
 
     @app.exception_handler(MonobatchError)
     async def _monobatch_error(request: Request, exc: MonobatchError) -> JSONResponse:
         err = from_monobatch(exc)
-        return error_response(err.status, err.message, err.param, err.code)
+        return answer(request, err.status, err.message, err.param, err.code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(list(exc.errors()))
-        return error_response(400, message, param)
+        return answer(request, 400, message, param)
 
     @app.exception_handler(ValidationError)
     async def _model_error(request: Request, exc: ValidationError) -> JSONResponse:
         # a model built inside a handler from client input: still the client's 400, never a 500
         message, param = validation_message(list(exc.errors()))
-        return error_response(400, message, param)
+        return answer(request, 400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        return error_response(exc.status_code, message, None, None, getattr(exc, "headers", None))
+        return answer(request, exc.status_code, message, None, None, getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:

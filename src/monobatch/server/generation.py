@@ -1,5 +1,6 @@
 """What both generation endpoints share: building engine requests from a body, following each
-choice's outputs, usage, logprobs in OpenAI's two shapes, SSE framing and disconnects.
+choice's outputs, usage, logprobs in OpenAI's two shapes, SSE framing, disconnects and the one log
+line per request (:class:`RequestLog`).
 
 Nothing here decodes: tokens, text, stop strings and finish reasons all come from the engine's
 RowOutputs; this module only regroups them per choice.
@@ -11,6 +12,7 @@ import asyncio
 import codecs
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -24,12 +26,13 @@ from monobatch.engine.params import SamplingParams
 from monobatch.engine.sequence import Request
 from monobatch.errors import ContextLengthError
 from monobatch.server.client import EngineFailed
-from monobatch.server.errors import APIError, error_body
+from monobatch.server.errors import error_body, error_response
 from monobatch.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from monobatch.server.client import ResponseReader
 
+log = logging.getLogger("monobatch.server")
 T = TypeVar("T")
 _SEED_MOD = 2**63
 #: Room for normalizers when bounding a prompt's characters by the vocabulary's longest token.
@@ -80,9 +83,12 @@ class Choice:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    ttft_ms: float | None = None  # the engine's RequestMetrics, on the final output
 
     def add(self, out: RowOutput) -> None:
         """Fold one RowOutput in."""
+        if out.metrics is not None and out.metrics.first_token_time is not None:
+            self.ttft_ms = out.metrics.ttft_ms
         self.text.append(out.text)
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs or []
@@ -105,6 +111,66 @@ def usage(choices: list[Choice], n: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+# -- the request log ------------------------------------------------------------------------------
+@dataclass(slots=True)
+class RequestLog:
+    """The one INFO line a generation request logs when it ends, as vLLM's and llama-server's
+    servers do (logger ``monobatch.server``; ``serve --log-level``): finished (its id, endpoint,
+    stream or not, prompt and completion tokens as :func:`usage` counts them, the engine's finish
+    reason per choice, TTFT — the first choice's first token, from the engine's ``RequestMetrics`` —
+    and the total time since the HTTP request arrived), aborted (the client disconnected), or
+    failed during generation (a WARNING). A request refused before it ran is logged by the error
+    handlers instead (``errors.install_handlers``).
+
+    Args:
+        request_id: the response's ``id``.
+        endpoint: the request's path.
+        arrival: ``time.perf_counter()`` when the HTTP request arrived.
+        stream: whether it was streamed.
+        n: choices per prompt (for :func:`usage`).
+    """
+
+    request_id: str
+    endpoint: str
+    arrival: float
+    stream: bool
+    n: int
+    done: bool = False
+
+    def _elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.arrival) * 1000
+
+    def finished(self, choices: list[Choice]) -> None:
+        """Log a request that ran to its end."""
+        if self.done:
+            return
+        self.done = True
+        u = usage(choices, self.n)
+        ttfts = [c.ttft_ms for c in choices if c.ttft_ms is not None]
+        ttft = f"{min(ttfts):.1f}" if ttfts else "-"
+        reasons = ",".join(c.finish_reason or "-" for c in choices)
+        log.info("%s %s finished: stream=%s prompt_tokens=%d completion_tokens=%d finish_reason=%s ttft_ms=%s "
+                 "total_ms=%.1f", self.request_id, self.endpoint, str(self.stream).lower(), u["prompt_tokens"],
+                 u["completion_tokens"], reasons, ttft, self._elapsed_ms())
+
+    def aborted(self, choices: list[Choice] | None = None) -> None:
+        """Log a request its client left before the end (its sequences are aborted)."""
+        if self.done:
+            return
+        self.done = True
+        tokens = f" completion_tokens={sum(c.num_output_tokens for c in choices)}" if choices else ""
+        log.info("%s %s aborted (client disconnected): stream=%s%s total_ms=%.1f", self.request_id, self.endpoint,
+                 str(self.stream).lower(), tokens, self._elapsed_ms())
+
+    def failed(self, status: int, message: str) -> None:
+        """Log a request the engine ended (a step raised, shutdown): WARNING."""
+        if self.done:
+            return
+        self.done = True
+        log.warning("%s %s failed: %d %s (stream=%s, total_ms=%.1f)", self.request_id, self.endpoint, status, message,
+                    str(self.stream).lower(), self._elapsed_ms())
 
 
 # -- prompts -------------------------------------------------------------------------------------
@@ -196,18 +262,22 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def stream_frame(reader: "ResponseReader", events: AsyncIterator[str], choices: list[Choice], n: int,
-                       include_usage: bool, chunk: Callable[[list, dict], dict]) -> AsyncIterator[str]:
+                       include_usage: bool, chunk: Callable[[list, dict], dict],
+                       record: RequestLog) -> AsyncIterator[str]:
     """The frame every streamed response shares (OpenAI API): ``events`` — the endpoint's chunks,
     read while ``reader`` is open — then, with ``stream_options.include_usage``, one chunk with no
     choices and the usage of ``choices`` (``chunk(rows, usage)`` builds it), then ``[DONE]``. An
-    engine failure ends the body with an error event before ``[DONE]``."""
+    engine failure ends the body with an error event before ``[DONE]``. ``record`` logs the end
+    (a client that leaves: :class:`EventStream`)."""
     try:
         async with reader:
             async for event in events:
                 yield event
+        record.finished(choices)
         if include_usage:
             yield sse(chunk([], usage(choices, n)))
     except EngineFailed as exc:
+        record.failed(exc.status, str(exc))
         yield sse(error_body(exc.status, str(exc), code=exc.code))
     yield SSE_DONE
 
@@ -215,17 +285,20 @@ async def stream_frame(reader: "ResponseReader", events: AsyncIterator[str], cho
 class EventStream(StreamingResponse):
     """An SSE response whose reader is closed (its unfinished sequences aborted) however the
     response ends — also when the client leaves before the first event, where a never-started
-    generator would run no ``finally``."""
+    generator would run no ``finally`` — and whose request is logged as aborted when it ended
+    before its frame did (:class:`RequestLog`; ``choices``: what it had produced)."""
 
-    def __init__(self, events: AsyncIterator[str], reader: "ResponseReader") -> None:
+    def __init__(self, events: AsyncIterator[str], reader: "ResponseReader", record: RequestLog,
+                 choices: list[Choice]) -> None:
         super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        self._reader = reader
+        self._reader, self._record, self._choices = reader, record, choices
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self._reader.close()
+            self._record.aborted(self._choices)  # a no-op once finished or failed
 
 
 def created() -> int:
@@ -262,19 +335,23 @@ async def unless_disconnected(request: HttpRequest, work: Awaitable[T]) -> T:
 
 
 async def respond(http: HttpRequest, reader: "ResponseReader", collect: Awaitable[list[Choice]],
-                  shape: Callable[[list[Choice]], dict]) -> Response:
+                  shape: Callable[[list[Choice]], dict], record: RequestLog) -> Response:
     """The non-streamed answer: ``shape`` of what ``collect`` gathered from ``reader``.
 
     The reader is closed however this ends (its unfinished sequences aborted): the client went
     away (no answer; the sequences are aborted), the engine ended the request (EngineFailed: a
     500, or a 503 while shutting down or after the engine stopped), or this handler was cancelled.
+    ``record`` logs how it ended.
     """
     try:
         choices = await unless_disconnected(http, collect)
     except ClientGone:
+        record.aborted()
         return Response(status_code=499)
-    except EngineFailed as exc:
-        raise APIError(exc.status, str(exc), code=exc.code) from exc
+    except EngineFailed as exc:  # answered here, not by the handlers: logged once, with the request's id
+        record.failed(exc.status, str(exc))
+        return error_response(exc.status, str(exc), code=exc.code)
     finally:
         reader.close()
+    record.finished(choices)
     return JSONResponse(shape(choices))
