@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import pstats
 import statistics
@@ -85,6 +86,9 @@ def runtime_calls(loaded, prompts, n: int, warm: int, top: int = 25) -> None:
 
 def one_round(loaded, prompts, n: int, constrained: bool, warm: int, profile: cProfile.Profile | None = None):
     """Host seconds of each decode step (after ``warm`` steps) that delivered tokens."""
+    gc.collect()  # the last round's engine (its CUDA graphs hold cycles): its KV pool is freed first
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     engine = Engine(loaded, EngineConfig(async_scheduling=True, max_num_seqs=len(prompts)))
     sched = BatchScheduler(engine)
     structured = bench_constraint() if constrained else None
