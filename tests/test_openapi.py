@@ -197,8 +197,8 @@ def _answer_calls(messages: list) -> list:
 def _cheap(body, chat: bool):
     """A generated body that stays cheap: at most MAX_TOKENS tokens per choice (min_tokens no
     more), n <= 2, at most 2 prompts, 3 messages (without extra keys; tool calls answered:
-    :func:`_answer_calls`) and one tool, at most one constraint field (rules the schema cannot state). Values of a wrong type are left alone: they
-    are the negative cases."""
+    :func:`_answer_calls`) and one tool, at most one constraint field (rules the schema cannot
+    state). Values of a wrong type are left alone: they are the negative cases."""
     if not isinstance(body, dict):
         return body
     body = dict(body)

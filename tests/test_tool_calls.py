@@ -534,32 +534,78 @@ def test_g2_flush_never_leaks_half_a_marker(fmt, text, content):
         assert stream(text, fmt, cuts=cuts)[0] == content
 
 
+@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "get_weather"}}])
 @pytest.mark.parametrize("fmt", list(ToolFormat))
-def test_g2_a_call_cut_mid_json_is_no_call(fmt):
-    """G2: a stop string (or max_tokens) that cut a call mid-JSON gives no tool call and claims no
-    invalid JSON as arguments: the cut text is content, verbatim."""
+def test_a_call_cut_after_its_name_keeps_its_cut_arguments(fmt, choice):
+    """A stop string or max_tokens that cut a call after its name gives the call, its arguments the
+    text as far as it came (OpenAI's reply when max_tokens cuts a forced call; not JSON), and no
+    content; streamed or not, the same call; the parser says the reply was cut."""
     full = call_text(fmt, [("get_weather", {"city": "Paris"})])
     cut = full[:full.index("Par") + 2]
     for cuts in (None, []):
-        content, calls, deltas = stream(cut, fmt, cuts=cuts)
-        assert calls == [] and deltas == [] and content == cut
+        parser = ToolCallParser(spec(choice), fmt)
+        content, calls, deltas = stream(cut, fmt, spec(choice), cuts=cuts)
+        assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Pa')] and content == ""
+        assert [(d.index, d.id, d.name, d.arguments) for d in deltas] == [(0, calls[0].id, "get_weather",
+                                                                           '{"city": "Pa')]
+        parser.feed(cut)
+        parser.flush()
+        assert parser.cut
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_a_call_cut_before_its_name_is_no_call(fmt):
+    """Cut inside the name: no call. Under a grammar (required, a named function, GENERIC's auto)
+    the text is the format's wrapper: dropped, no content (the reply's content is null); under auto
+    in a model's own format the model may have been writing text: it is content, verbatim (vLLM)."""
+    full = call_text(fmt, [("get_weather", {"city": "Paris"})])
+    cut = full[:full.index("get_wea") + 7]
+    for choice in ("auto", "required"):
+        parser = ToolCallParser(spec(choice), fmt)
+        parser.feed(cut)
+        parser.flush()
+        forced = choice == "required" or fmt is G
+        assert parser.tool_calls == [] and parser.cut and parser.content == ("" if forced else cut)
+        assert stream(cut, fmt, spec(choice))[:2] == (parser.content, [])
+
+
+@pytest.mark.parametrize("fmt", [H, M, G])
+def test_a_cut_wrapper_under_a_grammar_leaves_no_content(fmt):
+    """Under "required" nothing but the format's text can come, so any unfinished wrapper (a marker,
+    GENERIC's opening) is dropped at the end, and the reply counts as cut; a reply that ended after
+    its calls is not cut."""
+    full = call_text(fmt, [PARIS])
+    for cut in (full[:1], full[:4], full[:full.index("{", 2 if fmt is G else 0) + 1]):
+        parser = ToolCallParser(spec("required"), fmt)
+        parser.feed(cut)
+        parser.flush()
+        assert (parser.content, parser.tool_calls, parser.cut) == ("", [], True), cut
+    whole = ToolCallParser(spec("required"), fmt)
+    whole.feed(full + ("\n" if fmt is H else ""))
+    whole.flush()
+    assert pairs(whole.tool_calls) == [PARIS] and not whole.cut and whole.content == ""
 
 
 @pytest.mark.parametrize("fmt", list(ToolFormat))
 def test_a_further_call_cut_mid_json_keeps_the_complete_ones(fmt):
-    """A reply cut inside its second call: the first call stays a call, the cut one is content,
-    and the parser says the reply was cut (so finish_reason is not "tool_calls"); a whole reply is
-    not cut."""
+    """A reply cut inside its second call's name: the first call stays a call, the cut one is no
+    call (content under auto in a model's own format, nothing under a grammar), and the parser
+    says the reply was cut (so finish_reason is not "tool_calls"); a whole reply is not cut."""
     full = call_text(fmt, [PARIS, ORIGIN])
     cut = full[:full.index('"move"') + 3]
-    for pieces in ([cut], list(cut)):  # whole, and one character at a time
-        parser = ToolCallParser(spec(), fmt)
-        for piece in pieces:
-            parser.feed(piece)
-        parser.flush()
-        assert pairs(parser.tool_calls) == [PARIS] and parser.cut
-        assert parser.content.endswith('"mo') and '"get_weather"' not in parser.content
-        whole = ToolCallParser(spec(), fmt)
+    for choice in ("auto", "required"):
+        forced = choice == "required" or fmt is G
+        for pieces in ([cut], list(cut)):  # whole, and one character at a time
+            parser = ToolCallParser(spec(choice), fmt)
+            for piece in pieces:
+                parser.feed(piece)
+            parser.flush()
+            assert pairs(parser.tool_calls) == [PARIS] and parser.cut
+            if forced:
+                assert parser.content == ""
+            else:
+                assert parser.content.endswith('"mo') and '"get_weather"' not in parser.content
+        whole = ToolCallParser(spec(choice), fmt)
         whole.feed(full)
         whole.flush()
         assert pairs(whole.tool_calls) == [PARIS, ORIGIN] and not whole.cut
@@ -631,14 +677,29 @@ def test_streamed_equals_whole_text_parse(case):
 
 @PROPERTY
 @given(replies(), st.data())
-def test_a_cut_call_is_content(case, data):
-    """Cut anywhere inside the first call's JSON: no call, and the content is the text verbatim."""
+def test_a_cut_call(case, data):
+    """Cut anywhere inside the first call's JSON, whatever the split points: after its name, the
+    call with its arguments' text as far as it came (the whole value once it was complete), the text
+    before it the content; before, no call and the text verbatim as content (auto in a model's own
+    format) or nothing (under GENERIC's grammar)."""
     fmt, sp, calls, text, cuts = case
     start = text.index("{", text.index("[TOOL_CALLS]") if fmt is M else 1 if fmt is G else 0)
     end = json.JSONDecoder().raw_decode(text, start)[1]
     cut = text[:data.draw(st.integers(start + 1, end - 1))]
     content, got, deltas = stream(cut, fmt, sp, [c for c in cuts if c < len(cut)])
-    assert got == [] and deltas == [] and content == cut
+    name, args = calls[0]
+    head = f'"name": {json.dumps(name)}'
+    name_end = text.index(head, start) + len(head)
+    if len(cut) >= name_end:
+        key = '"parameters": ' if fmt is L else '"arguments": '
+        value = text.index(key, start) + len(key)
+        value_end = json.JSONDecoder().raw_decode(text, value)[1]
+        want = cut[value:value_end] if len(cut) > value else ""
+        before = parse_tool_calls(text, sp, fmt)[0]  # the text before the calls (HERMES, MISTRAL)
+        assert [(c.name, c.arguments) for c in got] == [(name, want)] and content == before
+        assert [(d.name, d.arguments) for d in deltas] == [(name, want)]
+    else:
+        assert got == [] and deltas == [] and content == ("" if fmt is G else cut)
 
 
 @settings(max_examples=100, deadline=None)
@@ -670,6 +731,25 @@ def test_bundled_model_calls_a_tool_under_the_generic_constraint(loaded):
             jsonschema.validate(json.loads(calls[0].arguments), WEATHER["function"]["parameters"])
         else:
             assert content == json.loads(out.text)["response"] and content
+
+
+@pytest.mark.usefixtures("one_cpu_thread")
+def test_llm_chat_returns_a_forced_call_cut_by_max_tokens(loaded):
+    """LLM.chat parses as the chat endpoint does (one chat_output): max_tokens inside a required
+    call's arguments gives the call, its arguments the raw text after '"arguments": '; inside its
+    name, no call."""
+    from monobatch.engine.params import SamplingParams
+    from monobatch.llm import LLM
+
+    llm, ask = LLM(loaded=loaded), [{"role": "user", "content": "What is the weather in Paris?"}]
+    cut, early = (llm.chat(ask, SamplingParams(temperature=0, max_tokens=n), tools=[WEATHER], tool_choice="required",
+                           use_tqdm=False)[0].outputs[0] for n in (20, 12))
+    assert cut.finish_reason == "length" and early.finish_reason == "length"
+    key = '"arguments": '
+    assert key in cut.text and not cut.text.endswith("}")
+    args = cut.text[cut.text.index(key) + len(key):]
+    assert [(c.name, c.arguments) for c in cut.tool_calls] == [("get_weather", args)]
+    assert early.tool_calls == [] and '"get_weather"' not in early.text
 
 
 def test_tool_history_without_tools_renders_in_the_generic_format(loaded):

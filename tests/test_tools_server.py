@@ -110,16 +110,39 @@ def _streamed_calls(calls):
 
 
 def test_max_tokens_inside_a_further_call_ends_with_length(client, model):
-    """max_tokens cuts the reply inside a second call: finish_reason is length (the reply was cut),
-    never tool_calls, streamed and not. The complete call is still returned (a stream has sent it
-    when it completed) and the cut call's text is content, the same both ways."""
+    """max_tokens cuts the reply inside a second call (after its name): finish_reason is length (the
+    reply was cut), never tool_calls, streamed and not. The complete call is still returned (a stream
+    has sent it when it completed), and the cut one with its text as far as it came; no wrapper text
+    is content (null), the same both ways."""
     kw = dict(model=model, messages=TWO_CITIES, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=60)
     done, (calls, content, reason, _) = plain_and_streamed(client, **kw)
     c = done.choices[0]
     assert c.finish_reason == "length" and reason == "length"
-    assert c.message.tool_calls and c.message.content, "precondition: a complete call, then a cut one"
-    assert c.message.content.startswith('{"name"') and '"get_weather"' not in c.message.content
-    assert _streamed_calls(calls) == _calls(c.message) and content == c.message.content
+    assert len(c.message.tool_calls) == 2 and c.message.content is None and content == ""
+    assert json.loads(c.message.tool_calls[0].function.arguments), "precondition: a complete call, then a cut one"
+    assert _streamed_calls(calls) == _calls(c.message)
+
+
+@pytest.mark.parametrize("choice,name", [("required", "get_weather"), (NAMED, "get_time")])
+def test_max_tokens_inside_a_forced_call_returns_the_cut_call(client, model, choice, name):
+    """OpenAI's reply when max_tokens cuts a forced call: finish_reason length, content null, and
+    the call whose arguments are the JSON text as far as it came (not JSON); streamed, the same
+    arguments joined. Cut before the name is complete: no call, content still null (no wrapper
+    text)."""
+    kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=22)
+    done, (calls, content, reason, _) = plain_and_streamed(client, **kw)
+    c = done.choices[0]
+    assert c.finish_reason == "length" == reason and c.message.content is None and content == ""
+    [call] = c.message.tool_calls
+    assert call.function.name == name and call.id.startswith("call_")
+    assert call.function.arguments.startswith('{"city') and not call.function.arguments.endswith("}")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(call.function.arguments)
+    assert _streamed_calls(calls) == _calls(c.message)
+    done, (calls, content, reason, _) = plain_and_streamed(client, **{**kw, "max_tokens": 12})  # '..."name": "get_'
+    c = done.choices[0]
+    assert c.finish_reason == "length" == reason and c.message.content is None and content == ""
+    assert c.message.tool_calls is None and not calls
 
 
 def test_a_named_function_is_called_exactly_once(client, model):
@@ -230,17 +253,16 @@ def test_tool_choice_none_and_no_tools_leave_the_reply_as_text(client, model):
         assert c.message.tool_calls is None and c.message.content
 
 
-def test_stop_string_inside_the_arguments_gives_no_call(client, model):
-    """G2: a stop string that matches inside a call's arguments ends the reply there; the cut
-    call is no tool call (no invalid JSON is claimed as arguments): its text is content, with
-    finish_reason stop; no half marker leaks."""
+def test_stop_string_inside_the_arguments_gives_the_cut_call(client, model):
+    """A stop string that matches inside a call's arguments ends the reply there, as max_tokens
+    does: the call with its arguments as far as they came, content null (no wrapper text leaks),
+    finish_reason stop (the engine's: not tool_calls, the call was cut)."""
     kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice=NAMED, temperature=0, max_tokens=80,
               stop=["Paris"])
     done, (calls, content, reason, _) = plain_and_streamed(client, **kw)
     c = done.choices[0]
-    assert c.finish_reason == "stop" and not c.message.tool_calls
-    assert c.message.content.startswith('{"tool_calls"') and "Paris" not in c.message.content
-    assert not calls and content == c.message.content and reason == "stop"
+    assert c.finish_reason == "stop" == reason and c.message.content is None and content == ""
+    assert _calls(c.message) == [("get_time", '{"city": "')] == _streamed_calls(calls)
 
 
 @pytest.mark.parametrize("fields,param", [

@@ -164,12 +164,14 @@ class ChatReply:
 
     @property
     def tool_calls(self) -> list[ToolCall]:
-        """The finished tool calls (after :meth:`flush`)."""
+        """The tool calls (after :meth:`flush`): the complete ones, and one the end of the reply
+        cut after its name, its arguments as far as they came (``ToolCallParser.flush``)."""
         return self._tools.tool_calls if self._tools is not None else []
 
     @property
     def cut_call(self) -> bool:
-        """The reply ended inside a tool call (after :meth:`flush`; ``ToolCallParser.cut``)."""
+        """The reply ended inside a tool call (after :meth:`flush`; ``ToolCallParser.cut``): the
+        ``finish_reason`` is the engine's, and an empty ``content`` is null (OpenAI's shape)."""
         return self._tools is not None and self._tools.cut
 
     def feed(self, text: str) -> ChatDelta:

@@ -97,8 +97,9 @@ class _Chat:
             message = {"role": "assistant", "content": parts.content}
             if reply.has_reasoning:
                 message["reasoning_content"] = parts.reasoning
-            if reply.tool_calls:  # OpenAI: content null when the reply is only calls
-                message["content"] = parts.content or None
+            if reply.tool_calls or reply.cut_call:  # OpenAI: content null when the reply is only calls (or
+                message["content"] = parts.content or None  # a call cut before its name: no call, no content)
+            if reply.tool_calls:
                 message["tool_calls"] = [call.to_openai() for call in reply.tool_calls]
             row = {"index": c.index, "message": message,
                    "logprobs": chat_logprobs(self.tok, c.logprobs) if self.body.logprobs else None,
@@ -117,8 +118,9 @@ class _Chat:
         chunk per choice with its finish_reason, usage, ``[DONE]`` (case F1; the frame is
         :func:`stream_frame`)."""
         choices = [Choice(i) for i in range(len(reader.index))]
-        return EventStream(stream_frame(reader, self._events(reader, choices), choices, self.body.n,
-                                        self.body.include_usage, self._chunk, self.record), reader, self.record, choices)
+        frame = stream_frame(reader, self._events(reader, choices), choices, self.body.n, self.body.include_usage,
+                             self._chunk, self.record)
+        return EventStream(frame, reader, self.record, choices)
 
     async def _events(self, reader: ResponseReader, choices: list[Choice]) -> AsyncIterator[str]:
         """The body of :meth:`stream`: role chunks, then one chunk per output worth sending."""

@@ -123,8 +123,9 @@ class _Completion:
         the prompt's), one chunk per output with text, usage, ``[DONE]`` (the frame is
         :func:`stream_frame`)."""
         choices = [Choice(i) for i in range(len(reader.index))]
-        return EventStream(stream_frame(reader, self._events(reader, choices), choices, self.body.n,
-                                        self.body.include_usage, self._chunk, self.record), reader, self.record, choices)
+        frame = stream_frame(reader, self._events(reader, choices), choices, self.body.n, self.body.include_usage,
+                             self._chunk, self.record)
+        return EventStream(frame, reader, self.record, choices)
 
     async def _events(self, reader: ResponseReader, choices: list[Choice]) -> AsyncIterator[str]:
         """The body of :meth:`stream`: echoes, then one chunk per output worth sending."""

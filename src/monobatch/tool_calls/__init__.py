@@ -51,14 +51,17 @@ special token -- Mistral's ``[TOOL_CALLS]``, Llama's ``<|python_tag|>`` -- must 
   text); consecutive ``tool`` messages become one user message, one line per result:
   ``{"tool_response": {"id": "<tool_call_id>", "name": "<tool name>", "content": "<result>"}}``.
 
-Parser decisions: a call is reported only once its JSON object is complete and valid, as one
-delta carrying index, id, name and the whole ``arguments`` (the canonical ``json.dumps`` of the
-arguments object, ``ensure_ascii=False``), so streamed and whole-text parses agree exactly and no
-invalid JSON is ever claimed as arguments (field cases G1, G2). A call cut before its JSON ended
-(``max_tokens``, a stop string) is no call: its raw text, markers included, goes to content (as
-vLLM does), and the parser's ``cut`` says so; calls complete before it stay calls (a stream has
-sent them already). A dangling partial marker (``<tool_ca``, two or more characters) at the very
-end is dropped (G2).
+Parser decisions: a call is reported once its JSON object is complete and valid, as one delta
+carrying index, id, name and the whole ``arguments`` (the canonical ``json.dumps`` of the
+arguments object, ``ensure_ascii=False``), so streamed and whole-text parses agree exactly (field
+case G1). A call cut before its JSON ended (``max_tokens``, a stop string) is reported at the end
+of the reply when its name was complete, its ``arguments`` the arguments' text as far as it came
+(not JSON: OpenAI's reply when ``max_tokens`` cuts a forced call); cut before its name, it is no
+call, and its text is dropped where a grammar forced the format (:func:`grammar_enforced`: the
+wrapper) or content, markers included, under "auto" in a model's own format (as vLLM does). The
+parser's ``cut`` says the reply ended inside a call (``finish_reason`` stays the engine's); calls
+complete before it stay calls (a stream has sent them already). A dangling partial marker
+(``<tool_ca``, two or more characters) at the very end is dropped (G2).
 """
 
 from monobatch.tool_calls.constraint import tool_constraint
@@ -66,8 +69,9 @@ from monobatch.tool_calls.parser import (ToolCall, ToolCallDelta, ToolCallParser
                                          parse_tool_calls)
 from monobatch.tool_calls.prompt import generic_system_prompt, history_calls, prepare_messages
 from monobatch.tool_calls.request import (CHOICES, MAX_PARALLEL_CALLS, NO_ARGUMENTS, ToolFormat, ToolSpec, check_tools,
-                                          detect_format)
+                                          detect_format, grammar_enforced)
 
 __all__ = ["CHOICES", "MAX_PARALLEL_CALLS", "NO_ARGUMENTS", "ToolCall", "ToolCallDelta", "ToolCallParser",
            "ToolDelta", "ToolFormat", "ToolSpec", "check_tools", "detect_format", "generic_system_prompt",
-           "history_calls", "new_call_id", "parse_tool_calls", "prepare_messages", "tool_constraint"]
+           "grammar_enforced", "history_calls", "new_call_id", "parse_tool_calls", "prepare_messages",
+           "tool_constraint"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from monobatch.tool_calls.request import HERMES_CLOSE, HERMES_OPEN, MISTRAL_OPEN, ToolFormat, ToolSpec
+from monobatch.tool_calls.request import (HERMES_CLOSE, HERMES_OPEN, MISTRAL_OPEN, ToolFormat, ToolSpec,
+                                         grammar_enforced)
 
 if TYPE_CHECKING:
     from monobatch.engine.constraint import StructuredOutput
@@ -38,7 +39,7 @@ def tool_constraint(spec: ToolSpec | None, fmt: ToolFormat, tokenizer: "Tokenize
     """
     from monobatch.engine.constraint import StructuredOutput
 
-    if spec is None or not spec.active or (spec.choice == "auto" and fmt is not ToolFormat.GENERIC):
+    if not grammar_enforced(spec, fmt):
         return None
     key = "parameters" if fmt is ToolFormat.LLAMA3_JSON else "arguments"
     defs, calls = {}, []

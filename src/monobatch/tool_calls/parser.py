@@ -7,16 +7,20 @@ import re
 import secrets
 import string
 from dataclasses import dataclass, field
+from json.decoder import WHITESPACE, scanstring
 from typing import Any
 
-from monobatch.tool_calls.request import HERMES_CLOSE, HERMES_OPEN, MISTRAL_OPEN, PYTHON_TAG, ToolFormat, ToolSpec
+from monobatch.tool_calls.request import (HERMES_CLOSE, HERMES_OPEN, MISTRAL_OPEN, PYTHON_TAG, ToolFormat, ToolSpec,
+                                          grammar_enforced)
 
 _ID_CHARS = string.ascii_letters + string.digits
 
 
 @dataclass(frozen=True, slots=True)
 class ToolCall:
-    """One finished call: ``arguments`` is JSON text of an object."""
+    """One call: ``arguments`` is JSON text of an object, or, for a call the end of the reply cut
+    after its name (``ToolCallParser.cut``), the arguments' text as far as it came (OpenAI's reply
+    when ``max_tokens`` cuts a forced call)."""
 
     id: str
     name: str
@@ -71,7 +75,7 @@ class ToolCallParser:
     for each format's markers and the decisions on partial text).
 
     Text that could still be a marker is held back until decided; a call's JSON is held until
-    it is complete. Calls past ``spec.max_calls`` (one with ``parallel_tool_calls: false`` or a
+    it is complete (or the reply ends: :meth:`flush` reports a call cut after its name). Calls past ``spec.max_calls`` (one with ``parallel_tool_calls: false`` or a
     named function) are dropped, as vLLM does: where a grammar enforces the calls there are none,
     but ``auto`` in a marker format runs without one. Whitespace right before a marker is dropped, and so is whitespace after a
     call while no content came before, and the trailing whitespace of a reply with calls. With
@@ -84,6 +88,7 @@ class ToolCallParser:
 
     def __init__(self, spec: ToolSpec | None, fmt: ToolFormat) -> None:
         self._fmt, self._pass = fmt, spec is None or not spec.active
+        self._forced = grammar_enforced(spec, fmt)  # the reply holds only the format's text (and GENERIC's response)
         self._names = {t["function"]["name"] for t in spec.tools} if spec else set()
         self._max_calls = spec.max_calls if spec else 0  # calls reported at most (later ones dropped)
         self._marker = {ToolFormat.HERMES: HERMES_OPEN, ToolFormat.MISTRAL: MISTRAL_OPEN}.get(fmt)
@@ -112,8 +117,8 @@ class ToolCallParser:
     @property
     def cut(self) -> bool:
         """Whether the reply ended inside a call (after :meth:`flush`): its marker or JSON had
-        begun and did not complete (``max_tokens``, a stop string), so its text went to content.
-        Calls complete before it are still reported."""
+        begun and did not complete (``max_tokens``, a stop string). The cut call is reported when
+        its name was complete (:meth:`flush`); calls complete before it are reported too."""
         return self._cut
 
     @property
@@ -133,11 +138,27 @@ class ToolCallParser:
         return out
 
     def flush(self) -> ToolDelta:
-        """End of the reply: release held text. An unfinished call is content (raw, markers
-        included); a dangling partial marker (two or more characters) is dropped (G2)."""
+        """End of the reply: release held text.
+
+        A call the end cut (``max_tokens``, a stop string) after its name was complete is
+        reported, its ``arguments`` the arguments' text as far as it came (not JSON), as OpenAI
+        replies when ``max_tokens`` cuts a forced call; ``cut`` is then true (``finish_reason`` is
+        the engine's). A call cut before its name is complete is no call: where a grammar held the
+        reply to the format (:func:`~monobatch.tool_calls.request.grammar_enforced`: "required", a
+        named function, GENERIC's "auto") its text is the format's wrapper and is dropped (the reply
+        has no content); otherwise ("auto" in a model's own format, which may have been writing
+        text) it is content, raw, markers included, as vLLM does. A dangling partial marker (two
+        or more characters) is dropped (G2)."""
         out, held, state = ToolDelta(), self._held, self._state
         self._held, self._state = "", "plain"
-        if state in ("text", "start") and self._fmt is not ToolFormat.GENERIC:
+        call = _cut_call(held, self._names if self._fmt is ToolFormat.LLAMA3_JSON else None) \
+            if state == "call" else None
+        if call is not None:
+            self._cut = True
+            self._report(out, *call)
+        elif self._forced and state in ("text", "start", "open", "mopen", "call"):
+            self._cut = state not in ("text", "start") or bool(held.strip())  # the wrapper of a call begun: dropped
+        elif state in ("text", "start") and self._fmt is not ToolFormat.GENERIC:
             keep = partial_suffix(held, self._marker or PYTHON_TAG)
             held = held[:-keep].rstrip() if keep >= 2 else held
             self._cut = keep >= 2 and bool(self._calls)  # a further call's marker had begun
@@ -209,9 +230,7 @@ class ToolCallParser:
                 self._raw += held[:end]
                 self._fail(out)
                 return True
-            if len(self._calls) < self._max_calls:  # past the bound (auto without a grammar): dropped
-                self._calls.append(ToolCall(new_call_id(), *call))
-                out.calls.append(ToolCallDelta(len(self._calls) - 1, self._calls[-1].id, *call))
+            self._report(out, *call)
             self._raw, self._strip, self._state = "", True, "after"
             self._alts = {ToolFormat.HERMES: [([HERMES_CLOSE], "text")],
                           ToolFormat.LLAMA3_JSON: [([";"], "open")],
@@ -237,6 +256,12 @@ class ToolCallParser:
                 return False
             self._held, self._state, self._alts, self._strip = self._held[1:], "after", [(["}"], "plain")], True
         return True
+
+    def _report(self, out: ToolDelta, name: str, arguments: str) -> None:
+        """Report a call (a fresh id), unless it is past ``spec.max_calls`` (auto without a grammar: dropped)."""
+        if len(self._calls) < self._max_calls:
+            self._calls.append(ToolCall(new_call_id(), name, arguments))
+            out.calls.append(ToolCallDelta(len(self._calls) - 1, self._calls[-1].id, name, arguments))
 
     def _emit(self, out: ToolDelta, text: str, strip: bool = True) -> None:
         if strip and self._strip and not self._content:
@@ -312,6 +337,51 @@ def _parse_call(text: str, names: set[str] | None) -> tuple[str, str] | None:
         except ValueError:
             return None
     return (obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
+
+
+def _cut_call(text: str, names: set[str] | None) -> tuple[str, str] | None:
+    """(name, arguments text so far) of a call object cut before its end, or None when its name
+    was cut too (or it is no call object; ``names`` as :func:`_parse_call`).
+
+    The object's keys are read in order with the ``json`` module's own scanner (``scanstring``,
+    ``raw_decode``): ``name`` counts once its string is complete; the text of ``arguments`` (or
+    Llama's ``parameters``) is kept as the model wrote it, from its first character to where the
+    reply ended (to the value's end when it was complete): ``""`` when the cut came before it.
+    """
+    decoder, name, args = json.JSONDecoder(), None, ""
+    i = WHITESPACE.match(text, 0).end()
+    if not text.startswith("{", i):
+        return None
+    i += 1
+    while True:
+        i = WHITESPACE.match(text, i).end()
+        if not text.startswith('"', i):
+            break
+        try:
+            key, i = scanstring(text, i + 1)
+        except ValueError:  # the key was cut
+            break
+        i = WHITESPACE.match(text, i).end()
+        if not text.startswith(":", i):
+            break
+        i = WHITESPACE.match(text, i + 1).end()
+        try:
+            value, end = decoder.raw_decode(text, i)
+        except ValueError:  # the value was cut: the end of the reply
+            if key in ("arguments", "parameters"):
+                args = text[i:]
+            break
+        if key == "name" and isinstance(value, str):
+            name = value
+        elif key in ("arguments", "parameters"):
+            args = text[i:end]
+        i = WHITESPACE.match(text, end).end()
+        if not text.startswith(",", i):
+            break
+        i += 1
+    if not name or (names is not None and name not in names):
+        return None
+    return name, args
 
 
 def _match_seq(text: str, parts: list[str]) -> int | None:

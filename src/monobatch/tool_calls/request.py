@@ -123,6 +123,14 @@ def check_tools(tools: Any = None, tool_choice: Any = None, parallel_tool_calls:
     return ToolSpec(norm, choice if norm else "none", True if parallel_tool_calls is None else parallel_tool_calls)
 
 
+def grammar_enforced(spec: "ToolSpec | None", fmt: "ToolFormat") -> bool:
+    """Whether a grammar holds the reply to the tool format (:func:`~monobatch.tool_calls.tool_constraint`
+    builds one): ``tool_choice`` "required" and a named function in every format, and GENERIC's
+    "auto" (calls or ``{"response": ...}``, llama-server's choice). "auto" in a model's own format
+    is free text, parsed afterwards; "none" and no tools constrain nothing."""
+    return spec is not None and spec.active and (spec.choice != "auto" or fmt is ToolFormat.GENERIC)
+
+
 class ToolFormat(enum.Enum):
     """How a model family writes tool calls (values are vLLM's parser names; see the module
     docstring for each one's exact text)."""
