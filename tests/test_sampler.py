@@ -338,6 +338,13 @@ def test_top_p_sees_the_distribution_left_by_typical():
     assert kept(out) == {1}
 
 
+def test_top_p_0_keeps_the_most_likely_token_typical_left():
+    # typical .5 drops token 0 (its -inf stays in column 0 of the sorted row): top_p 0 keeps the
+    # best token left, never an all -inf row
+    out = transform(log_probs(0.4, 0.3, 0.3), make(typical_p=0.5, top_p=0.0))[0]
+    assert kept(out) == {1}
+
+
 def seeds_batch(n, seed0=0, **kw) -> list[SamplerState]:
     params = SamplingParams(**kw)
     return [SamplerState(params, [], seed0 + i) for i in range(n)]

@@ -257,15 +257,17 @@ def top_p_sorted(vals: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Nucleus sampling (Holtzman et al. 2020; llama_sampler_top_p).
 
     Keeps the most likely tokens until their mass first reaches ``>= p``, including the token
-    that crosses the threshold, and always the most likely one (llama.cpp's ``min_keep`` of 1:
-    ``p == 0`` keeps only it, as OpenAI's ``top_p: 0`` means).
+    that crosses the threshold, and always the most likely one left (llama.cpp's ``min_keep`` of
+    1: ``p == 0`` keeps only it, as OpenAI's ``top_p: 0`` means). An earlier filter may have
+    removed the first columns (typical_p can drop the most likely token, leaving its -inf in
+    place): the one always kept is the first finite column, the only one with no mass before it
+    besides the removed ones.
 
     Args: vals (R, C) sorted descending; p (R,) float, ``inf`` for rows that do not use it.
     Returns vals with -inf.
     """
     mass_before = _exclusive_cumsum(torch.softmax(vals, dim=-1))
-    keep = mass_before < p[:, None]
-    keep[:, 0] = True
+    keep = (mass_before < p[:, None]) | (mass_before == 0)
     return vals.masked_fill(~keep, NEG_INF)
 
 
