@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from monobatch.chat_output import ReasoningSplitter, prompt_opens_reasoning, split_reasoning
 from monobatch.engine.params import SamplingParams
-from monobatch.server.errors import validation_message
+from monobatch.server.errors import LOGGED_MESSAGE_CHARS, log_error_response, validation_message
 from monobatch.server.generation import Choice, TextOffsets, build_requests, usage
 from monobatch.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 
@@ -82,6 +82,21 @@ def test_validation_messages_name_the_field(model, body, param, needle):
         model.model_validate(body)
     message, got = validation_message(info.value.errors())
     assert got == param and needle in message
+
+
+def test_a_refused_request_logs_one_bounded_line(caplog):
+    """The log line of a refusal: the whole of a short message; a long one (it may quote the
+    client's text) cut to LOGGED_MESSAGE_CHARS, and line breaks escaped (one record, one line)."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="monobatch.server")
+    log_error_response("POST", "/v1/chat/completions", 400, "top_p: must be in [0, 1], got 1.5")
+    quoted = "messages[0]: the text 'x\nINFO forged line" + "y" * 10_000 + "' cannot be tokenized"
+    log_error_response("POST", "/v1/chat/completions", 400, quoted)
+    short, long = (r.getMessage() for r in caplog.records)
+    assert short == "POST /v1/chat/completions 400: top_p: must be in [0, 1], got 1.5"
+    assert "\n" not in long and "x\\nINFO forged" in long and long.endswith(f"... ({len(quoted)} characters)")
+    assert len(long) < LOGGED_MESSAGE_CHARS + 80
 
 
 def test_nulls_are_absent():

@@ -51,11 +51,21 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
+#: Most characters of an error message a log line carries: a message may quote the client's text
+#: (``Tokenizer``'s "the text ... cannot be tokenized" quotes a message's content), as long as the
+#: body; the client gets the whole message, the log a bounded line.
+LOGGED_MESSAGE_CHARS = 300
+
+
 def log_error_response(method: str, path: str, status: int, message: str) -> None:
     """The one log line of a request answered with an error status before it ran (a 4xx, a 503
     while loading or shutting down): INFO, its status and message, no traceback (a client's mistake
-    or the server's state, not a bug: those are logged with their traceback, ``_bug``)."""
-    log.info("%s %s %d: %s", method, path, status, message)
+    or the server's state, not a bug: those are logged with their traceback, ``_bug``). The message
+    is kept to one line (line breaks escaped) of at most :data:`LOGGED_MESSAGE_CHARS` characters."""
+    line = message.replace("\r", "\\r").replace("\n", "\\n")
+    if len(line) > LOGGED_MESSAGE_CHARS:
+        line = line[:LOGGED_MESSAGE_CHARS] + f"... ({len(message)} characters)"
+    log.info("%s %s %d: %s", method, path, status, line)
 
 
 def from_monobatch(exc: MonobatchError) -> APIError:
