@@ -51,7 +51,10 @@ class CompletionOutput:
         logprobs: per token ``(token_id, logprob, [(alt_id, alt_logprob), ...])`` when asked.
         tool_calls: :meth:`LLM.chat` with tools: the calls parsed from ``text``
             (:class:`monobatch.tool_calls.ToolCall`: id, name, arguments as JSON text;
-            ``.to_openai()`` gives the API's shape); None otherwise.
+            ``.to_openai()`` gives the API's shape); None otherwise. A call that ``max_tokens``
+            or a stop string cut after its name is the last one, its arguments the text as far
+            as it came (not JSON): ``finish_reason`` is then ``length`` or ``stop``, and ``stop``
+            is also what a complete reply ends with, so with stop strings parse the arguments.
     """
 
     index: int
