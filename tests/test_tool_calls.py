@@ -587,6 +587,23 @@ def test_a_cut_wrapper_under_a_grammar_leaves_no_content(fmt):
 
 
 @pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_arguments_nested_past_the_recursion_limit_raise_nothing(fmt):
+    """A model looping on "[" inside a call's arguments: json's decoder raises RecursionError past
+    the interpreter's limit. Cut there (max_tokens), the call keeps its arguments' text as far as
+    it came; closed, it is no call (its text is content, as any call that does not parse), never an
+    error."""
+    head = call_text(fmt, [("get_weather", {})])
+    key = '"parameters": ' if fmt is L else '"arguments": '
+    start = head.index(key) + len(key)
+    deep = "[" * 5000
+    content, calls, _ = stream(head[:start] + deep, fmt, spec("auto"), cuts=[])
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", deep)] and content == ""
+    closed = head[:start] + deep + "]" * 5000 + head[start + 2:]
+    content, calls, _ = stream(closed, fmt, spec("auto"), cuts=[])
+    assert calls == [] and deep in content
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
 def test_a_further_call_cut_mid_json_keeps_the_complete_ones(fmt):
     """A reply cut inside its second call's name: the first call stays a call, the cut one is no
     call (content under auto in a model's own format, nothing under a grammar), and the parser

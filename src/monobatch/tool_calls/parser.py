@@ -14,6 +14,9 @@ from monobatch.tool_calls.request import (HERMES_CLOSE, HERMES_OPEN, MISTRAL_OPE
                                           grammar_enforced)
 
 _ID_CHARS = string.ascii_letters + string.digits
+#: What the json module raises on text that is no JSON value: ValueError, and RecursionError for
+#: arrays or objects nested deeper than the interpreter's recursion limit (a model looping on "[").
+JSON_ERRORS = (ValueError, RecursionError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,7 +326,7 @@ def _parse_call(text: str, names: set[str] | None) -> tuple[str, str] | None:
     ``names``: LLAMA3_JSON's bare JSON must name a tool and carry arguments to count."""
     try:
         obj = json.loads(text, parse_constant=_reject_constant)
-    except ValueError:
+    except JSON_ERRORS:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
@@ -334,7 +337,7 @@ def _parse_call(text: str, names: set[str] | None) -> tuple[str, str] | None:
     if isinstance(args, str):
         try:
             args = json.loads(args, parse_constant=_reject_constant)
-        except ValueError:
+        except JSON_ERRORS:
             return None
     return (obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
 
@@ -367,7 +370,7 @@ def _cut_call(text: str, names: set[str] | None) -> tuple[str, str] | None:
         i = WHITESPACE.match(text, i + 1).end()
         try:
             value, end = decoder.raw_decode(text, i)
-        except ValueError:  # the value was cut: the end of the reply
+        except JSON_ERRORS:  # the value was cut: the end of the reply (or nested past the recursion limit)
             if key in ("arguments", "parameters"):
                 args = text[i:]
             break
