@@ -276,6 +276,20 @@ def test_tool_messages_must_answer_the_calls_before_them(messages, param, words)
     assert err.value.param == param and words in str(err.value)
 
 
+def test_history_arguments_nested_past_the_recursion_limit_stay_text():
+    """A client's history call whose arguments nest deeper than json's decoder can go (it raises
+    RecursionError, not ValueError): the arguments stay the text the client sent, as any that do
+    not parse as an object, never an error (a 500 on the server)."""
+    from monobatch.chat_prompt import check_tool_results
+
+    deep = "[" * 5000 + "]" * 5000
+    history = [ASKED, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": deep}}]}, answer("c1")]
+    check_tool_results(history)
+    msgs, _ = prepare_messages(history, spec(), H)
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == deep
+
+
 def test_answered_calls_pass_in_any_order():
     from monobatch.chat_prompt import check_tool_results
 

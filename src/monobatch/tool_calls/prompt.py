@@ -10,6 +10,7 @@ from typing import Any
 
 from monobatch.errors import InvalidRequestError
 from monobatch.tokenizer.chat_template import normalize_messages
+from monobatch.tool_calls.parser import JSON_ERRORS
 from monobatch.tool_calls.request import ToolFormat, ToolSpec
 
 
@@ -117,7 +118,7 @@ def _history_call(tc: Any, i: int, k: int) -> tuple[str, str, Any]:
         try:
             parsed = json.loads(args) if args.strip() else {}
             args = parsed if isinstance(parsed, dict) else args
-        except ValueError:
+        except JSON_ERRORS:  # not JSON, or nested past the recursion limit
             pass  # left as text: the template shows what the client sent
     return tc["id"], fn["name"], copy.deepcopy(args)
 
