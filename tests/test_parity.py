@@ -142,6 +142,50 @@ def test_compare_on_real_ids(parity_runs, loaded):
     assert (short.index, short.reference_token, short.door_token, short.margin) == (10, a[10], None, None)
 
 
+@pytest.mark.parametrize("config", ["seeded", "json"])
+def test_draw_margin_is_the_draws_own(parity_runs, loaded, config):
+    """Engine.draw_margin's scores are the ones the draw took the argmax of: at every generated
+    position of the deterministic reference (the same numerics as the margin engine), their argmax
+    is the token drawn — for the seeded config (penalties, DRY, top-k/p, temperature) the
+    noise-perturbed scores of that position's key, for the json config the masked logits — and
+    the margin is the gap between the best two. A wrong key or position would draw other tokens."""
+    import dataclasses
+    import math
+
+    from monobatch.engine.constraint import StructuredOutput
+    from monobatch.engine.engine import Engine, EngineConfig
+    from monobatch.engine.params import resolve_sampling
+    from monobatch.engine.sampler import SamplerState
+
+    _, report, _ = parity_runs["deterministic"]
+    cfg = next(c for c in report["configs"] if c["name"] == config)
+    fields = dict(cfg["fields"])
+    schema = fields.pop("json_schema", None)
+    params = resolve_sampling(fields, None, loaded.generation_defaults, entry_point="chat")
+    if schema is not None:
+        params = dataclasses.replace(params, structured=StructuredOutput.json_schema(schema))
+    prompt, ref = cfg["prompt_ids"], cfg["doors"][0]["token_ids"]
+    engine = Engine(loaded, EngineConfig(deterministic=True))
+    margins, raw_gaps = [], []
+    for i in range(0, len(ref), 2):
+        margin = engine.draw_margin(prompt, ref[:i], params)
+        state = SamplerState(params, prompt, params.effective_seed(), loaded.tokenizer.token_bytes,
+                             engine.grammars.matcher(params.structured) if params.structured else None)
+        for t in ref[:i]:
+            state.accept(t)
+        logits = engine.prompt_logits(prompt + ref[:i])[None]
+        scores = engine.sampler.draw_scores(logits, [state])[0]
+        top = scores.topk(2)
+        assert int(top.indices[0]) == ref[i], f"position {i}: the scores' argmax is not the drawn token"
+        gap = float(top.values[0] - top.values[1])
+        assert margin == (pytest.approx(gap) if math.isfinite(gap) else math.inf) and margin >= 0
+        raw = logits[0].topk(2).values
+        margins.append(margin)
+        raw_gaps.append(float(raw[0] - raw[1]))
+    if config == "seeded":  # the noise and the penalties move the margin away from the raw top-2
+        assert any(abs(m - g) > 1e-3 for m, g in zip(margins, raw_gaps))
+
+
 def test_report_exit_codes_and_divergence_line(parity_runs):
     """The exit-code rule and the divergence line, on a report holding a real divergence (the
     seeded generation standing in for a door that drifted from the greedy reference)."""
@@ -158,7 +202,7 @@ def test_report_exit_codes_and_divergence_line(parity_runs):
     assert (parity.exit_code(True), parity.exit_code(False), parity.identical) == (1, 0, False)
     text = parity.text()
     assert f"diverged@{v.index}" in text and f"reference {v.reference_token} vs {v.door_token}" in text
-    assert "top-2 logit margin there 0.1250" in text
+    assert "draw margin there 0.1250" in text
     assert json.loads(json.dumps(parity.to_dict()))["configs"][0]["doors"][1]["divergence"]["index"] == v.index
     config.doors[1] = DoorResult("batch", "identical", list(ref), problems=["no prefix-cache hit"])
     assert (parity.exit_code(True), parity.exit_code(False)) == (1, 0) and "CHECK FAILED" in parity.text()

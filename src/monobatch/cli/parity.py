@@ -3,9 +3,10 @@
 a prefix-cache hit, and the request inside a batch of 8 others — compared token id by token id.
 
 Prints, per config (greedy; seeded with penalties and DRY; json: greedy under a JSON schema with a
-nested object, an enum and an array) and door: identical, or the first
-divergent token, both ids and the top-2 logit margin there; each door's paged-attention calls,
-prefix-cache adoption and prefill chunks. Under --deterministic every door must be identical.
+nested object, an enum and an array) and door: identical, or the first divergent token, both ids
+and the draw margin there (greedy: the top-2 logit gap; seeded: the gap between the draw's two
+best noise-perturbed scores); each door's paged-attention calls, prefix-cache adoption and
+prefill chunks. Under --deterministic every door must be identical.
 
 Exit codes: 0 done; 1 with --expect-identical: a door diverged or a check failed; 2 an error
 (a bad flag, a model that cannot load, a door that failed to run).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 
@@ -20,7 +21,8 @@ from monobatch.distributed.plan import TensorParallelPlan, check_devices
 from monobatch.engine import cuda_graphs
 from monobatch.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 from monobatch.engine.finish import FinishStep, RowOutput
-from monobatch.engine.sampler import RowSampler, SampleOutput, token_logprobs
+from monobatch.engine.params import SamplingParams
+from monobatch.engine.sampler import RowSampler, SampleOutput, SamplerState, token_logprobs
 from monobatch.engine.sequence import Sequence
 from monobatch.errors import InsufficientMemoryError, InvalidRequestError
 from monobatch.kernels import invariant_gemm
@@ -355,6 +357,26 @@ class Engine:
         greedy draw is)."""
         top = self.prompt_logits(token_ids).topk(2).values
         return float(top[0] - top[1])
+
+    def draw_margin(self, prompt_ids: list[int], generated: list[int], params: SamplingParams) -> float:
+        """How near the draw after ``prompt_ids + generated`` was to another token: the gap between
+        the two best of its :meth:`RowSampler.draw_scores` (logit units, >= 0; ``inf`` where one
+        token alone can be drawn). For a greedy request the top-2 gap of the logits after its
+        grammar, bias and penalties; for a seeded one the gap between the two best
+        noise-perturbed scores of that position's draw. Run alone (B=1) on a scratch KV cache
+        (:meth:`prompt_logits`), the sampler state rebuilt from the prompt and ``generated``.
+
+        Raises:
+            InvalidRequestError: a structured-output spec that does not compile.
+        """
+        grammar = self.grammars.matcher(params.structured) if params.structured is not None else None
+        state = SamplerState(params, prompt_ids, params.effective_seed(), token_bytes=self.tokenizer.token_bytes,
+                             grammar=grammar)
+        for t in generated:
+            state.accept(t)
+        logits = self.prompt_logits(list(prompt_ids) + list(generated))[None]
+        top = self.sampler.draw_scores(logits, [state])[0].topk(2).values.tolist()
+        return top[0] - top[1] if math.isfinite(top[1]) else math.inf
 
     def forward(self, batch: StepBatch, token_ids: torch.Tensor | None = None, commit: bool | None = None) -> torch.Tensor:
         """Run ``batch`` through the model, caching its KV. Returns ``[R, V]`` float32 logits

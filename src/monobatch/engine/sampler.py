@@ -621,6 +621,37 @@ class RowSampler:
                 out[g.rows] = full.scatter_(1, g.ids, g.z)
         return out
 
+    def draw_scores(self, logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
+        """The scores whose argmax each row's draw is, for the parity report's draw margin (the
+        gap between a row's two best scores: how near its draw was to another token).
+
+        A greedy row's scores are :meth:`transform`'s logits (the draw: their first maximum).
+        A sampled row's are the Gumbel-perturbed logits its draw takes the argmax of,
+        ``z - log(-log u)`` (:func:`~monobatch.engine.sampler_stages.gumbel_argmax`), with ``z``
+        :meth:`transform`'s row and ``u`` the row's uniforms at key ``(seed, position =
+        len(history))``: a seeded draw flips where two perturbed scores are near each other, which
+        the raw logits' top-2 gap does not say.
+
+        Args:
+            logits: (R, V) raw logits (float32 or the model's dtype).
+            states: R sampler states, each at the position its row draws.
+
+        Returns:
+            (R, V) float64 (``-inf``: a token the row cannot draw).
+
+        Raises:
+            ValueError: ``logits`` do not match ``states`` or the vocabulary.
+        """
+        out = self.transform(logits, states)
+        sampled = [r for r, s in enumerate(states) if s.params.temperature != 0.0]
+        if sampled:
+            keys = torch.tensor([st.to_signed64(st.row_key(states[r].seed, len(states[r].history))) for r in sampled],
+                                dtype=torch.int64, device=out.device)
+            noise = st.counter_uniforms(keys, torch.arange(out.shape[1], device=out.device)).log_().neg_().log_()
+            at = torch.tensor(sampled, device=out.device)
+            out[at] = out[at] - noise
+        return out
+
     def _check(self, logits: torch.Tensor, states: list[SamplerState]) -> int:
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} states")

@@ -36,8 +36,10 @@ how many sequences shared its steps) through a finish observer on the server's s
 (``monobatch_paged_attention_calls_total``; dense storage: 0).
 
 For each door the report says ``identical``, or the first divergent index, both token ids and
-the reference engine's top-2 logit margin there (``Engine.top2_margin``: how near a tie that
-greedy draw was). Under ``--deterministic`` every door must be identical; in the default (fast)
+the reference's draw margin there (``Engine.draw_margin``: how near that draw was to another
+token — for a greedy config the top-2 logit gap, for a seeded one the gap between the two best
+noise-perturbed scores of the draw, which is what flips a seeded token; the raw logits' top-2
+says nothing there). Under ``--deterministic`` every door must be identical; in the default (fast)
 mode a divergence is expected only at a near-tie.
 
 The package: :mod:`.report` (the comparison and the report types), :mod:`.serving` (an

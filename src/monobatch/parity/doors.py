@@ -141,7 +141,7 @@ class _Parity:
     """The doors of each config, sharing the loaded model and the reference's results.
 
     Every door builds its own engine and frees it before the next (:func:`release_memory`). The
-    margins come from a dense engine with the flags' numerics (``Engine.top2_margin`` runs on a
+    margins come from a dense engine with the flags' numerics (``Engine.draw_margin`` runs on a
     scratch ``DenseKv``, so it holds no KV pool between calls).
     """
 
@@ -232,8 +232,11 @@ class _Parity:
         return report
 
     def margin(self, ids: list[int]) -> float:
-        """The reference's top-2 logit margin after ``ids`` (the flags' numerics, B=1)."""
-        return self.margin_engine.top2_margin(ids)
+        """The reference's draw margin after ``ids`` (prompt + generated; the flags' numerics,
+        B=1): :meth:`Engine.draw_margin` with this config's sampling params — a greedy draw's
+        top-2 logit gap, a seeded draw's gap between its two best noise-perturbed scores."""
+        n = len(self.prompt_ids)
+        return self.margin_engine.draw_margin(ids[:n], ids[n:], self.params)
 
     # -- generate: the engine directly, B=1 --------------------------------------------------------------
     def _generate(self, result: DoorResult, tensor_parallel_size: int = 1) -> None:

@@ -20,8 +20,10 @@ class Divergence:
         index: position in the generated tokens (0 = the first generated token).
         reference_token / door_token: the ids there (None where that side has no token: it
             ended sooner).
-        margin: the reference engine's top-2 logit gap before that token (logit units, >= 0;
-            None when not computed): small means a near-tie, where fast-mode numerics may flip.
+        margin: the reference's draw margin at that token (``Engine.draw_margin``: a greedy
+            draw's top-2 logit gap, a seeded draw's gap between its two best noise-perturbed
+            scores; >= 0, ``inf`` where one token alone could be drawn; None when not computed):
+            small means a near-tie, where fast-mode numerics may flip the draw.
     """
 
     index: int
@@ -50,8 +52,9 @@ def compare(prompt_ids: list[int], reference: list[int], other: list[int],
     Args:
         prompt_ids: the prompt both generated from (token ids).
         reference / other: generated token ids (prompt excluded).
-        margin_of: maps a token-id context to the top-2 logit margin after it (e.g.
-            ``Engine.top2_margin``); called once, with ``prompt_ids + reference[:index]``.
+        margin_of: maps a token-id context to the draw margin after it (e.g.
+            ``Engine.draw_margin`` of the request's params); called once, with
+            ``prompt_ids + reference[:index]``.
 
     Returns:
         None when identical, else the first :class:`Divergence`.
@@ -203,7 +206,7 @@ class ParityReport:
                     v = d.divergence
                     margin = "-" if v.margin is None else f"{v.margin:.4f}"
                     lines.append(f"      first divergence at generated token {v.index}: reference {v.reference_token} "
-                                 f"vs {v.door_token}; top-2 logit margin there {margin}")
+                                 f"vs {v.door_token}; draw margin there {margin}")
                 for p in d.problems:
                     lines.append(f"      CHECK FAILED: {p}")
                 if d.error:
