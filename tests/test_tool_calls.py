@@ -40,12 +40,13 @@ def spec(choice=None, parallel=None, tools=TOOLS):
     return check_tools(copy.deepcopy(tools), choice, parallel)
 
 
-def stream(text, fmt, sp=None, cuts=None):
-    """Feed ``text`` cut at ``cuts`` (default: one character at a time); returns (content, calls, deltas)."""
+def stream(text, fmt, sp=None, cuts=None, reason="stop"):
+    """Feed ``text`` cut at ``cuts`` (default: one character at a time), then flush with the engine's
+    finish ``reason``; returns (content, calls, deltas)."""
     parser = ToolCallParser(sp or spec(), fmt)
     cuts = range(1, len(text)) if cuts is None else cuts
     bounds = [0, *sorted(set(c for c in cuts if 0 < c < len(text))), len(text)]
-    deltas = [parser.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])] + [parser.flush()]
+    deltas = [parser.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])] + [parser.flush(reason)]
     assert "".join(d.content for d in deltas) == parser.content
     return parser.content, parser.tool_calls, [c for d in deltas for c in d.calls]
 
@@ -306,7 +307,7 @@ def test_the_ids_we_give_calls_round_trip(fmt):
     after the check: its template gets the rewritten ids on both sides)."""
     from monobatch.chat_prompt import check_tool_results
 
-    _, calls = parse_tool_calls(call_text(fmt, [PARIS, ORIGIN]), spec(), fmt)
+    _, calls = parse_tool_calls(call_text(fmt, [PARIS, ORIGIN]), spec(), fmt, "stop")
     history = [ASKED, {"role": "assistant", "content": None, "tool_calls": [c.to_openai() for c in calls]},
                *(answer(c.id) for c in calls)]
     assert all(ID.fullmatch(c.id) for c in calls)
@@ -356,7 +357,7 @@ def test_required_is_enforced(compiler, loaded, fmt, parallel):
     compiler.compile(so)
     for calls in ([PARIS], [ORIGIN]):
         assert matches(compiler, tok, so, call_text(fmt, calls)), calls
-        assert pairs(parse_tool_calls(call_text(fmt, calls), spec(), fmt)[1]) == calls
+        assert pairs(parse_tool_calls(call_text(fmt, calls), spec(), fmt, "stop")[1]) == calls
     assert matches(compiler, tok, so, call_text(fmt, [PARIS, ORIGIN])) is parallel
     for bad in ([("get_weather", {"city": 3})], [("get_weather", {"town": "Paris"})], [("fly", {})],
                 [("move", {"to": {"x": 0}})]):
@@ -409,7 +410,7 @@ def test_a_tool_without_parameters_takes_no_arguments(compiler, loaded, fmt):
     assert matches(compiler, loaded.tokenizer, so, call_text(fmt, [("now", {})]))
     for args in ({"city": "Paris"}, {"type": "object", "properties": {}}):
         assert not matches(compiler, loaded.tokenizer, so, call_text(fmt, [("now", args)])), args
-    assert parse_tool_calls(call_text(fmt, [("now", {})]), sp, fmt)[1][0].arguments == "{}"
+    assert parse_tool_calls(call_text(fmt, [("now", {})]), sp, fmt, "stop")[1][0].arguments == "{}"
 
 
 def test_generic_auto_is_calls_or_response(compiler, loaded):
@@ -449,7 +450,7 @@ def test_special_token_marker_is_matched_as_the_token(compiler, loaded):
 def test_hermes_content_and_calls():
     text = ('Let me check both.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
             '</tool_call>\n<tool_call>\n{"name": "move", "arguments": {"to": {"x": 1, "y": 2}}}\n</tool_call>\n')
-    content, calls = parse_tool_calls(text, spec(), H)
+    content, calls = parse_tool_calls(text, spec(), H, "stop")
     assert content == "Let me check both." and pairs(calls) == [("get_weather", {"city": "Paris"}),
                                                                  ("move", {"to": {"x": 1, "y": 2}})]
     assert all(ID.fullmatch(c.id) for c in calls) and calls[0].id != calls[1].id
@@ -457,48 +458,49 @@ def test_hermes_content_and_calls():
                                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     between = '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>\nNow the other.\n' \
               '<tool_call>\n{"name": "move", "arguments": {}}\n</tool_call>'
-    assert parse_tool_calls(between, spec(), H)[0] == "Now the other."
-    assert parse_tool_calls("A plain reply.\n", spec(), H) == ("A plain reply.\n", [])
+    assert parse_tool_calls(between, spec(), H, "stop")[0] == "Now the other."
+    assert parse_tool_calls("A plain reply.\n", spec(), H, "stop") == ("A plain reply.\n", [])
 
 
 def test_hermes_variants():
     # no arguments key, arguments as a JSON string, a missing close tag, a broken call kept as text
-    assert pairs(parse_tool_calls('<tool_call>{"name": "ping"}</tool_call>', spec(), H)[1]) == [("ping", {})]
+    assert pairs(parse_tool_calls('<tool_call>{"name": "ping"}</tool_call>', spec(), H, "stop")[1]) == [("ping", {})]
     text = '<tool_call>\n{"name": "move", "arguments": "{\\"to\\": 1}"}\n</tool_call>'
-    assert pairs(parse_tool_calls(text, spec(), H)[1]) == [("move", {"to": 1})]
-    content, calls = parse_tool_calls('<tool_call>\n{"name": "move", "arguments": {}}\nDone.', spec(), H)
+    assert pairs(parse_tool_calls(text, spec(), H, "stop")[1]) == [("move", {"to": 1})]
+    content, calls = parse_tool_calls('<tool_call>\n{"name": "move", "arguments": {}}\nDone.', spec(), H, "stop")
     assert content == "Done." and len(calls) == 1
-    content, calls = parse_tool_calls('x <tool_call> not json </tool_call> y', spec(), H)
+    content, calls = parse_tool_calls('x <tool_call> not json </tool_call> y', spec(), H, "stop")
     assert calls == [] and content == "x <tool_call> not json </tool_call> y"
     bad = '<tool_call>\n{"name": "move", "arguments": {"x": NaN}}\n</tool_call>'
-    assert parse_tool_calls(bad, spec(), H) == (bad, [])
+    assert parse_tool_calls(bad, spec(), H, "stop") == (bad, [])
 
 
 def test_mistral():
     text = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "move", "arguments": {}}]'
-    content, calls = parse_tool_calls(text, spec(), M)
+    content, calls = parse_tool_calls(text, spec(), M, "stop")
     assert content == "" and [c.name for c in calls] == ["get_weather", "move"]
-    one = parse_tool_calls('Sure.[TOOL_CALLS]{"name": "move", "arguments": {"to": 1}}', spec(), M)
+    one = parse_tool_calls('Sure.[TOOL_CALLS]{"name": "move", "arguments": {"to": 1}}', spec(), M, "stop")
     assert one[0] == "Sure." and pairs(one[1]) == [("move", {"to": 1})]
-    assert parse_tool_calls("[1, 2] are numbers", spec(), M) == ("[1, 2] are numbers", [])
+    assert parse_tool_calls("[1, 2] are numbers", spec(), M, "stop") == ("[1, 2] are numbers", [])
 
 
 def test_llama3_json():
-    assert pairs(parse_tool_calls('{"name": "move", "parameters": {"to": 1}}', spec(), L)[1]) == [("move", {"to": 1})]
+    assert pairs(parse_tool_calls('{"name": "move", "parameters": {"to": 1}}', spec(), L, "stop")[1]) == [
+        ("move", {"to": 1})]
     text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}} ; {"name": "move", "parameters": {}}'
-    assert [c.name for c in parse_tool_calls(text, spec(), L)[1]] == ["get_weather", "move"]
+    assert [c.name for c in parse_tool_calls(text, spec(), L, "stop")[1]] == ["get_weather", "move"]
     for plain in ('{"name": "Bob", "parameters": {}}', '{"name": "move"}', "The answer is {1}.", '{"a": [1, 2]}'):
-        assert parse_tool_calls(plain, spec(), L) == (plain, [])  # not a call: content, verbatim
+        assert parse_tool_calls(plain, spec(), L, "stop") == (plain, [])  # not a call: content, verbatim
 
 
 def test_generic():
-    content, calls = parse_tool_calls(call_text(G, [PARIS, ORIGIN], indent=2), spec(), G)
+    content, calls = parse_tool_calls(call_text(G, [PARIS, ORIGIN], indent=2), spec(), G, "stop")
     assert content == "" and pairs(calls) == [PARIS, ORIGIN]
     escaped = '{"response": "Hi \\"you\\"\\n\\u00e9\\ud83d\\ude00"}'
-    assert parse_tool_calls(escaped, spec(), G) == ('Hi "you"\né😀', [])
+    assert parse_tool_calls(escaped, spec(), G, "stop") == ('Hi "you"\né😀', [])
     for raw in ("Just text.", '{"answer": 42}', '{"response": 42}', "[1]"):
-        assert parse_tool_calls(raw, spec(), G) == (raw, [])  # not the format: the raw text
-    assert parse_tool_calls('{"response": "It is sunny', spec(), G) == ("It is sunny", [])
+        assert parse_tool_calls(raw, spec(), G, "stop") == (raw, [])  # not the format: the raw text
+    assert parse_tool_calls('{"response": "It is sunny', spec(), G, "stop") == ("It is sunny", [])
     tricky = '{"response": "a\\\\ud83d b \\ud83d\\ude00"}'  # an escaped backslash, then a real pair
     for cut in range(len(tricky) + 1):
         assert stream(tricky, G, cuts=[cut])[0] == "a\\ud83d b 😀", cut
@@ -508,7 +510,7 @@ def test_response_streams_as_it_comes():
     parser = ToolCallParser(spec(), G)
     assert parser.feed('{"response": "It is su').content == "It is su"
     assert parser.feed('nny \\u00').content == "nny "  # an escape is held until complete
-    assert parser.feed('e9"}').content == "é" and parser.flush().content == ""
+    assert parser.feed('e9"}').content == "é" and parser.flush("stop").content == ""
     assert parser.content == "It is sunny é" and not parser.has_calls
 
 
@@ -517,7 +519,7 @@ def test_no_tools_passes_everything_through(fmt):
     text = call_text(fmt, [PARIS], prefix="Hi <tool_ca")
     for sp in (spec("none"), check_tools(None), None):
         parser = ToolCallParser(sp, fmt)
-        assert parser.feed(text).content == text and not parser.flush() and parser.content == text
+        assert parser.feed(text).content == text and not parser.flush("stop") and parser.content == text
         assert not parser.has_calls
 
 
@@ -528,7 +530,7 @@ def test_g1_a_whole_call_in_one_piece(fmt):
     full name and arguments (never empty arguments)."""
     parser = ToolCallParser(spec(), fmt)
     delta = parser.feed(call_text(fmt, [ORIGIN]))
-    delta += parser.flush()
+    delta += parser.flush("stop")
     assert len(delta.calls) == 1 and delta.calls[0].name == "move" and ID.fullmatch(delta.calls[0].id)
     assert json.loads(delta.calls[0].arguments) == ORIGIN[1]
     assert delta.calls[0].arguments == parser.tool_calls[0].arguments
@@ -548,55 +550,77 @@ def test_g2_flush_never_leaks_half_a_marker(fmt, text, content):
         assert stream(text, fmt, cuts=cuts)[0] == content
 
 
-@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "get_weather"}}])
+NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", NAMED_WEATHER])
 @pytest.mark.parametrize("fmt", list(ToolFormat))
-def test_a_call_cut_after_its_name_keeps_its_cut_arguments(fmt, choice):
-    """A stop string or max_tokens that cut a call after its name gives the call, its arguments the
-    text as far as it came (OpenAI's reply when max_tokens cuts a forced call; not JSON), and no
-    content; streamed or not, the same call; the parser says the reply was cut."""
+def test_a_call_max_tokens_cut_after_its_name_keeps_its_cut_arguments(fmt, choice):
+    """max_tokens (finish_reason length) that cut a call after its name gives the call, its
+    arguments the text as far as it came (OpenAI's reply when max_tokens cuts a forced call; not
+    JSON), and no content; streamed or not, the same call; the parser says the reply was cut."""
     full = call_text(fmt, [("get_weather", {"city": "Paris"})])
     cut = full[:full.index("Par") + 2]
     for cuts in (None, []):
         parser = ToolCallParser(spec(choice), fmt)
-        content, calls, deltas = stream(cut, fmt, spec(choice), cuts=cuts)
+        content, calls, deltas = stream(cut, fmt, spec(choice), cuts=cuts, reason="length")
         assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Pa')] and content == ""
         assert [(d.index, d.id, d.name, d.arguments) for d in deltas] == [(0, calls[0].id, "get_weather",
                                                                            '{"city": "Pa')]
         parser.feed(cut)
-        parser.flush()
+        parser.flush("length")
         assert parser.cut
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", NAMED_WEATHER])
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_a_call_a_stop_string_cut_is_content(fmt, choice):
+    """A stop string that cut a call (finish_reason stop, which a complete call under a named
+    function ends with too, so a client could not tell) gives no call: its text is content, markers
+    included, after its name or before it, under a grammar or not; streamed or not, the same; the
+    parser says the reply was cut (finish_reason is not tool_calls)."""
+    full = call_text(fmt, [("get_weather", {"city": "Paris"})])
+    for cut in (full[:full.index("Par") + 2], full[:full.index("get_wea") + 7]):
+        parser = ToolCallParser(spec(choice), fmt)
+        parser.feed(cut)
+        assert parser.flush("stop").calls == [] and parser.tool_calls == [] and parser.cut
+        assert parser.content == cut
+        for cuts in (None, []):
+            assert stream(cut, fmt, spec(choice), cuts=cuts)[:2] == (cut, [])
 
 
 @pytest.mark.parametrize("fmt", list(ToolFormat))
 def test_a_call_cut_before_its_name_is_no_call(fmt):
-    """Cut inside the name: no call. Under a grammar (required, a named function, GENERIC's auto)
-    the text is the format's wrapper: dropped, no content (the reply's content is null); under auto
-    in a model's own format the model may have been writing text: it is content, verbatim (vLLM)."""
+    """max_tokens inside the name: no call. Under a grammar (required, a named function, GENERIC's
+    auto) the text is the format's wrapper: dropped, no content (the reply's content is null); under
+    auto in a model's own format the model may have been writing text: it is content, verbatim (vLLM)."""
     full = call_text(fmt, [("get_weather", {"city": "Paris"})])
     cut = full[:full.index("get_wea") + 7]
     for choice in ("auto", "required"):
         parser = ToolCallParser(spec(choice), fmt)
         parser.feed(cut)
-        parser.flush()
+        parser.flush("length")
         forced = choice == "required" or fmt is G
         assert parser.tool_calls == [] and parser.cut and parser.content == ("" if forced else cut)
-        assert stream(cut, fmt, spec(choice))[:2] == (parser.content, [])
+        assert stream(cut, fmt, spec(choice), reason="length")[:2] == (parser.content, [])
 
 
 @pytest.mark.parametrize("fmt", [H, M, G])
 def test_a_cut_wrapper_under_a_grammar_leaves_no_content(fmt):
     """Under "required" nothing but the format's text can come, so any unfinished wrapper (a marker,
-    GENERIC's opening) is dropped at the end, and the reply counts as cut; a reply that ended after
-    its calls is not cut."""
+    GENERIC's opening) max_tokens cut is dropped at the end, and the reply counts as cut (a stop
+    string's cut leaves it as content); a reply that ended after its calls is not cut."""
     full = call_text(fmt, [PARIS])
     for cut in (full[:1], full[:4], full[:full.index("{", 2 if fmt is G else 0) + 1]):
         parser = ToolCallParser(spec("required"), fmt)
         parser.feed(cut)
-        parser.flush()
+        parser.flush("length")
         assert (parser.content, parser.tool_calls, parser.cut) == ("", [], True), cut
+    cut = full[:full.index("{", 2 if fmt is G else 0) + 1]
+    assert stream(cut, fmt, spec("required"))[:2] == (cut, [])
     whole = ToolCallParser(spec("required"), fmt)
     whole.feed(full + ("\n" if fmt is H else ""))
-    whole.flush()
+    whole.flush("stop")
     assert pairs(whole.tool_calls) == [PARIS] and not whole.cut and whole.content == ""
 
 
@@ -610,7 +634,7 @@ def test_arguments_nested_past_the_recursion_limit_raise_nothing(fmt):
     key = '"parameters": ' if fmt is L else '"arguments": '
     start = head.index(key) + len(key)
     deep = "[" * 5000
-    content, calls, _ = stream(head[:start] + deep, fmt, spec("auto"), cuts=[])
+    content, calls, _ = stream(head[:start] + deep, fmt, spec("auto"), cuts=[], reason="length")
     assert [(c.name, c.arguments) for c in calls] == [("get_weather", deep)] and content == ""
     closed = head[:start] + deep + "]" * 5000 + head[start + 2:]
     content, calls, _ = stream(closed, fmt, spec("auto"), cuts=[])
@@ -620,25 +644,27 @@ def test_arguments_nested_past_the_recursion_limit_raise_nothing(fmt):
 @pytest.mark.parametrize("fmt", list(ToolFormat))
 def test_a_further_call_cut_mid_json_keeps_the_complete_ones(fmt):
     """A reply cut inside its second call's name: the first call stays a call, the cut one is no
-    call (content under auto in a model's own format, nothing under a grammar), and the parser
-    says the reply was cut (so finish_reason is not "tool_calls"); a whole reply is not cut."""
+    call (max_tokens: content under auto in a model's own format, nothing under a grammar; a stop
+    string: content), and the parser says the reply was cut (so finish_reason is not "tool_calls");
+    a whole reply is not cut."""
     full = call_text(fmt, [PARIS, ORIGIN])
     cut = full[:full.index('"move"') + 3]
     for choice in ("auto", "required"):
-        forced = choice == "required" or fmt is G
-        for pieces in ([cut], list(cut)):  # whole, and one character at a time
-            parser = ToolCallParser(spec(choice), fmt)
-            for piece in pieces:
-                parser.feed(piece)
-            parser.flush()
-            assert pairs(parser.tool_calls) == [PARIS] and parser.cut
-            if forced:
-                assert parser.content == ""
-            else:
-                assert parser.content.endswith('"mo') and '"get_weather"' not in parser.content
+        for reason in ("length", "stop"):
+            dropped = reason == "length" and (choice == "required" or fmt is G)
+            for pieces in ([cut], list(cut)):  # whole, and one character at a time
+                parser = ToolCallParser(spec(choice), fmt)
+                for piece in pieces:
+                    parser.feed(piece)
+                parser.flush(reason)
+                assert pairs(parser.tool_calls) == [PARIS] and parser.cut
+                if dropped:
+                    assert parser.content == ""
+                else:
+                    assert parser.content.endswith('"mo') and '"get_weather"' not in parser.content
         whole = ToolCallParser(spec(choice), fmt)
         whole.feed(full)
-        whole.flush()
+        whole.flush("stop")
         assert pairs(whole.tool_calls) == [PARIS, ORIGIN] and not whole.cut
 
 
@@ -694,7 +720,7 @@ def test_streamed_equals_whole_text_parse(case):
     """Whatever the split points: the joined content and each call's joined argument pieces equal
     the one-piece parse, and the arguments are JSON equal to the generated objects."""
     fmt, sp, calls, text, cuts = case
-    whole_content, whole_calls = parse_tool_calls(text, sp, fmt)
+    whole_content, whole_calls = parse_tool_calls(text, sp, fmt, "stop")
     content, got, deltas = stream(text, fmt, sp, cuts)
     assert content == whole_content and [(c.name, c.arguments) for c in got] == [(c.name, c.arguments)
                                                                                   for c in whole_calls]
@@ -709,15 +735,18 @@ def test_streamed_equals_whole_text_parse(case):
 @PROPERTY
 @given(replies(), st.data())
 def test_a_cut_call(case, data):
-    """Cut anywhere inside the first call's JSON, whatever the split points: after its name, the
-    call with its arguments' text as far as it came (the whole value once it was complete), the text
-    before it the content; before, no call and the text verbatim as content (auto in a model's own
-    format) or nothing (under GENERIC's grammar)."""
+    """Cut by max_tokens anywhere inside the first call's JSON, whatever the split points: after its
+    name, the call with its arguments' text as far as it came (the whole value once it was
+    complete), the text before it the content; before, no call and the text verbatim as content
+    (auto in a model's own format) or nothing (under GENERIC's grammar). Cut by a stop string: no
+    call, the text verbatim as content."""
     fmt, sp, calls, text, cuts = case
     start = text.index("{", text.index("[TOOL_CALLS]") if fmt is M else 1 if fmt is G else 0)
     end = json.JSONDecoder().raw_decode(text, start)[1]
     cut = text[:data.draw(st.integers(start + 1, end - 1))]
-    content, got, deltas = stream(cut, fmt, sp, [c for c in cuts if c < len(cut)])
+    cuts = [c for c in cuts if c < len(cut)]
+    assert stream(cut, fmt, sp, cuts, reason="stop")[:2] == (cut, [])
+    content, got, deltas = stream(cut, fmt, sp, cuts, reason="length")
     name, args = calls[0]
     head = f'"name": {json.dumps(name)}'
     name_end = text.index(head, start) + len(head)
@@ -726,7 +755,7 @@ def test_a_cut_call(case, data):
         value = text.index(key, start) + len(key)
         value_end = json.JSONDecoder().raw_decode(text, value)[1]
         want = cut[value:value_end] if len(cut) > value else ""
-        before = parse_tool_calls(text, sp, fmt)[0]  # the text before the calls (HERMES, MISTRAL)
+        before = parse_tool_calls(text, sp, fmt, "stop")[0]  # the text before the calls (HERMES, MISTRAL)
         assert [(c.name, c.arguments) for c in got] == [(name, want)] and content == before
         assert [(d.name, d.arguments) for d in deltas] == [(name, want)]
     else:
@@ -768,14 +797,16 @@ def test_bundled_model_calls_a_tool_under_the_generic_constraint(loaded):
 def test_llm_chat_returns_a_forced_call_cut_by_max_tokens(loaded):
     """LLM.chat parses as the chat endpoint does (one chat_output): max_tokens inside a required
     call's arguments gives the call, its arguments the raw text after '"arguments": '; inside its
-    name, no call."""
+    name, no call; a stop string inside its arguments, no call (finish_reason stop)."""
     from monobatch.engine.params import SamplingParams
     from monobatch.llm import LLM
 
     llm, ask = LLM(loaded=loaded), [{"role": "user", "content": "What is the weather in Paris?"}]
-    cut, early = (llm.chat(ask, SamplingParams(temperature=0, max_tokens=n), tools=[WEATHER], tool_choice="required",
-                           use_tqdm=False)[0].outputs[0] for n in (20, 12))
+    cut, early, stopped = (llm.chat(ask, SamplingParams(temperature=0, max_tokens=n, stop=stop), tools=[WEATHER],
+                                    tool_choice="required", use_tqdm=False)[0].outputs[0]
+                           for n, stop in ((20, []), (12, []), (60, ["Paris"])))
     assert cut.finish_reason == "length" and early.finish_reason == "length"
+    assert stopped.finish_reason == "stop" and stopped.tool_calls == [] and stopped.text.endswith('"city": "')
     key = '"arguments": '
     assert key in cut.text and not cut.text.endswith("}")
     args = cut.text[cut.text.index(key) + len(key):]
@@ -806,10 +837,10 @@ def test_calls_past_the_bound_are_dropped_where_no_grammar_ran(fmt):
     """auto in a model's own format runs without a grammar: a reply with more calls than the
     request allows (parallel_tool_calls false: one) reports the first ones only, streamed or not."""
     text = call_text(fmt, [PARIS, ORIGIN, PARIS])
-    assert pairs(parse_tool_calls(text, spec("auto", True), fmt)[1]) == [PARIS, ORIGIN, PARIS]
+    assert pairs(parse_tool_calls(text, spec("auto", True), fmt, "stop")[1]) == [PARIS, ORIGIN, PARIS]
     one = spec("auto", False)
     assert one.max_calls == 1
-    content, calls = parse_tool_calls(text, one, fmt)
+    content, calls = parse_tool_calls(text, one, fmt, "stop")
     assert pairs(calls) == [PARIS] and content == ""
     _, streamed, deltas = stream(text, fmt, one)
     assert pairs(streamed) == [PARIS] and {d.index for d in deltas} == {0}
@@ -820,9 +851,9 @@ def test_a_further_call_whose_marker_was_cut_counts_as_cut():
     the partial marker is dropped (G2) and the reply counts as cut (finish_reason is not tool_calls)."""
     parser = ToolCallParser(spec(), H)
     parser.feed(call_text(H, [PARIS]) + "\n<tool_ca")
-    parser.flush()
+    parser.flush("stop")
     assert pairs(parser.tool_calls) == [PARIS] and parser.cut and parser.content == ""
     alone = ToolCallParser(spec(), H)  # no call before: a dangling partial marker is just dropped
     alone.feed("Sure.\n<tool_ca")
-    alone.flush()
+    alone.flush("stop")
     assert not alone.cut and alone.content == "Sure."

@@ -253,16 +253,30 @@ def test_tool_choice_none_and_no_tools_leave_the_reply_as_text(client, model):
         assert c.message.tool_calls is None and c.message.content
 
 
-def test_stop_string_inside_the_arguments_gives_the_cut_call(client, model):
-    """A stop string that matches inside a call's arguments ends the reply there, as max_tokens
-    does: the call with its arguments as far as they came, content null (no wrapper text leaks),
-    finish_reason stop (the engine's: not tool_calls, the call was cut)."""
+def test_stop_string_inside_the_arguments_gives_no_call(client, model):
+    """A stop string that matches inside a call's arguments ends the reply there with stop, which
+    under a named function a complete call's reply ends with too: no call (a client could not tell
+    its arguments were cut), the text so far as content, finish_reason stop; streamed and not the
+    same. The official client's ``parse()`` (which refuses only length) has no cut arguments to
+    validate; a complete call it parses."""
+    from pydantic import BaseModel
+
     kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice=NAMED, temperature=0, max_tokens=80,
               stop=["Paris"])
     done, (calls, content, reason, _) = plain_and_streamed(client, **kw)
     c = done.choices[0]
-    assert c.finish_reason == "stop" == reason and c.message.content is None and content == ""
-    assert _calls(c.message) == [("get_time", '{"city": "')] == _streamed_calls(calls)
+    assert c.finish_reason == "stop" == reason and c.message.tool_calls is None and not calls
+    assert c.message.content == content == '{"tool_calls": [{"name": "get_time", "arguments": {"city": "'
+
+    class get_time(BaseModel):  # noqa: N801 (the tool's name)
+        city: str
+
+    parse = dict(model=model, messages=ASK, tools=[openai.pydantic_function_tool(get_time)], tool_choice=NAMED,
+                 temperature=0, max_tokens=80)
+    cut, whole = parallel(lambda extra: client.chat.completions.parse(**parse, **extra), [({"stop": ["Paris"]},), ({},)])
+    assert cut.choices[0].finish_reason == "stop" and not cut.choices[0].message.tool_calls
+    [call] = whole.choices[0].message.tool_calls
+    assert whole.choices[0].finish_reason == "stop" and call.function.parsed_arguments == get_time(city="Paris")
 
 
 @pytest.mark.parametrize("fields,param", [

@@ -164,8 +164,8 @@ class ChatReply:
 
     @property
     def tool_calls(self) -> list[ToolCall]:
-        """The tool calls (after :meth:`flush`): the complete ones, and one the end of the reply
-        cut after its name, its arguments as far as they came (``ToolCallParser.flush``)."""
+        """The tool calls (after :meth:`flush`): the complete ones, and one ``max_tokens`` cut after
+        its name, its arguments as far as they came (``ToolCallParser.flush``)."""
         return self._tools.tool_calls if self._tools is not None else []
 
     @property
@@ -176,26 +176,28 @@ class ChatReply:
 
     def feed(self, text: str) -> ChatDelta:
         """Add the next piece of the reply; returns what can be shown now."""
-        return self._calls(self._reasoning.feed(text), final=False)
+        return self._calls(self._reasoning.feed(text))
 
-    def flush(self) -> ChatDelta:
-        """End of the reply: everything still held."""
-        return self._calls(self._reasoning.flush(), final=True)
+    def flush(self, finish_reason: str) -> ChatDelta:
+        """End of the reply: everything still held. ``finish_reason``: the engine's, which decides
+        what a call the end cut becomes (:meth:`ToolCallParser.flush`)."""
+        return self._calls(self._reasoning.flush(), finish_reason)
 
-    def _calls(self, parts: ChatDelta, final: bool) -> ChatDelta:
+    def _calls(self, parts: ChatDelta, finish_reason: str | None = None) -> ChatDelta:
+        """``parts``' content through the tool-call parser; flushed when ``finish_reason`` is given."""
         if self._tools is None:
             return parts
         tools = self._tools.feed(parts.content)
-        if final:
-            tools += self._tools.flush()
+        if finish_reason is not None:
+            tools += self._tools.flush(finish_reason)
         return ChatDelta(tools.content, parts.reasoning, tools.calls)
 
 
-def split_reply(text: str, reasoning_format: str = "separate", in_reasoning: bool = False,
+def split_reply(text: str, finish_reason: str, reasoning_format: str = "separate", in_reasoning: bool = False,
                 tools: ToolSpec | None = None, fmt: ToolFormat = ToolFormat.GENERIC) -> tuple[ChatDelta, ChatReply]:
     """The whole-text form of :class:`ChatReply` (non-streamed replies): the split and the reply
-    object (``has_reasoning``, ``tool_calls``)."""
+    object (``has_reasoning``, ``tool_calls``); ``finish_reason``: the engine's (:meth:`ChatReply.flush`)."""
     reply = ChatReply(reasoning_format, in_reasoning, tools, fmt)
     out = reply.feed(text)
-    out += reply.flush()
+    out += reply.flush(finish_reason)
     return out, reply

@@ -52,9 +52,9 @@ class CompletionOutput:
         tool_calls: :meth:`LLM.chat` with tools: the calls parsed from ``text``
             (:class:`monobatch.tool_calls.ToolCall`: id, name, arguments as JSON text;
             ``.to_openai()`` gives the API's shape); None otherwise. A call that ``max_tokens``
-            or a stop string cut after its name is the last one, its arguments the text as far
-            as it came (not JSON): ``finish_reason`` is then ``length`` or ``stop``, and ``stop``
-            is also what a complete reply ends with, so with stop strings parse the arguments.
+            cut after its name is the last one, its arguments the text as far as it came (not
+            JSON), and ``finish_reason`` is then ``length``; a call a stop string cut is no call
+            (its text stays in ``text``), so with any other ``finish_reason`` every call is whole.
     """
 
     index: int
@@ -223,8 +223,9 @@ class LLM:
         outs = self._run([(None, chat.prompt_ids) for chat in chats], params, use_tqdm)
         for chat, out in zip(chats, outs):
             if chat.tools.active:  # parsed as the chat endpoint parses (reasoning split first)
-                _, reply = split_reply(out.outputs[0].text, "separate", chat.in_reasoning, chat.tools, chat.fmt)
-                out.outputs[0].tool_calls = reply.tool_calls
+                o = out.outputs[0]
+                _, reply = split_reply(o.text, o.finish_reason, "separate", chat.in_reasoning, chat.tools, chat.fmt)
+                o.tool_calls = reply.tool_calls
         return outs
 
     @staticmethod

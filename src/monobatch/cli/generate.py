@@ -90,7 +90,7 @@ def run(ns: argparse.Namespace) -> int:
             _show(splitter.feed(out.text) if splitter else ChatDelta(content=out.text))
         last = out
     if stream and splitter:
-        _show(splitter.flush())
+        _show(splitter.flush(last.finish_reason.value))
     m = last.metrics
     timings = {"load_ms": round(loaded.load_seconds * 1000, 1), "ttft_ms": round(m.ttft_ms, 2),
                "total_ms": round((m.finished_time - m.arrival_time) * 1000, 2),
@@ -112,7 +112,7 @@ def run(ns: argparse.Namespace) -> int:
         }
         if splitter is not None:  # the reply split as the server's chat endpoint splits it
             parts = splitter.feed(result["text"])
-            parts += splitter.flush()
+            parts += splitter.flush(last.finish_reason.value)
             result["content"] = parts.content
             if splitter.has_reasoning:
                 result["reasoning_content"] = parts.reasoning

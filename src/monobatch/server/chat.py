@@ -92,8 +92,8 @@ class _Chat:
         """The non-streamed body."""
         rows = []
         for c in choices:
-            parts, reply = split_reply("".join(c.text), self.reasoning_format, self.chat.in_reasoning,
-                                       self.chat.tools, self.chat.fmt)
+            parts, reply = split_reply("".join(c.text), c.finish_reason, self.reasoning_format,
+                                       self.chat.in_reasoning, self.chat.tools, self.chat.fmt)
             message = {"role": "assistant", "content": parts.content}
             if reply.has_reasoning:
                 message["reasoning_content"] = parts.reasoning
@@ -138,7 +138,7 @@ class _Chat:
             pending[i] += out.token_ids
             parts: ChatDelta = splitters[i].feed(out.text)
             if out.finished:
-                parts += splitters[i].flush()
+                parts += splitters[i].flush(choices[i].finish_reason)
             wants_logprobs = self.body.logprobs and out.logprobs
             reason = self.finish_reason(choices[i], splitters[i]) if out.finished else None
             text = parts.content or parts.reasoning or wants_logprobs

@@ -157,8 +157,8 @@ class ChatLogprobs(_Doc):
 
 
 class ToolCallFunction(_Doc):
-    """The function a tool call names; ``arguments`` is JSON text, or, in a reply cut inside the
-    call (finish_reason length or stop), its text as far as it came."""
+    """The function a tool call names; ``arguments`` is JSON text, or, in a reply ``max_tokens``
+    cut inside the call (finish_reason length), its text as far as it came."""
 
     name: str
     arguments: str

@@ -19,7 +19,7 @@ A chat door uses them like this::
     messages, kwargs = prepare_messages(body["messages"], spec, fmt)
     prompt = tokenizer.apply_chat_template(messages, **kwargs)
     structured = tool_constraint(spec, fmt, tokenizer)  # None: free generation
-    parser = ToolCallParser(spec, fmt)                  # feed() each text piece, then flush()
+    parser = ToolCallParser(spec, fmt)                  # feed() each text piece, then flush(finish_reason)
     # "tool_calls" only when the engine ended normally after complete calls, and tool_choice did
     # not name the function (OpenAI answers "stop" then): ChatPrompt.finish_reason
     if parser.has_calls and not parser.cut and finish_reason == "stop" and spec.choice in CHOICES:
@@ -54,14 +54,16 @@ special token -- Mistral's ``[TOOL_CALLS]``, Llama's ``<|python_tag|>`` -- must 
 Parser decisions: a call is reported once its JSON object is complete and valid, as one delta
 carrying index, id, name and the whole ``arguments`` (the canonical ``json.dumps`` of the
 arguments object, ``ensure_ascii=False``), so streamed and whole-text parses agree exactly (field
-case G1). A call cut before its JSON ended (``max_tokens``, a stop string) is reported at the end
-of the reply when its name was complete, its ``arguments`` the arguments' text as far as it came
-(not JSON: OpenAI's reply when ``max_tokens`` cuts a forced call); cut before its name, it is no
-call, and its text is dropped where a grammar forced the format (:func:`grammar_enforced`: the
-wrapper) or content, markers included, under "auto" in a model's own format (as vLLM does). The
-parser's ``cut`` says the reply ended inside a call (``finish_reason`` stays the engine's); calls
-complete before it stay calls (a stream has sent them already). A dangling partial marker
-(``<tool_ca``, two or more characters) at the very end is dropped (G2).
+case G1). A call ``max_tokens`` cut before its JSON ended (the engine's ``length``, passed to
+``flush``) is reported at the end of the reply when its name was complete, its ``arguments`` the
+arguments' text as far as it came (not JSON: OpenAI's reply when ``max_tokens`` cuts a forced
+call); cut before its name, it is no call, and its text is dropped where a grammar forced the
+format (:func:`grammar_enforced`: the wrapper) or content, markers included, under "auto" in a
+model's own format (as vLLM does). A call a stop string cut (``stop``, also a complete named call's
+reason) is no call: its text is content, markers included. The parser's ``cut`` says the reply
+ended inside a call (``finish_reason`` stays the engine's); calls complete before it stay calls (a
+stream has sent them already). A dangling partial marker (``<tool_ca``, two or more characters) at
+the very end is dropped (G2).
 """
 
 from monobatch.tool_calls.constraint import tool_constraint

@@ -21,9 +21,9 @@ JSON_ERRORS = (ValueError, RecursionError)
 
 @dataclass(frozen=True, slots=True)
 class ToolCall:
-    """One call: ``arguments`` is JSON text of an object, or, for a call the end of the reply cut
-    after its name (``ToolCallParser.cut``), the arguments' text as far as it came (OpenAI's reply
-    when ``max_tokens`` cuts a forced call)."""
+    """One call: ``arguments`` is JSON text of an object, or, for a call ``max_tokens`` cut after
+    its name (``ToolCallParser.cut``, finish_reason ``length``), the arguments' text as far as it
+    came (OpenAI's reply when ``max_tokens`` cuts a forced call)."""
 
     id: str
     name: str
@@ -78,7 +78,8 @@ class ToolCallParser:
     for each format's markers and the decisions on partial text).
 
     Text that could still be a marker is held back until decided; a call's JSON is held until
-    it is complete (or the reply ends: :meth:`flush` reports a call cut after its name). Calls past ``spec.max_calls`` (one with ``parallel_tool_calls: false`` or a
+    it is complete (or the reply ends: :meth:`flush` reports a call ``max_tokens`` cut after its
+    name). Calls past ``spec.max_calls`` (one with ``parallel_tool_calls: false`` or a
     named function) are dropped, as vLLM does: where a grammar enforces the calls there are none,
     but ``auto`` in a marker format runs without one. Whitespace right before a marker is dropped, and so is whitespace after a
     call while no content came before, and the trailing whitespace of a reply with calls. With
@@ -121,7 +122,8 @@ class ToolCallParser:
     def cut(self) -> bool:
         """Whether the reply ended inside a call (after :meth:`flush`): its marker or JSON had
         begun and did not complete (``max_tokens``, a stop string). The cut call is reported when
-        its name was complete (:meth:`flush`); calls complete before it are reported too."""
+        ``max_tokens`` cut it after its name (:meth:`flush`); calls complete before it are reported
+        too."""
         return self._cut
 
     @property
@@ -140,26 +142,31 @@ class ToolCallParser:
             pass
         return out
 
-    def flush(self) -> ToolDelta:
-        """End of the reply: release held text.
+    def flush(self, finish_reason: str) -> ToolDelta:
+        """End of the reply: release held text. ``finish_reason``: the engine's (``stop``,
+        ``length``, ...).
 
-        A call the end cut (``max_tokens``, a stop string) after its name was complete is
-        reported, its ``arguments`` the arguments' text as far as it came (not JSON), as OpenAI
-        replies when ``max_tokens`` cuts a forced call; ``cut`` is then true (``finish_reason`` is
-        the engine's). A call cut before its name is complete is no call: where a grammar held the
-        reply to the format (:func:`~monobatch.tool_calls.request.grammar_enforced`: "required", a
-        named function, GENERIC's "auto") its text is the format's wrapper and is dropped (the reply
-        has no content); otherwise ("auto" in a model's own format, which may have been writing
-        text) it is content, raw, markers included, as vLLM does. A dangling partial marker (two
-        or more characters) is dropped (G2)."""
+        A call the end cut is reported only when ``max_tokens`` (or the context) cut it
+        (``length``), as OpenAI replies then: cut after its name was complete, the call, its
+        ``arguments`` the arguments' text as far as it came (not JSON; :func:`_cut_call`); cut
+        before, no call, and where a grammar held the reply to the format
+        (:func:`~monobatch.tool_calls.request.grammar_enforced`: "required", a named function,
+        GENERIC's "auto") its text is the format's wrapper and is dropped (the reply has no
+        content), otherwise ("auto" in a model's own format, which may have been writing text) it
+        is content, raw, markers included, as vLLM does. Any other end inside a call (a stop
+        string: ``stop``, which is also what a complete call's reply ends with under a named
+        function, so a client could not tell the call was cut) reports no call for it: its text is
+        content, raw, markers included. ``cut`` is then true either way (calls complete before it
+        stay calls). A dangling partial marker (two or more characters) is dropped (G2)."""
         out, held, state = ToolDelta(), self._held, self._state
         self._held, self._state = "", "plain"
+        length = finish_reason == "length"
         call = _cut_call(held, self._names if self._fmt is ToolFormat.LLAMA3_JSON else None) \
-            if state == "call" else None
+            if length and state == "call" else None
         if call is not None:
             self._cut = True
             self._report(out, *call)
-        elif self._forced and state in ("text", "start", "open", "mopen", "call"):
+        elif length and self._forced and state in ("text", "start", "open", "mopen", "call"):
             self._cut = state not in ("text", "start") or bool(held.strip())  # the wrapper of a call begun: dropped
         elif state in ("text", "start") and self._fmt is not ToolFormat.GENERIC:
             keep = partial_suffix(held, self._marker or PYTHON_TAG)
@@ -411,9 +418,11 @@ def partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def parse_tool_calls(text: str, spec: ToolSpec | None, fmt: ToolFormat) -> tuple[str, list[ToolCall]]:
-    """The whole-text form of :class:`ToolCallParser` (non-streamed replies): (content, calls)."""
+def parse_tool_calls(text: str, spec: ToolSpec | None, fmt: ToolFormat,
+                     finish_reason: str) -> tuple[str, list[ToolCall]]:
+    """The whole-text form of :class:`ToolCallParser` (non-streamed replies): (content, calls);
+    ``finish_reason`` as :meth:`ToolCallParser.flush`."""
     parser = ToolCallParser(spec, fmt)
     parser.feed(text)
-    parser.flush()
+    parser.flush(finish_reason)
     return parser.content, parser.tool_calls
