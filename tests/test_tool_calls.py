@@ -641,6 +641,55 @@ def test_arguments_nested_past_the_recursion_limit_raise_nothing(fmt):
     assert calls == [] and deep in content
 
 
+def _arguments_head(fmt):
+    """A get_weather call of ``fmt`` up to its arguments' value ("arguments": / Llama's "parameters": )."""
+    head = call_text(fmt, [("get_weather", {})])
+    key = '"parameters": ' if fmt is L else '"arguments": '
+    return head[:head.index(key) + len(key)]
+
+
+@pytest.mark.parametrize("ensure_ascii", [False, True])
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_cut_arguments_written_as_a_string_are_decoded(fmt, ensure_ascii):
+    """Arguments the model wrote as a JSON string: a complete call's are the string's text, and so
+    are a cut call's, as far as whole characters came (an escape, or a surrogate pair, cut in its
+    middle is left out), at every cut point of the string."""
+    inner = json.dumps({"city": 'Pa"r\\is é 😀\n', "unit": "c"}, ensure_ascii=False)
+    literal = json.dumps(inner, ensure_ascii=ensure_ascii)
+    head = _arguments_head(fmt)
+    whole = call_text(fmt, [("get_weather", {})]).replace("{}", literal, 1)
+    assert [(c.name, c.arguments) for c in stream(whole, fmt, spec("auto"), cuts=[])[1]] == [("get_weather", inner)]
+    ends = [0]  # where each character of inner ends in the literal's body
+    for ch in inner:
+        ends.append(ends[-1] + len(json.dumps(ch, ensure_ascii=ensure_ascii)) - 2)
+    for k in range(1, len(literal) + 1):
+        body = literal[1:k]
+        want = inner[:max(n for n, end in enumerate(ends) if end <= len(body))]
+        content, calls, _ = stream(head + literal[:k], fmt, spec("auto"), cuts=[], reason="length")
+        assert [(c.name, c.arguments) for c in calls] == [("get_weather", want)] and content == "", k
+    cut = head + literal[:len(literal) // 2]
+    assert stream(cut, fmt, spec("auto"), reason="length")[1][0].arguments == \
+        stream(cut, fmt, spec("auto"), cuts=[], reason="length")[1][0].arguments
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_cut_arguments_with_nan_are_no_call_as_complete_ones(fmt):
+    """NaN and Infinity are no JSON (the json module reads them): a complete call holding one is no
+    call, and so is a cut one where the scanner met one before the cut, written as an object or
+    inside a string; a finite number is a call either way."""
+    head = _arguments_head(fmt)
+    for bad in ('{"x": NaN, "city": "Pa', '{"x": [1, -Infinity], "city": "Pa', '{"x": Infinity}',
+                '"{\\"x\\": NaN, \\"city\\": \\"Pa', '"{\\"x\\": NaN}"'):
+        content, calls, _ = stream(head + bad, fmt, spec("auto"), cuts=[], reason="length")
+        assert calls == [] and content == ("" if fmt is G else head + bad), bad
+    closed = call_text(fmt, [("get_weather", {"x": 1})]).replace("1", "NaN")
+    assert stream(closed, fmt, spec("auto"), cuts=[])[1] == []
+    for good, args in (('{"x": 1.5, "city": "Pa', '{"x": 1.5, "city": "Pa'),
+                       ('"{\\"x\\": 1e9, \\"city\\": \\"Pa', '{"x": 1e9, "city": "Pa')):
+        calls = stream(head + good, fmt, spec("auto"), cuts=[], reason="length")[1]
+        assert [(c.name, c.arguments) for c in calls] == [("get_weather", args)]
+
+
 @pytest.mark.parametrize("fmt", list(ToolFormat))
 def test_a_further_call_cut_mid_json_keeps_the_complete_ones(fmt):
     """A reply cut inside its second call's name: the first call stays a call, the cut one is no

@@ -257,9 +257,7 @@ class ToolCallParser:
             else:
                 self._state, self._in_list = "text" if self._marker else "plain", False
         else:  # "response": GENERIC's reply string, decoded as it comes
-            end = _STR_BODY.match(held).end()
-            if _HIGH_SURROGATE.search(held, 0, end) and not held.startswith('"', end):
-                end -= 6  # a high surrogate whose pair has not come yet
+            end = _whole_chars(held)
             self._emit(out, _decode_str(held[:end]), strip=False)
             self._held = held[end:]
             if not self._held.startswith('"'):
@@ -315,6 +313,21 @@ class ToolCallParser:
 #: The longest run of whole characters and escapes of a JSON string's body.
 _STR_BODY = re.compile(r'(?:[^"\\]|\\u[0-9a-fA-F]{4}|\\[^u])*')
 _HIGH_SURROGATE = re.compile(r"(?:^|[^\\])(?:\\\\)*\\u[dD][89abAB][0-9a-fA-F]{2}$")  # an unescaped "\\u"
+#: What :func:`_whole_chars` leaves of a string the reply cut: a high surrogate whose low half did
+#: not come, then the start of an escape (a backslash, or ``\\u`` and fewer than four hex digits).
+_CUT_TAIL = re.compile(r"(?:\\u[dD][89abAB][0-9a-fA-F]{2})?(?:\\(?:u[0-9a-fA-F]{0,3})?)?")
+#: The keys of a call object that hold its arguments (Llama's ``parameters``).
+_ARGUMENT_KEYS = ("arguments", "parameters")
+
+
+def _whole_chars(body: str) -> int:
+    """End of the longest prefix of a JSON string's ``body`` (the text after its opening quote)
+    that ends on a whole character: at the closing quote when it came; else before an escape
+    that has not come whole, and before a ``\\uD8xx`` high surrogate whose low half may follow."""
+    end = _STR_BODY.match(body).end()
+    if _HIGH_SURROGATE.search(body, 0, end) and not body.startswith('"', end):
+        end -= 6
+    return end
 
 
 def _decode_str(body: str) -> str:
@@ -324,15 +337,23 @@ def _decode_str(body: str) -> str:
         return body
 
 
+class _NotJSON(ValueError):
+    """``NaN``, ``Infinity`` or ``-Infinity``: the ``json`` module reads them, JSON has none."""
+
+
 def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
+    raise _NotJSON(f"{name} is not JSON")
+
+
+#: The ``json`` module's decoder with the calls' rule: ``NaN`` and ``Infinity`` are no JSON.
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
 
 
 def _parse_call(text: str, names: set[str] | None) -> tuple[str, str] | None:
     """(name, canonical arguments JSON) of a call object's text, or None when it is not one.
     ``names``: LLAMA3_JSON's bare JSON must name a tool and carry arguments to count."""
     try:
-        obj = json.loads(text, parse_constant=_reject_constant)
+        obj = _DECODER.decode(text)
     except JSON_ERRORS:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
@@ -343,7 +364,7 @@ def _parse_call(text: str, names: set[str] | None) -> tuple[str, str] | None:
     args = obj.get(key, {})
     if isinstance(args, str):
         try:
-            args = json.loads(args, parse_constant=_reject_constant)
+            args = _DECODER.decode(args)
         except JSON_ERRORS:
             return None
     return (obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
@@ -357,8 +378,11 @@ def _cut_call(text: str, names: set[str] | None) -> tuple[str, str] | None:
     ``raw_decode``): ``name`` counts once its string is complete; the text of ``arguments`` (or
     Llama's ``parameters``) is kept as the model wrote it, from its first character to where the
     reply ended (to the value's end when it was complete): ``""`` when the cut came before it.
+    Arguments written as a JSON string are its text, decoded (:func:`_cut_string`), as a complete
+    call's are. As in a complete call, ``NaN`` and ``Infinity`` are no JSON: a cut call holding one
+    where the scanner read (its arguments' decoded text included) is no call.
     """
-    decoder, name, args = json.JSONDecoder(), None, ""
+    name, args = None, ""
     i = WHITESPACE.match(text, 0).end()
     if not text.startswith("{", i):
         return None
@@ -376,22 +400,54 @@ def _cut_call(text: str, names: set[str] | None) -> tuple[str, str] | None:
             break
         i = WHITESPACE.match(text, i + 1).end()
         try:
-            value, end = decoder.raw_decode(text, i)
+            value, end = _DECODER.raw_decode(text, i)
+        except _NotJSON:
+            return None
         except JSON_ERRORS:  # the value was cut: the end of the reply (or nested past the recursion limit)
-            if key in ("arguments", "parameters"):
-                args = text[i:]
+            if key in _ARGUMENT_KEYS:
+                args = _cut_string(text[i + 1:]) if text.startswith('"', i) else text[i:]
             break
         if key == "name" and isinstance(value, str):
             name = value
-        elif key in ("arguments", "parameters"):
-            args = text[i:end]
+        elif key in _ARGUMENT_KEYS:
+            if isinstance(value, str) and _holds_constant(value):
+                return None
+            args = value if isinstance(value, str) else text[i:end]
         i = WHITESPACE.match(text, end).end()
         if not text.startswith(",", i):
             break
         i += 1
-    if not name or (names is not None and name not in names):
+    if not name or args is None or (names is not None and name not in names):
         return None
     return name, args
+
+
+def _cut_string(body: str) -> str | None:
+    """The text of arguments written as a JSON string the reply cut (``body``: what came after its
+    opening quote), decoded by the ``json`` module's scanner as far as whole characters came
+    (:func:`_whole_chars`); None when it is no JSON string (a bad escape, a control character) or
+    its text holds ``NaN`` or ``Infinity`` (:func:`_holds_constant`), as :func:`_parse_call` refuses
+    a complete one."""
+    end = _whole_chars(body)
+    if not _CUT_TAIL.fullmatch(body, end):
+        return None  # not cut inside a character: the string went wrong there
+    try:
+        text = scanstring(body[:end] + '"', 0)[0]
+    except ValueError:
+        return None
+    return None if _holds_constant(text) else text
+
+
+def _holds_constant(text: str) -> bool:
+    """Whether the ``json`` module's scanner meets ``NaN`` or ``Infinity`` in ``text`` (JSON or
+    its beginning) before it ends or stops on something that is no JSON."""
+    try:
+        _DECODER.raw_decode(text, WHITESPACE.match(text).end())
+    except _NotJSON:
+        return True
+    except JSON_ERRORS:
+        pass
+    return False
 
 
 def _match_seq(text: str, parts: list[str]) -> int | None:
