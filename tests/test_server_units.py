@@ -1,6 +1,7 @@
 """Server parts without a server: the reasoning split (chat_output), request validation
-messages, n>1 seeds and usage, text offsets, /tokenize's special-token defaults, and the Gate
-middleware (chunked bodies, API key on the docs, CORS) through an ASGI transport."""
+messages, n>1 seeds and usage, text offsets, /tokenize's special-token defaults, the Gate
+middleware (chunked bodies, API key on the docs, CORS) through an ASGI transport, and how the
+request log reads a response's end (EventStream and respond driven through ASGI)."""
 
 from __future__ import annotations
 
@@ -224,3 +225,143 @@ def test_api_key_must_be_printable_ascii(key):
 
     with pytest.raises(InvalidRequestError, match="ASCII"):
         ServerSettings(api_key=key)
+
+
+# -- the request log's ending of a response ------------------------------------------------------------
+class _Reader:
+    """The one thing EventStream and respond ask of a ResponseReader: close it."""
+
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _record(stream: bool):
+    import time
+
+    from monobatch.server.generation import RequestLog
+
+    return RequestLog("chatcmpl-x", "/v1/chat/completions", time.perf_counter(), stream, 1)
+
+
+def _server_lines(caplog) -> list:
+    return [r for r in caplog.records if r.name == "monobatch.server"]
+
+
+def _run_stream(events, spec_version="2.3", send_fails=False, disconnect_after=None):
+    """Send an EventStream of ``events`` through ASGI: the client disconnects once
+    ``disconnect_after`` body chunks arrived (None: never); ``send_fails``: sending a body chunk
+    raises OSError (an ASGI 2.4 server whose client left). Returns (reader, the exception raised)."""
+    import asyncio
+
+    from monobatch.server.generation import EventStream
+
+    async def go():
+        sent, arrived = [], asyncio.Event()
+
+        async def send(message):
+            if message["type"] == "http.response.body" and message["body"]:
+                if send_fails:
+                    raise OSError("connection reset")
+                sent.append(message)
+                if disconnect_after is not None and len(sent) >= disconnect_after:
+                    arrived.set()
+
+        async def receive():
+            await arrived.wait()
+            return {"type": "http.disconnect"}
+
+        reader = _Reader()
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}}
+        try:
+            await EventStream(events(), reader, _record(True), [Choice(0)])(scope, receive, send)
+        except Exception as exc:  # noqa: BLE001 (what the server would see)
+            return reader, exc
+        return reader, None
+
+    return asyncio.run(go())
+
+
+def test_a_stream_a_bug_ends_is_logged_failed_not_aborted(caplog):
+    """A failure mid-stream that is no disconnect is logged as failed: one WARNING line with 500
+    and the exception's type, not its message (it may quote the prompt); the exception still
+    reaches the server, and the reader is closed."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="monobatch.server")
+
+    async def events():
+        yield "data: {}\n\n"
+        raise KeyError("the user's secret prompt")
+
+    reader, exc = _run_stream(events)
+    assert isinstance(exc, KeyError) and reader.closed
+    [line] = _server_lines(caplog)
+    assert line.levelno == logging.WARNING and "\n" not in line.getMessage()
+    assert "chatcmpl-x /v1/chat/completions failed: 500 KeyError (stream=true" in line.getMessage()
+    assert "secret" not in line.getMessage()
+
+
+@pytest.mark.parametrize("spec_version,send_fails", [("2.3", False), ("2.4", True)])
+def test_a_stream_its_client_left_is_logged_aborted(caplog, spec_version, send_fails):
+    """A client that leaves mid-stream, as Starlette reports it: under ASGI 2.3 (uvicorn) the
+    disconnect message cancels the stream, under 2.4 a failed send is its ClientDisconnect. Either
+    way the request is logged aborted, at INFO."""
+    import asyncio
+    import logging
+
+    caplog.set_level(logging.INFO, logger="monobatch.server")
+
+    async def events():
+        while True:
+            yield "data: {}\n\n"
+            await asyncio.sleep(0.001)
+
+    reader, exc = _run_stream(events, spec_version, send_fails, disconnect_after=1)
+    assert reader.closed and (type(exc).__name__ == "ClientDisconnect" if send_fails else exc is None)
+    [line] = _server_lines(caplog)
+    assert line.levelno == logging.INFO and "aborted (client disconnected): stream=true" in line.getMessage()
+
+
+def test_respond_logs_finished_only_once_the_answer_is_shaped(caplog):
+    """The non-streamed answer: "finished" is logged after shaping succeeded (never before a 500);
+    a shaping bug is logged as failed (500 and its type only) and raised to the handlers."""
+    import asyncio
+    import logging
+
+    from fastapi import Request
+
+    from monobatch.server.generation import respond
+
+    caplog.set_level(logging.INFO, logger="monobatch.server")
+
+    async def receive():  # a client that stays
+        await asyncio.Event().wait()
+
+    async def collect():
+        return [Choice(0, finish_reason="stop")]
+
+    def shaped(choices):
+        assert not _server_lines(caplog), "logged before the answer was shaped"
+        return {"choices": len(choices)}
+
+    def broken(choices):
+        raise ValueError("the reply's text")
+
+    async def go(shape):
+        reader = _Reader()
+        try:
+            return await respond(Request({"type": "http"}, receive), reader, collect(), shape, _record(False))
+        finally:
+            assert reader.closed
+
+    assert asyncio.run(go(shaped)).body == b'{"choices":1}'
+    [line] = _server_lines(caplog)
+    assert "finished: stream=false" in line.getMessage() and "finish_reason=stop" in line.getMessage()
+    caplog.clear()
+    with pytest.raises(ValueError):
+        asyncio.run(go(broken))
+    [line] = _server_lines(caplog)
+    assert line.levelno == logging.WARNING and "failed: 500 ValueError (stream=false" in line.getMessage()
+    assert "text" not in line.getMessage()

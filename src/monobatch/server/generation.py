@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeV
 
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from monobatch.engine.finish import RowOutput
 from monobatch.engine.params import SamplingParams
@@ -121,8 +122,8 @@ class RequestLog:
     stream or not, prompt and completion tokens as :func:`usage` counts them, the engine's finish
     reason per choice, TTFT — the first choice's first token, from the engine's ``RequestMetrics`` —
     and the total time since the HTTP request arrived), aborted (the client disconnected), or
-    failed during generation (a WARNING). A request refused before it ran is logged by the error
-    handlers instead (``errors.install_handlers``).
+    failed (a WARNING): the engine ended it, or a bug did (:meth:`crashed`). A request refused
+    before it ran is logged by the error handlers instead (``errors.install_handlers``).
 
     Args:
         request_id: the response's ``id``.
@@ -171,6 +172,12 @@ class RequestLog:
         self.done = True
         log.warning("%s %s failed: %d %s (stream=%s, total_ms=%.1f)", self.request_id, self.endpoint, status, message,
                     str(self.stream).lower(), self._elapsed_ms())
+
+    def crashed(self, exc: BaseException) -> None:
+        """Log a request a bug ended (an exception while its response was shaped or sent; the
+        traceback is logged where it is caught): :meth:`failed` with 500 and the exception's type
+        only, never its message, which may quote the prompt or the reply."""
+        self.failed(500, type(exc).__name__)
 
 
 # -- prompts -------------------------------------------------------------------------------------
@@ -285,8 +292,11 @@ async def stream_frame(reader: "ResponseReader", events: AsyncIterator[str], cho
 class EventStream(StreamingResponse):
     """An SSE response whose reader is closed (its unfinished sequences aborted) however the
     response ends — also when the client leaves before the first event, where a never-started
-    generator would run no ``finally`` — and whose request is logged as aborted when it ended
-    before its frame did (:class:`RequestLog`; ``choices``: what it had produced)."""
+    generator would run no ``finally`` — and whose request is logged (:class:`RequestLog`;
+    ``choices``: what it had produced) as failed when an exception other than a client's
+    disconnect ended it (:meth:`RequestLog.crashed`), as aborted when it ended before its frame
+    did otherwise: the client left (Starlette's ``ClientDisconnect``, or the stream cancelled when
+    the disconnect came)."""
 
     def __init__(self, events: AsyncIterator[str], reader: "ResponseReader", record: RequestLog,
                  choices: list[Choice]) -> None:
@@ -296,6 +306,11 @@ class EventStream(StreamingResponse):
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except ClientDisconnect:
+            raise
+        except Exception as exc:  # a bug mid-stream (a cancellation is no Exception: the client left)
+            self._record.crashed(exc)
+            raise
         finally:
             self._reader.close()
             self._record.aborted(self._choices)  # a no-op once finished or failed
@@ -341,17 +356,23 @@ async def respond(http: HttpRequest, reader: "ResponseReader", collect: Awaitabl
     The reader is closed however this ends (its unfinished sequences aborted): the client went
     away (no answer; the sequences are aborted), the engine ended the request (EngineFailed: a
     500, or a 503 while shutting down or after the engine stopped), or this handler was cancelled.
-    ``record`` logs how it ended.
+    ``record`` logs how it ended: finished once the answer is shaped and rendered; a bug there
+    (or while collecting) is logged as failed (:meth:`RequestLog.crashed`) and raised to the
+    handlers' 500.
     """
     try:
         choices = await unless_disconnected(http, collect)
+        answer = JSONResponse(shape(choices))
     except ClientGone:
         record.aborted()
         return Response(status_code=499)
     except EngineFailed as exc:  # answered here, not by the handlers: logged once, with the request's id
         record.failed(exc.status, str(exc))
         return error_response(exc.status, str(exc), code=exc.code)
+    except Exception as exc:
+        record.crashed(exc)
+        raise
     finally:
         reader.close()
     record.finished(choices)
-    return JSONResponse(shape(choices))
+    return answer
