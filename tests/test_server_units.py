@@ -100,6 +100,22 @@ def test_a_refused_request_logs_one_bounded_line(caplog):
     assert len(long) < LOGGED_MESSAGE_CHARS + 80
 
 
+def test_health_polls_while_loading_are_not_logged_at_info(caplog):
+    """A load balancer polls /health while the model loads: its 503s stay out of the INFO log
+    (DEBUG), while any other refusal, /health's own included at another status, is logged."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="monobatch.server")
+    log_error_response("GET", "/health", 503, "the model is loading")
+    assert not caplog.records
+    log_error_response("GET", "/v1/models", 503, "the model is loading")
+    log_error_response("GET", "/health", 401, "missing API key")
+    assert [r.levelno for r in caplog.records] == [logging.INFO, logging.INFO]
+    caplog.set_level(logging.DEBUG, logger="monobatch.server")
+    log_error_response("GET", "/health", 503, "the model is loading")
+    assert caplog.records[-1].levelno == logging.DEBUG
+
+
 def test_nulls_are_absent():
     req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": None,
                                                 "temperature": None, "stream": None})

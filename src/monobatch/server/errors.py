@@ -61,11 +61,14 @@ def log_error_response(method: str, path: str, status: int, message: str) -> Non
     """The one log line of a request answered with an error status before it ran (a 4xx, a 503
     while loading or shutting down): INFO, its status and message, no traceback (a client's mistake
     or the server's state, not a bug: those are logged with their traceback, ``_bug``). The message
-    is kept to one line (line breaks escaped) of at most :data:`LOGGED_MESSAGE_CHARS` characters."""
+    is kept to one line (line breaks escaped) of at most :data:`LOGGED_MESSAGE_CHARS` characters.
+    ``/health``'s 503 (loading, shutting down) is logged at DEBUG: a load balancer polls it, and
+    the answer is the server's state, which the start-up and shutdown lines already say."""
+    level = logging.DEBUG if path == "/health" and status == 503 else logging.INFO
     line = message.replace("\r", "\\r").replace("\n", "\\n")
     if len(line) > LOGGED_MESSAGE_CHARS:
         line = line[:LOGGED_MESSAGE_CHARS] + f"... ({len(message)} characters)"
-    log.info("%s %s %d: %s", method, path, status, line)
+    log.log(level, "%s %s %d: %s", method, path, status, line)
 
 
 def from_monobatch(exc: MonobatchError) -> APIError:
