@@ -16,7 +16,7 @@ from gguf.quants import dequantize, quantize
 
 from monobatch.kernels import quant_cpu
 from monobatch.quant import packed
-from monobatch.quant.formats import PACKED_TYPES, repack
+from monobatch.quant.formats import PACKED_TYPES, Q4, Repacked, narrow_scales, repack
 from monobatch.quant.packed import PackedWeight
 
 pytestmark = pytest.mark.skipif(not quant_cpu.available(), reason="packed CPU kernels did not build")
@@ -99,6 +99,38 @@ def test_gemm_path_is_the_dense_linear():
     assert torch.equal(w.matmul(x), torch.nn.functional.linear(x, dense))
 
 
+def test_gemm_path_chunks_bounded_scratch(monkeypatch):
+    """A part wider than one dequantization chunk: each chunk's product is written by the GEMM into
+    its columns of the output, the bits of ``F.linear`` of that chunk of the dequantized weight;
+    the scratch buffer (one per thread, reused) holds one chunk, made once at
+    DEQUANT_CHUNK_BYTES, never regrown."""
+    import threading
+
+    n, k = 200, 256
+    monkeypatch.setattr(packed, "DEQUANT_CHUNK_BYTES", 64 * 4 * k)  # 64 rows a chunk: 4 chunks
+    data = random_blocks(T.Q4_1, n, k)
+    w = as_packed(T.Q4_1, data, k)
+    dense = torch.from_numpy(dequantize(data, T.Q4_1).reshape(n, k))
+    seen = {}
+
+    small = as_packed(T.Q4_1, random_blocks(T.Q4_1, 24, k, 1), k)  # one chunk, smaller than the buffer
+
+    def run() -> None:  # a fresh thread: a fresh scratch buffer
+        small.matmul(torch.randn(packed.GEMV_ROWS + 1, k))
+        seen["sizes"] = {packed._scratch.buf.numel()}
+        for m in (packed.GEMV_ROWS + 1, 40, 3 * packed.GEMV_ROWS):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            ref = torch.cat([torch.nn.functional.linear(x, dense[lo:lo + 64]) for lo in range(0, n, 64)], dim=1)
+            seen[m] = torch.equal(w.matmul(x), ref)
+            seen.setdefault("sizes", set()).add(packed._scratch.buf.numel())
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert seen.pop("sizes") == {packed.DEQUANT_CHUNK_BYTES // 4}
+    assert all(seen.values()) and len(seen) == 3
+
+
 def test_mixed_parts_and_embedding():
     """A fused weight of two types (Q4_K rows over Q6_K rows) and row lookups."""
     k = 256
@@ -113,6 +145,42 @@ def test_mixed_parts_and_embedding():
     assert torch.equal(w.embedding(ids, torch.float32), dense[ids])
     single = as_packed(T.Q4_K, a, k)
     assert torch.equal(single.embedding(ids[[0, 2]], torch.float32), dense[[3, 3]])
+
+
+@pytest.mark.parametrize("qtype", list(PACKED_TYPES), ids=lambda t: t.name)
+def test_float16_scales_give_the_same_bits(qtype):
+    """narrow_scales (the CPU loader stores scales and mins so where exact): float16 for the types
+    whose scale and min are the file's fp16 values, float32 kept for the K-quants' products; and
+    the GEMV, the GEMM path, the dequantization and row lookups give the float32 layout's bits."""
+    exact = qtype in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0)
+    n, k = 40, 576 if exact else 512  # 18 groups a row: the kernels' widening has a tail
+    data = random_blocks(qtype, n, k)
+    wide = repack(qtype, data, k)
+    narrow = narrow_scales(wide)
+    assert narrow.scale.dtype == narrow.minimum.dtype == (np.float16 if exact else np.float32)
+    assert narrow.qs is wide.qs
+    a, b = (PackedWeight.from_repacked([(r, qtype.name)], k) for r in (wide, narrow))
+    assert b.nbytes == a.nbytes - (n * k // wide.layout.group * 4 if exact else 0)
+    for rows in (1, 3, 5, packed.GEMV_ROWS, packed.GEMV_ROWS + 7):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(a.matmul(x), b.matmul(x))
+    assert torch.equal(a.dequantize(), b.dequantize())
+    ids = torch.tensor([0, 7, 7, n - 1])
+    assert torch.equal(a.embedding(ids, torch.float32), b.embedding(ids, torch.float32))
+
+
+def test_narrow_scales_only_where_exact():
+    """float16 only if every scale and min round-trips, signs of zero included."""
+    q = np.zeros((1, 32), np.uint8)
+    f32 = lambda *v: np.array([v], np.float32)  # noqa: E731
+    assert narrow_scales(Repacked(Q4, q, f32(0.5, 2.0**-20), f32(-0.0, 3.0))).scale.dtype == np.float16
+    for scale, minimum in ((f32(0.1), f32(0.0)),  # 0.1 is not a float16
+                           (f32(1.0), f32(-8 * 10000.0)),  # Q4_0's -8 d past float16's range
+                           (f32(2.0**-30), f32(0.0))):  # below float16's subnormals: would become 0
+        rep = Repacked(Q4, q, scale, minimum)
+        assert narrow_scales(rep) is rep
+    narrow = narrow_scales(Repacked(Q4, q, f32(-0.0, 1.0), f32(-0.0, -0.0)))
+    assert np.signbit(narrow.scale[0, 0]) and np.signbit(narrow.minimum).all()
 
 
 def test_quantized_by_gguf_py():

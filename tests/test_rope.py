@@ -72,3 +72,15 @@ def test_position_bound_is_exclusive():
     batch = StepBatch.build([(0, list(range(5)), 12, True), (1, [7], 3, True)])
     assert batch.position_bound == 17 == int(batch.positions.max()) + 1
     assert StepBatch(batch.token_ids, batch.positions, batch.seq_ids, batch.logit_rows, batch.chunks).position_bound is None
+
+
+@pytest.mark.parametrize("length", [8192, 1000, 2049])
+def test_table_built_in_chunks_equals_one_pass(length):
+    """build_table computes TABLE_CHUNK positions at a time (bounded temporaries, issue 17's RSS):
+    the same bits as the formula over every position at once."""
+    inv_freq, scale = rope_inv_freq(64, 10000.0, {"rope_type": "yarn", "factor": 4.0,
+                                                  "original_max_position_embeddings": 512}, 8192)
+    rope = RotaryEmbedding(inv_freq, scale)
+    rope.build_table(length, torch.float32)
+    cos, sin = rope._compute(torch.arange(length), torch.float32)
+    assert torch.equal(rope.table, torch.stack((cos, sin), dim=1))

@@ -19,12 +19,15 @@ import json
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterator
-
-import httpx
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator
 
 from monobatch.cli.serve import API_KEY_ENV
 from monobatch.errors import MonobatchError
+
+if TYPE_CHECKING:  # httpx is imported where a request is made: every command imports this module
+    # (through the CLI's command modules), `generate` and `bench` send no request, and httpx with
+    # rich, click and pygments (installed for its own command line) is ~9 MiB resident (issue 17)
+    import httpx
 
 #: Seconds to wait for a TCP connection (the server is local or should answer at once).
 CONNECT_TIMEOUT = 10.0
@@ -73,6 +76,8 @@ class ChatClient:
 
     def __init__(self, base_url: str, api_key: str | None = None, trust_env: bool = True,
                  read_timeout: float = READ_TIMEOUT, url_flag: str = "--server-base") -> None:
+        import httpx
+
         self.base_url = base_root(base_url)
         timeout = httpx.Timeout(read_timeout, connect=CONNECT_TIMEOUT)
         self._http = httpx.Client(base_url=self.base_url, headers=auth_headers(api_key), timeout=timeout,
@@ -136,6 +141,8 @@ class ChatClient:
     def count_tokens(self, model: str, text: str) -> int | None:
         """Tokens ``text`` makes on the server (``POST /tokenize``, as llama-server, vLLM and
         monobatch answer it; no special tokens); None when the server cannot tell."""
+        import httpx
+
         try:
             r = self._http.post("/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False})
             count = r.json().get("count") if r.status_code == 200 else None
@@ -194,6 +201,8 @@ def transport_errors(base_url: str, read_timeout: float = READ_TIMEOUT,
         read_timeout: the read timeout in use (named when it expires).
         url_flag: the flag that gave ``base_url`` (named when it is not a usable URL).
     """
+    import httpx
+
     try:
         yield
     except httpx.ConnectTimeout:

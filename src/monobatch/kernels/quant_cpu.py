@@ -82,7 +82,7 @@ def gemm(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.
 
     Args:
         qs: uint8 ``[N, K/2]`` (``q4``) or int8 ``[N, K]``.
-        scale, minimum: float32 ``[N, K/group]``.
+        scale, minimum: float32 ``[N, K/group]``, or both float16 (widened exactly in the kernel).
     """
     return module().gemm(x, qs, scale, minimum, group, q4)
 

@@ -94,11 +94,15 @@ def check_memory(args: ModelArgs, dtype: torch.dtype, device: torch.device, need
 def new_model(args: ModelArgs, device: torch.device, dtype: torch.dtype,
               freq_factors: torch.Tensor | None = None) -> DecoderModel:
     """An unfilled model of ``args``' family (:mod:`monobatch.models.registry`) with its parameters
-    allocated (uninitialised) on ``device`` in ``dtype``."""
+    allocated (uninitialised) on ``device`` in ``dtype`` (floating-point tensors; others keep theirs).
+
+    Built on the meta device, then every tensor replaced by ``torch.empty`` of its shape: not
+    ``Module.to_empty``, whose ``empty_like`` of a meta tensor runs torch's Python reference and
+    imports ``torch.fx.experimental.symbolic_shapes`` and with it sympy and mpmath, ~24 MiB
+    resident for the rest of the process (2026-12-03, torch 2.13; issue 17's RSS)."""
     with torch.device("meta"):
         model = registry.family(args.model_type).Model(args, freq_factors)
-    model.to_empty(device=device)
-    model.to(dtype=dtype)
+    model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device))
     for rope in model.ropes:
         rope.to(device)
     return model

@@ -88,6 +88,14 @@ def rope_inv_freq(
     raise UnsupportedModelError(f"unsupported rope scaling {kind!r} (monobatch implements linear, llama3, yarn)")
 
 
+#: Positions whose cos/sin :meth:`RotaryEmbedding.build_table` computes at a time: the formula's
+#: float32 temporaries stay ~1 MiB (over all 8,192 positions of the bundled model at once they
+#: were ~15 MiB beside its 4 MiB table, left on CPU as freed heap; issue 17's RSS). A multiple of
+#: 16 rows, so each chunk's elementwise kernels split their vectors as the whole table's would
+#: (the same values either way: tests/test_rope.py).
+TABLE_CHUNK = 1024
+
+
 class RotaryEmbedding:
     """cos/sin for positions: gathered from a table built once (:meth:`build_table`), or computed
     on the fly from ``inv_freq`` for positions past it (no length cap).
@@ -123,8 +131,13 @@ class RotaryEmbedding:
         t = self.table
         if t is not None and t.shape[0] >= length and t.dtype == dtype:
             return
-        cos, sin = self._compute(torch.arange(length, device=self.inv_freq.device), dtype)
-        self.table = torch.stack((cos, sin), dim=1)
+        device = self.inv_freq.device
+        table = torch.empty(length, 2, self.inv_freq.shape[0] * 2, dtype=dtype, device=device)
+        for lo in range(0, length, TABLE_CHUNK):  # the formula's temporaries for a chunk of positions at a time
+            cos, sin = self._compute(torch.arange(lo, min(lo + TABLE_CHUNK, length), device=device), dtype)
+            table[lo:lo + TABLE_CHUNK, 0] = cos
+            table[lo:lo + TABLE_CHUNK, 1] = sin
+        self.table = table
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, bound: int | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:

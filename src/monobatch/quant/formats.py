@@ -15,8 +15,9 @@ with small integers q (ggml's own formulas, read from the block's bytes):
 
 Layouts (what :mod:`monobatch.kernels.quant_cpu` reads): **Q4**: ``qs`` uint8 ``[N, K/2]``, in
 each 32-column group byte j = column j (low nibble) | column j+16 (high nibble); **Q8**: ``qs``
-int8 ``[N, K]``; both with ``scale`` and ``min`` float32 ``[N, K/G]``. Every scale and min above is
-exact in float32 (an fp16 times an integer of at most 8 bits), so ``fma(q, scale, min)`` rounds
+int8 ``[N, K]``; both with ``scale`` and ``min`` float32 ``[N, K/G]`` (on CPU the loader stores
+them as float16 where every value of a tensor is exactly one: :func:`narrow_scales`). Every scale
+and min above is exact in float32 (an fp16 times an integer of at most 8 bits), so ``fma(q, scale, min)`` rounds
 once, as gguf-py's ``d * q - dm`` does: the dequantized layouts are bitwise gguf-py's dequantization
 (tests/test_quant.py; Q4_0's zeros aside: gguf-py's ``d * (q - 8)`` is -0.0 where d < 0, ours +0.0,
 an equal value). Resident bytes per weight: Q4 0.75, Q8 1.25 (G 32) or 1.5 (G 16): the 5-
@@ -61,7 +62,7 @@ class Repacked:
 
     Attributes:
         qs: uint8 ``[N, K/2]`` (Q4) or int8 ``[N, K]`` (Q8).
-        scale, minimum: float32 ``[N, K/G]``.
+        scale, minimum: float32 ``[N, K/G]`` (both float16 after :func:`narrow_scales`, where exact).
     """
 
     layout: Layout
@@ -125,8 +126,25 @@ def _blocks(qtype: T, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
     raise ValueError(f"{qtype.name} has no packed layout")
 
 
+def narrow_scales(rep: Repacked) -> Repacked:
+    """``rep`` with its scales and mins stored as float16 where every one of them is exactly a
+    float16 (then both are; else ``rep`` as it is): 2 bytes a group instead of 4 each. Exact for
+    the types whose scale and min are the file's fp16 values (Q4_1's d and m, Q8_0's and Q5_0's d
+    with the -0.0 min; Q4_0's -8 d unless it overflows), rarely for the K-quants' ``d * sc``
+    products. The CPU kernels widen them back to float32 exactly, so the products' bits do not
+    change; the bundled model's packed weights 115 -> 98 MB (issue 17's RSS, 2026-12-03)."""
+    with np.errstate(over="ignore"):  # a value past float16's range becomes inf: not equal, kept float32
+        scale, minimum = rep.scale.astype(np.float16), rep.minimum.astype(np.float16)
+    if np.array_equal(scale.astype(np.float32), rep.scale) and np.array_equal(minimum.astype(np.float32), rep.minimum) \
+            and np.array_equal(np.signbit(scale), np.signbit(rep.scale)) \
+            and np.array_equal(np.signbit(minimum), np.signbit(rep.minimum)):
+        return Repacked(rep.layout, rep.qs, scale, minimum)
+    return rep
+
+
 def resident_bytes(qtype: T, n_weights: int) -> int:
-    """Bytes ``n_weights`` of ``qtype`` take once repacked (q plus float32 scale and min a group)."""
+    """Bytes ``n_weights`` of ``qtype`` take once repacked (q plus float32 scale and min a group;
+    at most: :func:`narrow_scales` may halve the scales' and mins' bytes)."""
     layout = PACKED_TYPES[qtype]
     return n_weights // (2 if layout.q4 else 1) + n_weights // layout.group * 8
 

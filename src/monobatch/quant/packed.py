@@ -44,11 +44,12 @@ _scratch = threading.local()  # the GEMM path's dequantization buffer, one per t
 
 
 def _dequant_buffer(rows: int, k: int) -> torch.Tensor:
-    """A float32 ``[rows, k]`` view of this thread's reusable scratch buffer (grown when too small;
-    at most :data:`DEQUANT_CHUNK_BYTES`, or one row, whichever is larger)."""
+    """A float32 ``[rows, k]`` view of this thread's reusable scratch buffer: made at first use
+    with :data:`DEQUANT_CHUNK_BYTES` (every chunk fits, so it is never regrown: a regrown buffer
+    left its first, smaller block as a hole in the heap), larger only for a single row wider than that."""
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < rows * k:
-        buf = _scratch.buf = torch.empty(rows * k, dtype=torch.float32)
+        buf = _scratch.buf = torch.empty(max(rows * k, DEQUANT_CHUNK_BYTES // 4), dtype=torch.float32)
     return buf[:rows * k].view(rows, k)
 
 
@@ -70,7 +71,8 @@ def packed_supported(device: torch.device) -> bool:
 
 @dataclass(slots=True)
 class PackedPart:
-    """``rows`` consecutive output rows in one layout (torch tensors of :class:`Repacked`'s shapes)."""
+    """``rows`` consecutive output rows in one layout (torch tensors of :class:`Repacked`'s shapes;
+    scale and minimum float32, or both float16 on CPU: :func:`monobatch.quant.formats.narrow_scales`)."""
 
     layout: Layout
     qs: torch.Tensor
@@ -97,10 +99,14 @@ class PackedPart:
         return quant_cpu.module().PackedMat(self.qs, self.scale, self.minimum, self.layout.group, self.layout.q4)
 
     def to(self, device: torch.device) -> "PackedPart":
-        """This part's tensors on ``device`` (the same object where they are already there)."""
-        if self.qs.device == torch.device(device):
+        """This part's tensors on ``device`` (the same object where they are already there); off
+        the CPU, float16 scales and mins become float32 (what the CUDA kernels read)."""
+        device = torch.device(device)
+        if self.qs.device == device:
             return self
-        return PackedPart(self.layout, *(t.to(device) for t in (self.qs, self.scale, self.minimum)))
+        wide = device.type != "cpu"
+        return PackedPart(self.layout, self.qs.to(device),
+                          *(t.to(device, torch.float32 if wide else t.dtype) for t in (self.scale, self.minimum)))
 
     def dequantize(self, lo: int, hi: int, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``lo:hi`` as float32 ``[hi - lo, K]`` (CPU: into ``out`` when given, contiguous)."""
@@ -228,18 +234,16 @@ class PackedWeight:
 
     def dequant_gemm(self, x: torch.Tensor, part: PackedPart) -> torch.Tensor:
         """The GEMM path: x float32 ``[M, K]`` @ part^T, the part dequantized into float32 a chunk of
-        rows at a time (:data:`DEQUANT_CHUNK_BYTES`, into a per-thread buffer reused by every call)
-        for ``F.linear``: ``[M, rows]``."""
+        rows at a time (:data:`DEQUANT_CHUNK_BYTES`, into a per-thread buffer reused by every call),
+        each chunk's product written by the GEMM into its columns of the output (the bits of
+        ``F.linear`` of the chunk, without its temporary and copy): ``[M, rows]``."""
         step = max(1, DEQUANT_CHUNK_BYTES // (4 * self.k))
-
-        def product(lo: int, hi: int) -> torch.Tensor:
-            return F.linear(x, part.dequantize(lo, hi, self.k, _dequant_buffer(hi - lo, self.k)))
-
         if part.rows <= step:
-            return product(0, part.rows)
+            return F.linear(x, part.dequantize(0, part.rows, self.k, _dequant_buffer(part.rows, self.k)))
         out = torch.empty(x.shape[0], part.rows, dtype=torch.float32)
         for lo in range(0, part.rows, step):
-            out[:, lo:min(lo + step, part.rows)] = product(lo, min(lo + step, part.rows))
+            hi = min(lo + step, part.rows)
+            torch.mm(x, part.dequantize(lo, hi, self.k, _dequant_buffer(hi - lo, self.k)).t(), out=out[:, lo:hi])
         return out
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -5,7 +5,10 @@
 //   Q4: q in 0..15, two per byte: qs uint8 [N, K/2]; in each 32-column group, byte j holds
 //       column j (low nibble) and column j + 16 (high nibble) (ggml's Q4_0 order); G = 32.
 //   Q8: q int8 [N, K]; G = 16 or 32.
-//   scale, min: float32 [N, K/G].
+//   scale, min: float32 [N, K/G], or both float16 (the loader narrows a tensor's where every value
+//       is exact in fp16, as the file's own fp16 d and m are: 2 bytes a group instead of 4). The
+//       kernels widen them to float32 (exactly) before use, so a product is the same bits with
+//       either storage.
 //
 // gemm:      out[M, N] = x[M, K] @ W^T for few rows (decode), float32 accumulation:
 //            out[m, n] = sum_g scale[n, g] * dot(q[n, g], x[m, g]) + sum_g min[n, g] * xsum[m, g].
@@ -17,11 +20,15 @@
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 #include "packed.h"
 #include "simd.h"
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 #define MB_AVX2 1
+#endif
+#if defined(MB_AVX2) || defined(__F16C__)
+#include <immintrin.h>
 #endif
 
 namespace mb_cpu_ops {
@@ -65,6 +72,27 @@ inline float q_at(const uint8_t* row, int64_t k) {
     return static_cast<float>((k % 32) < 16 ? (b & 0x0F) : (b >> 4));
   }
   return static_cast<float>(reinterpret_cast<const int8_t*>(row)[k]);
+}
+
+// A scale or min as float32 (float16 widened exactly: F16C's conversion where the machine has it;
+// c10::Half's in software is several times slower).
+inline float to_f32(float v) { return v; }
+inline float to_f32(at::Half v) {
+#if defined(__F16C__)
+  return _cvtsh_ss(v.x);
+#else
+  return static_cast<float>(v);
+#endif
+}
+
+// n float16 scales or mins as float32 into buf, 8 at a time.
+inline void widen(const at::Half* p, int64_t n, float* buf) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+#endif
+  for (; i < n; ++i) buf[i] = to_f32(p[i]);
 }
 
 // out rows [m0, m0 + mt) of column n. G: group size; V = G / 8 vectors a group.
@@ -116,8 +144,8 @@ inline void row_dot(const uint8_t* qrow, const float* sc, const float* mn, const
   }
 }
 
-template <bool Q4, int G>
-void gemm_impl(const float* x, const uint8_t* qs, const float* sc, const float* mn, float* out,
+template <bool Q4, int G, typename S>
+void gemm_impl(const float* x, const uint8_t* qs, const S* sc, const S* mn, float* out,
                int64_t M, int64_t N, int64_t K) {
   const int64_t ng = K / G;
   const int64_t row_bytes = Q4 ? K / 2 : K;
@@ -131,19 +159,39 @@ void gemm_impl(const float* x, const uint8_t* qs, const float* sc, const float* 
   const float* xs = xsum.data();
   const int64_t grain = std::max<int64_t>(1, mb_cpu_ops::min_thread_work / std::max<int64_t>(1, K * M));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* qrow = qs + n * row_bytes;
-      const float* s = sc + n * ng;
-      const float* m = mn + n * ng;
-      int64_t m0 = 0;
-      for (; m0 + MT <= M; m0 += MT) row_dot<Q4, G, MT>(qrow, s, m, x, xs, K, m0, out, N, n);
-      for (; m0 < M; ++m0) row_dot<Q4, G, 1>(qrow, s, m, x, xs, K, m0, out, N, n);
+    // float16 scales and mins are widened WIDEN_ROWS rows at a time into a buffer, well before the
+    // rows read them: widening each row just before its dot cost 2-23 % of a GEMV on this Zen 1
+    // machine (the fresh 32-byte stores read back at once as 4-byte loads: not forwarded), this
+    // 3-7 % (2026-12-03, docs/benchmarks/data/2026-12-03-cpu-rss/speed.txt).
+    constexpr int64_t WIDEN_ROWS = 16;
+    std::vector<float> wide(std::is_same_v<S, float> ? 0 : 2 * WIDEN_ROWS * ng);
+    for (int64_t nb = n0; nb < n1; nb += WIDEN_ROWS) {
+      const int64_t ne = std::min(nb + WIDEN_ROWS, n1);
+      const float* sb;  // row n's scales: sb + (n - nb) * ng; its mins: mb + (n - nb) * ng
+      const float* mb;
+      if constexpr (std::is_same_v<S, float>) {
+        sb = sc + nb * ng;
+        mb = mn + nb * ng;
+      } else {
+        widen(sc + nb * ng, (ne - nb) * ng, wide.data());
+        widen(mn + nb * ng, (ne - nb) * ng, wide.data() + WIDEN_ROWS * ng);
+        sb = wide.data();
+        mb = wide.data() + WIDEN_ROWS * ng;
+      }
+      for (int64_t n = nb; n < ne; ++n) {
+        const uint8_t* qrow = qs + n * row_bytes;
+        const float* s = sb + (n - nb) * ng;
+        const float* m = mb + (n - nb) * ng;
+        int64_t m0 = 0;
+        for (; m0 + MT <= M; m0 += MT) row_dot<Q4, G, MT>(qrow, s, m, x, xs, K, m0, out, N, n);
+        for (; m0 < M; ++m0) row_dot<Q4, G, 1>(qrow, s, m, x, xs, K, m0, out, N, n);
+      }
     }
   });
 }
 
-template <bool Q4, int G>
-void dequant_impl(const uint8_t* qs, const float* sc, const float* mn, float* out, int64_t N, int64_t K) {
+template <bool Q4, int G, typename S>
+void dequant_impl(const uint8_t* qs, const S* sc, const S* mn, float* out, int64_t N, int64_t K) {
   const int64_t ng = K / G;
   const int64_t row_bytes = Q4 ? K / 2 : K;
   at::parallel_for(0, N, std::max<int64_t>(1, 65536 / K), [&](int64_t n0, int64_t n1) {
@@ -151,7 +199,7 @@ void dequant_impl(const uint8_t* qs, const float* sc, const float* mn, float* ou
       const uint8_t* qrow = qs + n * row_bytes;
       float* o = out + n * K;
       for (int64_t g = 0; g < ng; ++g) {
-        const float s = sc[n * ng + g], m = mn[n * ng + g];
+        const float s = to_f32(sc[n * ng + g]), m = to_f32(mn[n * ng + g]);
 #ifdef MB_AVX2
         __m256 w[G / 8];
         if (Q4) {
@@ -171,7 +219,8 @@ void dequant_impl(const uint8_t* qs, const float* sc, const float* mn, float* ou
 
 void check(const torch::Tensor& qs, const torch::Tensor& sc, const torch::Tensor& mn, int64_t K, int64_t G, bool q4) {
   TORCH_CHECK(qs.is_contiguous() && sc.is_contiguous() && mn.is_contiguous(), "packed tensors must be contiguous");
-  TORCH_CHECK(sc.scalar_type() == at::kFloat && mn.scalar_type() == at::kFloat, "scale/min must be float32");
+  TORCH_CHECK((sc.scalar_type() == at::kFloat || sc.scalar_type() == at::kHalf) && mn.scalar_type() == sc.scalar_type(),
+              "scale/min must be both float32 or both float16");
   TORCH_CHECK(K % G == 0 && (G == 16 || G == 32) && (!q4 || G == 32), "bad group size");
   TORCH_CHECK(qs.size(1) == (q4 ? K / 2 : K) && sc.size(1) == K / G && mn.sizes() == sc.sizes(), "bad packed shapes");
 }
@@ -188,12 +237,20 @@ torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& qs, const torch:
   check(qs, sc, mn, K, group, q4);
   auto out = torch::empty({M, N}, xc.options());
   auto q = static_cast<const uint8_t*>(qs.data_ptr());
-  if (q4) {
-    gemm_impl<true, 32>(xc.data_ptr<float>(), q, sc.data_ptr<float>(), mn.data_ptr<float>(), out.data_ptr<float>(), M, N, K);
-  } else if (group == 32) {
-    gemm_impl<false, 32>(xc.data_ptr<float>(), q, sc.data_ptr<float>(), mn.data_ptr<float>(), out.data_ptr<float>(), M, N, K);
+  auto run = [&](auto* s, auto* m) {
+    using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
+    if (q4) {
+      gemm_impl<true, 32, S>(xc.data_ptr<float>(), q, s, m, out.data_ptr<float>(), M, N, K);
+    } else if (group == 32) {
+      gemm_impl<false, 32, S>(xc.data_ptr<float>(), q, s, m, out.data_ptr<float>(), M, N, K);
+    } else {
+      gemm_impl<false, 16, S>(xc.data_ptr<float>(), q, s, m, out.data_ptr<float>(), M, N, K);
+    }
+  };
+  if (sc.scalar_type() == at::kHalf) {
+    run(sc.data_ptr<at::Half>(), mn.data_ptr<at::Half>());
   } else {
-    gemm_impl<false, 16>(xc.data_ptr<float>(), q, sc.data_ptr<float>(), mn.data_ptr<float>(), out.data_ptr<float>(), M, N, K);
+    run(sc.data_ptr<float>(), mn.data_ptr<float>());
   }
   return out;
 }
@@ -208,12 +265,20 @@ void dequant(const torch::Tensor& qs, const torch::Tensor& sc, const torch::Tens
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == N, "bad out");
   check(qs, sc, mn, K, group, q4);
   auto q = static_cast<const uint8_t*>(qs.data_ptr());
-  if (q4) {
-    dequant_impl<true, 32>(q, sc.data_ptr<float>(), mn.data_ptr<float>(), out.data_ptr<float>(), N, K);
-  } else if (group == 32) {
-    dequant_impl<false, 32>(q, sc.data_ptr<float>(), mn.data_ptr<float>(), out.data_ptr<float>(), N, K);
+  auto run = [&](auto* s, auto* m) {
+    using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
+    if (q4) {
+      dequant_impl<true, 32, S>(q, s, m, out.data_ptr<float>(), N, K);
+    } else if (group == 32) {
+      dequant_impl<false, 32, S>(q, s, m, out.data_ptr<float>(), N, K);
+    } else {
+      dequant_impl<false, 16, S>(q, s, m, out.data_ptr<float>(), N, K);
+    }
+  };
+  if (sc.scalar_type() == at::kHalf) {
+    run(sc.data_ptr<at::Half>(), mn.data_ptr<at::Half>());
   } else {
-    dequant_impl<false, 16>(q, sc.data_ptr<float>(), mn.data_ptr<float>(), out.data_ptr<float>(), N, K);
+    run(sc.data_ptr<float>(), mn.data_ptr<float>());
   }
 }
 
