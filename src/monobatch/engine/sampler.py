@@ -160,6 +160,11 @@ class SamplerState:
         """True for greedy draws with no logit_bias, penalty or logprobs: the draw is the argmax."""
         return self._kind[3]
 
+    def draw_key(self, ahead: int = 0) -> int:
+        """The RNG key (signed int64) of the draw at position ``len(history) + ahead``: a function
+        of (seed, position) only (:func:`~monobatch.engine.sampler_stages.row_key`)."""
+        return st.to_signed64(st.row_key(self.seed, len(self.history) + ahead))
+
     @property
     def generated(self) -> list[int]:
         """The generated token ids (history after the prompt)."""
@@ -271,7 +276,7 @@ class _Plan:
             top_k = p.top_k if 0 < p.top_k < vocab_size else 0
             g = ("topk" if 0 < top_k <= TOPK_FAST else
                  "sort" if top_k or p.typical_p < 1.0 or p.top_p < 1.0 else "plain")
-            key = st.to_signed64(st.row_key(s.seed, len(s.history) + ahead))
+            key = s.draw_key(ahead)
             for k, v in zip(_PER_ROW_INTS, (r, key, top_k)):
                 ints[f"{g}_{k}"].append([v])
             # "off" as values the stages need no mask for: ln 0 = -inf, p >= 1 -> inf
@@ -645,11 +650,9 @@ class RowSampler:
         out = self.transform(logits, states)
         sampled = [r for r, s in enumerate(states) if s.params.temperature != 0.0]
         if sampled:
-            keys = torch.tensor([st.to_signed64(st.row_key(states[r].seed, len(states[r].history))) for r in sampled],
-                                dtype=torch.int64, device=out.device)
-            noise = st.counter_uniforms(keys, torch.arange(out.shape[1], device=out.device)).log_().neg_().log_()
+            keys = torch.tensor([states[r].draw_key() for r in sampled], dtype=torch.int64, device=out.device)
             at = torch.tensor(sampled, device=out.device)
-            out[at] = out[at] - noise
+            out[at] = out[at] - st.gumbel_noise(keys, torch.arange(out.shape[1], device=out.device))
         return out
 
     def _check(self, logits: torch.Tensor, states: list[SamplerState]) -> int:

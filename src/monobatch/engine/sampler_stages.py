@@ -338,6 +338,15 @@ def counter_uniforms(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tenso
     return (z >> 12).double().add_(2.0 ** 51 + 0.5).mul_(2.0 ** -52)
 
 
+def gumbel_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """``log(-log u)`` per (row, token id), u from :func:`counter_uniforms`: a draw is the argmax
+    of ``z - gumbel_noise`` (:func:`gumbel_argmax`; the parity report's draw scores).
+
+    Args: keys (R,) int64; token_ids (C,) or (R, C) int64. Returns (R, C) float64.
+    """
+    return counter_uniforms(keys, token_ids).log_().neg_().log_()
+
+
 def gumbel_argmax(z: torch.Tensor, keys: torch.Tensor,
                   token_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Draw one token per row from ``softmax(z)`` by the Gumbel-max trick.
@@ -354,6 +363,5 @@ def gumbel_argmax(z: torch.Tensor, keys: torch.Tensor,
         (R,) int64 token ids.
     """
     ids = torch.arange(z.shape[-1], device=z.device) if token_ids is None else token_ids
-    noise = counter_uniforms(keys, ids).log_().neg_().log_()
-    best = torch.argmax(z - noise, dim=-1)
+    best = torch.argmax(z - gumbel_noise(keys, ids), dim=-1)
     return best if token_ids is None else token_ids.gather(1, best[:, None]).squeeze(1)
