@@ -174,10 +174,10 @@ def _int(value) -> bool:
 
 
 def _answer_calls(messages: list) -> list:
-    """Tool messages answer the calls before them (OpenAI's rule, which a schema cannot state): each
-    assistant message's calls get one answer each right after it, in place of the tool messages
-    there, and a tool message that answers nothing becomes a user message. Values of a wrong type
-    are left alone (negative cases)."""
+    """Tool messages answer the calls before them (OpenAI's rules, which a schema cannot state): a
+    message's call ids are made distinct, each assistant message's calls get one answer each right
+    after it, in place of the tool messages there, and a tool message that answers nothing becomes
+    a user message. Values of a wrong type are left alone (negative cases)."""
     out, answering = [], False
     for m in messages:
         if isinstance(m, dict) and m.get("role") == "tool" and isinstance(m.get("tool_call_id"), str):
@@ -185,12 +185,16 @@ def _answer_calls(messages: list) -> list:
                 out.append({**{k: v for k, v in m.items() if k != "tool_call_id"}, "role": "user"})
             continue
         answering = False
-        out.append(m)
         calls = m.get("tool_calls") if isinstance(m, dict) and m.get("role") == "assistant" else None
         if isinstance(calls, list) and calls and all(isinstance(c, dict) and isinstance(c.get("id"), str)
                                                      for c in calls):
-            out += [{"role": "tool", "tool_call_id": i, "content": "ok"} for i in dict.fromkeys(c["id"] for c in calls)]
+            calls = [c if all(c["id"] != d["id"] for d in calls[:k]) else {**c, "id": f"{c['id']}#{k}"}
+                     for k, c in enumerate(calls)]
+            out += [{**m, "tool_calls": calls}, *({"role": "tool", "tool_call_id": c["id"], "content": "ok"}
+                                                  for c in calls)]
             answering = True
+        else:
+            out.append(m)
     return out
 
 

@@ -268,6 +268,16 @@ ASKED, LATER = {"role": "user", "content": "Weather?"}, {"role": "user", "conten
      "messages[1].tool_calls[0].id", "is missing"),
     ([ASKED, {"role": "assistant", "tool_calls": [{"id": 3, "function": {"name": "get_weather"}}]}],
      "messages[1].tool_calls[0].id", "must be a string"),
+    ([ASKED, calling("c1"), answer("c1"), answer("c1")], "messages[3].tool_call_id", "answered already"),
+    ([ASKED, calling("c1", "c2"), answer("c2"), answer("c1"), answer("c2")], "messages[4].tool_call_id",
+     "'c2': the call was answered already (each call of messages[1] gets one tool message)"),
+    ([ASKED, calling("c1", "c1"), answer("c1")], "messages[1].tool_calls[1].id", "duplicate id 'c1'"),
+    ([ASKED, calling("c1", "c2", "c2"), answer("c1"), answer("c2")], "messages[1].tool_calls[2].id", "duplicate"),
+    ([ASKED, {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "get_weather"}}]}, answer("c1")],
+     "messages[1].tool_calls[0].function.arguments", "is missing"),
+    *[([ASKED, {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "get_weather", "arguments": a}}]},
+        answer("c1")], "messages[1].tool_calls[0].function.arguments", f"must be a string (JSON text), got {t}")
+      for a, t in (({"city": "Paris"}, "an object"), ([], "an array"), (3, "a number"), (True, "a boolean"))],
 ])
 def test_tool_messages_must_answer_the_calls_before_them(messages, param, words):
     from monobatch.chat_prompt import check_tool_results
@@ -298,6 +308,7 @@ def test_answered_calls_pass_in_any_order():
                         LATER, calling("c3"), answer("c3")])
     check_tool_results(HISTORY)
     check_tool_results([ASKED, {"role": "assistant", "content": "Hi", "tool_calls": []}, LATER])  # no calls
+    check_tool_results([ASKED, calling("c1"), answer("c1"), LATER, calling("c1"), answer("c1")])  # another turn's
 
 
 @pytest.mark.parametrize("fmt", list(ToolFormat))

@@ -210,10 +210,23 @@ def _calling(*ids):
      "messages[2].tool_call_id", "'c2' is not the id of a tool call of messages[1]"),
     (ASK + [_calling("c1", "c2"), {"role": "tool", "tool_call_id": "c1", "content": "18"}],
      "messages[1]", "The following tool_call_ids did not have response messages: c2"),
+    (ASK + [_calling("c1"), {"role": "tool", "tool_call_id": "c1", "content": "18"},
+            {"role": "tool", "tool_call_id": "c1", "content": "19"}],
+     "messages[3].tool_call_id", "'c1': the call was answered already"),
+    (ASK + [_calling("c1", "c2", "c1"), {"role": "tool", "tool_call_id": "c1", "content": "18"},
+            {"role": "tool", "tool_call_id": "c2", "content": "19"}],
+     "messages[1].tool_calls[2].id", "duplicate id 'c1'"),
+    (ASK + [{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "get_weather", "arguments": {"city": "Paris"}}}]}, {"role": "tool", "tool_call_id": "c1", "content": "18"}],
+     "messages[1].tool_calls[0].function.arguments", "must be a string (JSON text), got an object"),
+    (ASK + [{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "get_weather"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "18"}],
+     "messages[1].tool_calls[0].function.arguments", "is missing"),
 ])
 def test_tool_messages_must_answer_the_calls_before_them(server, path, stream, messages, param, words):
     """OpenAI's 400s: a tool message answers a call of the assistant message it follows, by one of
-    its ids, and every call is answered; before any SSE byte, and /tokenize's messages alike."""
+    its ids, and every call is answered, once; a message's call ids are distinct and its calls'
+    arguments JSON text; before any SSE byte, and /tokenize's messages alike."""
     body = {"messages": messages} | ({"max_tokens": 4, "stream": stream, "tools": TOOLS} if path != "/tokenize" else {})
     err = assert_400_naming(server, path, body, param)
     assert err["param"] == param and words in err["message"]

@@ -99,15 +99,17 @@ def check_tool_results(messages: Any) -> None:
     as Mistral's does): each ``tool`` message carries the ``tool_call_id`` (a string) of a call it
     answers; it follows, directly or after other ``tool`` messages, an assistant message with
     ``tool_calls``, and its id is one of that message's call ids; and an assistant message with
-    ``tool_calls`` is followed by ``tool`` messages answering each of its ids. These are OpenAI's
-    400s for a tool message without a preceding call and for ids left without a response, worded
-    as its messages.
+    ``tool_calls`` is followed by ``tool`` messages answering each of its ids, once each. These
+    are OpenAI's 400s for a tool message without a preceding call and for ids left without a
+    response, worded as its messages.
 
     Raises:
-        InvalidRequestError: param ``messages[i].tool_call_id`` (missing, null, not a string, or
-            not an id of the calls it follows), ``messages[i]`` (a tool message that follows no
-            assistant ``tool_calls``; an assistant message whose calls are not all answered), or
-            as :func:`monobatch.tool_calls.history_calls` (a malformed call, a call without an id).
+        InvalidRequestError: param ``messages[i].tool_call_id`` (missing, null, not a string, not
+            an id of the calls it follows, or an id an earlier tool message answered already),
+            ``messages[i]`` (a tool message that follows no assistant ``tool_calls``; an assistant
+            message whose calls are not all answered), or as
+            :func:`monobatch.tool_calls.history_calls` (a malformed call; a call id missing or
+            repeated within the message; arguments that are not JSON text).
     """
     owner, pending, ids = None, {}, ()  # the assistant message answered now, its unanswered ids, all its ids
     for i, m in enumerate(messages if isinstance(messages, list) else ()):
@@ -126,7 +128,11 @@ def check_tool_results(messages: Any) -> None:
                 raise InvalidRequestError(f"messages[{i}].tool_call_id {call_id!r} is not the id of a tool call of "
                                           f"messages[{owner}] (its ids: {', '.join(ids)})",
                                           f"messages[{i}].tool_call_id")
-            pending.pop(call_id, None)
+            if call_id not in pending:
+                raise InvalidRequestError(f"messages[{i}].tool_call_id {call_id!r}: the call was answered already "
+                                          f"(each call of messages[{owner}] gets one tool message)",
+                                          f"messages[{i}].tool_call_id")
+            del pending[call_id]
             continue
         _check_answered(owner, pending)
         owner, pending, ids = None, {}, ()

@@ -158,8 +158,9 @@ _TEXT_PART = {"type": "object", "required": ["type", "text"],
 #: An assistant message's tool call, as monobatch.tool_calls checks history calls.
 _HISTORY_CALL = {"type": "object", "required": ["id", "function"],
                  "properties": {"id": {"type": "string"}, "type": {"const": "function"},
-                                "function": {"type": "object", "required": ["name"],
-                                             "properties": {"name": {"type": "string"}}}}}
+                                "function": {"type": "object", "required": ["name", "arguments"],
+                                             "properties": {"name": {"type": "string"},
+                                                            "arguments": {"type": "string"}}}}}
 #: One chat message, as monobatch.tokenizer.chat_template.normalize_messages checks it (keys
 #: beyond role and content pass to the template).
 MESSAGE_SCHEMA: dict[str, Any] = {
@@ -168,7 +169,8 @@ MESSAGE_SCHEMA: dict[str, Any] = {
                    "a list of text parts (joined with newlines). An assistant message with tool_calls ([{id, type: "
                    "function, function: {name, arguments}}]) may leave content out, and tool messages follow it, "
                    "one answering each call (tool_call_id: the id of the call it answers; OpenAI's rule, a 400 "
-                   "otherwise). Other keys (name, ...) pass to the chat template.",
+                   "otherwise). A message's call ids are distinct and each is answered once; arguments are JSON "
+                   "text. Other keys (name, ...) pass to the chat template.",
     "required": ["role"],
     "properties": {"role": {"enum": sorted(ROLES)},
                    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART},

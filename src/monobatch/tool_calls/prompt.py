@@ -91,17 +91,32 @@ def prepare_messages(messages: Any, spec: ToolSpec | None, fmt: ToolFormat) -> t
 
 def history_calls(calls: Any, i: int) -> list[tuple[str, str, Any]]:
     """``(id, name, arguments)`` of each call of an assistant message's ``tool_calls`` (message
-    ``i``): arguments as a dict when its JSON text is an object, else as sent.
+    ``i``): arguments as a dict when its JSON text is an object, else as sent. OpenAI's rules for
+    a history call, each a 400 in OpenAI's API too.
 
     Raises:
         InvalidRequestError: ``tool_calls`` not a list (param "messages"), a call without
-            ``function.name`` (param "messages"), or whose ``id`` is missing or not a string
-            (param ``messages[i].tool_calls[k].id``: OpenAI requires it, and a tool message answers
-            it by that id).
+            ``function.name`` (param "messages"), one whose ``id`` is missing, not a string or
+            the id of an earlier call of the same message (param ``messages[i].tool_calls[k].id``:
+            a tool message answers a call by its id), or whose ``function.arguments`` is missing
+            or not a string (param ``messages[i].tool_calls[k].function.arguments``: OpenAI's
+            arguments are JSON text, never a JSON object).
     """
     if not isinstance(calls, list):
         raise InvalidRequestError(f"messages[{i}].tool_calls must be a list", "messages")
-    return [_history_call(tc, i, k) for k, tc in enumerate(calls)]
+    out: list[tuple[str, str, Any]] = []
+    for k, tc in enumerate(calls):
+        call = _history_call(tc, i, k)
+        if any(call[0] == seen for seen, _, _ in out):
+            raise InvalidRequestError(f"messages[{i}].tool_calls[{k}].id: duplicate id {call[0]!r} (the calls of "
+                                      "one message need distinct ids: a tool message answers a call by its id)",
+                                      f"messages[{i}].tool_calls[{k}].id")
+        out.append(call)
+    return out
+
+
+#: JSON's names for the Python types a decoded JSON value has (for "expected a string, got ...").
+_JSON_TYPES = {dict: "an object", list: "an array", bool: "a boolean", int: "a number", float: "a number"}
 
 
 def _history_call(tc: Any, i: int, k: int) -> tuple[str, str, Any]:
@@ -113,13 +128,18 @@ def _history_call(tc: Any, i: int, k: int) -> tuple[str, str, Any]:
         what = "is missing" if tc.get("id") is None else "must be a string"
         raise InvalidRequestError(f"messages[{i}].tool_calls[{k}].id {what}: a tool message answers a call by "
                                   "its id", f"messages[{i}].tool_calls[{k}].id")
-    args = fn.get("arguments", {})
-    if isinstance(args, str):
-        try:
-            parsed = json.loads(args) if args.strip() else {}
-            args = parsed if isinstance(parsed, dict) else args
-        except JSON_ERRORS:  # not JSON, or nested past the recursion limit
-            pass  # left as text: the template shows what the client sent
+    args = fn.get("arguments")
+    if not isinstance(args, str):
+        what = "is missing" if args is None else \
+            f"must be a string (JSON text), got {_JSON_TYPES.get(type(args), type(args).__name__)}"
+        raise InvalidRequestError(f"messages[{i}].tool_calls[{k}].function.arguments {what}: a call's arguments "
+                                  "are the JSON text of an object, as a reply's tool_calls carry them",
+                                  f"messages[{i}].tool_calls[{k}].function.arguments")
+    try:
+        parsed = json.loads(args) if args.strip() else {}
+        args = parsed if isinstance(parsed, dict) else args
+    except JSON_ERRORS:  # not JSON, or nested past the recursion limit
+        pass  # left as text: the template shows what the client sent
     return tc["id"], fn["name"], copy.deepcopy(args)
 
 
