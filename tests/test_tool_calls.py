@@ -702,6 +702,39 @@ def test_cut_arguments_with_nan_are_no_call_as_complete_ones(fmt):
 
 
 @pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_a_lone_surrogate_escape_is_u_fffd_never_a_500(fmt):
+    """JSON (and so a grammar) allows any \\uXXXX escape, and the json module decodes a high
+    surrogate whose low half did not come ("\\ud83dx") to a lone surrogate, which no UTF-8 response
+    carries (JSONResponse and the SSE encoding raised: a 500). Wherever the parser decodes a model's
+    JSON string (a call's name and arguments, whole or cut, written as an object or a string, and
+    GENERIC's response) a lone surrogate is U+FFFD, streamed and not alike; a pair stays one
+    character, and a cut call's raw object text keeps the model's escape as written."""
+    head, lone = _arguments_head(fmt), "\\ud83dx \\ud83d\\ude00"
+    whole = call_text(fmt, [("get_weather", {"city": "@"})]).replace("@", lone)
+    as_string = call_text(fmt, [("get_weather", {})]).replace("{}", json.dumps(json.dumps({"city": "@"})), 1)
+    cases = [(whole, "stop", '{"city": "\ufffdx 😀"}'),
+             (as_string.replace("@", lone), "stop", '{"city": "\ufffdx 😀"}'),  # escaped in the string's text
+             (as_string.replace("@", lone.replace("\\", "\\\\")), "stop", '{"city": "\ufffdx 😀"}'),  # twice
+             (head + '"{\\"city\\": \\"' + lone, "length", '{"city": "\ufffdx 😀'),  # the brief's probe
+             (head + '"{\\"city\\": \\"\\ud83dx\\ud83d', "length", '{"city": "\ufffdx'),  # a pair may follow
+             (head + '{"city": "' + lone, "length", '{"city": "' + lone)]  # raw text: the escape, as written
+    for text, reason, arguments in cases:
+        for choice in ("auto", "required"):
+            for cuts in (None, []):
+                content, calls, deltas = stream(text, fmt, spec(choice), cuts, reason)
+                assert [(c.name, c.arguments) for c in calls] == [("get_weather", arguments)], (text, cuts)
+                assert content == "" and [d.arguments for d in deltas] == [arguments]
+                json.dumps([c.to_openai() for c in calls], ensure_ascii=False).encode("utf-8")
+    if fmt is not L:  # a name no tool has: a call only where no names are checked
+        named = whole.replace('"get_weather"', '"get_\\ud83d"')
+        assert [c.name for c in stream(named, fmt, spec("auto"))[1]] == ["get_\ufffd"]
+    if fmt is G:
+        reply = '{"response": "a\\ud83dx b\\ud83d\\ude00 \\udc00"}'
+        for cuts in (None, []):
+            assert stream(reply, G, spec("auto"), cuts)[:2] == ("a\ufffdx b😀 \ufffd", [])
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
 def test_a_further_call_cut_mid_json_keeps_the_complete_ones(fmt):
     """A reply cut inside its second call's name: the first call stays a call, the cut one is no
     call (max_tokens: content under auto in a model's own format, nothing under a grammar; a stop

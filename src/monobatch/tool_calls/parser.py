@@ -318,6 +318,19 @@ _HIGH_SURROGATE = re.compile(r"(?:^|[^\\])(?:\\\\)*\\u[dD][89abAB][0-9a-fA-F]{2}
 _CUT_TAIL = re.compile(r"(?:\\u[dD][89abAB][0-9a-fA-F]{2})?(?:\\(?:u[0-9a-fA-F]{0,3})?)?")
 #: The keys of a call object that hold its arguments (Llama's ``parameters``).
 _ARGUMENT_KEYS = ("arguments", "parameters")
+#: A surrogate code point. In a str the ``json`` module decoded it is half of a pair whose other
+#: half did not come: ``"\\ud83dx"`` decodes to ``"\ud83dx"``, which is no UTF-8 text.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _utf8_text(text: str) -> str:
+    """``text`` with each lone surrogate replaced by U+FFFD, as a UTF-8 decoder replaces a bad
+    byte: text the response's UTF-8 encoding takes (a lone surrogate there was a 500). JSON's
+    grammar allows any ``\\uXXXX`` escape, so a grammar-forced call may hold one; it stays the call,
+    its arguments still JSON. Applied wherever the parser decodes a model's JSON string (a call's
+    name and arguments, whole or cut, and GENERIC's ``response``), each to whole characters only
+    (:func:`_whole_chars`), so streamed and non-streamed replies get the same text."""
+    return _SURROGATE.sub("\ufffd", text)
 
 
 def _whole_chars(body: str) -> int:
@@ -332,7 +345,7 @@ def _whole_chars(body: str) -> int:
 
 def _decode_str(body: str) -> str:
     try:
-        return json.loads(f'"{body}"', strict=False)
+        return _utf8_text(json.loads(f'"{body}"', strict=False))
     except ValueError:
         return body
 
@@ -367,7 +380,9 @@ def _parse_call(text: str, names: set[str] | None) -> tuple[str, str] | None:
             args = _DECODER.decode(args)
         except JSON_ERRORS:
             return None
-    return (obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
+    if not isinstance(args, dict):
+        return None
+    return _utf8_text(obj["name"]), _utf8_text(json.dumps(args, ensure_ascii=False))
 
 
 def _cut_call(text: str, names: set[str] | None) -> tuple[str, str] | None:
@@ -419,7 +434,7 @@ def _cut_call(text: str, names: set[str] | None) -> tuple[str, str] | None:
         i += 1
     if not name or args is None or (names is not None and name not in names):
         return None
-    return name, args
+    return _utf8_text(name), _utf8_text(args)
 
 
 def _cut_string(body: str) -> str | None:
