@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 
 from monobatch.tool_calls import MAX_PARALLEL_CALLS
-from server_util import assert_400_naming, shared_server
+from server_util import assert_400_naming, shared_server, sse_events
 from test_server import MAIN_ARGS, parallel
 
 openai = pytest.importorskip("openai")
@@ -93,6 +93,48 @@ def test_required_and_named_are_enforced_streamed_and_not(client, model, choice,
     jsonschema.validate(json.loads(call.function.arguments), schema)
     assert reason == want and content == "" and list(calls) == [0]
     assert calls[0]["name"] == call.function.name and calls[0]["arguments"] == call.function.arguments
+
+
+def _first_delta(server, **body):
+    """The first delta of a streamed chat reply (raw SSE)."""
+    resp = server.post("/v1/chat/completions", {**body, "stream": True})
+    assert resp.status_code == 200, resp.text
+    return sse_events(resp.text.splitlines())[0]["choices"][0]["delta"]
+
+
+def _accumulated(client, **kw):
+    """The message the ``openai`` client's stream helper accumulates (``chat.completions.stream``)."""
+    with client.chat.completions.stream(**kw) as stream:
+        for _ in stream:
+            pass
+        return stream.current_completion_snapshot.choices[0].message
+
+
+@pytest.mark.parametrize("tools,choice", [(None, None), (TOOLS, "required"), (TOOLS, NAMED), (TOOLS, "auto"),
+                                          (TOOLS, "none")])
+def test_the_first_streamed_delta_says_what_openais_says(server, client, model, tools, choice):
+    """OpenAI's first delta: ``{"role": "assistant", "content": ""}`` for a text reply, the role
+    with ``content: null`` and the first call for a reply that starts with a call (the role chunk
+    waits for the reply's first piece when tools are offered). The ``openai`` client's stream
+    helper then accumulates the non-streamed message: ``content`` null for a reply of only calls."""
+    kw = dict(model=model, messages=ASK, temperature=0, max_tokens=60) | (
+        {"tools": tools, "tool_choice": choice} if tools else {})
+    done = client.chat.completions.create(**kw).choices[0].message
+    first = _first_delta(server, **kw)
+    if done.tool_calls:
+        assert first["role"] == "assistant" and first["content"] is None and list(first) == [
+            "role", "content", "tool_calls"]
+        call = first["tool_calls"][0]
+        assert call["index"] == 0 and call["function"] == {"name": done.tool_calls[0].function.name, "arguments": ""}
+    else:
+        assert first == {"role": "assistant", "content": ""}
+    # the grammar forces the calls; under auto the greedy bundled model answers this in text (the
+    # deferred role chunk's text case)
+    assert (choice in ("required", NAMED)) == bool(done.tool_calls)
+    streamed = _accumulated(client, **kw)
+    assert streamed.content == done.content and streamed.role == "assistant"
+    assert [(c.function.name, c.function.arguments) for c in streamed.tool_calls or ()] == [
+        (c.function.name, c.function.arguments) for c in done.tool_calls or ()]
 
 
 def test_parallel_tool_calls_false_allows_one_call(client, model):

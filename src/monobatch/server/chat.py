@@ -123,15 +123,22 @@ class _Chat:
         return EventStream(frame, reader, self.record, choices)
 
     async def _events(self, reader: ResponseReader, choices: list[Choice]) -> AsyncIterator[str]:
-        """The body of :meth:`stream`: role chunks, then one chunk per output worth sending."""
+        """The body of :meth:`stream`: role chunks, then one chunk per output worth sending.
+
+        Without tools each choice's role chunk (``content: ""``) comes first, before any token.
+        With tools offered it waits for the choice's first piece, so that it says what OpenAI's
+        says: a call first gets the role with ``content: null`` in the call's own delta; text
+        first gets ``content: ""`` before it, and so does the end of a reply with no call; anything
+        else (reasoning, logprobs) ``content: null``, and a reply that then ends with no content, no
+        call and no cut call gets ``content: ""`` in its last delta. The ``openai`` client's
+        accumulated message then has the non-streamed ``content`` (null for a reply of only calls).
+        """
         n = len(choices)
         splitters = [self.splitter() for _ in range(n)]
-        for i in range(n):
-            first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None}
-            if self.body.return_token_ids and i == 0:
-                first["prompt_token_ids"] = self.prompt_ids
-            yield sse(self._chunk([first]))
+        announced = [not self.chat.tools.active] * n  # role chunk sent (without tools: at once, below)
+        null_role = [False] * n  # the role chunk said content null and no content came yet
+        for i in range(n) if not self.chat.tools.active else ():
+            yield sse(self._chunk([self._first(i, {"role": "assistant", "content": ""})]))
         pending = [[] for _ in range(n)]  # token ids not sent yet (their text is held back)
         async for i, out in reader:
             choices[i].add(out)
@@ -143,15 +150,26 @@ class _Chat:
             reason = self.finish_reason(choices[i], splitters[i]) if out.finished else None
             text = parts.content or parts.reasoning or wants_logprobs
             if text or (out.finished and not parts.tool_calls):  # text before any call it preceded
+                textual = not splitters[i].tool_calls and not splitters[i].cut_call  # content "", never null
+                if not announced[i]:
+                    announced[i], null_role[i] = True, not (parts.content or out.finished and textual)
+                    yield sse(self._chunk([self._first(i, {"role": "assistant",
+                                                           "content": None if null_role[i] else ""})]))
+                null_role[i] = null_role[i] and not parts.content
+                empty = out.finished and null_role[i] and textual
                 yield self._row(i, parts, out.logprobs if wants_logprobs else None,
-                                None if parts.tool_calls else reason, pending[i])
+                                None if parts.tool_calls else reason, pending[i], empty_content=empty)
                 pending[i] = []
             for call in parts.tool_calls:  # id and name first, then the arguments (OpenAI's stream shape)
                 first = call.to_openai()
                 args = first["function"]["arguments"]
                 first["function"]["arguments"] = ""
-                yield sse(self._chunk([{"index": i, "delta": {"tool_calls": [first]}, "logprobs": None,
-                                        "finish_reason": None}]))
+                if not announced[i]:  # OpenAI's first delta of a reply that starts with a call
+                    announced[i] = True
+                    row = self._first(i, {"role": "assistant", "content": None, "tool_calls": [first]})
+                else:
+                    row = {"index": i, "delta": {"tool_calls": [first]}, "logprobs": None, "finish_reason": None}
+                yield sse(self._chunk([row]))
                 if args:
                     yield sse(self._chunk([{"index": i, "delta": {"tool_calls": [
                         {"index": call.index, "function": {"arguments": args}}]}, "logprobs": None,
@@ -160,10 +178,20 @@ class _Chat:
                 yield self._row(i, ChatDelta(), None, reason, pending[i])
                 pending[i] = []
 
-    def _row(self, i: int, parts: ChatDelta, logprobs: list | None, reason: str | None, token_ids: list[int]) -> str:
-        """One SSE chunk of choice ``i``: its text, logprobs, finish_reason and token ids."""
+    def _first(self, i: int, delta: dict) -> dict:
+        """The choice object of choice ``i``'s first chunk (``delta`` carries the role); choice 0's
+        has ``prompt_token_ids`` with ``return_token_ids``."""
+        first = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+        if self.body.return_token_ids and i == 0:
+            first["prompt_token_ids"] = self.prompt_ids
+        return first
+
+    def _row(self, i: int, parts: ChatDelta, logprobs: list | None, reason: str | None, token_ids: list[int],
+             empty_content: bool = False) -> str:
+        """One SSE chunk of choice ``i``: its text, logprobs, finish_reason and token ids
+        (``empty_content``: ``content: ""`` when there is no text, see :meth:`_events`)."""
         delta = {}
-        if parts.content:
+        if parts.content or empty_content:
             delta["content"] = parts.content
         if parts.reasoning:
             delta["reasoning_content"] = parts.reasoning
