@@ -201,3 +201,28 @@ def test_one_log_line_per_request(loaded, caplog):
         [line] = _lines(caplog, "aborted (client disconnected): stream=false")
         assert "/v1/completions" in line.getMessage()
         assert not [r for r in caplog.records if r.name == "monobatch.server" and r.levelno > logging.INFO]
+
+
+def test_the_log_line_reports_the_apis_finish_reason(loaded, caplog):
+    """A chat reply of tool calls ends with the engine's ``stop`` and the API's ``tool_calls``:
+    the request log says ``tool_calls``, as the response does, streamed and not."""
+    import logging
+    import re
+
+    caplog.set_level(logging.INFO, logger="monobatch.server")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+        "additionalProperties": False}}}]
+    body = {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "temperature": 0,
+            "max_tokens": 60, "tools": tools, "tool_choice": "required"}
+    with ServerThread(create_app(ServerSettings(), lambda: new_scheduler(loaded, max_num_seqs=4))) as server:
+        server.wait_ready(60)
+        url = server.base_url + "/v1/chat/completions"
+        done = httpx.post(url, json=body, timeout=60).json()
+        assert done["choices"][0]["finish_reason"] == "tool_calls"
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+            events = sse_events(list(r.iter_lines()))
+        assert [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]][-1] == "tool_calls"
+        for request_id in (done["id"], events[0]["id"]):
+            [line] = _lines(caplog, request_id)
+            assert dict(re.findall(r"(\w+)=(\S+)", line.getMessage()))["finish_reason"] == "tool_calls"

@@ -70,8 +70,10 @@ class _Chat:
         return ChatReply(self.reasoning_format, self.chat.in_reasoning, self.chat.tools, self.chat.fmt)
 
     def finish_reason(self, c: Choice, reply: ChatReply) -> str | None:
-        """``tool_calls`` when the reply called tools and ended normally (:meth:`ChatPrompt.finish_reason`)."""
-        return self.chat.finish_reason(c.finish_reason, bool(reply.tool_calls), reply.cut_call)
+        """``tool_calls`` when the reply called tools and ended normally (:meth:`ChatPrompt.finish_reason`);
+        kept on ``c`` as the reason the response reports (the request log's)."""
+        c.api_finish_reason = self.chat.finish_reason(c.finish_reason, bool(reply.tool_calls), reply.cut_call)
+        return c.api_finish_reason
 
     def _chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
         chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,

@@ -85,6 +85,9 @@ class Choice:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     ttft_ms: float | None = None  # the engine's RequestMetrics, on the final output
+    #: The finish_reason the response reported, where the endpoint maps the engine's (chat's
+    #: ``tool_calls``: ``ChatPrompt.finish_reason``); None: the engine's, as it is.
+    api_finish_reason: str | None = None
 
     def add(self, out: RowOutput) -> None:
         """Fold one RowOutput in."""
@@ -100,6 +103,11 @@ class Choice:
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason.value
+
+    @property
+    def reported_finish_reason(self) -> str | None:
+        """The finish_reason the API reported for this choice (the engine's unless the endpoint mapped it)."""
+        return self.api_finish_reason or self.finish_reason
 
 
 def usage(choices: list[Choice], n: int) -> dict[str, Any]:
@@ -119,8 +127,8 @@ def usage(choices: list[Choice], n: int) -> dict[str, Any]:
 class RequestLog:
     """The one INFO line a generation request logs when it ends, as vLLM's and llama-server's
     servers do (logger ``monobatch.server``; ``serve --log-level``): finished (its id, endpoint,
-    stream or not, prompt and completion tokens as :func:`usage` counts them, the engine's finish
-    reason per choice, TTFT — the first choice's first token, from the engine's ``RequestMetrics`` —
+    stream or not, prompt and completion tokens as :func:`usage` counts them, the finish reason per
+    choice as the response reported it (:attr:`Choice.reported_finish_reason`: chat's ``tool_calls``), TTFT — the first choice's first token, from the engine's ``RequestMetrics`` —
     and the total time since the HTTP request arrived), aborted (the client disconnected), or
     failed (a WARNING): the engine ended it, or a bug did (:meth:`crashed`). A request refused
     before it ran is logged by the error handlers instead (``errors.install_handlers``).
@@ -151,7 +159,7 @@ class RequestLog:
         u = usage(choices, self.n)
         ttfts = [c.ttft_ms for c in choices if c.ttft_ms is not None]
         ttft = f"{min(ttfts):.1f}" if ttfts else "-"
-        reasons = ",".join(c.finish_reason or "-" for c in choices)
+        reasons = ",".join(c.reported_finish_reason or "-" for c in choices)
         log.info("%s %s finished: stream=%s prompt_tokens=%d completion_tokens=%d finish_reason=%s ttft_ms=%s "
                  "total_ms=%.1f", self.request_id, self.endpoint, str(self.stream).lower(), u["prompt_tokens"],
                  u["completion_tokens"], reasons, ttft, self._elapsed_ms())
