@@ -585,19 +585,22 @@ def test_a_call_max_tokens_cut_after_its_name_keeps_its_cut_arguments(fmt, choic
 
 @pytest.mark.parametrize("choice", ["auto", "required", NAMED_WEATHER])
 @pytest.mark.parametrize("fmt", list(ToolFormat))
-def test_a_call_a_stop_string_cut_is_content(fmt, choice):
+def test_a_call_a_stop_string_cut_is_no_call(fmt, choice):
     """A stop string that cut a call (finish_reason stop, which a complete call under a named
-    function ends with too, so a client could not tell) gives no call: its text is content, markers
-    included, after its name or before it, under a grammar or not; streamed or not, the same; the
-    parser says the reply was cut (finish_reason is not tool_calls)."""
+    function ends with too, so a client could not tell) gives no call, after its name or before
+    it. Where a grammar forced the format (required, a named function, GENERIC's auto) its text is
+    the engine's wrapper, not the model's: dropped, no content (OpenAI never answers a forced call
+    with content); under auto in a model's own format it is content, markers included. Streamed or
+    not, the same; the parser says the reply was cut (finish_reason is not tool_calls)."""
     full = call_text(fmt, [("get_weather", {"city": "Paris"})])
+    forced = choice != "auto" or fmt is G
     for cut in (full[:full.index("Par") + 2], full[:full.index("get_wea") + 7]):
         parser = ToolCallParser(spec(choice), fmt)
         parser.feed(cut)
         assert parser.flush("stop").calls == [] and parser.tool_calls == [] and parser.cut
-        assert parser.content == cut
+        assert parser.content == ("" if forced else cut)
         for cuts in (None, []):
-            assert stream(cut, fmt, spec(choice), cuts=cuts)[:2] == (cut, [])
+            assert stream(cut, fmt, spec(choice), cuts=cuts)[:2] == (parser.content, [])
 
 
 @pytest.mark.parametrize("fmt", list(ToolFormat))
@@ -619,16 +622,16 @@ def test_a_call_cut_before_its_name_is_no_call(fmt):
 @pytest.mark.parametrize("fmt", [H, M, G])
 def test_a_cut_wrapper_under_a_grammar_leaves_no_content(fmt):
     """Under "required" nothing but the format's text can come, so any unfinished wrapper (a marker,
-    GENERIC's opening) max_tokens cut is dropped at the end, and the reply counts as cut (a stop
-    string's cut leaves it as content); a reply that ended after its calls is not cut."""
+    GENERIC's opening) max_tokens or a stop string cut is dropped at the end, and the reply counts
+    as cut; a reply that ended after its calls is not cut."""
     full = call_text(fmt, [PARIS])
     for cut in (full[:1], full[:4], full[:full.index("{", 2 if fmt is G else 0) + 1]):
-        parser = ToolCallParser(spec("required"), fmt)
-        parser.feed(cut)
-        parser.flush("length")
-        assert (parser.content, parser.tool_calls, parser.cut) == ("", [], True), cut
-    cut = full[:full.index("{", 2 if fmt is G else 0) + 1]
-    assert stream(cut, fmt, spec("required"))[:2] == (cut, [])
+        for reason in ("length", "stop"):
+            parser = ToolCallParser(spec("required"), fmt)
+            parser.feed(cut)
+            parser.flush(reason)
+            assert (parser.content, parser.tool_calls, parser.cut) == ("", [], True), (cut, reason)
+            assert stream(cut, fmt, spec("required"), reason=reason)[:2] == ("", [])
     whole = ToolCallParser(spec("required"), fmt)
     whole.feed(full + ("\n" if fmt is H else ""))
     whole.flush("stop")
@@ -737,14 +740,14 @@ def test_a_lone_surrogate_escape_is_u_fffd_never_a_500(fmt):
 @pytest.mark.parametrize("fmt", list(ToolFormat))
 def test_a_further_call_cut_mid_json_keeps_the_complete_ones(fmt):
     """A reply cut inside its second call's name: the first call stays a call, the cut one is no
-    call (max_tokens: content under auto in a model's own format, nothing under a grammar; a stop
-    string: content), and the parser says the reply was cut (so finish_reason is not "tool_calls");
-    a whole reply is not cut."""
+    call (max_tokens or a stop string: content under auto in a model's own format, nothing under a
+    grammar), and the parser says the reply was cut (so finish_reason is not "tool_calls"); a whole
+    reply is not cut."""
     full = call_text(fmt, [PARIS, ORIGIN])
     cut = full[:full.index('"move"') + 3]
     for choice in ("auto", "required"):
         for reason in ("length", "stop"):
-            dropped = reason == "length" and (choice == "required" or fmt is G)
+            dropped = choice == "required" or fmt is G
             for pieces in ([cut], list(cut)):  # whole, and one character at a time
                 parser = ToolCallParser(spec(choice), fmt)
                 for piece in pieces:
@@ -832,13 +835,13 @@ def test_a_cut_call(case, data):
     name, the call with its arguments' text as far as it came (the whole value once it was
     complete), the text before it the content; before, no call and the text verbatim as content
     (auto in a model's own format) or nothing (under GENERIC's grammar). Cut by a stop string: no
-    call, the text verbatim as content."""
+    call, the text verbatim as content, or nothing under GENERIC's grammar."""
     fmt, sp, calls, text, cuts = case
     start = text.index("{", text.index("[TOOL_CALLS]") if fmt is M else 1 if fmt is G else 0)
     end = json.JSONDecoder().raw_decode(text, start)[1]
     cut = text[:data.draw(st.integers(start + 1, end - 1))]
     cuts = [c for c in cuts if c < len(cut)]
-    assert stream(cut, fmt, sp, cuts, reason="stop")[:2] == (cut, [])
+    assert stream(cut, fmt, sp, cuts, reason="stop")[:2] == ("" if fmt is G else cut, [])
     content, got, deltas = stream(cut, fmt, sp, cuts, reason="length")
     name, args = calls[0]
     head = f'"name": {json.dumps(name)}'

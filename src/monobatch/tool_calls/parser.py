@@ -148,25 +148,25 @@ class ToolCallParser:
 
         A call the end cut is reported only when ``max_tokens`` (or the context) cut it
         (``length``), as OpenAI replies then: cut after its name was complete, the call, its
-        ``arguments`` the arguments' text as far as it came (not JSON; :func:`_cut_call`); cut
-        before, no call, and where a grammar held the reply to the format
+        ``arguments`` the arguments' text as far as it came (not JSON; :func:`_cut_call`). Any
+        other end inside a call (a stop string: ``stop``, which is also what a complete call's
+        reply ends with under a named function, so a client could not tell the call was cut), and
+        ``length`` before its name was complete, report no call for it. Its text is then dropped
+        where a grammar held the reply to the format
         (:func:`~monobatch.tool_calls.request.grammar_enforced`: "required", a named function,
-        GENERIC's "auto") its text is the format's wrapper and is dropped (the reply has no
-        content), otherwise ("auto" in a model's own format, which may have been writing text) it
-        is content, raw, markers included, as vLLM does. Any other end inside a call (a stop
-        string: ``stop``, which is also what a complete call's reply ends with under a named
-        function, so a client could not tell the call was cut) reports no call for it: its text is
-        content, raw, markers included. ``cut`` is then true either way (calls complete before it
-        stay calls). A dangling partial marker (two or more characters) is dropped (G2)."""
+        GENERIC's "auto"): it is the format's wrapper, the engine's and not the model's text, and
+        OpenAI never answers a forced call with content (the reply has none). Otherwise ("auto" in
+        a model's own format, which may have been writing text) it is content, raw, markers
+        included, as vLLM does. ``cut`` is then true either way (calls complete before it stay
+        calls). A dangling partial marker (two or more characters) is dropped (G2)."""
         out, held, state = ToolDelta(), self._held, self._state
         self._held, self._state = "", "plain"
-        length = finish_reason == "length"
         call = _cut_call(held, self._names if self._fmt is ToolFormat.LLAMA3_JSON else None) \
-            if length and state == "call" else None
+            if finish_reason == "length" and state == "call" else None
         if call is not None:
             self._cut = True
             self._report(out, *call)
-        elif length and self._forced and state in ("text", "start", "open", "mopen", "call"):
+        elif self._forced and state in ("text", "start", "open", "mopen", "call"):
             self._cut = state not in ("text", "start") or bool(held.strip())  # the wrapper of a call begun: dropped
         elif state in ("text", "start") and self._fmt is not ToolFormat.GENERIC:
             keep = partial_suffix(held, self._marker or PYTHON_TAG)
