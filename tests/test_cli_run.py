@@ -119,6 +119,19 @@ def test_only_given_flags_become_request_fields():
     assert set(fields) - {"reasoning_format"} <= set(sent)
 
 
+def test_seed_minus_1_is_sent_as_random():
+    """--seed -1 (llama.cpp's "random") is sent as the request's seed -1, which the server reads as
+    random even when it runs with --seed (a dropped field would apply the server's seed)."""
+    from monobatch.cli.main import build_parser
+    from monobatch.cli.session import check_flags
+    from monobatch.engine.params import resolve_sampling
+
+    fields = check_flags(build_parser().parse_args(["run", "--server-base", "http://127.0.0.1:1", "--seed", "-1",
+                                                    "hi"]))
+    assert fields == {"seed": -1}
+    assert resolve_sampling(fields, {"seed": 42}).seed is None
+
+
 @pytest.mark.parametrize("n", ["-1", "-2"])
 def test_no_limit_is_refused_for_a_remote_server_only(n, capsys):
     """-n -1/-2 (no limit) has no API value: refused with --server-base (not silently dropped, which

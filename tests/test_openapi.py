@@ -118,7 +118,7 @@ def test_request_schemas_carry_the_engines_ranges_and_nulls():
                 "min_p": {"minimum": 0, "maximum": 1}, "typical_p": {"exclusiveMinimum": 0, "maximum": 1},
                 "presence_penalty": {"minimum": -2, "maximum": 2}, "frequency_penalty": {"minimum": -2, "maximum": 2},
                 "repeat_penalty": {"exclusiveMinimum": 0}, "repetition_penalty": {"exclusiveMinimum": 0},
-                "top_k": {"minimum": -1}, "seed": {"minimum": 0, "exclusiveMaximum": 2**63},
+                "top_k": {"minimum": -1}, "seed": {"minimum": -1, "exclusiveMaximum": 2**63},
                 "n": {"minimum": 1, "maximum": 128}, "max_tokens": {"minimum": 0}, "min_tokens": {"minimum": 0},
                 "dry_base": {"minimum": 1}}
     for model in ("CompletionRequest", "ChatCompletionRequest"):

@@ -16,7 +16,7 @@ from monobatch.errors import InvalidRequestError
     ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"5": 1e9}}, "logit_bias"),
     ({"logit_bias": {"5_0": 1}}, "logit_bias"), ({"logit_bias": {" 5": 1}}, "logit_bias"),
     ({"logit_bias": {True: 1}}, "logit_bias"), ({"max_tokens": -2}, "max_tokens"),
-    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"seed": -1}, "seed"), ({"presence_penalty": 3}, "presence_penalty"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"seed": -2}, "seed"), ({"seed": 2**63}, "seed"), ({"presence_penalty": 3}, "presence_penalty"),
 ])
 def test_bad_values_are_refused_with_the_field_name(kwargs, field):
     with pytest.raises(InvalidRequestError) as err:
@@ -36,6 +36,15 @@ def test_openai_shapes_are_accepted():
     p = SamplingParams(stop="END", logit_bias={"50": -100}, temperature=1, top_p=1)
     assert p.stop == ("END",) and p.logit_bias == {50: -100.0}
     assert SamplingParams(max_tokens=-1).max_tokens is None  # llama.cpp's -n -1: no limit
+    assert SamplingParams(seed=-1).seed is None  # llama.cpp's --seed -1 / llama-server's seed -1: random
+
+
+def test_a_requests_seed_minus_1_overrides_a_server_seed():
+    """-1 is "random" at every level: a request's -1 beats the server's --seed (request > flag),
+    and a flag's -1 beats the model's generation config."""
+    assert resolve_sampling({"seed": -1}, {"seed": 42}).seed is None
+    assert resolve_sampling({}, {"seed": -1}, {"seed": 7}).seed is None
+    assert resolve_sampling({"seed": 5}, {"seed": -1}).seed == 5
 
 
 def test_precedence_request_over_flag_over_model_over_table():

@@ -226,3 +226,34 @@ def test_the_log_line_reports_the_apis_finish_reason(loaded, caplog):
         for request_id in (done["id"], events[0]["id"]):
             [line] = _lines(caplog, request_id)
             assert dict(re.findall(r"(\w+)=(\S+)", line.getMessage()))["finish_reason"] == "tool_calls"
+
+
+def test_seed_minus_1_is_a_random_seed_over_the_servers(loaded):
+    """llama-server's ``seed: -1`` is "random": accepted on both endpoints (streamed too), and it
+    overrides the server-wide ``--seed`` (here 42: requests without a seed repeat each other, those
+    with -1 do not); other negative seeds stay a 400 naming ``seed``."""
+    settings = ServerSettings(sampling_flags={"seed": 42, "temperature": 1.0})
+    body = {"prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": True}
+    with ServerThread(create_app(settings, lambda: new_scheduler(loaded, max_num_seqs=4))) as server:
+        server.wait_ready(60)
+        url = server.base_url
+
+        def text(**kw):
+            r = httpx.post(url + "/v1/completions", json={**body, **kw}, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        seeded = {text(), text(), text(seed=42)}
+        assert len(seeded) == 1  # the server's seed
+        randoms = {text(seed=-1) for _ in range(3)}
+        assert len(randoms) == 3 and not randoms & seeded
+        two = httpx.post(url + "/v1/completions", json={**body, "seed": -1, "n": 2}, timeout=60).json()["choices"]
+        assert len({c["text"] for c in two} | seeded) == 3  # each choice its own random seed
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "seed": -1}
+        for stream in (False, True):
+            r = httpx.post(url + "/v1/chat/completions", json={**chat, "stream": stream}, timeout=60)
+            assert r.status_code == 200 and r.headers["content-type"].startswith(
+                "text/event-stream" if stream else "application/json"), r.text
+        bad = httpx.post(url + "/v1/completions", json={**body, "seed": -2}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "seed"
+        assert "or -1 for a random seed" in bad.json()["error"]["message"]

@@ -224,10 +224,12 @@ def _read_flag_file(path: str, flag: str) -> str:
 
 
 def sampling_flags(ns: argparse.Namespace) -> dict[str, Any]:
-    """The sampling flags the user set, as SamplingParams fields (sentinels translated).
+    """The sampling flags the user set, as SamplingParams fields (sentinels translated; ``--seed
+    -1``, random, is SamplingParams' own sentinel: kept, so that a request sent with it overrides
+    a server's ``--seed``).
 
     Raises:
-        InvalidRequestError: ``-n`` below -2, ``--seed`` out of range (other than -1).
+        InvalidRequestError: ``-n`` below -2.
     """
     keys = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty",
             "repeat_last_n", "presence_penalty", "frequency_penalty", "dry_multiplier", "dry_base",
@@ -240,10 +242,6 @@ def sampling_flags(ns: argparse.Namespace) -> dict[str, Any]:
                                       "max_tokens")
         if out["max_tokens"] == -2:  # llama.cpp: until the context is filled; we also stop at EOS
             out["max_tokens"] = -1
-    if out.get("seed") == -1:
-        del out["seed"]
-    elif out.get("seed") is not None and not 0 <= out["seed"] < 2**63:
-        raise InvalidRequestError(f"--seed must be in [0, 2**63), or -1 for a random seed; got {out['seed']}", "seed")
     if getattr(ns, "logit_bias", None):
         out["logit_bias"] = dict(ns.logit_bias)
     return out

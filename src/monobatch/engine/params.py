@@ -65,7 +65,9 @@ class SamplingParams:
     ``min_p == 0``, ``repeat_penalty == 1`` off; ``repeat_last_n`` / ``dry_penalty_last_n``: 0 off,
     -1 the whole context; ``max_tokens=None`` runs to EOS or the context end (llama.cpp ``-n -1``).
     ``seed=None`` draws a fresh per-request seed, so an unseeded request never disturbs the
-    random stream of a seeded one.
+    random stream of a seeded one; ``seed=-1`` is the same (llama.cpp's ``--seed -1`` and
+    llama-server's request ``seed: -1``: random), and as a request field it overrides a
+    server-wide ``--seed``.
 
     Raises:
         InvalidRequestError: any field outside its documented range (the message names it).
@@ -139,7 +141,10 @@ class SamplingParams:
             _check(tok >= 0, "logit_bias", f"token id {tok} is negative")
             _check(math.isfinite(bias) and -100 <= bias <= 100, "logit_bias",
                    f"bias {bias} for token {tok} must be in [-100, 100] (OpenAI API)")
-        _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
+        if self.seed == -1:  # llama.cpp's "random" (llama-cli --seed -1, llama-server's seed -1)
+            self.seed = None
+        _check(self.seed is None or 0 <= self.seed < 2**63, "seed",
+               f"must be in [0, 2**63), or -1 for a random seed; got {self.seed}")
         _check(self.min_tokens >= 0, "min_tokens", "must be >= 0")
         _check(self.loop_window >= 0, "loop_window", "must be >= 0 (0 = off)")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings")

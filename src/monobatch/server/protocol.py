@@ -49,8 +49,8 @@ MAX_LOGPROBS = 20
 #: The CLI and the Python API take any temperature >= 0 (llama.cpp's knob): only HTTP bounds it.
 MAX_TEMPERATURE = 2
 ReasoningFormat = Literal[REASONING_FORMATS]  # type: ignore[valid-type]
-#: Seeds are in ``[0, 2**63)`` (SamplingParams); as an exclusive bound it survives FastAPI's float
-#: conversion of schema bounds exactly (2**63 - 1 would not).
+#: Seeds are in ``[0, 2**63)``, or -1 for a random one (SamplingParams); as an exclusive bound it
+#: survives FastAPI's float conversion of schema bounds exactly (2**63 - 1 would not).
 SEED_LIMIT = 2**63
 #: ``x-monobatch`` marker values (see :mod:`monobatch.server.openapi`).
 MODEL_MARKER, TOKEN_ID_MARKER, PROMPT_TEXT_MARKER = "model", "token-id", "prompt-text"
@@ -365,7 +365,8 @@ class SamplingFields(_Body):
         "Nucleus sampling; 1 = off, 0 = the most likely token only.", minimum=0, maximum=1))
     stop: str | list[str] | None = Field(None, json_schema_extra=_stop_schema)
     seed: JsonInt | None = Field(None, json_schema_extra=_bounds(
-        "Reproducible sampling; with n > 1 choice j uses seed + j.", minimum=0, exclusiveMaximum=SEED_LIMIT))
+        "Reproducible sampling; with n > 1 choice j uses seed + j. -1: a random seed (llama-server's; it overrides "
+        "the server's --seed).", minimum=-1, exclusiveMaximum=SEED_LIMIT))
     presence_penalty: float | None = Field(None, json_schema_extra=_bounds("Over generated tokens.", minimum=-2,
                                                                            maximum=2))
     frequency_penalty: float | None = Field(None, json_schema_extra=_bounds("Over generated tokens.", minimum=-2,
