@@ -209,3 +209,17 @@ def test_a_dropped_engine_frees_its_pool_without_the_garbage_collector():
             assert kv() is None, storage
     finally:
         gc.enable()
+
+
+def test_clear_cache_frees_evictable_blocks_and_keeps_held_ones():
+    pool = BlockPool(4)
+    held, dropped = pool.allocate(), pool.allocate()
+    pool.register(held, key=b"h", parent=b"", token_ids=[1])
+    pool.register(dropped, key=b"d", parent=b"", token_ids=[2])
+    pool.release(dropped)
+    assert pool.num_evictable == 1
+    assert pool.clear_cache() == 1
+    assert pool.num_evictable == 0 and pool.num_available == 3
+    assert pool.find(b"d", b"", [2]) is None  # no longer served
+    assert pool.find(b"h", b"", [1]) == held  # a block a sequence holds keeps its key
+    assert pool.is_cached(held) and not pool.is_cached(dropped)

@@ -190,3 +190,32 @@ def test_a_planning_failure_ends_the_running_sequences(make_scheduler, prompts, 
     outs = [o for o in sched.step() if o.finished]
     assert [(o.request_id, o.finish_reason) for o in outs] == [("a", FinishReason.ABORT)]
     assert not sched.has_unfinished() and sched.kv.usage().used_blocks == 0
+
+
+def test_warm_up_burst_leaves_nothing_behind(make_scheduler, prompts):
+    """The server's start-up burst (BatchScheduler.warm_up; on CUDA it JIT-compiles the eager
+    steps' kernels) runs through the loop and leaves no sequence, KV block, cached prefix or
+    counter behind: the next request's tokens equal a fresh scheduler's."""
+    from monobatch.engine.scheduler import warm_up_requests
+
+    config = dict(max_num_seqs=4, max_num_batched_tokens=40, prefill_chunk=16)
+    warm = make_scheduler(**config)
+    warm.warm_up(burst=True)
+    assert warm.kv.paged_attention_calls > 0  # the burst ran
+    usage, stats = warm.kv.usage(), warm.stats()
+    assert not warm.has_unfinished() and usage.used_blocks == 0 and usage.cached_blocks == 0
+    assert (stats.prompt_tokens_total, stats.generation_tokens_total, stats.num_requests_finished,
+            stats.prefix_cache_queries) == (0, 0, 0, 0)
+    assert run_requests(warm, prompts[:2], SHORT) == run_requests(make_scheduler(**config), prompts[:2], SHORT)
+
+    burst = warm_up_requests(49152, 64, 8192, 16384, 10**6, 16)
+    lengths = [len(r.prompt_ids) for r in burst]
+    assert len(burst) == 64 and 2 * 8192 - 600 <= sum(lengths) <= 2 * 8192 + 600
+    assert len({n % 16 for n in lengths}) > 8 and min(lengths) <= 16  # unlike lengths, one short prompt
+    assert {r.params.temperature == 0 for r in burst} == {True, False}
+    small = warm_up_requests(49152, 64, 8192, 16384, 100, 16)  # a small pool: trimmed to fit
+    assert sum(-(-(len(r.prompt_ids) + 4) // 16) for r in small) <= 100
+    started = make_scheduler(**config)
+    started.add_request(Request("busy", prompts[0], SHORT))
+    with pytest.raises(RuntimeError):
+        started.warm_up(burst=True)

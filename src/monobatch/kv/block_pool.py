@@ -136,6 +136,16 @@ class BlockPool:
         """True when ``block`` is keyed in the prefix cache (its contents must not change)."""
         return block in self._key
 
+    def clear_cache(self) -> int:
+        """Drop every evictable block from the prefix cache (vLLM's ``reset_prefix_cache``): they
+        become free. Blocks held by sequences keep their keys. Returns how many were freed."""
+        freed = list(self._evictable)
+        self._evictable.clear()
+        for block in freed:
+            self._forget(block)
+            self._free.append(block)
+        return len(freed)
+
     def _forget(self, block: int) -> None:
         key, _, _ = self._key.pop(block)
         del self._by_hash[key]

@@ -216,6 +216,9 @@ class PagedKv(KvStore):
         used = self.pool.num_referenced
         return KvUsage(used, self.pool.num_blocks, used * self.block_bytes, self.pool.num_evictable)
 
+    def clear_prefix_cache(self) -> int:
+        return self.pool.clear_cache()
+
     def describe(self) -> str:
         n, bs, dtype = self.pool.num_blocks, self.block_size, str(self.dtype).removeprefix('torch.')
         if len(self.groups) == 1:

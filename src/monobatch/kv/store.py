@@ -190,6 +190,11 @@ class KvStore(ABC):
     def usage(self) -> KvUsage:
         """Blocks and bytes in use (for metrics)."""
 
+    def clear_prefix_cache(self) -> int:
+        """Drop the prefix cache's unreferenced blocks (they become free); the number dropped.
+        Storage without a prefix cache has none: 0."""
+        return 0
+
     def used_bytes(self) -> int:
         """Bytes of KV storage currently held by sequences."""
         return self.usage().used_bytes

@@ -104,7 +104,7 @@ class ServerState:
         def work() -> None:
             try:
                 scheduler = self._load()
-                scheduler.engine.warm_up()  # every decode graph now, not in the first requests' TTFT
+                scheduler.warm_up()  # graphs captured and kernels compiled now, not in the first requests' TTFT
                 chars = max_prompt_chars(scheduler.engine.tokenizer, scheduler.engine.max_model_len)
             except BaseException as exc:  # noqa: BLE001 - reported to the runner, which exits
                 loop.call_soon_threadsafe(self._failed, exc)
