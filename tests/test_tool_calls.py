@@ -647,10 +647,10 @@ def test_arguments_nested_past_the_recursion_limit_raise_nothing(fmt):
     head = call_text(fmt, [("get_weather", {})])
     key = '"parameters": ' if fmt is L else '"arguments": '
     start = head.index(key) + len(key)
-    deep = "[" * 5000
+    deep = '{"x": ' + "[" * 5000
     content, calls, _ = stream(head[:start] + deep, fmt, spec("auto"), cuts=[], reason="length")
     assert [(c.name, c.arguments) for c in calls] == [("get_weather", deep)] and content == ""
-    closed = head[:start] + deep + "]" * 5000 + head[start + 2:]
+    closed = head[:start] + deep + "]" * 5000 + "}" + head[start + 2:]
     content, calls, _ = stream(closed, fmt, spec("auto"), cuts=[])
     assert calls == [] and deep in content
 
@@ -702,6 +702,29 @@ def test_cut_arguments_with_nan_are_no_call_as_complete_ones(fmt):
                        ('"{\\"x\\": 1e9, \\"city\\": \\"Pa', '{"x": 1e9, "city": "Pa')):
         calls = stream(head + good, fmt, spec("auto"), cuts=[], reason="length")[1]
         assert [(c.name, c.arguments) for c in calls] == [("get_weather", args)]
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_cut_arguments_follow_the_complete_calls_rules(fmt):
+    """A complete call's arguments are an object, or a JSON string whose text is one; anything else
+    is no call. A cut call's are held to the same as far as they came: a value that completed
+    ("hello", [1, 2], 42, null, a string whose text is no object) is no call, and so is a cut one
+    that can no longer begin an object ([1, , tru, a string whose text begins otherwise); an
+    object's beginning, or nothing yet, is a call. No call: the text is content (auto in a model's
+    own format) or nothing (the generic format's grammar)."""
+    head = _arguments_head(fmt)
+    for bad in ('"hello"', "[1, 2]", "42", "null", '"[1, 2]"', '"{\\"a\\": 1"', '"hello", "x": 1', "[1, 2] ",
+                "[1, ", "tru", '"hel', '"  [1', '"\\u005b'):
+        whole = call_text(fmt, [("get_weather", {})]).replace("{}", bad.rstrip(), 1)
+        assert stream(whole, fmt, spec("auto"), cuts=[])[1] == [], bad  # closed: no call either
+        for cuts in (None, []):
+            content, calls, _ = stream(head + bad, fmt, spec("auto"), cuts=cuts, reason="length")
+            assert calls == [] and content == ("" if fmt is G else head + bad), bad
+    for good, args in (('"{\\"a\\": 1}"', '{"a": 1}'), ('"  {\\"a', '  {"a'), ('"', ""), ("", ""),
+                       ('{"a": 1}', '{"a": 1}'), ('"\\u007b', "{"), ('{"a": [1, ', '{"a": [1, ')):
+        for cuts in (None, []):
+            calls = stream(head + good, fmt, spec("auto"), cuts=cuts, reason="length")[1]
+            assert [(c.name, c.arguments) for c in calls] == [("get_weather", args)], good
 
 
 @pytest.mark.parametrize("fmt", list(ToolFormat))

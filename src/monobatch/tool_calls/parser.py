@@ -374,15 +374,26 @@ def _parse_call(text: str, names: set[str] | None) -> tuple[str, str] | None:
     key = "arguments" if "arguments" in obj else "parameters"
     if names is not None and (obj["name"] not in names or key not in obj):
         return None
-    args = obj.get(key, {})
-    if isinstance(args, str):
-        try:
-            args = _DECODER.decode(args)
-        except JSON_ERRORS:
-            return None
-    if not isinstance(args, dict):
+    args = _arguments(obj.get(key, {}))
+    if args is None:
         return None
     return _utf8_text(obj["name"]), _utf8_text(json.dumps(args, ensure_ascii=False))
+
+
+def _arguments(value: Any) -> dict | None:
+    """A call's whole arguments value as a call takes it: an object, or a JSON string whose text is
+    one (``NaN`` and ``Infinity`` refused); None for anything else (``"hello"``, ``[1, 2]``, ``42``)."""
+    if isinstance(value, str):
+        try:
+            value = _DECODER.decode(value)
+        except JSON_ERRORS:
+            return None
+    return value if isinstance(value, dict) else None
+
+
+def _opens_object(text: str) -> bool:
+    """Whether ``text`` could begin a JSON object: nothing yet, or ``{`` after whitespace."""
+    return text[WHITESPACE.match(text).end():][:1] in ("", "{")
 
 
 def _cut_call(text: str, names: set[str] | None) -> tuple[str, str] | None:
@@ -394,8 +405,12 @@ def _cut_call(text: str, names: set[str] | None) -> tuple[str, str] | None:
     Llama's ``parameters``) is kept as the model wrote it, from its first character to where the
     reply ended (to the value's end when it was complete): ``""`` when the cut came before it.
     Arguments written as a JSON string are its text, decoded (:func:`_cut_string`), as a complete
-    call's are. As in a complete call, ``NaN`` and ``Infinity`` are no JSON: a cut call holding one
-    where the scanner read (its arguments' decoded text included) is no call.
+    call's are. The complete call's rules hold as far as the text came: arguments whose value
+    completed must be what a complete call takes (:func:`_arguments`: an object, or a string whose
+    text is one), and cut ones must be able to begin an object (:func:`_opens_object`: their text,
+    or a string's decoded text, is empty or opens with ``{``), else it is no call (``"hello"``,
+    ``[1, 2]``, ``42``, ``"[1``). ``NaN`` and ``Infinity`` are no JSON: a cut call holding one where
+    the scanner read (its arguments' decoded text included) is no call.
     """
     name, args = None, ""
     i = WHITESPACE.match(text, 0).end()
@@ -421,18 +436,20 @@ def _cut_call(text: str, names: set[str] | None) -> tuple[str, str] | None:
         except JSON_ERRORS:  # the value was cut: the end of the reply (or nested past the recursion limit)
             if key in _ARGUMENT_KEYS:
                 args = _cut_string(text[i + 1:]) if text.startswith('"', i) else text[i:]
+                if args is None or not _opens_object(args):
+                    return None
             break
         if key == "name" and isinstance(value, str):
             name = value
         elif key in _ARGUMENT_KEYS:
-            if isinstance(value, str) and _holds_constant(value):
+            if _arguments(value) is None:
                 return None
             args = value if isinstance(value, str) else text[i:end]
         i = WHITESPACE.match(text, end).end()
         if not text.startswith(",", i):
             break
         i += 1
-    if not name or args is None or (names is not None and name not in names):
+    if not name or (names is not None and name not in names):
         return None
     return _utf8_text(name), _utf8_text(args)
 
