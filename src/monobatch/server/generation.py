@@ -127,9 +127,10 @@ def usage(choices: list[Choice], n: int) -> dict[str, Any]:
 class RequestLog:
     """The one INFO line a generation request logs when it ends, as vLLM's and llama-server's
     servers do (logger ``monobatch.server``; ``serve --log-level``): finished (its id, endpoint,
-    stream or not, prompt and completion tokens as :func:`usage` counts them, the finish reason per
-    choice as the response reported it (:attr:`Choice.reported_finish_reason`: chat's ``tool_calls``), TTFT — the first choice's first token, from the engine's ``RequestMetrics`` —
-    and the total time since the HTTP request arrived), aborted (the client disconnected), or
+    stream or not, prompt and completion tokens as :func:`usage` counts them, the finish reason
+    per choice as the response reported it (:attr:`Choice.reported_finish_reason`: chat's
+    ``tool_calls``), TTFT — the first choice's first token, from the engine's
+    ``RequestMetrics`` — and the total time since the HTTP request arrived), aborted (the client disconnected), or
     failed (a WARNING): the engine ended it, or a bug did (:meth:`crashed`). A request refused
     before it ran is logged by the error handlers instead (``errors.install_handlers``).
 
