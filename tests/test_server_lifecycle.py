@@ -64,6 +64,48 @@ def test_sigterm_finishes_short_requests_aborts_long_ones_and_frees_the_port():
     assert free_port_is_bindable(port)
 
 
+@pytest.mark.parametrize("sigints", [1, 2])
+def test_ctrl_c_shuts_down_then_exits_130_and_a_second_one_forces_it(sigints):
+    """Ctrl-C: the graceful shutdown (requests in flight answered with a 503 before the
+    --shutdown-timeout ends), then exit 130 with one "interrupted" line, as every command on
+    Ctrl-C (docs/cli.md). A second Ctrl-C forces the exit at once (uvicorn's): the requests still
+    in flight get the same OpenAI-shaped 503 now, not uvicorn's plain-text 500 of a cancelled
+    task, and the app still shuts down (no traceback)."""
+    grace = "1.5" if sigints == 1 else "60"
+    server = start_server("-t", "1", "-c", "256", "--shutdown-timeout", grace)
+    port = int(server.base_url.rsplit(":", 1)[1])
+    streamed, plain = {}, {}
+    long_body = {"prompt": "Hello", "max_tokens": 240, "ignore_eos": True}
+    threads = [threading.Thread(target=_stream, args=(server.base_url, long_body, streamed)),
+               threading.Thread(target=_post, args=(server.base_url, long_body, plain))]
+    deadline = time.monotonic() + 30
+    for count, t in enumerate(threads, 1):
+        t.start()
+        while True:
+            m = server.metrics()
+            if m["monobatch_num_requests_running"] + m["monobatch_num_requests_waiting"] >= count:
+                break
+            assert time.monotonic() < deadline
+    start = time.monotonic()
+    server.proc.send_signal(signal.SIGINT)
+    if sigints == 2:
+        time.sleep(0.5)  # the graceful shutdown has begun
+        server.proc.send_signal(signal.SIGINT)
+    rc = server.proc.wait(60)
+    for t in threads:
+        t.join(30)
+    log = "".join(server.log)
+    assert rc == 130 and log.rstrip().splitlines()[-1] == "monobatch serve: interrupted", log
+    assert time.monotonic() - start < 10, log  # the forced exit does not wait out its 60 s of grace
+    assert streamed["events"][-1] == "[DONE]", streamed
+    assert streamed["events"][-2]["error"]["code"] == "server_shutting_down"
+    r = plain["response"]
+    assert r.status_code == 503 and r.headers["content-type"].startswith("application/json"), r.text
+    assert r.json()["error"]["code"] == "server_shutting_down"
+    assert "Traceback" not in log and "Cancel" not in log, log
+    assert free_port_is_bindable(port)
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--max-queue", "-1"], "--max-queue"),
     (["--port", "70000"], "--port"),

@@ -44,6 +44,11 @@ class EngineFailed(Exception):
         self.status, self.code = status, code
 
 
+def shutting_down() -> EngineFailed:
+    """The failure of a request the server's shutdown ends: 503 ``server_shutting_down``."""
+    return EngineFailed(503, "the server is shutting down; retry on another server", "server_shutting_down")
+
+
 class EngineClient:
     """Submits requests to an :class:`EngineLoop` and routes its outputs.
 
@@ -76,9 +81,16 @@ class EngineClient:
     def stop(self) -> None:
         """Abort everything and end the engine thread (readers get a 503)."""
         if self.failure is None:
-            self.failure = EngineFailed(503, "the server is shutting down; retry on another server",
-                                        "server_shutting_down")
+            self.failure = shutting_down()
         self.engine.stop()
+
+    def stop_now(self) -> None:
+        """A forced exit (a second Ctrl-C): every request in flight ends at once with the
+        shutdown's 503, without waiting for the engine's next step, and the engine thread is told
+        to stop (not waited for). Event loop only."""
+        self.failure = shutting_down()
+        self._end_all(None)
+        self.engine.stop(timeout=0)
 
     @property
     def num_active(self) -> int:

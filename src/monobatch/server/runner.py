@@ -12,6 +12,7 @@ and the socket is closed.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import socket
 import threading
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from monobatch.loader import LoadedModel
 
 SHUTDOWN_TIMEOUT = defaults.SERVER_SHUTDOWN_TIMEOUT
+#: Most seconds a forced exit (a second SIGINT) waits for the requests in flight to send their 503.
+FORCED_EXIT_DRAIN = 1.0
 
 
 def settings_from_args(ns: argparse.Namespace) -> ServerSettings:
@@ -82,17 +85,39 @@ def _config(app: FastAPI, log_level: str, shutdown_timeout: float, **kw) -> uvic
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server; its shutdown first tells the app (:meth:`ServerState.begin_shutdown`)."""
+    """uvicorn's server; its shutdown first tells the app (:meth:`ServerState.begin_shutdown`),
+    and a forced exit (a second SIGINT) too (:meth:`ServerState.force_shutdown`)."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.state = state
         state.on_fatal = lambda exc: setattr(self, "should_exit", True)
 
+    def handle_exit(self, sig: int, frame) -> None:
+        """uvicorn's signal handler (a second SIGINT forces the exit); on a forced exit the
+        requests in flight get their 503 at once (on the event loop, which this handler
+        interrupts), where uvicorn alone would cancel them into a plain-text 500."""
+        super().handle_exit(sig, frame)
+        if self.force_exit:
+            try:
+                asyncio.get_running_loop().call_soon_threadsafe(self.state.force_shutdown)
+            except RuntimeError:  # no loop runs (not serving yet, or already ended)
+                pass
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        """Answer the requests in flight before the grace period ends, then uvicorn's shutdown."""
+        """Answer the requests in flight before the grace period ends, then uvicorn's shutdown.
+        A forced exit waits up to :data:`FORCED_EXIT_DRAIN` seconds for their 503s to go out
+        before the event loop ends (and cancels what is left), then runs the app's shutdown,
+        which uvicorn skips then (its task cancelled, it would log a traceback): the engine
+        thread was told to stop already, so that takes one engine step at most."""
         self.state.begin_shutdown(self.config.timeout_graceful_shutdown or 0.0)
         await super().shutdown(sockets)
+        if not self.force_exit:
+            return
+        deadline = time.monotonic() + FORCED_EXIT_DRAIN
+        while self.server_state.tasks and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await self.lifespan.shutdown()
 
 
 def url_of(sock: socket.socket) -> str:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 from monobatch.chat_output import REASONING_FORMATS
 from monobatch.engine.scheduler import BatchScheduler
 from monobatch.errors import InvalidRequestError
-from monobatch.server.client import EngineClient, EngineFailed
+from monobatch.server.client import EngineClient, shutting_down
 from monobatch.server.errors import APIError
 from monobatch.server.generation import max_prompt_chars
 from monobatch.server.metrics import ServerMetrics
@@ -138,8 +138,14 @@ class ServerState:
         if self.client is None:
             return
         margin = min(1.0, grace / 2)
-        failure = EngineFailed(503, "the server is shutting down; retry on another server", "server_shutting_down")
-        asyncio.get_running_loop().call_later(grace - margin, self.client.fail_all, failure)
+        asyncio.get_running_loop().call_later(grace - margin, self.client.fail_all, shutting_down())
+
+    def force_shutdown(self) -> None:
+        """A forced exit (a second SIGINT; event loop): the requests in flight get their 503 now
+        (``EngineClient.stop_now``), not the grace period's, and the engine thread stops."""
+        self.closing = True
+        if self.client is not None:
+            self.client.stop_now()
 
     def shutdown(self) -> None:
         """Abort what still runs, stop the engine thread, and let go of the engine: FastAPI keeps
