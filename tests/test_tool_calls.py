@@ -976,3 +976,25 @@ def test_a_further_call_whose_marker_was_cut_counts_as_cut():
     alone.feed("Sure.\n<tool_ca")
     alone.flush("stop")
     assert not alone.cut and alone.content == "Sure."
+
+
+@pytest.mark.parametrize("tools", [None, "auto"])
+def test_chat_reply_flush_needs_the_finish_reason(tools):
+    """ChatReply.flush ends the reply: it needs the engine's finish_reason, which decides what held
+    call text becomes (max_tokens: the cut call; a stop string: content here, auto in Hermes). None
+    (no reason: the reply has not ended) is refused, never taken as "do not flush the calls", which
+    dropped the held text silently."""
+    from monobatch.chat_output import ChatReply, split_reply
+
+    cut = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    sp = spec(tools) if tools else None
+    with pytest.raises(TypeError, match="finish_reason"):
+        reply = ChatReply(tools=sp, fmt=H)
+        reply.feed(cut)
+        reply.flush(None)
+    if tools:
+        out, reply = split_reply(cut, "length", tools=sp, fmt=H)
+        assert out.content == "Sure." and [(c.name, c.arguments) for c in reply.tool_calls] == [
+            ("get_weather", '{"city": "Pa')] and [c.arguments for c in out.tool_calls] == ['{"city": "Pa']
+        out, reply = split_reply("<think>hm</think>" + cut, "stop", tools=sp, fmt=H)
+        assert (out.reasoning, out.content, reply.tool_calls, reply.cut_call) == ("hm", cut, [], True)

@@ -179,17 +179,25 @@ class ChatReply:
         return self._calls(self._reasoning.feed(text))
 
     def flush(self, finish_reason: str) -> ChatDelta:
-        """End of the reply: everything still held. ``finish_reason``: the engine's, which decides
-        what a call the end cut becomes (:meth:`ToolCallParser.flush`)."""
-        return self._calls(self._reasoning.flush(), finish_reason)
+        """End of the reply: everything still held. ``finish_reason``: the engine's (``stop``,
+        ``length``, ...), which decides what a call the end cut becomes (:meth:`ToolCallParser.flush`).
 
-    def _calls(self, parts: ChatDelta, finish_reason: str | None = None) -> ChatDelta:
-        """``parts``' content through the tool-call parser; flushed when ``finish_reason`` is given."""
+        Raises:
+            TypeError: ``finish_reason`` is not a str (None: the reply has not ended).
+        """
+        if not isinstance(finish_reason, str):
+            raise TypeError(f"flush needs the engine's finish_reason (a str), got {finish_reason!r}")
+        out = self._calls(self._reasoning.flush())
+        if self._tools is not None:
+            end = self._tools.flush(finish_reason)
+            out += ChatDelta(end.content, "", end.calls)
+        return out
+
+    def _calls(self, parts: ChatDelta) -> ChatDelta:
+        """``parts``' content through the tool-call parser (which holds what may be a call)."""
         if self._tools is None:
             return parts
         tools = self._tools.feed(parts.content)
-        if finish_reason is not None:
-            tools += self._tools.flush(finish_reason)
         return ChatDelta(tools.content, parts.reasoning, tools.calls)
 
 
