@@ -380,3 +380,21 @@ def test_prefill_graphs_static_path_in_interpreter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_prefill_graphs_cuda():
     assert check_prefill_graphs("cuda") == "ok"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+def test_build_meta_parts_start_16_byte_aligned(n):
+    """Triton specialises a kernel on each pointer's 16-byte alignment: every part of the step's
+    layout starts aligned whatever the chunk and tile counts, so one compile serves every step
+    (issue 16: unaligned parts made serving's first requests wait for JIT compiles)."""
+    from monobatch.kernels.varlen_attention import build_meta
+
+    chunks = [(3 * i, 1 + (i * 5) % 7, 10 * i) for i in range(n)]
+    tables = [list(range(i, i + 2 + i % 3)) for i in range(n)]
+    meta = build_meta(chunks, tables, 2, torch.device("cpu"))
+    for part in (meta.block_tables, meta.q_start, meta.q_len, meta.pos, meta.tile_chunk, meta.tile_off):
+        assert part.data_ptr() % 16 == 0
+    assert meta.q_start.tolist() == [c[0] for c in chunks] and meta.q_len.tolist() == [c[1] for c in chunks]
+    assert meta.pos.tolist() == [c[2] for c in chunks]
+    assert [t[:len(tables[i])] for i, t in enumerate(meta.block_tables.tolist())] == tables
+    assert sum(1 for c in meta.tile_chunk.tolist() for _ in [c]) == sum(-(-c[1] // 2) for c in chunks)

@@ -182,6 +182,10 @@ def tile_layout(chunks: Sequence[tuple[int, int, int]], bt: int) -> list[tuple[i
     return [(i, off) for _, i, off in tiles]
 
 
+#: int32 elements per 16 bytes: where :func:`build_meta` starts each part of its buffer.
+_ALIGN = 4
+
+
 def build_meta(chunks: Sequence[tuple[int, int, int]], tables: Sequence[Sequence[int]], bt: int,
                device: torch.device, fixed_split: bool = False) -> VarlenMeta:
     """Lay out a step's chunks as tiles (host work, one copy to ``device``).
@@ -198,13 +202,24 @@ def build_meta(chunks: Sequence[tuple[int, int, int]], tables: Sequence[Sequence
     """
     n = len(chunks)
     nb = max(1, max((len(t) for t in tables), default=1))
-    tiles = [(0, c, o) for c, o in tile_layout(chunks, bt)]
-    flat = torch.zeros(3 * n + 2 * len(tiles) + n * nb, dtype=torch.int32)
-    flat[0:3 * n] = torch.tensor([v for c in chunks for v in c], dtype=torch.int32).view(n, 3).t().reshape(-1)
+    tiles = tile_layout(chunks, bt)
+    nt = len(tiles)
+    # One int32 buffer (one copy), each part starting on a 16-byte boundary: Triton specialises a
+    # kernel on each pointer's 16-byte alignment, so parts at offsets n, 2n, ... would make the
+    # chunk and tile counts mod 4 pick among a dozen compiles of the kernel -- JIT compiles in a
+    # server's first requests (issue 16's TTFT tail: two such compiles in a bench-serve round
+    # after start-up, on the H200).
+    sizes = (n, n, n, nt, nt, n * nb)  # q_start, q_len, pos, tile_chunk, tile_off, block tables
+    starts = [0]
+    for size in sizes[:-1]:
+        starts.append(starts[-1] + -(-size // _ALIGN) * _ALIGN)
+    flat = torch.zeros(starts[-1] + sizes[-1], dtype=torch.int32)
+    for k in range(3):
+        flat[starts[k]:starts[k] + n] = torch.tensor([c[k] for c in chunks], dtype=torch.int32)
     if tiles:
-        flat[3 * n:3 * n + 2 * len(tiles)] = torch.tensor([[c for _, c, _ in tiles], [o for _, _, o in tiles]],
-                                                          dtype=torch.int32).reshape(-1)
-    table_part = flat[3 * n + 2 * len(tiles):].view(n, nb)
+        flat[starts[3]:starts[3] + nt] = torch.tensor([c for c, _ in tiles], dtype=torch.int32)
+        flat[starts[4]:starts[4] + nt] = torch.tensor([o for _, o in tiles], dtype=torch.int32)
+    table_part = flat[starts[5]:].view(n, nb)
     for i, t in enumerate(tables):
         if t:
             table_part[i, :len(t)] = torch.as_tensor(t, dtype=torch.int32)
@@ -212,10 +227,9 @@ def build_meta(chunks: Sequence[tuple[int, int, int]], tables: Sequence[Sequence
         flat = flat.pin_memory().to(device, non_blocking=True)
     else:
         flat = flat.to(device)
-    nt = len(tiles)
-    return VarlenMeta(block_tables=flat[3 * n + 2 * nt:].view(n, nb), q_start=flat[0:n], q_len=flat[n:2 * n],
-                      pos=flat[2 * n:3 * n], tile_chunk=flat[3 * n:3 * n + nt], tile_off=flat[3 * n + nt:3 * n + 2 * nt],
-                      tokens_per_tile=bt, fixed_split=fixed_split)
+    part = [flat[a:a + size] for a, size in zip(starts, sizes)]
+    return VarlenMeta(block_tables=part[5].view(n, nb), q_start=part[0], q_len=part[1], pos=part[2],
+                      tile_chunk=part[3], tile_off=part[4], tokens_per_tile=bt, fixed_split=fixed_split)
 
 
 if triton is not None:
