@@ -183,9 +183,9 @@ class RequestLog:
                     str(self.stream).lower(), self._elapsed_ms())
 
     def crashed(self, exc: BaseException) -> None:
-        """Log a request a bug ended (an exception while its response was shaped or sent; the
-        traceback is logged where it is caught): :meth:`failed` with 500 and the exception's type
-        only, never its message, which may quote the prompt or the reply."""
+        """Log a request a bug ended (an exception while its response was shaped or sent):
+        :meth:`failed` with 500 and the exception's type only, so the one-line request log stays
+        bounded; the message is in the traceback, logged where the exception is caught."""
         self.failed(500, type(exc).__name__)
 
 
@@ -289,9 +289,10 @@ async def stream_frame(reader: "ResponseReader", events: AsyncIterator[str], cho
         async with reader:
             async for event in events:
                 yield event
+        tail = sse(chunk([], usage(choices, n))) if include_usage else None  # shaped before it is logged finished
         record.finished(choices)
-        if include_usage:
-            yield sse(chunk([], usage(choices, n)))
+        if tail is not None:
+            yield tail
     except EngineFailed as exc:
         record.failed(exc.status, str(exc))
         yield sse(error_body(exc.status, str(exc), code=exc.code))
