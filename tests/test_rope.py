@@ -8,7 +8,7 @@ import torch
 
 from monobatch.batch import StepBatch
 from monobatch.kv.dense import DenseKv
-from monobatch.models.rope import RotaryEmbedding, rope_inv_freq
+from monobatch.models.rope import TABLE_CHUNK, RotaryEmbedding, rope_inv_freq
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -84,3 +84,36 @@ def test_table_built_in_chunks_equals_one_pass(length):
     rope.build_table(length, torch.float32)
     cos, sin = rope._compute(torch.arange(length), torch.float32)
     assert torch.equal(rope.table, torch.stack((cos, sin), dim=1))
+
+
+def test_growing_table_equals_built_table():
+    """A growing table (build_table(..., grow=True), the engine's on CPU) starts with one chunk and
+    extends a chunk at a time as cos_sin's bound reaches it, up to its limit: the same rows as a
+    table built at once, and the formula past the limit."""
+    length = TABLE_CHUNK * 2 + 100
+    whole = RotaryEmbedding(rope_inv_freq(64, 10000.0, None, 4096)[0])
+    whole.build_table(length, torch.float32)
+    rope = RotaryEmbedding(rope_inv_freq(64, 10000.0, None, 4096)[0])
+    rope.build_table(length, torch.float32, grow=True)
+    assert rope.table.shape[0] == TABLE_CHUNK and rope.limit == length
+    pos = torch.tensor([5, TABLE_CHUNK + 3])
+    cos, sin = rope.cos_sin(pos, torch.float32, TABLE_CHUNK + 4)
+    assert rope.table.shape[0] == 2 * TABLE_CHUNK
+    assert torch.equal(cos, whole.table[pos, 0]) and torch.equal(sin, whole.table[pos, 1])
+    rope.cos_sin(torch.tensor([length - 1]), torch.float32, length)
+    assert torch.equal(rope.table, whole.table)  # grown to the limit, chunk by chunk
+    far = torch.tensor([length + 7])  # past the limit: the formula
+    assert torch.equal(rope.cos_sin(far, torch.float32, length + 8)[0], whole.cos_sin(far, torch.float32)[0])
+
+
+def test_growing_table_over_an_older_table():
+    """grow=True over a table built before (shorter, or longer than one chunk) keeps or extends
+    it; the rows are the whole table's either way."""
+    whole = RotaryEmbedding(rope_inv_freq(64, 10000.0, None, 4096)[0])
+    whole.build_table(3 * TABLE_CHUNK, torch.float32)
+    rope = RotaryEmbedding(rope_inv_freq(64, 10000.0, None, 4096)[0])
+    rope.build_table(TABLE_CHUNK + 5, torch.float32)  # not on a chunk boundary
+    rope.build_table(3 * TABLE_CHUNK, torch.float32, grow=True)
+    assert rope.table.shape[0] == TABLE_CHUNK + 5  # kept: it grows from there
+    rope.cos_sin(torch.tensor([2 * TABLE_CHUNK]), torch.float32, 2 * TABLE_CHUNK + 1)
+    assert torch.equal(rope.table, whole.table[:3 * TABLE_CHUNK])

@@ -387,7 +387,7 @@ def worker_main(rank: int, plan: TensorParallelPlan, port: int, shard: DecoderMo
         if dev.type == "cuda":
             shard = shard.to_device(dev, shard.dtype)  # a copy out of the driver's (CUDA IPC) tensors
         attach(shard, group)
-        shard.build_rope_tables(max_len, shard.dtype)
+        shard.build_rope_tables(max_len, shard.dtype, grow=dev.type == "cpu")  # as the driver's (Engine)
         kv = spec.build(plan.kv_heads(rank), shard.dtype, dev)
         conn.send(("ready", None))
     except Exception as e:  # noqa: BLE001 - the driver reports it

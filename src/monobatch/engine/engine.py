@@ -32,6 +32,7 @@ from monobatch.kv.dense import DenseKv
 from monobatch.kv.paged import PagedKv
 from monobatch.kv.store import KvStore
 from monobatch.loader import LoadedModel
+from monobatch.loader.weights import trim_heap
 
 #: Redraw unchecked draws at forced grammar positions before the next step reads them
 #: (:meth:`Engine.draw_forced`); ``MONOBATCH_FORCED_DRAWS=0`` turns it off for A/B runs.
@@ -196,8 +197,9 @@ class Engine:
 
             self.model = shard_model(loaded.model, self.tp_plan, 0, pieces=self.config.deterministic, copy_=world > 1)
         self.kv_heads = self.tp_plan.kv_heads(0) if self.tp_plan else args.num_key_value_heads  # this rank's
-        # every position a step can hold; before the KV pool takes its share of the free memory
-        self.model.build_rope_tables(self.max_model_len, self.model.dtype)
+        # every position a step can hold; before the KV pool takes its share of the free memory. On
+        # CPU (no CUDA graph keeps the table) it grows a chunk at a time as positions reach it.
+        self.model.build_rope_tables(self.max_model_len, self.model.dtype, grow=self.model.device.type == "cpu")
         self.kv: KvStore = self._make_kv()
         # Deterministic mode on CUDA (Triton): batch-invariant kernels at full batch — the GEMMs of
         # kernels.invariant_gemm, the varlen attention's one tile for every row; elsewhere fixed
@@ -222,6 +224,12 @@ class Engine:
         # short prompt steps as CUDA graphs too (launch-bound otherwise; needs the varlen kernel)
         self.prefill_graphs = (PrefillGraphs(self.model, self.kv)
                                if self.graphs is not None and getattr(self.kv, "varlen", False) else None)
+        # CPU: whether the last step computed prompt tokens (None: not tracked, on CUDA). A prompt
+        # step's float32 temporaries (up to a few MiB a layer) stay in glibc's heap as free chunks
+        # when it ends; decode steps allocate little, so the first decode step after one hands
+        # the free pages back (trim_heap): the decode's KV growth then fits under the prompt
+        # step's peak instead of adding to it (issue 17's RSS; ADR 0006).
+        self._after_prompt: bool | None = False if self.device.type == "cpu" else None
 
     def close(self) -> None:
         """Stop the tensor-parallel worker ranks, if any (also done at exit); the engine is unusable after."""
@@ -389,6 +397,11 @@ class Engine:
         the host has read them (:meth:`launch`).
         """
         commit = token_ids is None if commit is None else commit
+        if self._after_prompt is not None:
+            decode_only = batch.is_decode_only
+            if decode_only and self._after_prompt:
+                trim_heap()  # once per run of prompt steps: ~2 ms, against a prompt step's hundreds
+            self._after_prompt = not decode_only
         with self._on_device():
             graphs = self._graph_for(batch)
             if graphs is not None:

@@ -64,6 +64,14 @@ def release_freed_memory() -> None:
     MiB), and the dequant path's ``generate`` peaked at 914 rather than 842 MiB (2026-12-02, this
     project's CPU machine; ADR 0006). A no-op where the C library is not glibc."""
     gc.collect()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """glibc's ``malloc_trim(0)`` alone (no garbage collection): the heap's free pages, inside it
+    as well as at its top, go back to the OS (``MADV_DONTNEED``). The engine calls it on CPU when
+    decode follows a prompt step (:meth:`monobatch.engine.engine.Engine.forward`). A no-op where
+    the C library is not glibc."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

@@ -388,10 +388,11 @@ class DecoderModel(nn.Module):
             rope.to(device)
         return self
 
-    def build_rope_tables(self, length: int, dtype: torch.dtype) -> None:
-        """Precompute cos/sin of positions ``0 .. length-1`` for every RoPE (:meth:`RotaryEmbedding.build_table`)."""
+    def build_rope_tables(self, length: int, dtype: torch.dtype, grow: bool = False) -> None:
+        """Precompute cos/sin of positions ``0 .. length-1`` for every RoPE (:meth:`RotaryEmbedding.build_table`;
+        ``grow``: the first chunk now, the rest as positions reach it)."""
         for rope in self.ropes:
-            rope.build_table(length, dtype)
+            rope.build_table(length, dtype, grow)
 
     def logits(self, batch: StepBatch, residual: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
         """The last layer's carried stream -> ``[R, V]`` float32 logits of ``batch.logit_rows``.

@@ -110,12 +110,15 @@ class RotaryEmbedding:
     Attributes:
         table: None, or ``[L, 2, head_dim]`` (cos, sin) of positions ``0 .. L-1`` in the compute
             dtype, on ``inv_freq``'s device.
+        limit: the length a growing table (``build_table(..., grow=True)``) may reach; 0 when
+            the table does not grow.
     """
 
     def __init__(self, inv_freq: torch.Tensor, attention_scale: float = 1.0) -> None:
         self.inv_freq = inv_freq
         self.attention_scale = attention_scale
         self.table: torch.Tensor | None = None
+        self.limit = 0
 
     def to(self, device: torch.device) -> "RotaryEmbedding":
         """Move the frequencies (and the table, if built) to ``device``."""
@@ -124,16 +127,35 @@ class RotaryEmbedding:
             self.table = self.table.to(device)
         return self
 
-    def build_table(self, length: int, dtype: torch.dtype) -> None:
+    def build_table(self, length: int, dtype: torch.dtype, grow: bool = False) -> None:
         """Precompute cos/sin of positions ``0 .. length-1`` in ``dtype`` (``2 * length * head_dim``
         elements). A table already as long, in that dtype, is kept; otherwise it is replaced
-        (a CUDA graph that read the old one keeps a reference to it)."""
+        (a CUDA graph that read the old one keeps a reference to it).
+
+        ``grow``: build only the first :data:`TABLE_CHUNK` positions now; :meth:`cos_sin` extends
+        the table a chunk at a time as positions reach it, up to ``length`` (the same values:
+        chunks start at the same positions). Only where nothing holds on to the table (no CUDA
+        graph): a run that never passes a few hundred positions then keeps a 0.5 MiB table, not
+        the whole context's (4 MiB for the bundled model; issue 17's RSS).
+        """
+        self.limit = length if grow else 0
+        first = min(length, TABLE_CHUNK) if grow else length
         t = self.table
-        if t is not None and t.shape[0] >= length and t.dtype == dtype:
+        if t is not None and t.shape[0] >= first and t.dtype == dtype:
             return
+        self.table = None if t is None or t.dtype != dtype else t
+        self._extend(first, dtype)
+
+    def _extend(self, length: int, dtype: torch.dtype) -> None:
+        """Replace the table by one of ``length`` rows: the old rows copied, the new ones computed
+        a chunk of :data:`TABLE_CHUNK` positions at a time (bounded temporaries)."""
+        old = self.table
+        done = 0 if old is None else min(old.shape[0], length) // TABLE_CHUNK * TABLE_CHUNK  # whole chunks kept
         device = self.inv_freq.device
         table = torch.empty(length, 2, self.inv_freq.shape[0] * 2, dtype=dtype, device=device)
-        for lo in range(0, length, TABLE_CHUNK):  # the formula's temporaries for a chunk of positions at a time
+        if done:
+            table[:done] = old[:done]
+        for lo in range(done, length, TABLE_CHUNK):  # chunks start where the whole table's do
             cos, sin = self._compute(torch.arange(lo, min(lo + TABLE_CHUNK, length), device=device), dtype)
             table[lo:lo + TABLE_CHUNK, 0] = cos
             table[lo:lo + TABLE_CHUNK, 1] = sin
@@ -145,6 +167,9 @@ class RotaryEmbedding:
         float32, as HF). ``bound``: every position is below it (known on the host; None: unknown).
         Within the table they are views of one gather (row stride ``2 * head_dim``)."""
         t = self.table
+        if t is not None and bound is not None and t.shape[0] < bound <= self.limit and t.dtype == dtype:
+            self._extend(min(-(-bound // TABLE_CHUNK) * TABLE_CHUNK, self.limit), dtype)  # a growing table
+            t = self.table
         if t is not None and bound is not None and bound <= t.shape[0] and t.dtype == dtype \
                 and t.device == positions.device:
             rows = t.index_select(0, positions)  # (T, 2, hd)

@@ -1,0 +1,37 @@
+"""Post-prompt heap trim A/B (2026-12-03b): process CPU time, wall and minor faults of requests of a 112-
+and a 512-token prompt and 2 greedy tokens (a prefill step, then one decode step, which trims: the worst
+case, one trim a request), min/median of N after a warm-up, -t 1; arm notrim switches the trim off
+(Engine._after_prompt = None). usage: .venv/bin/python prefill_trim_ab.py N {trim,notrim}"""
+import sys, os, time, random, statistics, resource, torch
+torch.set_num_threads(1)
+from monobatch.loader import load_model
+from monobatch.engine.engine import Engine, EngineConfig
+from monobatch.engine.scheduler import BatchScheduler
+from monobatch.engine.sequence import Request
+from monobatch.engine.params import resolve_sampling
+from monobatch.synth import synth_text
+loaded = load_model(None, 'cpu', None, progress=False)
+eng = Engine(loaded, EngineConfig()); sch = BatchScheduler(eng)
+if sys.argv[2] == "notrim": eng._after_prompt = None
+import monobatch.engine.engine as E, time as _t
+_tr = E.trim_heap; TT = []
+def _timed():
+    t0 = _t.perf_counter(); _tr(); TT.append(_t.perf_counter() - t0)
+E.trim_heap = _timed
+tok = loaded.tokenizer
+text = synth_text(random.Random(1), 2000)
+out = []
+for n in (112, 512):
+    ids_all = tok.encode(text)
+    res = []
+    for i in range(int(sys.argv[1]) + 1):
+        ids = ids_all[i * 7: i * 7 + n]  # a different prompt each time: no prefix-cache hit
+        params = resolve_sampling(None, {"temperature": 0, "max_tokens": 2, "ignore_eos": True}, loaded.generation_defaults, entry_point="generate")
+        sch.add_request(Request(f"r{n}-{i}", ids, params))
+        r0 = resource.getrusage(resource.RUSAGE_SELF); c0, w0 = time.process_time(), time.perf_counter()
+        for _ in sch.run(): pass
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        if i: res.append((time.process_time() - c0, time.perf_counter() - w0, r1.ru_minflt - r0.ru_minflt))
+    cpu = [r[0] * 1000 for r in res]; wall = [r[1] * 1000 for r in res]; flt = [r[2] for r in res]
+    out.append(f"p{n} cpu min {min(cpu):.1f} med {statistics.median(cpu):.1f} ms  wall min {min(wall):.1f} med {statistics.median(wall):.1f}  faults med {statistics.median(flt):.0f}")
+print(sys.argv[2], " | ".join(out), "trims", len(TT), "trim ms med %.2f max %.2f" % (statistics.median(TT) * 1e3, max(TT) * 1e3) if TT else "")
