@@ -78,12 +78,15 @@ class Server:
         return self.proc.returncode
 
 
-def start_server(*args: str, env: dict | None = None, wait_ready: bool = True) -> Server:
-    """Start ``python -m monobatch serve --port 0 ARGS`` and wait for its port (and /health 200)."""
+def start_server(*args: str, env: dict | None = None, wait_ready: bool = True, sigint: object = signal.SIG_DFL) -> Server:
+    """Start ``python -m monobatch serve --port 0 ARGS`` and wait for its port (and /health 200).
+    ``sigint``: the SIGINT disposition the server inherits (``signal.SIG_IGN``: as a background
+    job of a shell, or a pytest-xdist worker's child), whatever this process's is."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "monobatch", "serve", "--port", "0", "--no-progress",
                              "--log-level", "warning", *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
     log: list[str] = []
     url: list[str] = []
     ready = threading.Event()

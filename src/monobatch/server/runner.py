@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import socket
 import threading
 import time
@@ -91,12 +92,15 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.state = state
+        self.stopped_by: int | None = None  # the first signal that stopped the server
         state.on_fatal = lambda exc: setattr(self, "should_exit", True)
 
     def handle_exit(self, sig: int, frame) -> None:
         """uvicorn's signal handler (a second SIGINT forces the exit); on a forced exit the
         requests in flight get their 503 at once (on the event loop, which this handler
         interrupts), where uvicorn alone would cancel them into a plain-text 500."""
+        if self.stopped_by is None:
+            self.stopped_by = sig
         super().handle_exit(sig, frame)
         if self.force_exit:
             try:
@@ -135,8 +139,12 @@ def serve_foreground(app: FastAPI, sock: socket.socket, log_level: str = "info",
     """
     state: ServerState = app.state.monobatch
     server = _Server(_config(app, log_level, shutdown_timeout), state)
-    server.run(sockets=[sock])
+    server.run(sockets=[sock])  # re-raises the signal that stopped it (KeyboardInterrupt for SIGINT)...
     sock.close()
+    if server.stopped_by is not None:  # ...unless it was inherited ignored: end as the signal's default would
+        sig = signal.Signals(server.stopped_by)
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        signal.raise_signal(sig)
     return state
 
 
