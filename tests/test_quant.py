@@ -268,3 +268,16 @@ def test_bundled_greedy_packed_equals_dequant(loaded, dequantized, make_schedule
             margin = engine.top2_margin(ids + b[:i])
             logging.getLogger(__name__).warning("packed vs dequant: diverged at %d (%d vs %d), margin %.2e", i, a[i], b[i], margin)
             assert margin < NEAR_TIE
+
+
+def test_kernels_refuse_scales_that_do_not_match_the_rows():
+    """The CPU kernels take N from the packed bytes: scales of fewer rows (or not 2-D) are a
+    RuntimeError before any read, not reads past their end."""
+    qs = torch.zeros(64, 16, dtype=torch.uint8)
+    x = torch.zeros(1, 32)
+    for sc in (torch.ones(1, 1), torch.ones(64)):
+        with pytest.raises(RuntimeError, match="scales"):
+            quant_cpu.gemm(x, qs, sc, sc.clone(), 32, True)
+        with pytest.raises(RuntimeError, match="scales"):
+            quant_cpu.dequant(qs, sc, sc.clone(), 32, True, torch.empty(64, 32))
+    assert quant_cpu.gemm(x, qs, torch.ones(64, 1), torch.zeros(64, 1), 32, True).shape == (1, 64)

@@ -83,13 +83,21 @@ def gemm(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.
     Args:
         qs: uint8 ``[N, K/2]`` (``q4``) or int8 ``[N, K]``.
         scale, minimum: float32 ``[N, K/group]``, or both float16 (widened exactly in the kernel).
+
+    Raises:
+        RuntimeError: mis-shaped or mistyped packed tensors (2-D, one scale row per weight row,
+            ``K/group`` scales a row, contiguous), checked before any read.
     """
     return module().gemm(x, qs, scale, minimum, group, q4)
 
 
 def dequant(qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group: int, q4: bool,
             out: torch.Tensor) -> torch.Tensor:
-    """Packed rows as float32 into ``out`` ``[N, K]`` (contiguous); returns ``out``."""
+    """Packed rows as float32 into ``out`` ``[N, K]`` (contiguous); returns ``out``. ``qs``,
+    ``scale`` and ``minimum`` as :func:`gemm` takes them (float16 scales widened exactly).
+
+    Raises:
+        RuntimeError: mis-shaped or mistyped packed tensors (as :func:`gemm`)."""
     module().dequant(qs, scale, minimum, group, q4, out)
     return out
 

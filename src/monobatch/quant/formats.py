@@ -20,8 +20,9 @@ them as float16 where every value of a tensor is exactly one: :func:`narrow_scal
 and min above is exact in float32 (an fp16 times an integer of at most 8 bits), so ``fma(q, scale, min)`` rounds
 once, as gguf-py's ``d * q - dm`` does: the dequantized layouts are bitwise gguf-py's dequantization
 (tests/test_quant.py; Q4_0's zeros aside: gguf-py's ``d * (q - 8)`` is -0.0 where d < 0, ours +0.0,
-an equal value). Resident bytes per weight: Q4 0.75, Q8 1.25 (G 32) or 1.5 (G 16): the 5-
-and 6-bit types are widened to a byte per weight (a 5/6-bit kernel is future work, ADR 0006).
+an equal value). Resident bytes per weight with float32 scales: Q4 0.75, Q8 1.25 (G 32) or 1.5
+(G 16); with the float16 scales of :func:`narrow_scales`: 0.625, 1.125 and 1.25. The 5- and 6-bit
+types are widened to a byte per weight (a 5/6-bit kernel is future work, ADR 0006).
 """
 
 from __future__ import annotations

@@ -218,6 +218,8 @@ void dequant_impl(const uint8_t* qs, const S* sc, const S* mn, float* out, int64
 }
 
 void check(const torch::Tensor& qs, const torch::Tensor& sc, const torch::Tensor& mn, int64_t K, int64_t G, bool q4) {
+  TORCH_CHECK(qs.dim() == 2 && sc.dim() == 2 && (qs.scalar_type() == at::kByte || qs.scalar_type() == at::kChar) && sc.size(0) == qs.size(0),
+              "packed weights must be (u)int8 [N, bytes] with scales [N, groups]");
   TORCH_CHECK(qs.is_contiguous() && sc.is_contiguous() && mn.is_contiguous(), "packed tensors must be contiguous");
   TORCH_CHECK((sc.scalar_type() == at::kFloat || sc.scalar_type() == at::kHalf) && mn.scalar_type() == sc.scalar_type(),
               "scale/min must be both float32 or both float16");
