@@ -37,9 +37,11 @@ venv: $(STAMP)
 run: $(STAMP)
 	$(BIN)/monobatch run --temperature 0 -n 96 --stats "$(QUESTION)"
 
-# pytest exits 5 when nothing was collected; that is not a failure of ours.
+# pytest exits 5 when nothing was collected; that is not a failure of ours. The files run on
+# one worker per core (pytest-xdist; at most 4: each loads the models), a file's tests on one worker
+# (its module fixtures load once); most tests use one torch thread, so 2 workers fill 2 cores.
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest; rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
+	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadfile; rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
 
 bench: $(STAMP)
 	$(BIN)/monobatch bench
