@@ -78,15 +78,14 @@ class Server:
         return self.proc.returncode
 
 
-def start_server(*args: str, env: dict | None = None, wait_ready: bool = True, sigint: object = signal.SIG_DFL) -> Server:
+def start_server(*args: str, env: dict | None = None, wait_ready: bool = True, ignore_sigint: bool = False) -> Server:
     """Start ``python -m monobatch serve --port 0 ARGS`` and wait for its port (and /health 200).
-    ``sigint``: the SIGINT disposition the server inherits (``signal.SIG_IGN``: as a background
-    job of a shell, or a pytest-xdist worker's child), whatever this process's is."""
+    ``ignore_sigint``: the server inherits SIGINT ignored, as a shell's background job does."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "monobatch", "serve", "--port", "0", "--no-progress",
                              "--log-level", "warning", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
+                            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None)
     log: list[str] = []
     url: list[str] = []
     ready = threading.Event()

@@ -200,21 +200,25 @@ def test_warm_up_burst_leaves_nothing_behind(make_scheduler, prompts):
 
     config = dict(max_num_seqs=4, max_num_batched_tokens=40, prefill_chunk=16)
     warm = make_scheduler(**config)
+    calls = []
+    warm.add_finish_observer(lambda done: calls.append(done.request_id))
     warm.warm_up(burst=True)
-    assert warm.kv.paged_attention_calls > 0  # the burst ran
+    assert len(calls) == 4 and all(c.startswith("warm-up-") for c in calls)  # the burst ran
     usage, stats = warm.kv.usage(), warm.stats()
+    assert stats.paged_attention_calls == 0  # no request's step
     assert not warm.has_unfinished() and usage.used_blocks == 0 and usage.cached_blocks == 0
     assert (stats.prompt_tokens_total, stats.generation_tokens_total, stats.num_requests_finished,
             stats.prefix_cache_queries) == (0, 0, 0, 0)
     assert run_requests(warm, prompts[:2], SHORT) == run_requests(make_scheduler(**config), prompts[:2], SHORT)
 
-    burst = warm_up_requests(49152, 64, 8192, 16384, 10**6, 16)
+    burst = warm_up_requests(49152, 64, 8192, 16384, 10**6)
     lengths = [len(r.prompt_ids) for r in burst]
     assert len(burst) == 64 and 2 * 8192 - 600 <= sum(lengths) <= 2 * 8192 + 600
     assert len({n % 16 for n in lengths}) > 8 and min(lengths) <= 16  # unlike lengths, one short prompt
     assert {r.params.temperature == 0 for r in burst} == {True, False}
-    small = warm_up_requests(49152, 64, 8192, 16384, 100, 16)  # a small pool: trimmed to fit
-    assert sum(-(-(len(r.prompt_ids) + 4) // 16) for r in small) <= 100
+    small = warm_up_requests(49152, 64, 8192, 16384, 1600)  # a small pool: the longest prompts dropped
+    assert sum(len(r.prompt_ids) + 4 for r in small) <= 1600 and min(len(r.prompt_ids) for r in small) <= 7
+    assert len(warm_up_requests(49152, 1, 8192, 16384, 10**6)[0].prompt_ids) > 8192  # one sequence: full-budget steps
     started = make_scheduler(**config)
     started.add_request(Request("busy", prompts[0], SHORT))
     with pytest.raises(RuntimeError):

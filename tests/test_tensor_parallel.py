@@ -257,3 +257,19 @@ def test_a_worker_refuses_kv_state_that_differs_from_the_drivers():
     ops = [("reserve", (1, 3), True), ("prepare", (batch,), None)]
     with pytest.raises(RuntimeError, match="block tables differ"):
         _run(StepMessage(ops, batch, {1: [[3]]}), shard, kv, plan, 1, spec, torch.device("cpu"))
+
+
+def test_warm_up_burst_then_a_request_on_tp2():
+    """The server's start-up burst clears the prefix cache on every rank (the workers replay
+    clear_prefix_cache), so their block ids keep matching the driver's on the next request."""
+    from monobatch.llm import LLM
+    from monobatch.loader.dummy import dummy_model
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompt = [{"prompt_token_ids": list(range(1, 40))}]
+    config = dict(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk=32, deterministic=True)
+    with LLM(loaded=dummy_model("tiny", "cpu"), tensor_parallel_size=2, **config) as llm:
+        llm.scheduler.warm_up(burst=True)
+        warm = llm.generate(prompt, params)[0].outputs[0].token_ids
+    with LLM(loaded=dummy_model("tiny", "cpu"), **config) as one:  # TP=1 (deterministic: the same bits)
+        assert len(warm) == 4 and warm == one.generate(prompt, params)[0].outputs[0].token_ids

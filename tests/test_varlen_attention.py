@@ -387,7 +387,7 @@ def test_build_meta_parts_start_16_byte_aligned(n):
     """Triton specialises a kernel on each pointer's 16-byte alignment: every part of the step's
     layout starts aligned whatever the chunk and tile counts, so one compile serves every step
     (issue 16: unaligned parts made serving's first requests wait for JIT compiles)."""
-    from monobatch.kernels.varlen_attention import build_meta
+    from monobatch.kernels.varlen_attention import build_meta, tile_layout
 
     chunks = [(3 * i, 1 + (i * 5) % 7, 10 * i) for i in range(n)]
     tables = [list(range(i, i + 2 + i % 3)) for i in range(n)]
@@ -397,4 +397,5 @@ def test_build_meta_parts_start_16_byte_aligned(n):
     assert meta.q_start.tolist() == [c[0] for c in chunks] and meta.q_len.tolist() == [c[1] for c in chunks]
     assert meta.pos.tolist() == [c[2] for c in chunks]
     assert [t[:len(tables[i])] for i, t in enumerate(meta.block_tables.tolist())] == tables
-    assert sum(1 for c in meta.tile_chunk.tolist() for _ in [c]) == sum(-(-c[1] // 2) for c in chunks)
+    tiles = tile_layout(chunks, 2)
+    assert meta.tile_chunk.tolist() == [c for c, _ in tiles] and meta.tile_off.tolist() == [o for _, o in tiles]

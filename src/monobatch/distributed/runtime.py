@@ -50,7 +50,7 @@ from monobatch.models.layers import DecoderModel
 log = logging.getLogger(__name__)
 
 #: KvStore calls that change its state: logged on the driver, replayed on every worker.
-MIRRORED = ("reserve", "adopt_prefix", "prepare", "commit", "trim", "fork", "free")
+MIRRORED = ("reserve", "adopt_prefix", "prepare", "commit", "trim", "fork", "free", "clear_prefix_cache")
 
 
 class TensorParallelError(MonobatchError):

@@ -147,17 +147,17 @@ class BatchScheduler:
         self.engine.warm_up()
         if burst is None:
             burst = self.engine.device.type == "cuda"
-        if not burst or self.kv.block_size is None:
+        capacity = self.kv.capacity_tokens()
+        if not burst or capacity is None:
             return
-        usage = self.kv.usage()
-        groups = len(getattr(self.kv, "groups", ())) or 1
         requests = warm_up_requests(self.engine.vocab_size, self.config.max_num_seqs, self.plan.token_budget,
-                                    self.engine.max_model_len, (usage.total_blocks - usage.used_blocks) // (4 * groups),
-                                    self.kv.block_size)
+                                    self.engine.max_model_len, capacity // 4)
+        calls = self.kv.paged_attention_calls
         for _ in self.run(requests):
             pass
         self.kv.clear_prefix_cache()
         self._stats = SchedulerStats()
+        self.kv.paged_attention_calls = calls  # the burst is no step of a request (as graph capture)
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -502,8 +502,8 @@ class BatchScheduler:
         return next((s for s in self.running if s.seq_id == seq_id), None)
 
 
-def warm_up_requests(vocab_size: int, max_num_seqs: int, budget: int, max_model_len: int, max_blocks: int,
-                     block_size: int) -> list[Request]:
+def warm_up_requests(vocab_size: int, max_num_seqs: int, budget: int, max_model_len: int,
+                     max_tokens: int) -> list[Request]:
     """The synthetic burst of :meth:`BatchScheduler.warm_up`: ``min(max_num_seqs, 64)`` prompts of
     pseudo-random token ids whose lengths differ (a few tokens to a few hundred, most not a
     multiple of 16) and add up to about twice ``budget`` — so the loop runs prompt-only steps at
@@ -516,19 +516,19 @@ def warm_up_requests(vocab_size: int, max_num_seqs: int, budget: int, max_model_
         max_num_seqs: the loop's sequence limit.
         budget: tokens one step may compute.
         max_model_len: no prompt is longer than this less 8 tokens.
-        max_blocks: KV blocks the burst may hold at once (its prompts are trimmed to fit).
-        block_size: tokens per KV block.
+        max_tokens: KV tokens the burst may hold at once (the longest prompts are dropped first).
 
     Returns:
-        The requests (ids ``warm-up-<i>``); empty when not even one short prompt fits.
+        The requests (ids ``warm-up-<i>``); empty when not even the shortest prompt fits.
     """
     rng = random.Random(0)
     n = max(1, min(max_num_seqs, 64))
     longest = max(1, min(max_model_len - 8, 2 * budget // n + 64))
     lengths = [max(1, min(longest, 2 * budget // n + (37 * i) % 97 - 48)) for i in range(n)]
-    lengths[-1] = min(lengths[-1], 7)  # a short prompt joining a step late
-    while lengths and sum(-(-(m + 4) // block_size) for m in lengths) > max_blocks:
-        lengths.pop()
+    if n > 1:
+        lengths[-1] = min(lengths[-1], 7)  # a short prompt joining a step late
+    while lengths and sum(m + 4 for m in lengths) > max_tokens:
+        lengths.remove(max(lengths))
     return [Request(f"warm-up-{i}", [rng.randrange(vocab_size) for _ in range(m)],
                     SamplingParams(max_tokens=4, ignore_eos=True, **({"temperature": 0.0} if i % 2 == 0 else {"seed": i})))
             for i, m in enumerate(lengths)]

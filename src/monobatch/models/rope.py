@@ -138,7 +138,7 @@ class RotaryEmbedding:
         graph): a run that never passes a few hundred positions then keeps a 0.5 MiB table, not
         the whole context's (4 MiB for the bundled model; issue 17's RSS).
         """
-        self.limit = length if grow else 0
+        self.limit = max(self.limit, length) if grow else self.limit  # engines may share the model: never shrunk
         first = min(length, TABLE_CHUNK) if grow else length
         t = self.table
         if t is not None and t.shape[0] >= first and t.dtype == dtype:
