@@ -119,17 +119,22 @@ def test_only_given_flags_become_request_fields():
     assert set(fields) - {"reasoning_format"} <= set(sent)
 
 
-def test_seed_minus_1_is_sent_as_random():
-    """--seed -1 (llama.cpp's "random") is sent as the request's seed -1, which the server reads as
-    random even when it runs with --seed (a dropped field would apply the server's seed)."""
+def test_seed_minus_1_is_left_out_for_a_remote_server():
+    """--seed -1 (llama.cpp's "random") has no API value: OpenAI reads any integer as a fixed seed,
+    so /regen would repeat itself. With --server-base the request has no seed (random there); in
+    process -1 is sent, which this server reads as random even when it runs with --seed."""
     from monobatch.cli.main import build_parser
-    from monobatch.cli.session import check_flags
+    from monobatch.cli.session import check_flags, request_fields
     from monobatch.engine.params import resolve_sampling
 
-    fields = check_flags(build_parser().parse_args(["run", "--server-base", "http://127.0.0.1:1", "--seed", "-1",
+    remote = check_flags(build_parser().parse_args(["run", "--server-base", "http://127.0.0.1:1", "--seed", "-1",
                                                     "hi"]))
-    assert fields == {"seed": -1}
-    assert resolve_sampling(fields, {"seed": 42}).seed is None
+    assert "seed" not in remote
+    assert check_flags(build_parser().parse_args(["run", "--server-base", "http://127.0.0.1:1", "--seed", "7",
+                                                  "hi"]))["seed"] == 7
+    local = request_fields(build_parser().parse_args(["chat", "--seed", "-1"]))
+    assert local == {"seed": -1}
+    assert resolve_sampling(local, {"seed": 42}).seed is None
 
 
 @pytest.mark.parametrize("n", ["-1", "-2"])

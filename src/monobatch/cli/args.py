@@ -226,7 +226,8 @@ def _read_flag_file(path: str, flag: str) -> str:
 def sampling_flags(ns: argparse.Namespace) -> dict[str, Any]:
     """The sampling flags the user set, as SamplingParams fields (sentinels translated; ``--seed
     -1``, random, is SamplingParams' own sentinel: kept, so that a request sent with it overrides
-    a server's ``--seed``).
+    a server's ``--seed``; ``run``/``chat`` leave it out for a remote server, which may read -1 as
+    a fixed seed).
 
     Raises:
         InvalidRequestError: ``-n`` below -2.

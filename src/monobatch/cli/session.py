@@ -76,6 +76,9 @@ def request_fields(ns: argparse.Namespace) -> dict[str, Any]:
             raise InvalidRequestError("-n -1 cannot be sent to a remote server (the API has no 'no limit' value); "
                                       "leave -n out to use the server's default", "max_tokens")
         del flags["max_tokens"]  # in process: the field left out (the server here was built from these flags)
+    if flags.get("seed") == -1 and ns.server_base is not None:  # llama.cpp's "random": the API has no such
+        del flags["seed"]  # value (OpenAI reads -1 as a fixed seed); no seed is random there. In process,
+        # -1 is sent: that server reads it as random, as it reads a request without one.
     if ns.server_base is None and "temperature" in flags:
         from monobatch.server.protocol import MAX_TEMPERATURE
 
