@@ -103,23 +103,32 @@ def _first_delta(server, **body):
 
 
 def _accumulated(client, **kw):
-    """The message the ``openai`` client's stream helper accumulates (``chat.completions.stream``)."""
+    """The choice the ``openai`` client's stream helper accumulates (``chat.completions.stream``)."""
     with client.chat.completions.stream(**kw) as stream:
         for _ in stream:
             pass
-        return stream.current_completion_snapshot.choices[0].message
+        return stream.current_completion_snapshot.choices[0]
 
 
-@pytest.mark.parametrize("tools,choice", [(None, None), (TOOLS, "required"), (TOOLS, NAMED), (TOOLS, "auto"),
-                                          (TOOLS, "none")])
-def test_the_first_streamed_delta_says_what_openais_says(server, client, model, tools, choice):
+def _logprob_rows(logprobs):
+    return [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in logprobs.content]
+
+
+@pytest.mark.parametrize("tools,choice,logprobs", [
+    (None, None, False), (TOOLS, "required", False), (TOOLS, NAMED, False), (TOOLS, "auto", False),
+    (TOOLS, "none", False), (None, None, True), (TOOLS, "required", True), (TOOLS, "auto", True)])
+def test_the_first_streamed_delta_says_what_openais_says(server, client, model, tools, choice, logprobs):
     """OpenAI's first delta: ``{"role": "assistant", "content": ""}`` for a text reply, the role
     with ``content: null`` and the first call for a reply that starts with a call (the role chunk
-    waits for the reply's first piece when tools are offered). The ``openai`` client's stream
-    helper then accumulates the non-streamed message: ``content`` null for a reply of only calls."""
+    waits for the reply's first piece when tools are offered; with ``logprobs`` the rows of the
+    tokens before it wait too, and come with that first piece). The ``openai`` client's stream
+    helper then accumulates the non-streamed message (``content`` null for a reply of only calls)
+    and logprobs."""
     kw = dict(model=model, messages=ASK, temperature=0, max_tokens=60) | (
-        {"tools": tools, "tool_choice": choice} if tools else {})
-    done = client.chat.completions.create(**kw).choices[0].message
+        {"tools": tools, "tool_choice": choice} if tools else {}) | (
+        {"logprobs": True, "top_logprobs": 2} if logprobs else {})
+    plain = client.chat.completions.create(**kw).choices[0]
+    done = plain.message
     first = _first_delta(server, **kw)
     if done.tool_calls:
         assert first["role"] == "assistant" and first["content"] is None and list(first) == [
@@ -131,10 +140,13 @@ def test_the_first_streamed_delta_says_what_openais_says(server, client, model, 
     # the grammar forces the calls; under auto the greedy bundled model answers this in text (the
     # deferred role chunk's text case)
     assert (choice in ("required", NAMED)) == bool(done.tool_calls)
-    streamed = _accumulated(client, **kw)
+    streamed_choice = _accumulated(client, **kw)
+    streamed = streamed_choice.message
     assert streamed.content == done.content and streamed.role == "assistant"
     assert [(c.function.name, c.function.arguments) for c in streamed.tool_calls or ()] == [
         (c.function.name, c.function.arguments) for c in done.tool_calls or ()]
+    if logprobs:
+        assert _logprob_rows(streamed_choice.logprobs) == _logprob_rows(plain.logprobs)
 
 
 def test_parallel_tool_calls_false_allows_one_call(client, model):

@@ -130,10 +130,13 @@ class _Chat:
         Without tools each choice's role chunk (``content: ""``) comes first, before any token.
         With tools offered it waits for the choice's first piece, so that it says what OpenAI's
         says: a call first gets the role with ``content: null`` in the call's own delta; text
-        first gets ``content: ""`` before it, and so does the end of a reply with no call; anything
-        else (reasoning, logprobs) ``content: null``, and a reply that then ends with no content, no
-        call and no cut call gets ``content: ""`` in its last delta. The ``openai`` client's
-        accumulated message then has the non-streamed ``content`` (null for a reply of only calls).
+        first gets ``content: ""`` before it, and so does the end of a reply with no call. The
+        logprobs rows of the tokens before that first piece wait with it (as their token ids do)
+        and come in its chunk: the text's, or the call's. Reasoning first is streamed at once
+        (it can be long), so its role chunk says ``content: null`` (DeepSeek's reasoning stream
+        does too), and a reply that then ends with no content, no call and no cut call gets
+        ``content: ""`` in its last delta. The ``openai`` client's accumulated message then has
+        the non-streamed ``content`` (null for a reply of only calls) and logprobs.
         """
         n = len(choices)
         splitters = [self.splitter() for _ in range(n)]
@@ -142,15 +145,17 @@ class _Chat:
         for i in range(n) if not self.chat.tools.active else ():
             yield sse(self._chunk([self._first(i, {"role": "assistant", "content": ""})]))
         pending = [[] for _ in range(n)]  # token ids not sent yet (their text is held back)
+        held: list[list] = [[] for _ in range(n)]  # logprobs rows not sent yet (the role chunk waits)
         async for i, out in reader:
             choices[i].add(out)
             pending[i] += out.token_ids
             parts: ChatDelta = splitters[i].feed(out.text)
             if out.finished:
                 parts += splitters[i].flush(choices[i].finish_reason)
-            wants_logprobs = self.body.logprobs and out.logprobs
+            if self.body.logprobs and out.logprobs:
+                held[i] += out.logprobs
             reason = self.finish_reason(choices[i], splitters[i]) if out.finished else None
-            text = parts.content or parts.reasoning or wants_logprobs
+            text = parts.content or parts.reasoning or announced[i] and held[i]
             if text or (out.finished and not parts.tool_calls):  # text before any call it preceded
                 textual = not splitters[i].tool_calls and not splitters[i].cut_call  # content "", never null
                 if not announced[i]:
@@ -159,9 +164,9 @@ class _Chat:
                                                            "content": None if null_role[i] else ""})]))
                 null_role[i] = null_role[i] and not parts.content
                 empty = out.finished and null_role[i] and textual
-                yield self._row(i, parts, out.logprobs if wants_logprobs else None,
-                                None if parts.tool_calls else reason, pending[i], empty_content=empty)
-                pending[i] = []
+                yield self._row(i, parts, held[i], None if parts.tool_calls else reason, pending[i],
+                                empty_content=empty)
+                pending[i], held[i] = [], []
             for call in parts.tool_calls:  # id and name first, then the arguments (OpenAI's stream shape)
                 first = call.to_openai()
                 args = first["function"]["arguments"]
@@ -169,6 +174,8 @@ class _Chat:
                 if not announced[i]:  # OpenAI's first delta of a reply that starts with a call
                     announced[i] = True
                     row = self._first(i, {"role": "assistant", "content": None, "tool_calls": [first]})
+                    row["logprobs"] = chat_logprobs(self.tok, held[i]) if held[i] else None
+                    held[i] = []
                 else:
                     row = {"index": i, "delta": {"tool_calls": [first]}, "logprobs": None, "finish_reason": None}
                 yield sse(self._chunk([row]))
