@@ -103,6 +103,13 @@ def test_document_content_types_and_statuses():
         assert ("429" in op["responses"]) is (path in GENERATION), path
 
 
+def test_the_chat_delta_description_covers_a_first_tool_call():
+    """ChatDelta's description (its docstring) says what the streamed role chunk holds: empty
+    content, or with tools content null beside a first tool call (not "always empty content")."""
+    text = " ".join(_app().openapi()["components"]["schemas"]["ChatDelta"]["description"].split())
+    assert "with empty content" in text and "content null beside a first tool call" in text
+
+
 def test_request_schemas_carry_the_engines_ranges_and_nulls():
     doc = _app().openapi()
     for model in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest",

@@ -220,7 +220,9 @@ class ToolCallDelta(_Doc):
 
 
 class ChatDelta(_Doc):
-    """What a chunk adds to a choice (the first chunk of each choice: role and empty content)."""
+    """What a chunk adds to a choice. The first chunk of each choice has the role: with empty
+    content, or, with tools offered, with the reply's first piece (content null beside a first
+    tool call or reasoning)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
