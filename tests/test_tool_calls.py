@@ -207,6 +207,26 @@ def test_prepare_mistral_ids_are_nine_alphanumerics():
     assert '"arguments": {"city": "Paris"}' in text and f'"call_id": "{ids[1]}"' in text
 
 
+def test_prepare_mistral_ids_stay_distinct_when_their_last_nine_collide():
+    """``call_0_abcdefghijk`` and ``call_1_abcdefghijk`` share their last 9 alphanumerics: each
+    gets a hash of the whole id instead (deterministic), the same in its call and its result."""
+    calls = [{"id": f"call_{k}_abcdefghijk", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}} for k in range(2)]
+    history = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": calls},
+               {"role": "tool", "tool_call_id": "call_1_abcdefghijk", "content": "18 C"},
+               {"role": "tool", "tool_call_id": "call_0_abcdefghijk", "content": "19 C"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {**calls[0], "id": "call_pqrstuvwx"}]},
+               {"role": "tool", "tool_call_id": "call_pqrstuvwx", "content": "20 C"}]
+    msgs, _ = prepare_messages(history, spec(), M)
+    ids = [tc["id"] for tc in msgs[1]["tool_calls"]]
+    assert all(re.fullmatch(r"[A-Za-z0-9]{9}", i) for i in ids) and len(set(ids)) == 2
+    assert [msgs[2]["tool_call_id"], msgs[3]["tool_call_id"]] == ids[::-1]
+    assert msgs[4]["tool_calls"][0]["id"] == msgs[5]["tool_call_id"] == "pqrstuvwx"  # no collision: as before
+    assert prepare_messages(history, spec(), M)[0] == msgs
+    ChatTemplate(MISTRAL).render(msgs)  # the template raises on any other id
+
+
 def test_prepare_generic_on_the_bundled_template(loaded):
     sp = spec()
     msgs, kwargs = prepare_messages(HISTORY, sp, G)

@@ -6,6 +6,7 @@ import copy
 import hashlib
 import json
 import re
+from collections import Counter
 from typing import Any
 
 from monobatch.errors import InvalidRequestError
@@ -44,7 +45,8 @@ def prepare_messages(messages: Any, spec: ToolSpec | None, fmt: ToolFormat) -> t
         GENERIC, whose tools go into a system message, and when no tools are offered). For
         HERMES/LLAMA3_JSON/MISTRAL call arguments become dicts (``tojson`` in the templates);
         LLAMA3_JSON splits a multi-call message into one message per call (its templates allow
-        one); MISTRAL ids become 9 alphanumerics. GENERIC's rewrite is in the module docstring.
+        one); MISTRAL ids become 9 alphanumerics, distinct ones staying distinct. GENERIC's
+        rewrite is in the module docstring.
 
     Raises:
         InvalidRequestError: param "messages": malformed messages or ``tool_calls``.
@@ -60,9 +62,7 @@ def prepare_messages(messages: Any, spec: ToolSpec | None, fmt: ToolFormat) -> t
                 obj |= {"content": m["content"]} if m.get("content") else {}
                 out.append({"role": "assistant", "content": json.dumps(obj, ensure_ascii=False)})
                 continue
-            mistral = fmt is ToolFormat.MISTRAL
-            shaped = [{"id": _mistral_id(c) if mistral else c, "type": "function",
-                       "function": {"name": n, "arguments": a}} for c, n, a in calls]
+            shaped = [{"id": c, "type": "function", "function": {"name": n, "arguments": a}} for c, n, a in calls]
             groups = [[s] for s in shaped] if fmt is ToolFormat.LLAMA3_JSON else [shaped]
             out.extend({**m, "tool_calls": g} if k == 0 else {"role": "assistant", "content": "", "tool_calls": g}
                        for k, g in enumerate(groups))
@@ -75,10 +75,10 @@ def prepare_messages(messages: Any, spec: ToolSpec | None, fmt: ToolFormat) -> t
             else:
                 out.append({"role": "user", "content": line})
             tool_run = len(out) - 1
-        elif m["role"] == "tool" and fmt is ToolFormat.MISTRAL and m.get("tool_call_id") is not None:
-            out.append({**m, "tool_call_id": _mistral_id(m["tool_call_id"])})
         else:
             out.append(m)
+    if fmt is ToolFormat.MISTRAL:
+        out = _with_mistral_ids(out)
     if not active:
         return out, {}
     if fmt is not ToolFormat.GENERIC:
@@ -143,7 +143,53 @@ def _history_call(tc: Any, i: int, k: int) -> tuple[str, str, Any]:
     return tc["id"], fn["name"], copy.deepcopy(args)
 
 
-def _mistral_id(call_id: Any) -> str:
-    """Mistral templates require 9 alphanumeric ids: the last 9 of the id's, else a hash."""
-    alnum = re.sub(r"[^A-Za-z0-9]", "", str(call_id))
-    return alnum[-9:] if len(alnum) >= 9 else hashlib.sha1(str(call_id).encode()).hexdigest()[:9]
+def _with_mistral_ids(msgs: list[dict]) -> list[dict]:
+    """``msgs`` with each call id (assistant ``tool_calls`` and tool messages' ``tool_call_id``)
+    rewritten to the 9 alphanumerics Mistral templates require (:func:`_mistral_ids`)."""
+    ids = [tc["id"] for m in msgs if m["role"] == "assistant" for tc in m.get("tool_calls") or ()]
+    ids += [str(m["tool_call_id"]) for m in msgs if m["role"] == "tool" and m.get("tool_call_id") is not None]
+    short = _mistral_ids(ids)
+    out = []
+    for m in msgs:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            m = {**m, "tool_calls": [{**tc, "id": short[tc["id"]]} for tc in m["tool_calls"]]}
+        elif m["role"] == "tool" and m.get("tool_call_id") is not None:
+            m = {**m, "tool_call_id": short[str(m["tool_call_id"])]}
+        out.append(m)
+    return out
+
+
+def _mistral_ids(ids: list[str]) -> dict[str, str]:
+    """The 9-alphanumeric id of each call id of one conversation (Mistral templates require them).
+
+    An id's last 9 alphanumerics, or a hash of it when it has fewer. Ids whose rewrites collide
+    (``call_0_abcdefghijk`` and ``call_1_abcdefghijk``) each get a hash of the whole id instead,
+    so distinct ids stay distinct; the same id maps the same way in its call and its tool result.
+
+    Args:
+        ids: the conversation's call ids, in order (repeats allowed).
+
+    Returns:
+        ``{id: 9 alphanumerics}``, one distinct value per distinct id; deterministic.
+    """
+    short = {cid: _last_nine(cid) for cid in dict.fromkeys(ids)}
+    counts = Counter(short.values())
+    taken = {s for s in short.values() if counts[s] == 1}
+    for cid in short:
+        if counts[short[cid]] > 1:
+            salt = 0
+            while (hashed := _hash_nine(cid, salt)) in taken:  # a hash meeting another id's: rehash
+                salt += 1
+            short[cid] = hashed
+            taken.add(hashed)
+    return short
+
+
+def _last_nine(call_id: str) -> str:
+    alnum = re.sub(r"[^A-Za-z0-9]", "", call_id)
+    return alnum[-9:] if len(alnum) >= 9 else _hash_nine(call_id, 0)
+
+
+def _hash_nine(call_id: str, salt: int) -> str:
+    data = call_id if salt == 0 else f"{call_id}\0{salt}"
+    return hashlib.sha1(data.encode()).hexdigest()[:9]
