@@ -116,13 +116,16 @@ def test_openai_client_completions_and_chat(server, client):
 
 
 def test_n_with_seed_gives_distinct_reproducible_choices(server):
-    """n>1 with a seed: choice j draws with seed + j (choice 0 equals the n=1 request)."""
+    """n>1 with a seed: choice j draws with seed + j modulo 2**63 (choice 0 equals the n=1
+    request; after the largest seed comes 0, in range)."""
     body = {"prompt": STORY, "max_tokens": 8, "temperature": 1.0, "seed": 123, "return_token_ids": True}
     both = completion(server, n=3, **body)["choices"]
     one = completion(server, **body)["choices"][0]
     shifted = completion(server, **{**body, "seed": 124})["choices"][0]
     assert both[0]["token_ids"] == one["token_ids"] and both[1]["token_ids"] == shifted["token_ids"]
     assert len({tuple(c["token_ids"]) for c in both}) > 1
+    top = completion(server, **{**body, "seed": 2**63 - 1, "n": 2})["choices"]  # choice 1: seed 2**63 wraps to 0
+    assert top[1]["token_ids"] == completion(server, **{**body, "seed": 0})["choices"][0]["token_ids"]
 
 
 # -- F1: SSE shape ---------------------------------------------------------------------------------

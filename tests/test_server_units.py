@@ -127,6 +127,8 @@ def test_choices_get_consecutive_seeds():
     reqs = build_requests("cmpl-x", [[1, 2], [3]], SamplingParams(seed=7), 2, arrival_time=1.5)
     assert [r.request_id for r in reqs] == ["cmpl-x-0", "cmpl-x-1", "cmpl-x-2", "cmpl-x-3"]
     assert [r.params.seed for r in reqs] == [7, 8, 7, 8]
+    top = build_requests("c", [[1]], SamplingParams(seed=2**63 - 1), 3, arrival_time=0.0)
+    assert [r.params.seed for r in top] == [2**63 - 1, 0, 1]  # modulo 2**63: in range
     assert all(r.arrival_time == 1.5 for r in reqs)  # TTFT and e2e are timed from the HTTP arrival
     assert all(r.params.seed is None for r in build_requests("c", [[1]], SamplingParams(), 3, arrival_time=0.0))
 

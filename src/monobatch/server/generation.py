@@ -50,9 +50,11 @@ def build_requests(base_id: str, prompts: list[list[int]], params: SamplingParam
                    prompt_logprobs: int | None = None) -> list[Request]:
     """One engine Request per (prompt, choice), choice index ``prompt * n + j``.
 
-    With ``n > 1`` and a seed, choice ``j`` draws with ``seed + j``: choices differ, choice 0
+    With ``n > 1`` and a seed, choice ``j`` draws with ``seed + j`` modulo 2**63 (a seed near the
+    top wraps to 0: every choice's seed stays in SamplingParams' range): choices differ, choice 0
     equals the same request with ``n = 1``, and every choice is reproducible. Without a seed each
-    choice gets a fresh random one (SamplingParams).
+    choice gets a fresh random one (SamplingParams). This is the one place per-choice seeds are
+    made (the CLI and the Python API have no ``n``).
 
     Args:
         arrival_time: when the HTTP request arrived (``time.perf_counter``): TTFT and e2e

@@ -365,7 +365,7 @@ class SamplingFields(_Body):
         "Nucleus sampling; 1 = off, 0 = the most likely token only.", minimum=0, maximum=1))
     stop: str | list[str] | None = Field(None, json_schema_extra=_stop_schema)
     seed: JsonInt | None = Field(None, json_schema_extra=_bounds(
-        "Reproducible sampling; with n > 1 choice j uses seed + j. -1: a random seed (llama-server's; it overrides "
+        "Reproducible sampling; with n > 1 choice j uses seed + j modulo 2**63. -1: a random seed (llama-server's; it overrides "
         "the server's --seed).", minimum=-1, exclusiveMaximum=SEED_LIMIT))
     presence_penalty: float | None = Field(None, json_schema_extra=_bounds("Over generated tokens.", minimum=-2,
                                                                            maximum=2))
