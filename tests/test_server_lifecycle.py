@@ -30,6 +30,19 @@ def _post(base_url: str, body: dict, result: dict) -> None:
         result["error"] = exc
 
 
+
+def _start_in_flight(server, threads: list[threading.Thread]) -> None:
+    """Start each request thread in turn, each once the server counts the ones before it as
+    running or waiting (so all are in flight when the test signals the server)."""
+    deadline = time.monotonic() + 30
+    for count, t in enumerate(threads, 1):
+        t.start()
+        while True:
+            m = server.metrics()
+            if m["monobatch_num_requests_running"] + m["monobatch_num_requests_waiting"] >= count:
+                break
+            assert time.monotonic() < deadline
+
 def test_sigterm_finishes_short_requests_aborts_long_ones_and_frees_the_port():
     """Case 5: within --shutdown-timeout a short request finishes; the long ones, streamed and
     not, are aborted before it ends and answered with an OpenAI-shaped 503; no traceback."""
@@ -41,14 +54,7 @@ def test_sigterm_finishes_short_requests_aborts_long_ones_and_frees_the_port():
                                                                         "temperature": 0}, short)),
                threading.Thread(target=_stream, args=(server.base_url, long_body, long_)),
                threading.Thread(target=_post, args=(server.base_url, long_body, plain))]
-    deadline = time.monotonic() + 30
-    for count, t in zip((1, 2, 3), threads[::-1]):  # the long ones first: the short one ends soon
-        t.start()
-        while True:
-            m = server.metrics()
-            if m["monobatch_num_requests_running"] + m["monobatch_num_requests_waiting"] >= count:
-                break
-            assert time.monotonic() < deadline
+    _start_in_flight(server, threads[::-1])  # the long ones first: the short one ends soon
     rc = server.stop(signal.SIGTERM, timeout=60)
     for t in threads:
         t.join(30)
@@ -80,14 +86,7 @@ def test_ctrl_c_shuts_down_then_exits_130_and_a_second_one_forces_it(sigints, ig
     long_body = {"prompt": "Hello", "max_tokens": 240, "ignore_eos": True}
     threads = [threading.Thread(target=_stream, args=(server.base_url, long_body, streamed)),
                threading.Thread(target=_post, args=(server.base_url, long_body, plain))]
-    deadline = time.monotonic() + 30
-    for count, t in enumerate(threads, 1):
-        t.start()
-        while True:
-            m = server.metrics()
-            if m["monobatch_num_requests_running"] + m["monobatch_num_requests_waiting"] >= count:
-                break
-            assert time.monotonic() < deadline
+    _start_in_flight(server, threads)
     start = time.monotonic()
     server.proc.send_signal(signal.SIGINT)
     if sigints == 2:
