@@ -162,6 +162,7 @@ def test_structured_output_and_tools_through_the_python_api(llm):
     res = llm.chat([{"role": "user", "content": "Weather in Rome?"}], SamplingParams(temperature=0, max_tokens=60),
                    tools=tools, tool_choice="required", parallel_tool_calls=False)[0].outputs[0]
     assert len(res.tool_calls) == 1 and res.tool_calls[0].name == "get_weather"
+    assert res.finish_reason == "tool_calls"  # as the chat endpoint reports it
     assert isinstance(json.loads(res.tool_calls[0].arguments)["city"], str)
     with pytest.raises(InvalidRequestError) as info:
         llm.generate("x", SamplingParams(max_tokens=2, structured=StructuredOutput.regex("[0-9")))

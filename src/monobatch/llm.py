@@ -47,7 +47,9 @@ class CompletionOutput:
         index: position among a request's outputs (always 0: one output per request).
         text: the generated text (stop string excluded unless include_stop_str_in_output).
         token_ids: generated token ids.
-        finish_reason: ``stop`` | ``length`` | ``loop`` | ``abort``.
+        finish_reason: ``stop`` | ``length`` | ``loop`` | ``abort``; :meth:`LLM.chat` with tools
+            reports ``tool_calls`` where the chat endpoint does (complete calls, generation
+            ended normally, no named tool_choice).
         logprobs: per token ``(token_id, logprob, [(alt_id, alt_logprob), ...])`` when asked.
         tool_calls: :meth:`LLM.chat` with tools: the calls parsed from ``text``
             (:class:`monobatch.tool_calls.ToolCall`: id, name, arguments as JSON text;
@@ -226,6 +228,7 @@ class LLM:
                 o = out.outputs[0]
                 _, reply = split_reply(o.text, o.finish_reason, "separate", chat.in_reasoning, chat.tools, chat.fmt)
                 o.tool_calls = reply.tool_calls
+                o.finish_reason = chat.finish_reason(o.finish_reason, bool(reply.tool_calls), reply.cut_call)
         return outs
 
     @staticmethod
