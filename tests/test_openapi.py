@@ -138,6 +138,17 @@ def test_request_schemas_carry_the_engines_ranges_and_nulls():
     assert (bias["minimum"], bias["maximum"]) == (-100, 100)
     assert _property(doc, "CompletionRequest", "best_of")["type"] == "null"  # refused unless null
     assert _property(doc, "ChatCompletionRequest", "functions")["type"] == "null"
+    chat = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert chat["verbosity"]["type"] == "null" and chat["reasoning_effort"]["type"] == "null"
+    assert _number_branch(chat["store"]) == {"const": False, "type": "boolean"}  # accepted values only
+    assert _number_branch(chat["service_tier"])["enum"] == ["auto", "default"]
+    assert _number_branch(chat["modalities"]) == {"type": "array", "items": {"const": "text", "type": "string"},
+                                                  "minItems": 1, "maxItems": 1}
+    meta = _number_branch(chat["metadata"])
+    assert (meta["maxProperties"], meta["propertyNames"]["maxLength"], meta["additionalProperties"]["maxLength"]) \
+        == (16, 64, 512)
+    assert _number_branch(chat["safety_identifier"])["maxLength"] == 128
+    assert "store" not in doc["components"]["schemas"]["CompletionRequest"]["properties"]
     assert not any("x-monobatch" in node for node in _walk(doc))  # markers filled or dropped
 
 

@@ -115,6 +115,36 @@ def test_openai_client_completions_and_chat(server, client):
     assert chunks[-1].usage.prompt_tokens == reply.usage.prompt_tokens
 
 
+#: What SDKs and agent frameworks (openai-agents, LiteLLM) send with values that ask for nothing.
+NO_OP_FIELDS = {"store": False, "metadata": {"run": "trial-7", "user_tier": "free"}, "service_tier": "auto",
+                "prompt_cache_key": "k", "safety_identifier": "u", "modalities": ["text"]}
+
+
+def test_openai_client_no_op_fields_are_accepted_and_change_nothing(server, client):
+    """store false, metadata, service_tier auto/default, prompt_cache_key, safety_identifier and
+    modalities ["text"] (and verbosity/reasoning_effort null) are accepted from the official client
+    and give the same tokens as the same request without them, streamed and not; store true,
+    service_tier flex and audio are 400s naming the field."""
+    import openai
+
+    model = client.models.list().data[0].id
+    ask = {"model": model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8, "temperature": 0,
+           "extra_body": {"return_token_ids": True}}
+    plain = client.chat.completions.create(**ask)
+    dressed = client.chat.completions.create(**ask, **NO_OP_FIELDS, verbosity=None, reasoning_effort=None)
+    assert dressed.choices[0].token_ids == plain.choices[0].token_ids  # vLLM's extra field, kept by the client
+    assert dressed.choices[0].message.content == plain.choices[0].message.content
+    assert dressed.usage.completion_tokens == plain.usage.completion_tokens > 0
+    chunks = list(client.chat.completions.create(**ask, **{**NO_OP_FIELDS, "service_tier": "default"}, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == plain.choices[0].message.content
+    for refused, param in (({"store": True}, "store"), ({"service_tier": "flex"}, "service_tier"),
+                           ({"modalities": ["text", "audio"]}, "modalities"), ({"verbosity": "low"}, "verbosity"),
+                           ({"reasoning_effort": "low"}, "reasoning_effort")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(**ask, **{**NO_OP_FIELDS, **refused})
+        assert info.value.body["param"] == param and param in info.value.body["message"], info.value.body
+
+
 def test_n_with_seed_gives_distinct_reproducible_choices(server):
     """n>1 with a seed: choice j draws with seed + j modulo 2**63 (choice 0 equals the n=1
     request; after the largest seed comes 0, in range)."""
@@ -276,6 +306,15 @@ BAD_BODIES = [
     ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
     ("/v1/chat/completions", {"frobnicate": 1}, "frobnicate"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    # OpenAI fields accepted only with values that ask for nothing (the rest would change the answer)
+    ("/v1/chat/completions", {"store": True}, "store"),
+    ("/v1/chat/completions", {"service_tier": "flex"}, "service_tier"),
+    ("/v1/chat/completions", {"modalities": ["audio"]}, "modalities"),
+    ("/v1/chat/completions", {"verbosity": "high"}, "verbosity"),
+    ("/v1/chat/completions", {"reasoning_effort": "minimal"}, "reasoning_effort"),
+    ("/v1/chat/completions", {"metadata": {"k": "v" * 513}}, "metadata"),
+    ("/v1/chat/completions", {"safety_identifier": 7}, "safety_identifier"),
+    ("/v1/completions", {"prompt": "x", "store": False}, "store"),  # not a field of OpenAI's completions
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
     ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
     ("/v1/completions", {"prompt": 7}, "prompt"),

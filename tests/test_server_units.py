@@ -68,6 +68,28 @@ def test_prompt_opens_reasoning():
     (CompletionRequest, {}, "prompt", "prompt: Field required"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "functions": []}, "functions",
      "not supported"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "store": True}, "store",
+     "only false is supported"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "store": 0}, "store", "got 0"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "service_tier": "priority"},
+     "service_tier", "one service tier"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]},
+     "modalities", "no audio"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "modalities": []}, "modalities",
+     "got []"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "metadata": {"k" * 65: "v"}},
+     "metadata", "OpenAI's limits"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
+                             "metadata": {str(i): "v" for i in range(17)}}, "metadata", "at most 16 pairs"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "metadata": {"k": 1}}, "metadata",
+     "string values"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "safety_identifier": "u" * 129},
+     "safety_identifier", "at most 128"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "verbosity": "low"}, "verbosity",
+     "no verbosity control"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "none"},
+     "reasoning_effort", "not supported"),
+    (CompletionRequest, {"prompt": "x", "metadata": {}}, "metadata", "unknown field"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 1.1,
                              "repeat_penalty": 1.2}, "repeat_penalty", "conflicts"),
     (CompletionRequest, {"prompt": "x", "max_tokens": -1}, "max_tokens", "greater than or equal to 0"),
@@ -120,6 +142,20 @@ def test_nulls_are_absent():
     req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": None,
                                                 "temperature": None, "stream": None})
     assert req.temperature is None and req.stream is False
+
+
+def test_no_op_openai_fields_are_accepted_and_reach_nothing():
+    """The OpenAI fields whose values ask for nothing this server would do differently validate
+    and add nothing to what the engine gets (the sampling request is the bare request's)."""
+    bare = {"messages": [{"role": "user", "content": "x"}], "temperature": 0}
+    metadata = {"k" * 64: "v" * 512, **{str(i): "" for i in range(15)}}  # OpenAI's limits, exactly
+    for extra in ({"store": False, "metadata": metadata, "service_tier": "auto", "prompt_cache_key": "k",
+                   "safety_identifier": "u" * 128, "modalities": ["text"]},
+                  {"service_tier": "default", "metadata": {}, "prompt_cache_key": ""},
+                  {name: None for name in ("store", "metadata", "service_tier", "prompt_cache_key",
+                                           "safety_identifier", "modalities", "verbosity", "reasoning_effort")}):
+        req = ChatCompletionRequest.model_validate({**bare, **extra})
+        assert req.sampling_request() == ChatCompletionRequest.model_validate(bare).sampling_request()
 
 
 # -- n > 1 and usage ---------------------------------------------------------------------------------------

@@ -3,7 +3,10 @@
 Field names are OpenAI's, plus the llama.cpp/vLLM sampling extensions. A field we do not
 implement is never ignored: the ones OpenAI or vLLM define (``best_of``, ``suffix``,
 ``functions``, ...) get a 400 that says they are not supported, any other unknown
-field a 400 that names it (``extra="forbid"``). A null value counts as absent.
+field a 400 that names it (``extra="forbid"``). A null value counts as absent. A few OpenAI chat
+fields that SDKs send (``store``, ``metadata``, ``service_tier``, ...) are typed fields that take
+only the values asking for nothing this server would do differently, and are then ignored; any
+other value is a 400 naming the field.
 
 Value ranges are checked once, by :class:`monobatch.engine.params.SamplingParams`; this module
 checks only JSON types, the fields that never reach it (``n``, ``echo``, ``top_logprobs``), and
@@ -24,6 +27,7 @@ Integer fields take a whole number written ``2.0`` (JSON Schema counts it as an 
 from __future__ import annotations
 
 import copy
+import json
 from typing import Annotated, Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -37,9 +41,16 @@ from monobatch.tokenizer.chat_template import ROLES
 #: Fields of the OpenAI (or vLLM) API this server refuses with a 400 unless null, per endpoint.
 UNSUPPORTED_COMPLETION_FIELDS = ("suffix", "best_of", "prompt_logprobs", "lora_request", "guided_decoding_backend",
                                  "guided_whitespace_pattern")
-UNSUPPORTED_CHAT_FIELDS = ("functions", "function_call", "audio", "modalities", "prediction", "web_search_options",
-                           "reasoning_effort", "store", "metadata", "service_tier", "continue_final_message",
-                           "documents", "guided_decoding_backend", "guided_whitespace_pattern")
+UNSUPPORTED_CHAT_FIELDS = ("functions", "function_call", "audio", "prediction", "web_search_options",
+                           "reasoning_effort", "verbosity", "continue_final_message", "documents",
+                           "guided_decoding_backend", "guided_whitespace_pattern")
+#: Why a refused field is refused, where the bare "not supported" would leave a user guessing.
+REFUSAL_REASONS = {"reasoning_effort": "the model has no control over its reasoning's length",
+                   "verbosity": "the model has no verbosity control"}
+#: OpenAI's limits on ``metadata`` (its API validates them): pairs, key and value characters.
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+#: OpenAI's limit on ``safety_identifier`` (characters).
+SAFETY_IDENTIFIER_CHARS = 128
 #: Most choices one request may ask for (``n``).
 MAX_N = 128
 #: Most alternatives per token (``logprobs`` / ``top_logprobs``), as SamplingParams allows: OpenAI's
@@ -240,12 +251,61 @@ def _refuse(fields: tuple[str, ...]):
         for name in fields:
             if name in data:
                 if data[name] is not None:
-                    raise PydanticCustomError("unsupported_field", "{field}: this field is not supported by monobatch",
-                                              {"field": name})
+                    reason = f" ({REFUSAL_REASONS[name]})" if name in REFUSAL_REASONS else ""
+                    raise PydanticCustomError("unsupported_field", "{field}: this field is not supported by monobatch"
+                                              "{reason}", {"field": name, "reason": reason})
                 data = {k: v for k, v in data.items() if k != name}
         return {k: v for k, v in data.items() if v is not None}
 
     return model_validator(mode="before")(check)
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """A client's value as JSON text for an error message, cut at ``limit`` characters."""
+    text = json.dumps(value, ensure_ascii=False, default=repr)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _only(name: str, allowed: tuple[Any, ...], why: str) -> BeforeValidator:
+    """A field's before-validator: a value other than ``allowed`` (compared with its JSON type:
+    ``0`` is not ``false``) is a 400 naming the field and saying ``why``. The field's type (a
+    ``Literal``) writes the same values into the JSON schema."""
+
+    def check(value: Any) -> Any:
+        if not any(type(value) is type(a) and value == a for a in allowed):
+            raise PydanticCustomError("unsupported_value", "{field}: {why}, got {got}",
+                                      {"field": name, "why": why, "got": _shown(value)})
+        return value
+
+    return BeforeValidator(check)
+
+
+def _check_metadata(value: Any) -> Any:
+    """``metadata`` as OpenAI validates it: at most 16 pairs, string keys of at most 64 characters,
+    string values of at most 512."""
+    if not (isinstance(value, dict) and len(value) <= METADATA_PAIRS
+            and all(isinstance(v, str) and len(k) <= METADATA_KEY_CHARS and len(v) <= METADATA_VALUE_CHARS
+                    for k, v in value.items())):
+        raise PydanticCustomError("metadata", "metadata: an object of at most {pairs} pairs, keys of at most {keys} "
+                                  "characters and string values of at most {values} (OpenAI's limits), got {got}",
+                                  {"field": "metadata", "pairs": METADATA_PAIRS, "keys": METADATA_KEY_CHARS,
+                                   "values": METADATA_VALUE_CHARS, "got": _shown(value)})
+    return value
+
+
+#: ``store``: only false (nothing is stored, so true would be a promise this server breaks).
+StoreFalse = Annotated[Literal[False], _only("store", (False,), "only false is supported (monobatch stores no "
+                                                                 "completions)")]
+#: ``service_tier``: the values that ask for the one tier this server has.
+ServiceTier = Annotated[Literal["auto", "default"], _only("service_tier", ("auto", "default"), (
+    "only 'auto' or 'default' is supported (monobatch has one service tier)"))]
+#: ``modalities``: text only.
+TextModality = Annotated[list[Literal["text"]], Field(min_length=1, max_length=1), _only(
+    "modalities", (["text"],), 'only ["text"] is supported (monobatch generates text, no audio)')]
+#: ``metadata``: labels of stored completions (schema from the type, checked by _check_metadata).
+Metadata = Annotated[dict[Annotated[str, Field(max_length=METADATA_KEY_CHARS)],
+                          Annotated[str, Field(max_length=METADATA_VALUE_CHARS)]],
+                     Field(max_length=METADATA_PAIRS), BeforeValidator(_check_metadata)]
 
 
 class _Body(BaseModel):
@@ -554,6 +614,22 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = Field(None, description=(
         "OpenAI's: allow several calls in one reply (default true; at most 8 where the grammar enforces the calls; "
         "a named tool_choice gets exactly one)."))
+
+    # -- OpenAI fields accepted and ignored: the values their types take ask for nothing this server
+    # would do differently; any other value is a 400 naming the field (_only), never dropped --
+    store: StoreFalse | None = Field(None, description=(
+        "OpenAI's: false only (monobatch stores no completions); true is a 400."))
+    metadata: Metadata | None = Field(None, description=(
+        "OpenAI's labels of stored completions: at most 16 pairs, keys of at most 64 characters, string values of "
+        "at most 512. Accepted, ignored (nothing is stored)."))
+    service_tier: ServiceTier | None = Field(None, description=(
+        "OpenAI's: auto or default (monobatch has one tier); any other (flex, priority, ...) is a 400."))
+    prompt_cache_key: str | None = Field(None, description=(
+        "OpenAI's routing hint for its prompt cache: accepted, ignored (monobatch's prefix cache is automatic; "
+        "cache_prompt turns it off)."))
+    safety_identifier: str | None = Field(None, max_length=SAFETY_IDENTIFIER_CHARS, description=(
+        "OpenAI's end-user id (at most 128 characters), as user: accepted, unused."))
+    modalities: TextModality | None = Field(None, description='OpenAI\'s output types: ["text"] only (audio is a 400).')
 
     drop_unsupported = _refuse(UNSUPPORTED_CHAT_FIELDS)
 
