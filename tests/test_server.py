@@ -347,6 +347,17 @@ def test_e3_wrong_types_are_400(server, path, patch, param, stream_):
     assert_error(server.post(path, body), 400, param)
 
 
+@pytest.mark.parametrize("patch,param", [('"store": "\\ud800"', "store"), ('"service_tier": "\\ud800"', "service_tier"),
+                                         ('"metadata": {"k": 1, "x": "\\ud800"}', "metadata")])
+def test_a_lone_surrogate_in_a_refused_value_is_a_400(server, patch, param):
+    """The 400's message quotes the refused value JSON-escaped: a lone surrogate escape sent by
+    the client (raw JSON: httpx would not encode it) never makes the reply unencodable (a 500)."""
+    body = '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, ' + patch + "}"
+    resp = httpx.post(server.base_url + "/v1/chat/completions", content=body.encode(),
+                      headers={"content-type": "application/json"}, timeout=60)
+    assert_error(resp, 400, param)
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_openai_range_edges_are_accepted(server, path):
     """The ends of OpenAI's ranges are valid: temperature 2, top_p 0 (the most likely token only),

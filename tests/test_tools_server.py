@@ -149,6 +149,26 @@ def test_the_first_streamed_delta_says_what_openais_says(server, client, model, 
         assert _logprob_rows(streamed_choice.logprobs) == _logprob_rows(plain.logprobs)
 
 
+def test_streamed_token_ids_travel_with_their_logprobs(server, model):
+    """With ``return_token_ids`` and logprobs, a streamed reply that starts with a call carries
+    the tokens held before the call in its first chunk beside their logprobs: every chunk's
+    ``token_ids`` are the tokens its logprob rows are about, and they add up to the
+    non-streamed ids."""
+    body = dict(model=model, messages=ASK, temperature=0, max_tokens=60, tools=TOOLS, tool_choice="required",
+                logprobs=True, return_token_ids=True)
+    plain = server.post("/v1/chat/completions", body).json()["choices"][0]
+    resp = server.post("/v1/chat/completions", {**body, "stream": True})
+    ids = []
+    for event in sse_events(resp.text.splitlines()):
+        if not isinstance(event, dict) or not event.get("choices"):
+            continue
+        row = event["choices"][0]
+        rows = (row.get("logprobs") or {}).get("content") or []
+        assert len(row.get("token_ids") or []) == len(rows), row
+        ids += row.get("token_ids") or []
+    assert ids == plain["token_ids"]
+
+
 def test_parallel_tool_calls_false_allows_one_call(client, model):
     done = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
                                           parallel_tool_calls=False, temperature=0, max_tokens=80)

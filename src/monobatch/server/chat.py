@@ -175,6 +175,8 @@ class _Chat:
                     announced[i] = True
                     row = self._first(i, {"role": "assistant", "content": None, "tool_calls": [first]})
                     row["logprobs"] = chat_logprobs(self.tok, held[i]) if held[i] else None
+                    if self.body.return_token_ids:  # the tokens held with those logprobs
+                        row["token_ids"], pending[i] = pending[i], []
                     held[i] = []
                 else:
                     row = {"index": i, "delta": {"tool_calls": [first]}, "logprobs": None, "finish_reason": None}

@@ -262,7 +262,7 @@ def _refuse(fields: tuple[str, ...]):
 
 def _shown(value: Any, limit: int = 80) -> str:
     """A client's value as JSON text for an error message, cut at ``limit`` characters."""
-    text = json.dumps(value, ensure_ascii=False, default=repr)
+    text = json.dumps(value, ensure_ascii=True, default=repr)  # escapes: a lone surrogate never reaches the reply
     return text if len(text) <= limit else text[:limit] + "..."
 
 
