@@ -221,8 +221,8 @@ class ToolCallDelta(_Doc):
 
 class ChatDelta(_Doc):
     """What a chunk adds to a choice. The first chunk of each choice has the role: with empty
-    content, or, with tools offered, with the reply's first piece (content null beside a first
-    tool call or reasoning)."""
+    content, or, with tools offered, the reply's first piece (content null beside a first tool
+    call; a role chunk of its own with content null before reasoning)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
