@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Annotated, Any, Callable, ClassVar, Literal
+from typing import Annotated, Any, Callable, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -293,12 +293,17 @@ def _check_metadata(value: Any) -> Any:
     return value
 
 
+def _one_of(name: str, literal: Any, why: str) -> Any:
+    """``literal`` (a ``Literal`` type) as a field type whose other values are a 400 naming the
+    field (:func:`_only`, with the literal's own values)."""
+    return Annotated[literal, _only(name, get_args(literal), why)]
+
+
 #: ``store``: only false (nothing is stored, so true would be a promise this server breaks).
-StoreFalse = Annotated[Literal[False], _only("store", (False,), "only false is supported (monobatch stores no "
-                                                                 "completions)")]
+StoreFalse = _one_of("store", Literal[False], "only false is supported (monobatch stores no completions)")
 #: ``service_tier``: the values that ask for the one tier this server has.
-ServiceTier = Annotated[Literal["auto", "default"], _only("service_tier", ("auto", "default"), (
-    "only 'auto' or 'default' is supported (monobatch has one service tier)"))]
+ServiceTier = _one_of("service_tier", Literal["auto", "default"],
+                      "only 'auto' or 'default' is supported (monobatch has one service tier)")
 #: ``modalities``: text only.
 TextModality = Annotated[list[Literal["text"]], Field(min_length=1, max_length=1), _only(
     "modalities", (["text"],), 'only ["text"] is supported (monobatch generates text, no audio)')]
