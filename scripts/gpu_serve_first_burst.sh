@@ -6,7 +6,7 @@
 # The monobatch arm is the server's first traffic after start-up (bench-serve's two warm-up
 # requests aside): its TTFT tail is the first burst's.
 #   Usage (device tool, repo root, carry .whl and .llama-cpp): bash scripts/gpu_serve_first_burst.sh OUTDIR
-#   env: PROMPTS (300), CONC (64), IN_LEN (256), OUT_LEN (128), W (/tmp/gpu_serving)
+#   env: ROUNDS (1), PROMPTS (300), CONC (64), IN_LEN (256), OUT_LEN (128), W (/tmp/gpu_serving)
 set -uo pipefail
 OUT=${1:?OUTDIR}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export W=${W:-/tmp/gpu_serving} GGUF_SHAPES=llama-1b PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -28,7 +28,7 @@ log "llama.cpp build rc $(cat "$W/build.rc" 2>/dev/null || echo running)"
 lpid=$!
 health $LS 90 $lpid && log "llama-server ready" || log "llama-server did not come up"
 BS="monobatch bench-serve --num-prompts ${PROMPTS:-300} --input-len ${IN_LEN:-256} --output-len ${OUT_LEN:-128} --max-concurrency ${CONC:-64} --num-warmups 2 --label serve --json"
-python3 scripts/bench_rounds.py --rounds 1 --timeout 120 --settle 0 --allow-busy --json "$OUT/serve.json" \
+python3 scripts/bench_rounds.py --rounds "${ROUNDS:-1}" --timeout 120 --settle 0 --allow-busy --json "$OUT/serve.json" \
   --arm llama_server="$BS --base-url $LS" --arm monobatch="$BS --base-url $MS" > "$OUT/rounds.txt" 2>&1
 log "rounds rc $?"
 python3 - "$OUT/serve.json" <<'PY' | tee -a "$OUT/log.txt"
