@@ -3,6 +3,9 @@ input at the engine's one validation point) and applies the documented precedenc
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+
 import pytest
 
 from monobatch.engine.params import SamplingParams, resolve_sampling
@@ -62,3 +65,39 @@ def test_numpy_scalars_are_accepted_as_numbers():
     p = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(40), stop_token_ids=[np.int64(2)])
     assert (p.temperature, p.top_k, p.stop_token_ids) == (0.5, 40, (2,))
     assert type(p.top_k) is int
+
+
+def test_vllms_repetition_penalty_is_an_alias_of_repeat_penalty():
+    """vLLM's name for llama.cpp's multiplicative repeat penalty, as the HTTP API takes it
+    (server/protocol.py): same field, both given and different is refused, errors say the name given."""
+    assert SamplingParams(repetition_penalty=1.1).repeat_penalty == 1.1
+    assert SamplingParams(repetition_penalty=1.1, repeat_penalty=1.1).repeat_penalty == 1.1
+    assert SamplingParams(repetition_penalty=None, repeat_penalty=1.2).repeat_penalty == 1.2
+    assert dataclasses.replace(SamplingParams(repetition_penalty=1.3), top_k=5).repeat_penalty == 1.3
+    with pytest.raises(InvalidRequestError, match=r"^repeat_penalty: conflicts with repetition_penalty") as err:
+        SamplingParams(repetition_penalty=1.1, repeat_penalty=1.2)
+    assert err.value.param == "repeat_penalty"
+    with pytest.raises(InvalidRequestError, match=r"^repetition_penalty \(alias of repeat_penalty\): must be > 0") as err:
+        SamplingParams(repetition_penalty=0)
+    assert err.value.param == "repetition_penalty"
+    with pytest.raises(InvalidRequestError, match="repetition_penalty.*expected a number"):
+        SamplingParams(repetition_penalty="1.1")
+    assert "repetition_penalty" in inspect.signature(SamplingParams).parameters
+    # resolve_sampling takes it at any level, and a request's alias beats a flag's field
+    assert resolve_sampling({"repetition_penalty": 1.5}, {"repeat_penalty": 1.2}).repeat_penalty == 1.5
+    assert resolve_sampling({}, {"repetition_penalty": 1.2}, {"repeat_penalty": 1.05}).repeat_penalty == 1.2
+    with pytest.raises(InvalidRequestError, match="conflicts"):
+        resolve_sampling({"repetition_penalty": 1.5, "repeat_penalty": 1.2})
+
+
+@pytest.mark.parametrize("name", ["best_of", "n", "max_new_tokens", "repetition"])
+def test_an_unknown_keyword_is_an_invalid_request_listing_the_fields(name):
+    """Not Python's bare ``TypeError: __init__() got an unexpected keyword argument``."""
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(temperature=0, **{name: 2})
+    message = str(err.value)
+    assert err.value.param == name and message.startswith(f"{name}: unknown sampling parameter")
+    assert "max_tokens, temperature, top_k" in message and "repeat_penalty" in message
+    assert "repetition_penalty for repeat_penalty" in message
+    with pytest.raises(InvalidRequestError, match=f"^{name}: unknown sampling parameter; SamplingParams takes"):
+        resolve_sampling({name: 2})

@@ -6,6 +6,8 @@ docs/adr/0001-one-engine.md for the defaults and their precedence.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import numbers
 import os
@@ -50,6 +52,10 @@ _KIND_NAMES = {int: "an integer", float: "a number", bool: "a boolean", list: "a
 #: ``inf`` near 1e-307, and long before that the draw is the argmax anyway.
 MIN_TEMPERATURE = 1e-30
 _OPTIONAL = frozenset(["max_tokens", "seed", "logprobs", "structured"])
+#: Other engines' names for our fields, taken wherever a field name is (``SamplingParams(...)``,
+#: :func:`resolve_sampling`) as the HTTP API takes them (server/protocol.py): vLLM's and
+#: transformers' ``repetition_penalty`` is llama.cpp's multiplicative ``repeat_penalty``.
+ALIASES: dict[str, str] = {"repetition_penalty": "repeat_penalty"}
 
 
 @dataclass(slots=True)
@@ -69,8 +75,12 @@ class SamplingParams:
     llama-server's request ``seed: -1``: random), and as a request field it overrides a
     server-wide ``--seed``.
 
+    ``repetition_penalty`` (vLLM's name) is an alias of ``repeat_penalty``: the same multiplicative
+    penalty; giving both with different values is an error, as in the HTTP API.
+
     Raises:
-        InvalidRequestError: any field outside its documented range (the message names it).
+        InvalidRequestError: any field outside its documented range (the message names it), or
+            a keyword that is not a field (the message lists the fields).
     """
 
     max_tokens: int | None = None
@@ -207,6 +217,66 @@ class SamplingParams:
 
 
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+_FIELD_ORDER = tuple(f.name for f in fields(SamplingParams))
+
+
+def _unknown_field(name: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"{name}: unknown sampling parameter; SamplingParams takes {', '.join(_FIELD_ORDER)} "
+        f"(and {', '.join(f'{a} for {c}' for a, c in ALIASES.items())})", param=name)
+
+
+def _canonical(level: Mapping[str, Any], positional: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``level`` with each alias renamed to its field (a None alias is left out).
+
+    ``positional``: fields already given positionally, which an alias may not contradict either.
+
+    Raises:
+        InvalidRequestError: an unknown name, or an alias and its field with different values.
+    """
+    out: dict[str, Any] = {}
+    for key, value in level.items():
+        if key not in SAMPLING_FIELDS and key not in ALIASES:
+            raise _unknown_field(key)
+        if key in ALIASES:
+            continue
+        out[key] = value
+    for alias, name in ALIASES.items():
+        value = level.get(alias)
+        if value is None:
+            continue
+        given = {**(positional or {}), **out}.get(name)
+        if given is not None and given != value:
+            raise InvalidRequestError(f"{name}: conflicts with {alias} (give one)", param=name)
+        if name not in (positional or {}):
+            out[name] = value
+    return out
+
+
+_dataclass_init = SamplingParams.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
+    """The dataclass's ``__init__`` behind the aliases, and an unknown keyword as an
+    :class:`InvalidRequestError` listing the fields rather than Python's bare TypeError."""
+    aliased = {a: ALIASES[a] for a in ALIASES if kwargs.get(a) is not None}
+    kwargs = _canonical(kwargs, dict(zip(_FIELD_ORDER, args)))
+    try:
+        _dataclass_init(self, *args, **kwargs)
+    except InvalidRequestError as err:  # name the field as the caller spelt it
+        alias = next((a for a, name in aliased.items() if err.param == name), None)
+        if alias is None:
+            raise
+        raise InvalidRequestError(f"{alias} (alias of {err.param}){str(err)[len(err.param):]}",
+                                  param=alias) from None
+
+
+_init.__signature__ = inspect.signature(_dataclass_init).replace(parameters=[
+    *inspect.signature(_dataclass_init).parameters.values(),
+    *(inspect.Parameter(a, inspect.Parameter.KEYWORD_ONLY, default=None, annotation="float | None")
+      for a in ALIASES)])
+SamplingParams.__init__ = _init  # type: ignore[method-assign]
 
 
 def resolve_sampling(
@@ -222,17 +292,17 @@ def resolve_sampling(
     Keys whose value is None at a level fall through to the next. ``max_tokens`` left unset at
     every level takes ``defaults.MAX_TOKENS_DEFAULT[entry_point]``; -1 means no limit.
 
+    A level may use an alias of :data:`ALIASES` (``repetition_penalty``), as ``SamplingParams`` does.
+
     Raises:
-        InvalidRequestError: an unknown field, or a value out of range.
+        InvalidRequestError: an unknown field, an alias and its field with different values at
+            one level, or a value out of range.
     """
     merged: dict[str, Any] = {}
     for level in (generation_config, flags, request):
-        for key, value in (level or {}).items():
-            if value is None:
-                continue
-            if key not in SAMPLING_FIELDS:
-                raise InvalidRequestError(f"{key}: unknown sampling parameter", param=key)
-            merged[key] = value
+        for key, value in _canonical(level or {}).items():
+            if value is not None:
+                merged[key] = value
     if "max_tokens" not in merged:
         merged["max_tokens"] = defaults.MAX_TOKENS_DEFAULT[entry_point]
     elif merged["max_tokens"] == -1:
