@@ -64,7 +64,8 @@ gate checks and the statistics.
 ``--baseline FILE`` (an earlier ``--json``): for each (arm, label, metric) in both (the null arm
 aside), a **regression** is a median worse than the baseline's by more than the null arm's
 spread for that (label, metric) + 1 %. Worse is higher for metrics whose names end in ``_ms`` or
-``_s`` (not ``tok_s``) — times —, in ``_mb`` — memory, ``peak_rss_mb`` — and for ``failed`` and
+``_s`` (not ``tok_s``) — times —, in ``_mib`` or ``_mb`` — memory, ``peak_rss_mib`` (``peak_rss_mb``
+in files written before bench reported MiB) — and for ``failed`` and
 ``errors``; lower for the rest (rates, speedups). Any regression: exit 1.
 
 Exit codes: 0 ok, 1 a regression against --baseline, 2 bad flags, 3 busy host, 4 an arm failed
@@ -359,12 +360,12 @@ def host_info() -> dict[str, Any]:
 
 #: Metrics that are better lower whatever their names end in: bench-serve's failed requests.
 LOWER_IS_BETTER_NAMES = ("failed", "errors")
-#: Name endings of metrics that are better lower: times (ms, s) and memory (MB).
-LOWER_IS_BETTER_SUFFIXES = ("_ms", "_s", "_mb")
+#: Name endings of metrics that are better lower: times (ms, s) and memory (MiB; ``_mb`` in older files).
+LOWER_IS_BETTER_SUFFIXES = ("_ms", "_s", "_mib", "_mb")
 
 
 def lower_is_better(metric: str) -> bool:
-    """Times (``*_ms``, ``*_s`` but not the rates ``*tok_s``), memory (``*_mb``: ``peak_rss_mb``)
+    """Times (``*_ms``, ``*_s`` but not the rates ``*tok_s``), memory (``*_mib``: ``peak_rss_mib``; ``*_mb`` in older files)
     and failures (``failed``, ``errors``) are better lower; everything else (rates, speedups,
     completed requests) higher."""
     if metric in LOWER_IS_BETTER_NAMES:

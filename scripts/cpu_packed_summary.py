@@ -43,7 +43,9 @@ def main(out: Path) -> int:
             print(f"\npeak RSS of `generate` ({w}): {int(f.read_text().split()[-1]) / 1024:.0f} MiB")
         rows = [x for p in sorted(out.glob(f"monobatch_{w}_r*.jsonl")) for x in jsonl(p)]
         if rows:
-            print(f"monobatch bench ({w}): weights {rows[0]['weight_mb']} MB; {rows[0]['engine']}")
+            weights = (f"{rows[0]['weight_mib']} MiB" if "weight_mib" in rows[0]
+                       else f"{rows[0]['weight_mb']} MB")  # rows written before bench reported MiB
+            print(f"monobatch bench ({w}): weights {weights}; {rows[0]['engine']}")
     return 0
 
 

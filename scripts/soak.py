@@ -8,7 +8,7 @@ and output lengths, chat or completions, streamed or not; ~20 % disconnect mid-s
 out), sampling the server's RSS after each one. Afterwards /metrics must show no running or
 waiting request and no referenced KV block, exactly one aborted sequence per disconnected client,
 and the RSS over requests 100..N must show no upward trend (least-squares slope x 200 requests
-under --rss-slack-mb). Prints one JSON summary — also when a check fails or the run breaks off
+under --rss-slack-mib). Prints one JSON summary — also when a check fails or the run breaks off
 (``failures`` says why); exits 1 when a check fails.
 """
 
@@ -80,7 +80,7 @@ def slope(xs: list[float], ys: list[float]) -> float:
 
 async def soak(base_url: str, pid: int | None, jobs: list[dict], concurrency: int) -> dict:
     """Run ``jobs``, ``concurrency`` at a time; returns wall time, requests/s, outcome counts and
-    the server's RSS (MB) after each request (``pid`` None: not sampled)."""
+    the server's RSS (MiB) after each request (``pid`` None: not sampled)."""
     proc = psutil.Process(pid) if pid else None
     rss: list[tuple[int, float]] = []
     outcomes: dict[str, int] = {}
@@ -103,7 +103,7 @@ async def soak(base_url: str, pid: int | None, jobs: list[dict], concurrency: in
     return {"wall_s": round(wall, 1), "requests_per_s": round(len(jobs) / wall, 2), "outcomes": outcomes, "rss": rss}
 
 
-def check(metrics: dict, before: dict, result: dict, rss: list[tuple[int, float]], rss_slack_mb: float,
+def check(metrics: dict, before: dict, result: dict, rss: list[tuple[int, float]], rss_slack_mib: float,
           summary: dict) -> list[str]:
     """Fill ``summary`` from the idle server's metrics and the run; returns the failed checks."""
     failures = [o for o in result["outcomes"] if o not in ("ok", "disconnected")]
@@ -116,10 +116,10 @@ def check(metrics: dict, before: dict, result: dict, rss: list[tuple[int, float]
         first = min(100, len(rss) // 3)  # requests 100..N (a third in, for short runs)
         tail = [(i, mb) for i, mb in rss if i >= first]
         growth = slope([i for i, _ in tail], [mb for _, mb in tail]) * 200 if len(tail) > 2 else 0.0
-        summary.update(rss_mb_from=round(tail[0][1], 1), rss_mb_at_end=round(tail[-1][1], 1),
-                       rss_growth_mb_per_200_requests=round(growth, 2))
-        if growth > rss_slack_mb:
-            failures.append(f"RSS grows {growth:.1f} MB per 200 requests")
+        summary.update(rss_mib_from=round(tail[0][1], 1), rss_mib_at_end=round(tail[-1][1], 1),
+                       rss_growth_mib_per_200_requests=round(growth, 2))
+        if growth > rss_slack_mib:
+            failures.append(f"RSS grows {growth:.1f} MiB per 200 requests")
     if summary["running"] or summary["waiting"] or summary["kv_used_blocks"]:
         failures.append("something is still running or holds KV")
     if summary["aborted_sequences"] != summary["disconnected"]:
@@ -135,7 +135,7 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--base-url", help="soak a running server instead of starting one (no RSS check)")
-    ap.add_argument("--rss-slack-mb", type=float, default=32.0,
+    ap.add_argument("--rss-slack-mib", type=float, default=32.0,
                     help="largest RSS growth over 200 requests (fitted slope) still counted as flat")
     ap.add_argument("--server-args", default="-t 1 -c 1024 --max-num-seqs 16 --kv-cache-memory 192M",
                     help="flags for the server this script starts")
@@ -159,7 +159,7 @@ def main() -> int:
         except AssertionError as exc:  # the checks below say what is left
             failures.append(f"not idle 60 s after the last request ({exc})")
             metrics = target.metrics()
-        failures += check(metrics, before, result, rss, a.rss_slack_mb, summary)
+        failures += check(metrics, before, result, rss, a.rss_slack_mib, summary)
     except Exception as exc:  # noqa: BLE001 - reported in the summary
         failures.append(f"the soak broke off: {type(exc).__name__}: {exc}")
     finally:

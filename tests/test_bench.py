@@ -7,6 +7,7 @@ these tests check behaviour and the output contract, never speed.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -21,7 +22,7 @@ from monobatch.tokenizer import Tokenizer
 TINY = ("bench", "--dummy-weights", "--shape", "tiny", "-t", "1")
 #: Fields every JSON line carries (scripts/bench_rounds.py reads ``label`` and the metrics).
 COMMON = {"label", "path", "mode", "prompt_tokens", "gen_tokens", "batch_size", "runs", "kv_storage", "prefill_chunk",
-          "deterministic", "device", "dtype", "model", "peak_rss_mb", "samples"}
+          "deterministic", "device", "dtype", "model", "weight_mib", "peak_rss_mib", "samples"}
 B1_METRICS = ("ttft_ms", "prefill_tok_s", "decode_tok_s")
 BATCHED_METRICS = ("pp_tok_s", "tg_tok_s", "total_tok_s")
 
@@ -53,6 +54,7 @@ def test_json_contract(all_paths, path):
         assert r["gen_tokens"] == 5 and r["runs"] == 2 and r["device"] == "cpu" and r["dtype"] == "float32"
         assert r["model"] == "dummy-tiny" and r["kv_storage"] == "paged" and r["prefill_chunk"] == 2048
         assert r["deterministic"] is False
+        assert r["peak_rss_mib"] > r["weight_mib"] > 0 and " MiB" in r["engine"] and " MB" not in r["engine"]
         metrics = B1_METRICS if r["batch_size"] == 1 else BATCHED_METRICS
         assert r["mode"] == ("b1" if r["batch_size"] == 1 else "batched")
         for name in metrics:
@@ -90,7 +92,8 @@ def test_table_output():
     b1 = next(ln for ln in lines if ln.startswith("server p12 b1 "))
     b3 = next(ln for ln in lines if ln.startswith("server p12 b3 "))
     assert b1.split()[-3:] == ["-", "-", "-"] and b3.split()[3:6] == ["-", "-", "-"]
-    assert lines[-1].startswith("peak RSS")
+    assert re.fullmatch(r"peak RSS \d+ MiB", lines[-1]), lines[-1]  # MiB, as the header's weights and KV pool
+    assert re.search(r"  weights \d+ MiB$", lines[0]) and " MB" not in res.stdout, lines[:2]
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -209,16 +209,16 @@ def test_units():
     assert [mod.lower_is_better(m) for m in ("ttft_ms", "load_s", "decode_tok_s", "tok_s", "request_throughput",
                                              "duration_s")] == [True, True, False, False, False, True]
     # memory and failures are better lower too; counts of successes, speedups and rates higher
-    assert [mod.lower_is_better(m) for m in ("peak_rss_mb", "weight_mb", "failed", "errors", "completed", "speedup",
-                                             "total_token_throughput", "p99_itl_ms")] == [
-        True, True, True, True, False, False, False, True]
+    assert [mod.lower_is_better(m) for m in ("peak_rss_mib", "weight_mib", "peak_rss_mb", "weight_mb", "failed", "errors",
+                                             "completed", "speedup", "total_token_throughput", "p99_itl_ms")] == [
+        True, True, True, True, True, True, False, False, False, True]
     # against a baseline: more failed requests (from none) and a larger peak RSS are regressions
     rows = [{"arm": "a", "label": "x", "metric": m, "median": v, "spread_pct": 0.0}
-            for m, v in (("failed", 3), ("peak_rss_mb", 1100.0), ("output_throughput", 90.0))]
+            for m, v in (("failed", 3), ("peak_rss_mib", 1100.0), ("output_throughput", 90.0))]
     baseline = {"stats": [{"arm": "a", "label": "x", "metric": m, "median": v}
-                          for m, v in (("failed", 0), ("peak_rss_mb", 1000.0), ("output_throughput", 100.0))]}
+                          for m, v in (("failed", 0), ("peak_rss_mib", 1000.0), ("output_throughput", 100.0))]}
     got = {c["metric"]: (round(c["change_pct"], 1), c["regression"]) for c in mod.compare(rows, baseline)}
-    assert got == {"failed": (300.0, True), "peak_rss_mb": (10.0, True), "output_throughput": (-10.0, True)}
+    assert got == {"failed": (300.0, True), "peak_rss_mib": (10.0, True), "output_throughput": (-10.0, True)}
     rows[0]["median"], rows[1]["median"], rows[2]["median"] = 0, 900.0, 110.0
     assert not any(c["regression"] for c in mod.compare(rows, baseline))
     parsed = mod.parse_output('junk\n{"label": "p", "a": 1, "b": true, "c": "x", "d": NaN}\n{"label": "p", "a": 2}\n')

@@ -206,7 +206,7 @@ def test_bench_json_dummy_weights():
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["prompt_tokens"] == 16 and out["gen_tokens"] == 8
-    assert out["decode_tok_s"] > 0 and out["ttft_ms"] > 0 and out["peak_rss_mb"] > 0
+    assert out["decode_tok_s"] > 0 and out["ttft_ms"] > 0 and out["peak_rss_mib"] > 0
 
 
 def test_stdin_trailing_newline_is_not_part_of_the_prompt():

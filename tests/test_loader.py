@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import sys
 
 import numpy as np
@@ -199,3 +201,17 @@ def test_release_freed_memory_returns_freed_heap_pages():
     weights.release_freed_memory()
     assert before - rss() > 100 * 2**20, (before, rss())
     libc.free(keep)
+
+
+def test_start_up_lines_give_memory_sizes_in_mib(loaded, make_scheduler, caplog):
+    """The describe line (bench's header, serve's start-up log) and the load log quote every size in
+    MiB (bytes / 2**20), the unit of the KV pool beside them and of --kv-cache-memory; not MB."""
+    line = make_scheduler().engine.describe()
+    assert line.startswith(f"weights packed {loaded.weight_bytes / 2**20:.0f} MiB (")
+    assert re.search(r"KV cache: paged, .* tokens \(\d+ MiB, float32\)", line), line
+    assert " MB" not in line and "GB" not in line, line
+    with caplog.at_level(logging.INFO, logger="monobatch"):
+        again = loader.load_model(None, device="cpu", dtype="float32", progress=False)
+    logged = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded "))
+    assert f"{again.describe_weights()}, peak RSS {again.load_peak_rss / 2**20:.0f} MiB" in logged, logged
+    assert " MB" not in logged, logged

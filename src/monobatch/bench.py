@@ -329,8 +329,8 @@ def open_driver(path: str, scheduler: BatchScheduler) -> Driver:
 
 
 # -- results -------------------------------------------------------------------------------------
-def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far, in MB (getrusage; Linux reports KiB)."""
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process so far, in MiB (getrusage; Linux reports KiB)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 1024 if sys.platform != "darwin" else peak / 2**20
 
@@ -350,7 +350,7 @@ class Setup:
     deterministic: bool
     engine: str
     load_s: float
-    weight_mb: float
+    weight_mib: float
 
     @classmethod
     def of(cls, scheduler: BatchScheduler) -> "Setup":
@@ -361,12 +361,12 @@ class Setup:
                    kv_storage=config.kv_storage, prefill_chunk=config.prefill_chunk, max_num_seqs=config.max_num_seqs,
                    step_token_budget=scheduler.plan.token_budget, deterministic=config.deterministic,
                    engine=scheduler.engine.describe(), load_s=round(loaded.load_seconds, 3),
-                   weight_mb=round(loaded.weight_bytes / 1e6, 1))
+                   weight_mib=round(loaded.weight_bytes / 2**20, 1))
 
     def header(self) -> str:
         """Two lines for the top of the table."""
         return (f"model {self.model}  device {self.device}  dtype {self.dtype}  threads {self.threads}  "
-                f"load {self.load_s:.2f} s  weights {self.weight_mb:.0f} MB\n{self.engine}; prefill chunk "
+                f"load {self.load_s:.2f} s  weights {self.weight_mib:.0f} MiB\n{self.engine}; prefill chunk "
                 f"{self.prefill_chunk}, max-num-seqs {self.max_num_seqs}, step budget {self.step_token_budget} tokens")
 
 
@@ -395,13 +395,13 @@ class BenchRow:
     metrics: dict[str, float]
     samples: dict
     constrained: bool = False  # every request decoded under bench --constrained's JSON schema
-    peak_rss_mb: float = field(default_factory=lambda: round(peak_rss_mb(), 1))
+    peak_rss_mib: float = field(default_factory=lambda: round(peak_rss_mib(), 1))
 
     def to_dict(self) -> dict:
         """The JSON object: identity, setup, metrics at the top level, then ``samples``."""
         head = {k: getattr(self, k) for k in ("label", "path", "mode", "prompt_tokens", "gen_tokens", "batch_size",
                                               "runs", "constrained")}
-        return {**head, **asdict(self.setup), "peak_rss_mb": self.peak_rss_mb, **self.metrics, "samples": self.samples}
+        return {**head, **asdict(self.setup), "peak_rss_mib": self.peak_rss_mib, **self.metrics, "samples": self.samples}
 
     def table_line(self) -> str:
         """One line of the stdout table (see :data:`TABLE_HEADER`)."""

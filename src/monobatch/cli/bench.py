@@ -127,5 +127,5 @@ def run(ns: argparse.Namespace) -> int:
 
     rows = run_bench(scheduler, plan, emit)
     if not ns.json:
-        print(f"peak RSS {rows[-1].peak_rss_mb:.0f} MB")
+        print(f"peak RSS {rows[-1].peak_rss_mib:.0f} MiB")
     return 0

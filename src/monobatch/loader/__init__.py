@@ -53,12 +53,13 @@ class LoadedModel:
     load_peak_rss: int = 0
 
     def describe_weights(self) -> str:
-        """``weights packed 104 MB (Q4_1+Q8_0)`` or ``weights dequant 540 MB (float32)``: for start-up logs."""
+        """``weights packed 94 MiB (Q8_0+Q4_1)`` or ``weights dequant 513 MiB (float32)``: for start-up logs
+        (MiB, 2**20 bytes, as the KV pool's size beside it in :meth:`Engine.describe`)."""
         from monobatch.quant.packed import packed_weights
 
         types = "+".join(dict.fromkeys(t for w in packed_weights(self.model) for t in w.types))
         held = types if self.weights == "packed" else str(self.model.dtype).removeprefix("torch.")
-        return f"weights {self.weights} {self.weight_bytes / 1e6:.0f} MB ({held})"
+        return f"weights {self.weights} {self.weight_bytes / 2**20:.0f} MiB ({held})"
 
     @property
     def args(self) -> ModelArgs:
@@ -191,6 +192,6 @@ def load_model(model: str | Path | None = None, device: str | None = None, dtype
             tokenizer.set_chat_template(family_template)
     loaded = LoadedModel(net, tokenizer, path, gen, weight_bytes(net), time.perf_counter() - start,
                          "packed" if packed_weights(net) else "dequant", peak_rss_bytes())
-    log.info("loaded %s in %.2f s: %s, peak RSS %.0f MB", loaded.name, loaded.load_seconds, loaded.describe_weights(),
-             loaded.load_peak_rss / 1e6)
+    log.info("loaded %s in %.2f s: %s, peak RSS %.0f MiB", loaded.name, loaded.load_seconds, loaded.describe_weights(),
+             loaded.load_peak_rss / 2**20)
     return loaded
