@@ -79,7 +79,10 @@ BLOCK_N = 64
 FAST_ROWS = 128
 #: The one tile shape of deterministic mode, for decode and prefill rows alike (see the module
 #: docstring): a row's bits depend on the tile shape, so it never changes with the batch.
-DETERMINISTIC_ROWS = 64
+#: ``MONOBATCH_DET_ROWS`` (a power of two, 16 to 256) overrides it for A/B runs; a process's bits follow it.
+DETERMINISTIC_ROWS = {str(r): r for r in (16, 32, 64, 128, 256)}.get(os.environ.get("MONOBATCH_DET_ROWS", "64"), 0)
+if not DETERMINISTIC_ROWS:
+    raise SystemExit(f"MONOBATCH_DET_ROWS={os.environ['MONOBATCH_DET_ROWS']!r}: expected a power of two from 16 to 256")
 #: Software-pipeline depth of the key loop.
 KV_STAGES = 2
 
