@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -258,3 +259,26 @@ def test_serve_takes_the_model_as_vllm_does(tmp_path):
     assert_one_line_error(monobatch("serve", missing, "--port", "0"), "absent.gguf")
     assert_one_line_error(monobatch("serve", missing, "-m", str(tmp_path / "other.gguf"), "--port", "0"),
                           "give the model once")
+
+
+@pytest.mark.parametrize("pattern,cause", [("[0-9", "unclosed character class"), ("(ab", "unclosed group"),
+                                           ("ab\\", "incomplete escape sequence (a backslash at the end)")])
+def test_a_regex_that_does_not_parse_is_one_line_before_loading(pattern, cause):
+    """--regex is checked with llguidance's parser (Rust regex syntax) before a model loads (the
+    missing model is not what is reported), and the line says so plainly with the short cause."""
+    res = monobatch("generate", "-m", "/nonexistent/model.gguf", "-p", "hi", "-n", "2", "--no-progress",
+                    "--regex", pattern)
+    assert_one_line_error(res, f"--regex: the regular expression {json.dumps(pattern)} does not compile: {cause}")
+    assert "at 1(" not in res.stderr and "(in regex)" not in res.stderr
+
+
+def test_a_regex_too_large_to_compile_and_one_that_compiles(loaded):
+    """A pattern that parses but that llguidance's lexer refuses is reported the same way, once the
+    model's vocabulary is there; a good one constrains the reply."""
+    res = monobatch("generate", "-p", "hi", "-n", "2", "--no-progress", "--regex", "a{1000000}")  # ~0.5 s to refuse
+    assert_one_line_error(res, '--regex: the regular expression "a{1000000}" does not compile: ',
+                          "(the pattern is too large)")
+    res = monobatch("generate", "-p", "My phone number is", "-n", "12", "--temperature", "0", "--no-progress",
+                    "--regex", "[0-9]{3}-[0-9]{4}")
+    assert res.returncode == 0, res.stderr
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", res.stdout.strip()), res.stdout

@@ -178,3 +178,4 @@ def test_structured_output_and_tools_through_the_python_api(llm):
     with pytest.raises(InvalidRequestError) as info:
         llm.generate("x", SamplingParams(max_tokens=2, structured=StructuredOutput.regex("[0-9")))
     assert info.value.param == "regex"
+    assert str(info.value) == 'regex: the regular expression "[0-9" does not compile: unclosed character class'

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from server_util import Server, sse_events
+from server_util import Server, assert_400_naming, sse_events
 from test_server import MAIN_ARGS, QUESTION, STORY, parallel, server  # noqa: F401  (the session's server)
 
 NEVER = "@#"  # a suffix the model never writes (asserted)
@@ -329,3 +329,27 @@ def test_c2_fifty_disconnects_leak_nothing(server):
     for _ in range(50):
         _read_then_close(server, path, body, chunks=1)
     assert_aborted_promptly(base, server.wait_idle(timeout=10), 50, chunks_read=1)
+
+
+# -- a regex constraint that does not compile ------------------------------------------------------
+BAD_REGEXES = [("[0-9", "unclosed character class"), ("(ab", "unclosed group"),
+               ("ab\\", "incomplete escape sequence (a backslash at the end)")]
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+@pytest.mark.parametrize("field", ["structured_outputs", "guided_regex"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_regex_that_does_not_compile_is_a_400_saying_so(server, endpoint, field, stream):
+    """vLLM's structured_outputs.regex and guided_regex: the 400 names the field, says the regular
+    expression does not compile and gives the short cause (not llguidance's "at 1(8): invalid regex
+    ... (in regex): regex parse error", a position in the Lark grammar the pattern is wrapped in).
+    ``ab\\`` is Rust regex's error too; llguidance alone would drop the backslash and constrain to "ab"."""
+    param = "structured_outputs.regex" if field == "structured_outputs" else "guided_regex"
+    for pattern, cause in BAD_REGEXES:
+        constraint = {"structured_outputs": {"regex": pattern}} if field == "structured_outputs" else {field: pattern}
+        path, body = body_for(endpoint, "Hi", max_tokens=4, stream=stream, **constraint)
+        err = assert_400_naming(server, path, body, param)
+        assert err["param"] == param, err
+        assert err["message"].startswith(f"{param}: the regular expression {json.dumps(pattern)} does not compile: ")
+        assert err["message"].endswith(cause) and "\n" not in err["message"], err["message"]
+        assert "at 1(" not in err["message"] and "(in regex)" not in err["message"], err["message"]

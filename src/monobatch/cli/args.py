@@ -200,9 +200,11 @@ def constraint_flag(ns: argparse.Namespace) -> "StructuredOutput | None":
     """The structured-output flag given, as a :class:`StructuredOutput` (None when none is).
 
     Raises:
-        InvalidRequestError: an unreadable file, a schema that is not JSON.
+        InvalidRequestError: an unreadable file, a schema that is not JSON, a regex that does not
+            parse (checked here, before a model loads).
     """
     from monobatch.engine.constraint import StructuredOutput
+    from monobatch.engine.regex_check import check_regex
 
     schema, grammar_file, regex = (getattr(ns, k, None) for k in ("json_schema", "grammar_file", "regex"))
     if schema is not None:
@@ -211,6 +213,7 @@ def constraint_flag(ns: argparse.Namespace) -> "StructuredOutput | None":
     if grammar_file is not None:
         return StructuredOutput("grammar", _read_flag_file(grammar_file, "--grammar-file"), "--grammar-file")
     if regex is not None:
+        check_regex(regex, "--regex")
         return StructuredOutput("regex", regex, "--regex")
     return None
 

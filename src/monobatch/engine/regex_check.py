@@ -1,0 +1,91 @@
+"""A regex constraint checked before it is compiled, so a pattern that does not parse is refused
+with one clear line at every door (``--regex``, ``structured_outputs.regex`` / ``guided_regex``,
+``StructuredOutput.regex`` in the Python API)::
+
+    structured_outputs.regex: the regular expression "[a-" does not compile: unclosed character class
+
+rather than llguidance's own text (``at 1(8): invalid regex "[a-" (in regex): regex parse error``,
+a position in the Lark grammar it wraps the pattern in). The syntax is Rust's ``regex`` crate's
+(llguidance's), not Python's ``re``: the check asks llguidance's parser, so both agree.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import TYPE_CHECKING
+
+from monobatch.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from monobatch.engine.constraint import GrammarCompiler, StructuredOutput
+
+#: Characters of the pattern quoted in the message (a longer one is cut, with "...").
+SHOWN_CHARS = 80
+
+
+def regex_syntax_error(pattern: str) -> str | None:
+    """Why ``pattern`` is not a regular expression (Rust ``regex`` syntax), in a few words, or
+    None when it parses. Only the syntax: a pattern too large for the lexer is refused when it
+    compiles (:meth:`GrammarCompiler.compile`)."""
+    import llguidance
+
+    if (len(pattern) - len(pattern.rstrip("\\"))) % 2:
+        # an odd run of backslashes at the end escapes nothing: Rust's regex refuses it, but
+        # llguidance's grammar_from_regex drops it silently ("ab\\" would constrain to "ab")
+        return "incomplete escape sequence (a backslash at the end)"
+    try:
+        message = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_regex(pattern))
+    except UnicodeEncodeError:
+        return "not valid Unicode (a lone surrogate)"
+    except Exception as exc:  # anything else llguidance refuses before parsing
+        message = str(exc) or type(exc).__name__
+    if not message:
+        return None
+    lines = [ln.strip() for ln in message.strip().splitlines()]
+    # regex-syntax's "error: <cause>" line, below its excerpt of the pattern; else llguidance's
+    # first line without its position in the wrapping grammar ("at 1(8): ")
+    cause = next((ln[len("error:"):].strip() for ln in lines if ln.startswith("error:")), None)
+    if not cause:
+        cause = re.sub(r"^at \d+\(\d+\):\s*", "", lines[0] if lines else "").rstrip(":") or "a syntax error"
+    return cause[:300]
+
+
+def check_regex(pattern: str, param: str) -> None:
+    """Refuse a pattern that does not parse, naming ``param`` and the cause.
+
+    Raises:
+        InvalidRequestError: ``'<param>: the regular expression "<pattern>" does not compile: <cause>'``.
+    """
+    cause = regex_syntax_error(pattern)
+    if cause is not None:
+        raise _does_not_compile(pattern, param, cause)
+
+
+def _does_not_compile(pattern: str, param: str, cause: str) -> InvalidRequestError:
+    shown = json.dumps(pattern[:SHOWN_CHARS], ensure_ascii=True) + ("..." if len(pattern) > SHOWN_CHARS else "")
+    return InvalidRequestError(f"{param}: the regular expression {shown} does not compile: {cause}", param)
+
+
+def compile_constraint(grammars: "GrammarCompiler", spec: "StructuredOutput") -> None:
+    """``grammars.compile(spec)``, a regex's syntax checked first (:func:`check_regex`); a regex
+    that parses but that llguidance's lexer refuses (``a{1000}{1000}``: too large) is reported the
+    same way, with llguidance's cause.
+
+    Raises:
+        InvalidRequestError: as :func:`check_regex` and :meth:`GrammarCompiler.compile`.
+    """
+    if spec.kind != "regex":
+        grammars.compile(spec)
+        return
+    check_regex(spec.value, spec.param)
+    try:
+        grammars.compile(spec)
+    except InvalidRequestError as err:
+        prefix = f"{spec.param}: "
+        cause = str(err).removeprefix(prefix)
+        if not str(err).startswith(prefix) or "took longer than" in cause or "cannot load" in cause:
+            raise  # not the pattern's fault: a timeout, or the model's tokenizer
+        if "too many" in cause:
+            cause += " (the pattern is too large)"
+        raise _does_not_compile(spec.value, spec.param, cause) from None
