@@ -257,3 +257,59 @@ def test_seed_minus_1_is_a_random_seed_over_the_servers(loaded):
         bad = httpx.post(url + "/v1/completions", json={**body, "seed": -2}, timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "seed"
         assert "or -1 for a random seed" in bad.json()["error"]["message"]
+
+
+def test_usage_is_counted_once_per_response(loaded, caplog, monkeypatch):
+    """A response's usage is computed once and shared by what reports it: the final usage chunk of
+    a stream (stream_options.include_usage) and the request's log line (generation.stream_frame),
+    or the non-streamed body and its log line (generation.respond); both say the same numbers.
+    ``usage`` is the real function, counted."""
+    import logging
+    import re
+
+    import openai
+
+    from monobatch.server import chat, completions, generation
+
+    calls: list[int] = []
+    real = generation.usage
+
+    def counted(choices, n):
+        calls.append(len(choices))
+        return real(choices, n)
+
+    for module in (generation, chat, completions):
+        monkeypatch.setattr(module, "usage", counted)
+    caplog.set_level(logging.INFO, logger="monobatch.server")
+    with ServerThread(create_app(ServerSettings(), lambda: new_scheduler(loaded, max_num_seqs=4))) as server:
+        server.wait_ready(60)
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+        model = client.models.list().data[0].id
+        msgs = [{"role": "user", "content": "Hi"}]
+        for include_usage in (True, False):
+            for endpoint in ("chat", "completions"):
+                calls.clear()
+                kw = {"stream": True, "max_tokens": 3, "temperature": 0, "n": 2, "model": model,
+                      **({"stream_options": {"include_usage": True}} if include_usage else {})}
+                chunks = list(client.chat.completions.create(messages=msgs, **kw) if endpoint == "chat"
+                              else client.completions.create(prompt="Hello", **kw))
+                [line] = _lines(caplog, chunks[0].id)
+                fields = dict(re.findall(r"(\w+)=(\S+)", line.getMessage()))
+                assert calls == [2], (endpoint, include_usage, calls)  # once per response, over its 2 choices
+                if include_usage:
+                    last = chunks[-1]
+                    assert last.choices == [] and last.usage.completion_tokens == 6
+                    assert int(fields["prompt_tokens"]) == last.usage.prompt_tokens
+                    assert int(fields["completion_tokens"]) == last.usage.completion_tokens
+                else:
+                    assert all(c.usage is None for c in chunks) and fields["completion_tokens"] == "6"
+        for endpoint in ("chat", "completions"):
+            calls.clear()
+            done = (client.chat.completions.create(messages=msgs, max_tokens=3, temperature=0, model=model)
+                    if endpoint == "chat" else client.completions.create(prompt="Hello", max_tokens=3, temperature=0,
+                                                                         model=model))
+            [line] = _lines(caplog, done.id)
+            fields = dict(re.findall(r"(\w+)=(\S+)", line.getMessage()))
+            assert calls == [1], (endpoint, calls)
+            assert int(fields["prompt_tokens"]) == done.usage.prompt_tokens
+            assert int(fields["completion_tokens"]) == done.usage.completion_tokens == 3

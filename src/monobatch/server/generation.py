@@ -155,12 +155,13 @@ class RequestLog:
     def _elapsed_ms(self) -> float:
         return (time.perf_counter() - self.arrival) * 1000
 
-    def finished(self, choices: list[Choice]) -> None:
-        """Log a request that ran to its end."""
+    def finished(self, choices: list[Choice], counted: dict[str, Any] | None = None) -> None:
+        """Log a request that ran to its end; ``counted``: ``usage(choices, n)`` where the
+        response already holds it (not counted twice)."""
         if self.done:
             return
         self.done = True
-        u = usage(choices, self.n)
+        u = counted if counted is not None else usage(choices, self.n)
         ttfts = [c.ttft_ms for c in choices if c.ttft_ms is not None]
         ttft = f"{min(ttfts):.1f}" if ttfts else "-"
         reasons = ",".join(c.reported_finish_reason or "-" for c in choices)
@@ -292,8 +293,9 @@ async def stream_frame(reader: "ResponseReader", events: AsyncIterator[str], cho
         async with reader:
             async for event in events:
                 yield event
-        tail = sse(chunk([], usage(choices, n))) if include_usage else None  # shaped before it is logged finished
-        record.finished(choices)
+        counted = usage(choices, n)  # once: the usage chunk and the log line
+        tail = sse(chunk([], counted)) if include_usage else None  # shaped before it is logged finished
+        record.finished(choices, counted)
         if tail is not None:
             yield tail
     except EngineFailed as exc:
@@ -375,7 +377,8 @@ async def respond(http: HttpRequest, reader: "ResponseReader", collect: Awaitabl
     """
     try:
         choices = await unless_disconnected(http, collect)
-        answer = JSONResponse(shape(choices))
+        shaped = shape(choices)
+        answer = JSONResponse(shaped)
     except ClientGone:
         record.aborted()
         return Response(status_code=499)
@@ -387,5 +390,5 @@ async def respond(http: HttpRequest, reader: "ResponseReader", collect: Awaitabl
         raise
     finally:
         reader.close()
-    record.finished(choices)
+    record.finished(choices, shaped.get("usage"))  # the body's usage, not counted again
     return answer
