@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 
 import torch
@@ -54,8 +55,9 @@ SLICE_K = 512
 #: Most rows :func:`linear` takes with ``gated`` (SwiGLU's activation computed as the tile loads
 #: its input): each output tile recomputes the activation of its rows, cheap for decode-sized M,
 #: not for a prompt's (:func:`monobatch.kernels.gemv.gated_linear` runs ``silu_mul`` then
-#: :func:`linear` above it, with the same bits).
-GATED_MAX_M = 64
+#: :func:`linear` above it, with the same bits). ``MONOBATCH_DET_GATED_MAX_M`` overrides it (A/B
+#: runs; 0: never gated). The bits do not depend on it.
+GATED_MAX_M = int(os.environ.get("MONOBATCH_DET_GATED_MAX_M", "64") or 0)
 
 
 #: Per thread: ``active`` is True inside :func:`mode` (True), where
@@ -89,7 +91,7 @@ def usable(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
     gate and up) and at most :data:`GATED_MAX_M` rows."""
     return (active() and triton is not None and x.is_cuda and weight.dim() == 2 and weight.stride(1) == 1
             and x.dtype == weight.dtype and x.shape[-1] == (2 if gated else 1) * weight.shape[1]
-            and (not gated or x.numel() <= GATED_MAX_M * x.shape[-1]))
+            and (not gated or 0 < x.numel() <= GATED_MAX_M * x.shape[-1]))
 
 
 _MISSED: set[tuple] = set()
