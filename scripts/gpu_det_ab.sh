@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Issue 16's --deterministic rows as an A/B in one device call (no llama.cpp): the CUDA tests of
+# the deterministic decode's fusions (the gated invariant GEMM, the K/V store inside the varlen
+# launch, every door's tokens), then scripts/bench_rounds.py over fresh processes:
+#   default      the fast mode
+#   det          --deterministic as committed
+#   det_unfused  --deterministic without this session's two fusions (MONOBATCH_DET_GATED_MAX_M=0,
+#                MONOBATCH_FOLD_STORE=0: silu_mul and store_kv as their own launches)
+#   det_rows128  --deterministic with the attention tile of 128 rows (MONOBATCH_DET_ROWS=128)
+# each at B=1 (-p 256,8192 -n 128 -r 3) and B=64 (-p 128 -n 128 -r 1).
+#   Usage (device tool, repo root): bash scripts/gpu_det_ab.sh OUTDIR     env: ROUNDS (2), TESTS_S (170)
+set -uo pipefail
+OUT=${1:?OUTDIR}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD/tests
+log() { echo "[$(date -u +%T) +${SECONDS}s] $*" | tee -a "$OUT/log.txt"; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+log "tests"
+timeout "${TESTS_S:-170}" python3 -m pytest -q -p no:cacheprovider -x \
+  "tests/test_invariant_gemm.py::test_gated_invariant_gemm_cuda" \
+  "tests/test_varlen_attention.py::test_store_inside_deterministic_decode_cuda" \
+  "tests/test_varlen_attention.py::test_deterministic_mode_same_tokens_everywhere_cuda" \
+  "tests/test_invariant_gemm.py::test_invariant_gemm_cuda" > "$OUT/tests.txt" 2>&1
+log "tests rc $?: $(tail -1 "$OUT/tests.txt")"
+B1="monobatch bench --dummy-weights --device cuda --json --no-progress --shape llama-1b -p 256,8192 -n 128 -r 3"
+B64="monobatch bench --dummy-weights --device cuda --json --no-progress --shape llama-1b -p 128 -n 128 -r 1 --batch-size 64"
+OLD="MONOBATCH_DET_GATED_MAX_M=0 MONOBATCH_FOLD_STORE=0"
+timeout "${ROUNDS_S:-400}" python3 scripts/bench_rounds.py --rounds "${ROUNDS:-2}" --timeout 150 --settle 2 --allow-busy --json "$OUT/rounds.json" \
+  --arm default="$B1" --arm det="$B1 --deterministic" --arm det_unfused="$OLD $B1 --deterministic" \
+  --arm det_rows128="MONOBATCH_DET_ROWS=128 $B1 --deterministic" \
+  --arm default_b64="$B64" --arm det_b64="$B64 --deterministic" \
+  --arm det_rows128_b64="MONOBATCH_DET_ROWS=128 $B64 --deterministic" \
+  --metrics 'decode_tok_s,ttft_ms,total_tok_s,prefill_tok_s' > "$OUT/rounds.txt" 2>&1
+log "rounds rc $?"
+tail -60 "$OUT/rounds.txt"
