@@ -8,10 +8,12 @@
 #                MONOBATCH_FOLD_STORE=0: silu_mul and store_kv as their own launches)
 #   det_rows128  --deterministic with the attention tile of 128 rows (MONOBATCH_DET_ROWS=128)
 # each at B=1 (-p 256,8192 -n 128 -r 3) and B=64 (-p 128 -n 128 -r 1).
-#   Usage (device tool, repo root): bash scripts/gpu_det_ab.sh OUTDIR     env: ROUNDS (2), TESTS_S (170)
+#   Usage (device tool, repo root, carry .whl): bash scripts/gpu_det_ab.sh OUTDIR     env: ROUNDS (2), TESTS_S (170)
 set -uo pipefail
 OUT=${1:?OUTDIR}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD/tests
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests
+[ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+  > /dev/null 2>&1   # the wheels the device lacks (carry .whl)
 log() { echo "[$(date -u +%T) +${SECONDS}s] $*" | tee -a "$OUT/log.txt"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 log "tests"
