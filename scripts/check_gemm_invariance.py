@@ -2,6 +2,7 @@
 configs and row counts on this GPU? And cuBLAS's (torch.mm)? Plus each config's time beside cuBLAS.
 
     PYTHONPATH=src python3 scripts/check_gemm_invariance.py [--shapes llama-1b,smollm2-135m] [--json OUT]
+        [--tiles 128x128x64x8x3,128x128x128x8x4 --no-split]   # other candidates (BM x BN x BK x warps x stages)
 
 For every weight shape of the named model shapes: x ``[2048, K]`` bf16 random; each candidate tile
 computes ``x[:M] @ W^T`` for M in (1, 3, 16, 17, 64, 100, 512); every row must equal the same row
@@ -64,7 +65,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="llama-1b,smollm2-135m")
     ap.add_argument("--json")
+    ap.add_argument("--tiles", help="comma-separated BMxBNxBKxWARPSxSTAGES to check instead of CANDIDATES "
+                    "(each against the first CANDIDATE's rows)")
+    ap.add_argument("--no-split", action="store_true", help="only the unsplit schedule of each tile")
     ns = ap.parse_args()
+    tiles = [tuple(int(v) for v in t.split("x")) for t in ns.tiles.split(",")] if ns.tiles else CANDIDATES
+    splits = (False,) if ns.no_split else (False, True)
     torch.manual_seed(0)
     report: dict = {"gpu": torch.cuda.get_device_name(), "shapes": {}}
     for shape in ns.shapes.split(","):
@@ -74,7 +80,7 @@ def main() -> None:
             out_dtype = torch.float32 if n == SHAPES[shape]["vocab_size"] else torch.bfloat16
             ref = invariant_gemm.linear(x[:512], w, out_dtype=out_dtype, config=CANDIDATES[0])
             entry = {"differing_rows": {}, "time_us": {}}
-            for cfg, split in [(c, s) for c in CANDIDATES for s in (False, True)] + [(None, None)]:
+            for cfg, split in [(c, s) for c in tiles for s in splits] + [(None, None)]:
                 bad = 0
                 for m in ROWS:
                     y = invariant_gemm.linear(x[:m], w, out_dtype=out_dtype, config=cfg, split=split)
