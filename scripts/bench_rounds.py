@@ -365,9 +365,9 @@ LOWER_IS_BETTER_SUFFIXES = ("_ms", "_s", "_mib", "_mb")
 
 
 def lower_is_better(metric: str) -> bool:
-    """Times (``*_ms``, ``*_s`` but not the rates ``*tok_s``), memory (``*_mib``: ``peak_rss_mib``; ``*_mb`` in older files)
-    and failures (``failed``, ``errors``) are better lower; everything else (rates, speedups,
-    completed requests) higher."""
+    """Times (``*_ms``, ``*_s`` but not the rates ``*tok_s``), memory (``*_mib``: ``peak_rss_mib``;
+    ``*_mb`` in older files) and failures (``failed``, ``errors``) are better lower; everything
+    else (rates, speedups, completed requests) higher."""
     if metric in LOWER_IS_BETTER_NAMES:
         return True
     return metric.endswith(LOWER_IS_BETTER_SUFFIXES) and not metric.endswith("tok_s")

@@ -209,8 +209,9 @@ def test_units():
     assert [mod.lower_is_better(m) for m in ("ttft_ms", "load_s", "decode_tok_s", "tok_s", "request_throughput",
                                              "duration_s")] == [True, True, False, False, False, True]
     # memory and failures are better lower too; counts of successes, speedups and rates higher
-    assert [mod.lower_is_better(m) for m in ("peak_rss_mib", "weight_mib", "peak_rss_mb", "weight_mb", "failed", "errors",
-                                             "completed", "speedup", "total_token_throughput", "p99_itl_ms")] == [
+    assert [mod.lower_is_better(m) for m in ("peak_rss_mib", "weight_mib", "peak_rss_mb", "weight_mb", "failed",
+                                             "errors", "completed", "speedup", "total_token_throughput",
+                                             "p99_itl_ms")] == [
         True, True, True, True, True, True, False, False, False, True]
     # against a baseline: more failed requests (from none) and a larger peak RSS are regressions
     rows = [{"arm": "a", "label": "x", "metric": m, "median": v, "spread_pct": 0.0}

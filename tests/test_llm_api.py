@@ -101,7 +101,8 @@ def test_vllms_repetition_penalty_reaches_the_sampler(llm):
     same ids as ``repeat_penalty=``, and not the unpenalised ones (the prompt's "1" is penalised)."""
     prompt = "1 1 1 1 1 1 1 1 1 1 1 1"
     ref, vllm, llama = (o.outputs[0].token_ids for o in llm.generate([prompt] * 3, [
-        SamplingParams(temperature=0, max_tokens=6), SamplingParams(temperature=0, max_tokens=6, repetition_penalty=3.0),
+        SamplingParams(temperature=0, max_tokens=6),
+        SamplingParams(temperature=0, max_tokens=6, repetition_penalty=3.0),
         SamplingParams(temperature=0, max_tokens=6, repeat_penalty=3.0)], use_tqdm=False))
     assert ref[0] in llm.tokenizer.encode(prompt), "precondition: the reference repeats the prompt"
     assert vllm == llama and vllm[0] != ref[0]

@@ -77,7 +77,8 @@ def test_vllms_repetition_penalty_is_an_alias_of_repeat_penalty():
     with pytest.raises(InvalidRequestError, match=r"^repeat_penalty: conflicts with repetition_penalty") as err:
         SamplingParams(repetition_penalty=1.1, repeat_penalty=1.2)
     assert err.value.param == "repeat_penalty"
-    with pytest.raises(InvalidRequestError, match=r"^repetition_penalty \(alias of repeat_penalty\): must be > 0") as err:
+    with pytest.raises(InvalidRequestError,
+                       match=r"^repetition_penalty \(alias of repeat_penalty\): must be > 0") as err:
         SamplingParams(repetition_penalty=0)
     assert err.value.param == "repetition_penalty"
     with pytest.raises(InvalidRequestError, match="repetition_penalty.*expected a number"):

@@ -401,7 +401,8 @@ class BenchRow:
         """The JSON object: identity, setup, metrics at the top level, then ``samples``."""
         head = {k: getattr(self, k) for k in ("label", "path", "mode", "prompt_tokens", "gen_tokens", "batch_size",
                                               "runs", "constrained")}
-        return {**head, **asdict(self.setup), "peak_rss_mib": self.peak_rss_mib, **self.metrics, "samples": self.samples}
+        return {**head, **asdict(self.setup), "peak_rss_mib": self.peak_rss_mib, **self.metrics,
+                "samples": self.samples}
 
     def table_line(self) -> str:
         """One line of the stdout table (see :data:`TABLE_HEADER`)."""
