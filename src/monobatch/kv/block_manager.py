@@ -124,8 +124,11 @@ class BlockManager:
         n = self._len.get(seq_id, 0)
         if num_tokens <= n:
             return True
-        tables = self._tables.get(seq_id) or [[] for _ in self.groups]
         want = -(-num_tokens // self.block_size)
+        held = self._tables.get(seq_id)
+        if held and all(len(t) >= want for t in held) and not any(self._needs_copy(t, n) for t in held):
+            return True  # a decode step inside its last block: nothing to allocate or copy
+        tables = held or [[] for _ in self.groups]
         copies = [self._needs_copy(t, n) for t in tables]
         need = sum(max(want - len(t), 0) + c for t, c in zip(tables, copies))
         if need > self.pool.num_available:
