@@ -379,7 +379,7 @@ def _spy_async(sched):
 
     def draw_forced(pending):
         real_forced(pending)
-        seen["forced"] += len(pending.forced[0]) if pending.forced else 0
+        seen["forced"] += len(pending.forced or ())
 
     engine.draw_forced = draw_forced
 
@@ -585,7 +585,7 @@ def test_forced_draws_are_the_best_accepted_tokens(loaded):
     sampler = RowSampler(tok.vocab_size)
     torch.manual_seed(5)
     logits = torch.randn(5, tok.vocab_size)
-    tied = states[4].grammar.forced_ids()[1:]
+    tied = states[4].grammar.forced_ids()[1:].tolist()  # (the array is shared and read-only)
     logits[4, tied] = 9.0  # tied accepted tokens: the lowest id of them wins
     want = [_accepted_argmax(logits[r], states[r].grammar, tok.vocab_size) for r in range(5)]
     assert want[4] == int(tied[0])

@@ -181,6 +181,8 @@ class TokenIndex:
                 self._by_bytes.setdefault(b, []).append(t)
         # forced bytes -> candidates(): a grammar's forced bytes repeat (keys, separators)
         self._candidates: dict[bytes, tuple[list[int], list[int] | None]] = {}
+        # accepted id tuples -> one read-only array each (ids_array): the same sets recur every row and step
+        self._arrays: dict[tuple[int, ...], np.ndarray] = {}
 
     def splits(self, forced: bytes) -> list[int]:
         """The tokens whose bytes are a proper, non-empty prefix of ``forced`` (at most the longest
@@ -214,6 +216,18 @@ class TokenIndex:
                 self._candidates.clear()
             hit = self._candidates[key] = (self.splits(key), self.extensions(key, FORCED_MAX_TOKENS))
         return hit
+
+    def ids_array(self, ids: tuple[int, ...]) -> np.ndarray:
+        """``ids`` as a read-only ``[n]`` int64 array, one per distinct tuple (at most
+        :data:`CANDIDATE_CACHE` kept): a forced position's accepted ids recur every row and step,
+        and building an array each time cost more than the lookup."""
+        arr = self._arrays.get(ids)
+        if arr is None:
+            if len(self._arrays) >= CANDIDATE_CACHE:
+                self._arrays.clear()
+            arr = self._arrays[ids] = np.array(ids, dtype=np.int64)
+            arr.flags.writeable = False
+        return arr
 
 
 class GrammarMatcher:
@@ -275,12 +289,14 @@ class GrammarMatcher:
 
     def allows(self, token_id: int) -> bool:
         """Whether ``token_id`` may come next (the matcher is not advanced)."""
+        self._stopped = None  # a check may hit a resource limit: is_stopped (and failed) ask again
         return self._m.validate_tokens([int(token_id)]) == 1
 
     def forced_ids(self) -> np.ndarray | None:
         """Where the grammar forces the next bytes (llguidance's forced bytes, ~0.2 µs to ask),
         every token it accepts there: ``[n]`` int64, ascending (the splits of the forced bytes
-        and the tokens that extend them, each checked; a few µs; kept until the matcher moves).
+        and the tokens that extend them, each checked; a few µs; kept until the matcher moves;
+        read-only, shared by every position with the same set: :meth:`TokenIndex.ids_array`).
         None elsewhere, or where the accepted splits and the (unchecked) extensions number more
         than :data:`FORCED_MAX_TOKENS`. Such positions are where a greedy model's raw argmax is
         refused (on the bundled model, 91 % of refusals, at a median of one allowed token)."""
@@ -303,7 +319,7 @@ class GrammarMatcher:
         if self.is_stopped:
             return
         forced = self._m.compute_ff_bytes()
-        self.recheck_stopped()  # the lookups below too may leave the matcher in an error state
+        self._stopped = None  # the lookups below too may leave the matcher in an error state
         if not forced:
             return
         ok = self._m.validate_tokens
@@ -311,7 +327,7 @@ class GrammarMatcher:
         self._splits = [t for t in splits if ok([t]) == 1]
         if ext is not None and len(ext) <= FORCED_MAX_TOKENS - len(self._splits):
             ids = sorted(self._splits + [t for t in ext if ok([t]) == 1])
-            self._forced = np.array(ids, dtype=np.int64) if ids else False
+            self._forced = self._index.ids_array(tuple(ids)) if ids else False
 
     def recheck_stopped(self) -> None:
         """Forget :attr:`is_stopped`'s answer for this position: llguidance's mask, forced bytes
@@ -323,17 +339,20 @@ class GrammarMatcher:
     def is_stopped(self) -> bool:
         """The grammar has ended (or failed: see :attr:`error`): no further token can be accepted.
         Asked of llguidance once a position (the finish step, the sampler and the forced-position
-        lookup each ask it every step), again after a mask or a forced-bytes lookup
-        (:meth:`recheck_stopped`)."""
+        lookup each ask it every step), again after a mask, a forced-bytes lookup or a token check
+        (:meth:`recheck_stopped`). One llguidance call: its ``is_stopped`` is also true in an error
+        state (``LLMatcher.is_stopped``'s contract)."""
         if self._stopped is None:
-            self._stopped = bool(self._m.is_stopped() or self._m.is_error())
+            self._stopped = bool(self._m.is_stopped())
         return self._stopped
 
     @property
     def failed(self) -> bool:
         """The matcher is in an error state (a resource limit hit mid-answer): the answer is not
-        known to match, so the sequence must not end as a success."""
-        return bool(self._m.is_error())
+        known to match, so the sequence must not end as a success. Only a stopped matcher can be
+        in one, so this asks llguidance only when :attr:`is_stopped` (the finish step asks every
+        row every step)."""
+        return self.is_stopped and bool(self._m.is_error())
 
     @property
     def is_accepting(self) -> bool:

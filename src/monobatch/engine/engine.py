@@ -61,7 +61,8 @@ class PendingStep:
         batch: the step.
         rows: the R sequences that drew a token, in row order.
         tokens: ``[R]`` int64 draws on the device (the next step's input ids).
-        host: ``[R]`` int64 copy on the host (page-locked on CUDA), valid once ``ready`` is done.
+        host: ``[R]`` int64 copy on the host (page-locked on CUDA), valid once ``ready`` is done;
+            None until :meth:`Engine.draw_forced` queues it for an unchecked step with grammar rows.
         ready: CUDA event recorded after the copy (None on CPU: the copy is synchronous).
         logits: ``[R, V]`` on the device while the draw is deferred (``tokens``/``host`` None):
             constrained rows, whose masks need the previous step's tokens accepted first.
@@ -75,9 +76,8 @@ class PendingStep:
         corrected: rows whose draw :meth:`Engine.resolve` replaced (a refused unchecked draw):
             a step launched on this step's device draws computed those rows from a wrong id.
         forced: rows of an unchecked draw redrawn at a forced grammar position before the next
-            step reads ``tokens`` (:meth:`Engine.draw_forced`): their indices, the redraws (a
-            list, or a ``[k]`` int64 host copy) and that copy's CUDA event (None on CPU, or when
-            the redraws were known on the host).
+            step reads ``tokens`` (:meth:`Engine.draw_forced`), in ascending order. Their redraws
+            are in ``tokens`` and in its host copy, which for such a step is queued after them.
     """
 
     batch: StepBatch
@@ -89,7 +89,7 @@ class PendingStep:
     check: tuple[list[int], torch.Tensor] | None = None
     void: set[int] = dataclasses.field(default_factory=set)
     corrected: list[int] = dataclasses.field(default_factory=list)
-    forced: tuple[list[int], list[int] | torch.Tensor, torch.cuda.Event | None] | None = None
+    forced: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -495,23 +495,35 @@ class Engine:
         ``tokens``: the next step computes those rows from the right ids, and :meth:`resolve`
         checks the redraws (accepted) instead of the raw argmax. Runs on the host while the step's
         forward runs; no wait for the device.
+
+        An unchecked step with grammar rows has its draws' host copy queued here, after the
+        redraws (one copy of the final draws, none of the redraws apart); :meth:`resolve` queues
+        it where this was not called.
         """
-        if not FORCED_DRAWS or pending.check is None or pending.tokens is None:
+        if pending.tokens is None:
             return
+        try:
+            if FORCED_DRAWS and pending.check is not None:
+                self._redraw_forced(pending)
+        finally:
+            if pending.host is None:
+                with self._on_device():
+                    pending.host, pending.ready = _to_host(pending.tokens)
+
+    def _redraw_forced(self, pending: PendingStep) -> None:
+        """:meth:`draw_forced`'s redraws, written into ``pending.tokens`` (``pending.forced``: their rows)."""
         gram, x = pending.check
-        live = {r for r in gram if r not in pending.void and not pending.rows[r].is_finished}
+        void, rows = pending.void, pending.rows
+        live = {r for r in gram if r not in void and not rows[r].is_finished}
         if not live:
             return
         with self._on_device():
-            got = self.sampler.forced_draws(x, [seq.sampler for seq in pending.rows], gram, live)
+            got = self.sampler.forced_draws(x, [seq.sampler for seq in rows], gram, live)
             if got is None:
                 return
-            rows, at, ids, known = got
+            picked, at, ids, _ = got
             pending.tokens.index_copy_(0, at, ids)
-            if known is not None:  # one allowed token a row: the draws are known here
-                pending.forced = (rows, known, None)
-                return
-            pending.forced = (rows, *_to_host(ids))
+            pending.forced = picked
 
     def _draw_async(self, batch: StepBatch, rows: list[Sequence], logits: torch.Tensor, ahead: int,
                     unchecked: bool = False) -> PendingStep:
@@ -533,6 +545,8 @@ class Engine:
                     else:  # a CUDA graph's logits are its static buffer, overwritten by the next replay
                         x = logits.to(torch.float32, copy=self._graph_for(batch) is not None)
                     check = (gram, x)
+                    # the host copy waits for draw_forced's redraws (one copy of the final draws)
+                    return PendingStep(batch, rows, tokens, None, None, check=check)
             elif self._per_row_draws(rows):  # one row per draw, as in step()
                 tokens = torch.cat([self.sampler.draw(masked[r:r + 1], [seq.sampler], ahead)
                                     for r, seq in enumerate(rows)])
@@ -560,15 +574,12 @@ class Engine:
         Raises:
             RuntimeError: the device failed the step (surfaces at the event's synchronize).
         """
+        if pending.host is None:  # an unchecked step draw_forced did not see: its copy now
+            with self._on_device():
+                pending.host, pending.ready = _to_host(pending.tokens)
         if pending.ready is not None:
             pending.ready.synchronize()
         ids = pending.host.tolist()
-        if pending.forced is not None:  # redrawn after the copy above was queued (draw_forced)
-            rows, host, ready = pending.forced
-            if ready is not None:
-                ready.synchronize()
-            for r, t in zip(rows, host if isinstance(host, list) else host.tolist()):
-                ids[r] = t
         if pending.check is not None:
             self._check_draws(pending, ids)
         live = [(seq, t) for r, (seq, t) in enumerate(zip(pending.rows, ids))

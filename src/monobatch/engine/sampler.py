@@ -191,6 +191,13 @@ class SamplerState:
             self.dry.accept(t)
 
 
+def _ids_on(values: Sequence[int] | np.ndarray, device: torch.device) -> torch.Tensor:
+    """``values`` as a ``[n]`` int64 tensor on ``device``: one page-locked, non-blocking copy on
+    CUDA (nothing waits for the stream; a pageable ``torch.tensor(..., device=)`` would)."""
+    t = torch.from_numpy(np.asarray(values, dtype=np.int64))
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
 def _entries(row: int, counts: dict[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     # (rows, token ids, counts) of one row's sparse table
     n = len(counts)
@@ -470,12 +477,15 @@ class RowSampler:
             stream (which may be a side stream: nothing here uses a per-device workspace), plus a
             mask and a second read for rows whose candidates are all refused.
         """
-        which = list(range(len(states))) if rows is None else rows
+        which = range(len(states)) if rows is None else rows
         refused = []
         for i, r in enumerate(which):
+            if only is not None and r not in only:
+                continue
             g = states[r].grammar
-            if g is not None and (only is None or r in only) and not g.is_stopped \
-                    and not (g.advance_if_allowed(picks[r]) if advance else g.allows(picks[r])):
+            if g is None or g.is_stopped:
+                continue
+            if not (g.advance_if_allowed(picks[r]) if advance else g.allows(picks[r])):
                 refused.append(i)
         if not refused:
             return {}
@@ -487,15 +497,14 @@ class RowSampler:
             refused = [i for i in refused if which[i] not in out]
             if not refused:
                 return out
-        sub = logits if len(refused) == logits.shape[0] else \
-            logits.index_select(0, torch.tensor(refused, device=logits.device))
+        sub = logits if len(refused) == logits.shape[0] else logits.index_select(0, _ids_on(refused, logits.device))
         fixed = self._best_allowed(sub, [states[which[i]] for i in refused], [picks[which[i]] for i in refused])
         rest = [j for j, t in enumerate(fixed) if t is None]
         if rest:  # no allowed token among the candidates: the full mask
             # torch's argmax, not kernels.argmax: the redraw may run on a side stream beside a step's
             # own argmax, whose split counters are one per device; the result is the same by
             # definition (the first index of the maximum)
-            part = sub if len(rest) == sub.shape[0] else sub.index_select(0, torch.tensor(rest, device=sub.device))
+            part = sub if len(rest) == sub.shape[0] else sub.index_select(0, _ids_on(rest, sub.device))
             for j, t in zip(rest, self._masked(part, [states[which[refused[j]]] for j in rest]).argmax(-1).tolist()):
                 fixed[j] = t
         return out | {which[i]: t for i, t in zip(refused, fixed)}
@@ -551,43 +560,48 @@ class RowSampler:
             draws there, the draws as a list when every row accepts one token, else None)``, or
             None when no row is forced.
         """
-        keep = [(i, r, ids) for i, r in enumerate(rows) if r in only and states[r].grammar is not None
-                and (ids := states[r].grammar.forced_ids()) is not None]
-        if not keep:
+        local, picked, allowed = [], [], []
+        single = True
+        for i, r in enumerate(rows):
+            if r not in only:
+                continue
+            g = states[r].grammar
+            if g is None or (ids := g.forced_ids()) is None:
+                continue
+            local.append(i), picked.append(r), allowed.append(ids)
+            single = single and len(ids) == 1
+        if not picked:
             return None
-        k = len(keep)
-        picked = [r for _, r, _ in keep]
-        if all(len(ids) == 1 for _, _, ids in keep):  # each row's one accepted token: known on the host
-            known = [int(ids[0]) for _, _, ids in keep]
-            buf = torch.tensor(picked + known, dtype=torch.int64)
-            if logits.device.type != "cpu":
-                buf = buf.pin_memory().to(logits.device, non_blocking=True)
+        k = len(picked)
+        if single:  # each row's one accepted token: known on the host
+            known = [int(ids[0]) for ids in allowed]
+            buf = _ids_on(picked + known, logits.device)
             return picked, buf[:k], buf[k:], known
-        at, ids = self._argmax_among(logits, [i for i, _, _ in keep], [ids for _, _, ids in keep], picked)
+        at, ids = self._argmax_among(logits, local, allowed, picked)
         return picked, at, ids, None
 
     @staticmethod
     def _argmax_among(logits: torch.Tensor, local: list[int], allowed: list[np.ndarray],
                       tags: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """Each listed row's argmax over its allowed ids (ascending: ties go to the lowest id, as
-        an argmax over the whole row with the others at -inf). One host-to-device copy (the rows,
-        the ``tags`` riding along, and the ids, padded with each row's lowest id), then
-        index_select, gather and argmax.
+        an argmax over the whole row with the others at -inf). One host-to-device copy (the
+        ``tags`` riding along, the ids padded with each row's lowest id, and their flat positions
+        in ``logits``), then one ``take`` of just those logits (no row is copied whole), an argmax
+        and a gather.
 
         Returns:
             (``tags`` as an int64 tensor, the ``[k]`` int64 draws), on the logits' device.
         """
         k, n, width = len(local), len(tags), max(len(ids) for ids in allowed)
-        table = np.empty((k, width), dtype=np.int64)
+        table = np.empty((2, k, width), dtype=np.int64)  # [0]: the ids, [1]: their flat positions
         for j, ids in enumerate(allowed):
-            table[j, :len(ids)] = ids
-            table[j, len(ids):] = ids[0]
-        buf = torch.from_numpy(np.concatenate([np.array([*local, *tags], np.int64), table.ravel()]))
-        if logits.device.type != "cpu":
-            buf = buf.pin_memory().to(logits.device, non_blocking=True)
-        cols = buf[k + n:].view(k, width)
-        vals = logits.index_select(0, buf[:k]).gather(1, cols)
-        return buf[k:k + n], cols.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1)
+            table[0, j, :len(ids)] = ids
+            table[0, j, len(ids):] = ids[0]
+        np.add(table[0], np.array(local, np.int64)[:, None] * logits.shape[1], out=table[1])
+        buf = _ids_on(np.concatenate([np.array(tags, np.int64), table.ravel()]), logits.device)
+        cols = buf[n:n + k * width].view(k, width)
+        vals = logits.take(buf[n + k * width:]).view(k, width)  # take indexes the row-major flattening
+        return buf[:n], cols.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1)
 
     def _masked(self, logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
         """The raw logits with each live grammar's mask applied (stage 0 alone, for rows that
