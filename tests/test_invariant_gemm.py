@@ -42,46 +42,6 @@ def check(device: str = "cpu") -> str:
     return "ok"
 
 
-def check_gated(device: str = "cpu") -> str:
-    """linear(gated=True) on packed [gate | up] rows equals linear(fused.silu_mul(x)) bit for bit
-    (the same activation bits, the same reduction), for every tile, split on and off, every M up
-    to GATED_MAX_M (float32 in the interpreter; bfloat16 too on CUDA); more rows are refused by
-    usable() (gemv.gated_linear then runs silu_mul first)."""
-    from monobatch.kernels import fused, invariant_gemm
-    g = torch.Generator().manual_seed(1)
-    for dtype in [torch.float32] + ([torch.bfloat16] if device == "cuda" else []):
-        k = 2 * invariant_gemm.SLICE_K + 100
-        gate_up = (torch.randn(invariant_gemm.GATED_MAX_M, 2 * k, generator=g) * 2).to(device, dtype)
-        w = (torch.randn(90, k, generator=g) * 0.05).to(device, dtype)
-        act = fused.silu_mul(gate_up)
-        gate, up = gate_up.double().split(k, dim=-1)
-        ref = (torch.nn.functional.silu(gate) * up) @ w.double().T
-        for cfg in invariant_gemm.TILES:
-            for split in (False, True):
-                for m in ((1, 3, 64) if device == "cpu" else (1, 2, 5, 16, 17, 33, 64)):
-                    y = invariant_gemm.linear(gate_up[:m], w, config=tuple(cfg), split=split, gated=True)
-                    assert torch.equal(y, invariant_gemm.linear(act[:m], w, config=tuple(cfg), split=split)), (m, cfg)
-                    if dtype == torch.float32:
-                        torch.testing.assert_close(y.double(), ref[:m], rtol=1e-4, atol=1e-4)
-        with invariant_gemm.mode(True):
-            rows = gate_up.shape[0]
-            assert invariant_gemm.usable(gate_up, w, gated=True) == (device == "cuda")
-            assert not invariant_gemm.usable(torch.cat([gate_up, gate_up[:1]]), w, gated=True)  # > GATED_MAX_M rows
-            assert not invariant_gemm.usable(gate_up[:, :k], w, gated=True) and rows == invariant_gemm.GATED_MAX_M
-    with pytest.raises(ValueError, match="gated"):
-        invariant_gemm.linear(gate_up[:2, :k], w, gated=True)
-    return "ok"
-
-
-def test_gated_invariant_gemm_in_interpreter():
-    run_in_triton_interpreter("test_invariant_gemm", "check_gated")
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gated_invariant_gemm_cuda():
-    assert check_gated("cuda") == "ok"
-
-
 def test_invariant_gemm_in_interpreter():
     run_in_triton_interpreter("test_invariant_gemm", "check")
 

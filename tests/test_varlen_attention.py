@@ -267,57 +267,6 @@ def test_fixed_split_cuda(setting, dtype):
                                  dtype=dtype) == "ok"
 
 
-def check_store_inside(device: str = "cpu", dtype=torch.float32) -> str:
-    """A deterministic decode step given its new K/V (``new_kv``: stored inside the launch by the
-    program holding each row's last split) leaves the pool and the output bit for bit as
-    ``store_kv`` then the launch, on both schedules on CUDA (the split grid, 2 programs, one program);
-    a step with a longer chunk falls back to ``store_kv`` first (same bits)."""
-    from monobatch.kernels.paged_decode import store_kv
-    from monobatch.kernels.varlen_attention import build_meta, tokens_per_tile, varlen_paged_attention
-    dev = torch.device(device)
-    n_q, n_kv, hd, bs = (2, 1, 16, 16) if device == "cpu" else (8, 2, 64, 16)
-    g = torch.Generator().manual_seed(5)
-    nblocks = 40
-    pool_k = torch.randn(nblocks * bs, n_kv, hd, generator=g).to(dev, dtype)
-    pool_v = torch.randn(nblocks * bs, n_kv, hd, generator=g).to(dev, dtype)
-    perm = torch.randperm(nblocks, generator=g).tolist()
-    tables = [perm[:20], perm[20:30], perm[30:]]
-    for chunks in ([(0, 1, 300), (1, 1, 64), (2, 1, 129)], [(0, 1, 5)], [(0, 1, 300), (1, 3, 90)]):
-        layout, at = [], 0
-        for _, n, p in chunks:
-            layout.append((at, n, p))
-            at += n
-        T = at
-        q = torch.randn(T, n_q, hd, generator=g).to(dev, dtype)
-        kn = torch.randn(T, n_kv, hd, generator=g).to(dev, dtype)
-        vn = torch.randn(T, n_kv, hd, generator=g).to(dev, dtype)
-        slots = torch.tensor([tables[s][(p + i) // bs] * bs + (p + i) % bs for s, n, p in chunks for i in range(n)],
-                             device=dev)
-        meta = build_meta(layout, [tables[s] for s, _, _ in chunks], tokens_per_tile(n_q, n_kv, True), dev,
-                          fixed_split=True)
-        for splits in ((None, 2, 1) if device == "cuda" else (1,)):  # (the interpreter of Triton 3.9
-            # rejects the split grid's atomic counter; the CUDA test runs both schedules)
-            k, v = pool_k.clone(), pool_v.clone()
-            store_kv(kn, vn, k, v, slots)
-            want = varlen_paged_attention(q, k, v, meta, bs, splits=splits)
-            k2, v2 = pool_k.clone(), pool_v.clone()
-            k2[slots], v2[slots] = float("nan"), float("nan")  # whatever the slots held before
-            got = varlen_paged_attention(q, k2, v2, meta, bs, splits=splits, new_kv=(kn, vn, slots))
-            assert torch.equal(got, want), (chunks, splits)
-            assert torch.equal(k2, k) and torch.equal(v2, v), (chunks, splits)
-    return "ok"
-
-
-def test_store_inside_deterministic_decode_in_interpreter():
-    run_in_triton_interpreter("test_varlen_attention", "check_store_inside")
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_store_inside_deterministic_decode_cuda(dtype):
-    assert check_store_inside("cuda", dtype) == "ok"
-
-
 def check_stores(device: str = "cpu") -> str:
     """PagedKv and DenseKv on the varlen kernel against their torch path (``varlen`` False), over
     three steps of one layer: two prompts in chunks (one continuing a cache hit's blocks), then

@@ -346,8 +346,7 @@ def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     """SwiGLU's down projection ``F.linear(silu(gate) * up, weight, bias)`` (Shazeer 2020) for
     packed ``gate_up`` ``[..., 2K]`` and ``weight`` ``[N, K]``: ``[..., N]`` in gate_up's dtype. One
     Triton launch (the gate computed as the GEMV loads its input) where :func:`usable` and the
-    table picks the Triton kernel (in deterministic mode, :func:`monobatch.kernels.invariant_gemm.linear`
-    with ``gated`` up to its ``GATED_MAX_M`` rows); else :func:`monobatch.kernels.fused.silu_mul` (torch's
+    table picks the Triton kernel; else :func:`monobatch.kernels.fused.silu_mul` (torch's
     ``silu(gate) * up`` where the fused kernels are off) then :func:`linear`. Either way the product's input has the bits of ``fused.silu_mul``'s output
     (one shared SiLU formula, ``fused.silu_mul_math``).
 
@@ -356,8 +355,6 @@ def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     N, K = weight.shape
     if gate_up.shape[-1] != 2 * K:
         raise ValueError(f"gate_up has {gate_up.shape[-1]} columns; the weight takes {K} (gate_up: 2 x that)")
-    if invariant_gemm.usable(gate_up, weight, gated=True):  # deterministic mode, decode-sized M: one launch
-        return invariant_gemm.linear(gate_up.reshape(-1, 2 * K), weight, bias, gated=True).view(*gate_up.shape[:-1], N)
     if usable(gate_up, weight, gated=True) and not invariant_gemm.active():
         x2 = gate_up.reshape(-1, 2 * K)
         cfg = choose(N, K, x2.shape[0], gate_up.dtype, pdl.enabled(gate_up.device))

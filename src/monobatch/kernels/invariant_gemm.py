@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 
 import torch
@@ -34,7 +33,6 @@ from monobatch.kernels.common import sm_count, tl, triton
 
 if triton is not None:
     from monobatch.kernels.common import counters, grouped_tile, split_k_store
-    from monobatch.kernels.fused import silu_mul_math
 
 #: Every tile :func:`config_for` picks, ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``. A
 #: tile may join only with scripts/check_gemm_invariance.py passing on the target GPU (the module
@@ -52,12 +50,6 @@ NARROW_N = 4096
 #: order of a row's sum depends on K alone, whatever M, the tile and the split. A multiple of
 #: every BLOCK_K of :data:`TILES` (and of the check script's candidates), and larger.
 SLICE_K = 512
-#: Most rows :func:`linear` takes with ``gated`` (SwiGLU's activation computed as the tile loads
-#: its input): each output tile recomputes the activation of its rows, cheap for decode-sized M,
-#: not for a prompt's (:func:`monobatch.kernels.gemv.gated_linear` runs ``silu_mul`` then
-#: :func:`linear` above it, with the same bits). ``MONOBATCH_DET_GATED_MAX_M`` overrides it (A/B
-#: runs; 0: never gated). The bits do not depend on it.
-GATED_MAX_M = int(os.environ.get("MONOBATCH_DET_GATED_MAX_M", "64") or 0)
 
 
 #: Per thread: ``active`` is True inside :func:`mode` (True), where
@@ -85,13 +77,11 @@ def mode(on: bool):
         _STATE.active = before
 
 
-def usable(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when :func:`active` and the kernel can take these operands (CUDA, Triton, 2-D
-    weight with unit stride along K, one dtype); with ``gated``, x ``[..., 2K]`` (SwiGLU's packed
-    gate and up) and at most :data:`GATED_MAX_M` rows."""
+    weight with unit stride along K, one dtype)."""
     return (active() and triton is not None and x.is_cuda and weight.dim() == 2 and weight.stride(1) == 1
-            and x.dtype == weight.dtype and x.shape[-1] == (2 if gated else 1) * weight.shape[1]
-            and (not gated or 0 < x.numel() <= GATED_MAX_M * x.shape[-1]))
+            and x.dtype == weight.dtype and x.shape[-1] == weight.shape[1])
 
 
 _MISSED: set[tuple] = set()
@@ -126,8 +116,7 @@ if triton is not None:
     @triton.jit
     def _gemm_kernel(X, W, B, Y, WS, CNT, M, N, K, stride_xm, stride_wn, stride_ym,
                      HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     SLICE: tl.constexpr, SPLIT: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr,
-                     GATED: tl.constexpr):
+                     SLICE: tl.constexpr, SPLIT: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr):
         tile = tl.program_id(0)
         pid_m, pid_n = grouped_tile(tile, M, N, BM, BN, GROUP_M)
         offs_m = pid_m * BM + tl.arange(0, BM)
@@ -150,12 +139,7 @@ if triton is not None:
             for kk in range(0, SLICE, BK):  # ascending K steps inside the slice
                 k = s * SLICE + kk
                 kmask = (k + offs_k) < K
-                amask = mmask[:, None] & kmask[None, :]
-                if GATED:  # silu(gate) * up of packed [gate | up] rows: fused.silu_mul's bits
-                    a = silu_mul_math(tl.load(x_base + k, mask=amask, other=0.0),
-                                      tl.load(x_base + K + k, mask=amask, other=0.0))
-                else:
-                    a = tl.load(x_base + k, mask=amask, other=0.0)
+                a = tl.load(x_base + k, mask=mmask[:, None] & kmask[None, :], other=0.0)
                 b = tl.load(w_base + k, mask=nmask[:, None] & kmask[None, :], other=0.0)
                 if IEEE:
                     acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
@@ -187,15 +171,11 @@ def split_for(m: int, n: int, k: int, config: tuple[int, int, int, int, int], de
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None, config: tuple[int, int, int, int, int] | None = None,
-           split: bool | None = None, gated: bool = False) -> torch.Tensor:
+           split: bool | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` with batch-invariant rows.
 
     Args:
-        x: ``[M, K]`` (unit stride along K), on CUDA; with ``gated``, ``[M, 2K]``: SwiGLU's packed
-            ``[gate | up]`` rows, and the product's input is ``silu(gate) * up`` computed as each
-            tile loads it, with the bits of :func:`monobatch.kernels.fused.silu_mul`'s output (one
-            shared formula, ``silu_mul_math``) — so a row's result equals ``linear(silu_mul(x),
-            weight)``'s bit for bit, one launch instead of two (Shazeer 2020, "GLU Variants").
+        x: ``[M, K]`` (unit stride along K), on CUDA.
         weight: ``[N, K]`` (unit stride along K), x's dtype.
         bias: ``[N]`` or None.
         out_dtype: the output dtype (default x's; float32 for logits).
@@ -210,15 +190,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Raises:
         RuntimeError: Triton is not installed.
         ValueError: ``config``'s BLOCK_K does not divide :data:`SLICE_K` or equals it (a one-step
-            slice: Triton folds ``dot(a, b, 0) + total`` into ``dot(a, b, total)``, another order);
-            x's width is not K (2K with ``gated``).
+            slice: Triton folds ``dot(a, b, 0) + total`` into ``dot(a, b, total)``, another order).
     """
     if triton is None:
         raise RuntimeError("Triton is not installed")
-    M, K = x.shape[0], weight.shape[1]
+    M, K = x.shape
     N = weight.shape[0]
-    if x.shape[1] != (2 if gated else 1) * K:
-        raise ValueError(f"x has {x.shape[1]} columns; the weight takes {K}" + (" (gated: 2 x that)" if gated else ""))
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
@@ -240,5 +217,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _gemm_kernel[(tiles, slices if split else 1)](
         x, weight, bias if bias is not None else weight, y, ws, cnt, M, N, K, x.stride(0), weight.stride(0),
         y.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, SLICE=SLICE_K, SPLIT=split, GROUP_M=8,
-        IEEE=x.dtype == torch.float32, GATED=gated, num_warps=warps, num_stages=stages)
+        IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
     return y

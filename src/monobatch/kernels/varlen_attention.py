@@ -70,7 +70,7 @@ from typing import Sequence
 
 import torch
 
-from monobatch.kernels import paged_decode, pdl
+from monobatch.kernels import pdl
 from monobatch.kernels.common import counters, require_triton, sm_count, tl, triton
 
 #: Keys one loop iteration loads (a multiple of 16 for tl.dot); key blocks start at multiples of it.
@@ -79,10 +79,7 @@ BLOCK_N = 64
 FAST_ROWS = 128
 #: The one tile shape of deterministic mode, for decode and prefill rows alike (see the module
 #: docstring): a row's bits depend on the tile shape, so it never changes with the batch.
-#: ``MONOBATCH_DET_ROWS`` (a power of two, 16 to 256) overrides it for A/B runs; a process's bits follow it.
-DETERMINISTIC_ROWS = {str(r): r for r in (16, 32, 64, 128, 256)}.get(os.environ.get("MONOBATCH_DET_ROWS", "64"), 0)
-if not DETERMINISTIC_ROWS:
-    raise SystemExit(f"MONOBATCH_DET_ROWS={os.environ['MONOBATCH_DET_ROWS']!r}: expected a power of two from 16 to 256")
+DETERMINISTIC_ROWS = 64
 #: Software-pipeline depth of the key loop.
 KV_STAGES = 2
 
@@ -348,26 +345,13 @@ if triton is not None:
     # stride_tb, window and rows_q vary with the step (the widest table, the layer, the rows): not
     # specialized, so a row runs one binary whatever its batch (only address arithmetic would
     # differ, but one is simpler)
-    @triton.jit
-    def _store_new(K, V, K_NEW, V_NEW, SLOTS, q_start, t_lo, t_hi, kvh, stride_ks, stride_kh, stride_knt,
-                   stride_knh, stride_vnt, stride_vnh, offs_d):
-        """Write tokens ``t_lo .. t_hi - 1`` of a chunk (KV head ``kvh``) from the step's new
-        ``K_NEW``/``V_NEW`` rows into their pool slots ``SLOTS[row]`` (what ``store_kv`` would)."""
-        for t in range(t_lo, t_hi):
-            row = (q_start + t).to(tl.int64)
-            dst = tl.load(SLOTS + row).to(tl.int64) * stride_ks + kvh * stride_kh + offs_d
-            tl.store(K + dst, tl.load(K_NEW + row * stride_knt + kvh * stride_knh + offs_d))
-            tl.store(V + dst, tl.load(V_NEW + row * stride_vnt + kvh * stride_vnh + offs_d))
-
     @triton.jit(do_not_specialize=["stride_tb", "window", "rows_q"])
     def _varlen_kernel(Q, K, V, OUT, TABLES, Q_START, Q_LEN, POS, TILE_CHUNK, TILE_OFF, WS_ML, WS_ACC, CNT,
-                       K_NEW, V_NEW, SLOTS, stride_knt, stride_knh, stride_vnt, stride_vnh,
                        stride_qt, stride_qh, stride_ks, stride_kh, stride_tb, stride_ot, stride_oh, rows_q,
                        scale_log2, window, NKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                        HD: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
                        STAGES: tl.constexpr, SPLIT: tl.constexpr, SPLIT_MIN: tl.constexpr,
-                       SPLIT_SHIFT: tl.constexpr, MAX_SPLITS: tl.constexpr, STORE: tl.constexpr,
-                       PDL: tl.constexpr):
+                       SPLIT_SHIFT: tl.constexpr, MAX_SPLITS: tl.constexpr, PDL: tl.constexpr):
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)  # this program's place among its tile's split programs (SPLIT)
@@ -407,12 +391,6 @@ if triton is not None:
             # the split grid where it pays: a uniform tile of several splits whose partials (its
             # rows) are less data than a split's keys (every decode row; a prompt tile at long range)
             grid = (nsp > 1) & (s_first == s_last) & (nsplit > 1) & ((t_hi - off) * G_PAD < s_first)
-            if STORE:  # a decode step's new rows: stored by the one program that reads them (the
-                # one holding the tile's last split), visible to its threads after the barrier
-                if tl.where(grid, sp == (nsplit - 1) % nsp, sp == 0):
-                    _store_new(K, V, K_NEW, V_NEW, SLOTS, q_start, off, t_hi, kvh, stride_ks, stride_kh, stride_knt,
-                               stride_knh, stride_vnt, stride_vnh, offs_d)
-                tl.debug_barrier()
             if grid & (sp < nsplit):
                 # program sp computes splits j_lo + sp, j_lo + sp + nsp, ... each from (-inf, 0, 0)
                 # and stores their partials; the tile's last program to finish merges them
@@ -483,12 +461,11 @@ def _scratch(device: torch.device) -> torch.Tensor:
 
 def varlen_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: VarlenMeta,
                            block_size: int, scale: float | None = None, window: int = 0,
-                           out: torch.Tensor | None = None, splits: int | None = None,
-                           new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
     """Causal attention of every query row of a step against its sequence's paged keys.
 
     The step's own keys and values must already be in the pool (:func:`monobatch.kernels.
-    paged_decode.store_kv`), or be given as ``new_kv`` on a deterministic decode step.
+    paged_decode.store_kv`).
 
     Args:
         q: ``[T, n_q, hd]`` queries (RoPE applied), unit stride along hd.
@@ -503,12 +480,6 @@ def varlen_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             a new uninitialised tensor.
         splits: with ``meta.fixed_split``, programs per (tile, KV head) (default
             :func:`grid_splits`; 1: every tile in one program). Changes the schedule, not the bits.
-        new_kv: ``(k, v, slot_mapping)`` — the step's new rows ``[T, n_kv, hd]`` and their slots
-            ``[T]`` — to store inside this launch instead of a :func:`store_kv` launch before it
-            (one launch less a layer). Only for a ``meta.fixed_split`` step whose every chunk is
-            one token (a decode step: each new key is read by one program only, the one holding
-            its row's last split, which stores it first); else, or with
-            ``paged_decode.FOLD_STORE`` off, stored by ``store_kv`` first. Same bits either way.
 
     Returns:
         ``[T, n_q, hd]`` in q's dtype (``out`` if given; rows of no chunk are left as they were).
@@ -520,12 +491,6 @@ def varlen_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     require_triton(hd)
     n_kv = k_cache.shape[1]
     g = n_q // n_kv
-    if new_kv is not None:
-        kn, vn, slots = new_kv
-        if not (paged_decode.FOLD_STORE and meta.fixed_split and kn.stride(-1) == 1 and vn.stride(-1) == 1
-                and T == meta.q_len.shape[0] == meta.num_tiles):  # one token a chunk, a tile a chunk
-            paged_decode.store_kv(kn, vn, k_cache, v_cache, slots)
-            new_kv = None
     out = torch.empty_like(q) if out is None else out
     nt = meta.num_tiles
     if nt == 0:
@@ -544,14 +509,11 @@ def varlen_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:  # the default mode's variant reads none of them
         ws_ml = ws_acc = out
         cnt = meta.tile_chunk
-    kn, vn, slots = new_kv if new_kv is not None else (q, q, meta.q_len)  # unread without STORE
     _varlen_kernel[(nt, n_kv, nsp)](
         q, k_cache, v_cache, out, meta.block_tables, meta.q_start, meta.q_len, meta.pos, meta.tile_chunk,
-        meta.tile_off, ws_ml, ws_acc, cnt, kn, vn, slots, kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        meta.tile_off, ws_ml, ws_acc, cnt, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         meta.block_tables.stride(0), out.stride(0), out.stride(1), T * n_q, scale * math.log2(math.e), int(window),
         NKV=n_kv, G=g, G_PAD=triton.next_power_of_2(g), HD=hd, BS=block_size, BT=meta.tokens_per_tile, BN=BLOCK_N,
         IEEE=q.dtype == torch.float32, STAGES=KV_STAGES, SPLIT=meta.fixed_split, SPLIT_MIN=SPLIT_MIN,
-        SPLIT_SHIFT=SPLIT_PARTS.bit_length() - 1, MAX_SPLITS=MAX_SPLITS, STORE=new_kv is not None,
-        **pdl.launch(q.device))
+        SPLIT_SHIFT=SPLIT_PARTS.bit_length() - 1, MAX_SPLITS=MAX_SPLITS, **pdl.launch(q.device))
     return out

@@ -409,9 +409,9 @@ class PagedKv(KvStore):
             step, window = self._step, self.windows[layer]
             slot_mapping, block_tables = step.group(g)
             if self.batch_invariant and self.varlen:  # the kernel and tile prefill rows run
+                store_kv(k, v, k_cache, v_cache, slot_mapping)
                 return varlen_paged_attention(q, k_cache, v_cache, self._decode_meta(step, g, q.shape[1]),
-                                              self.block_size, window=window,
-                                              new_kv=(k, v, slot_mapping))  # (stores k and v first)
+                                              self.block_size, window=window)
             return paged_decode_attention(q, k_cache, v_cache, block_tables, step.seq_lens, self.block_size,
                                           k, v, slot_mapping, window)  # (stores k and v first)
         assert isinstance(self._step, list) and self._step[g].batch is batch, "prepare(batch) first"
