@@ -78,13 +78,15 @@ class Server:
         return self.proc.returncode
 
 
-def start_server(*args: str, env: dict | None = None, wait_ready: bool = True, ignore_sigint: bool = False) -> Server:
+def start_server(*args: str, env: dict | None = None, wait_ready: bool = True, ignore_sigint: bool = False,
+                 stdout=subprocess.DEVNULL) -> Server:
     """Start ``python -m monobatch serve --port 0 ARGS`` and wait for its port (and /health 200).
-    ``ignore_sigint``: the server inherits SIGINT ignored, as a shell's background job does."""
+    ``ignore_sigint``: the server inherits SIGINT ignored, as a shell's background job does;
+    ``stdout``: where its stdout goes (a file to read it back)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "monobatch", "serve", "--port", "0", "--no-progress",
                              "--log-level", "warning", *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                            stdout=stdout, stderr=subprocess.PIPE, text=True, env=env,
                             preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None)
     log: list[str] = []
     url: list[str] = []

@@ -204,6 +204,19 @@ def test_unreachable_server_is_one_line():
                           "cannot connect", "Connection refused")
 
 
+@pytest.mark.parametrize("remote", [False, True])
+def test_constraint_errors_name_the_flag(server, tmp_path, remote):
+    """A bad --grammar-file or --json-schema is refused by the server's request check (run sends
+    them as request fields): the line names the flag, as generate's does, not the field."""
+    bad = tmp_path / "bad.gbnf"
+    bad.write_text("root ::= foo\n")
+    where = ["--server-base", server.base_url] if remote else ["-t", "1", "-c", "256"]
+    res = monobatch("run", *where, "--grammar-file", str(bad), "-n", "2", "hi")
+    assert_one_line_error(res, "--grammar-file: ", "does not parse")
+    res = monobatch("run", *where, "--json-schema", '{"type": "frobnicate"}', "-n", "2", "hi")
+    assert_one_line_error(res, "--json-schema: ")
+
+
 def test_server_error_is_one_line(server):
     """A request the server refuses (400): its message, named by the CLI flag, on one line."""
     res = monobatch("run", "--server-base", server.base_url, "--logit-bias", "999999=1", "hi")

@@ -283,6 +283,9 @@ def test_e2_prompt_over_the_context(server, stream_):
     max_tokens over the context stops with "length" at the context end; no KV block is left."""
     ids = [28] * 600  # over -c 512
     assert_error(server.post("/v1/completions", {"prompt": ids, "stream": stream_}), 400, "prompt", "512")
+    long_chat = {"messages": [{"role": "user", "content": "hi " * 600}], "stream": stream_}
+    err = assert_error(server.post("/v1/chat/completions", long_chat), 400, "messages", "512")  # OpenAI's param
+    assert err["code"] == "context_length_exceeded"
     near = [28] * 508
     out = completion(server, prompt=near, max_tokens=50, ignore_eos=True)
     assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 4

@@ -117,3 +117,21 @@ def test_ctrl_c_shuts_down_then_exits_130_and_a_second_one_forces_it(sigints, ig
 ])
 def test_bad_flags_fail_before_listening(args, needle):
     assert_one_line_error(monobatch("serve", "--port", "0", *args), needle)
+
+
+def test_stdout_carries_nothing_the_access_lines_go_to_stderr(tmp_path):
+    """docs/cli.md: stdout carries results only; every diagnostic — the request log and uvicorn's
+    access line beside it — is on stderr (uvicorn prints its access lines on stdout by default)."""
+    out = (tmp_path / "stdout.txt").open("w")
+    server = start_server("-t", "1", "-c", "256", "--log-level", "info", stdout=out)
+    try:
+        r = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1})
+        assert r.status_code == 200
+        deadline = time.monotonic() + 10
+        while not any('"POST /v1/completions HTTP/1.1" 200' in line for line in server.log):
+            assert time.monotonic() < deadline, "no access line on stderr:\n" + "".join(server.log)
+            time.sleep(0.05)
+    finally:
+        server.stop(signal.SIGINT)
+        out.close()
+    assert (tmp_path / "stdout.txt").read_text() == ""

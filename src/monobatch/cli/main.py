@@ -31,7 +31,10 @@ def build_parser() -> OneLineParser:
 
 
 #: Field names whose CLI flag is not ``--`` + the name with dashes.
-_FLAG_NAMES = {"dry_sequence_breakers": "--dry-sequence-breaker", "max_tokens": "-n/--max-tokens"}
+_FLAG_NAMES = {"dry_sequence_breakers": "--dry-sequence-breaker", "max_tokens": "-n/--max-tokens",
+               # run/chat send their constraint flags as request fields (the server names those)
+               "grammar": "--grammar-file", "response_format.json_schema.schema": "--json-schema",
+               "response_format": "--json-schema"}
 
 
 def as_flag(error: MonobatchError, argv: list[str]) -> str:

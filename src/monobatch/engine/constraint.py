@@ -283,6 +283,7 @@ class GrammarMatcher:
             raise RuntimeError("advance_if_allowed: the token advanced past before is not accepted yet")
         t = int(token_id)
         if self._m.try_consume_tokens([t]) != 1:
+            self._stopped = None  # a refusal may be a resource limit: is_stopped (and failed) ask again
             return False
         self._ahead, self._forced, self._stopped = t, None, None
         return True

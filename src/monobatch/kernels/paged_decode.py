@@ -73,7 +73,7 @@ BLOCK_N = 64
 KV_STAGES = _positive_setting("MONOBATCH_DECODE_STAGES", "2")
 #: Store a step's new K/V rows inside the attention launch (:func:`paged_decode_attention`);
 #: False: a separate :func:`store_kv` launch first (A/B runs).
-FOLD_STORE = os.environ.get("MONOBATCH_FOLD_STORE", "1") != "0"
+FOLD_STORE = True
 
 
 def num_splits(batch: int, n_kv: int, max_keys: int, device: torch.device) -> int:

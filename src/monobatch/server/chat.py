@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from monobatch.chat_output import ChatDelta, ChatReply, split_reply
 from monobatch.chat_prompt import ChatPrompt, prepare_chat
 from monobatch.engine.params import resolve_sampling
+from monobatch.errors import InvalidRequestError
 from monobatch.server.client import ResponseReader
 from monobatch.server.generation import (Choice, EventStream, RequestLog, build_requests, chat_logprobs,
                                          check_prompt_chars, compile_constraint, created, new_id, off_loop, respond,
@@ -231,7 +232,12 @@ async def create_chat_completion(body: ChatCompletionRequest, http: HttpRequest,
     chat_id = new_id("chatcmpl")
     requests = build_requests(chat_id, [chat.prompt_ids], params, body.n, arrival_time=arrival,
                               bypass_prefix_cache=not body.cache_prompt)
-    reader = await client.submit(requests)
+    try:
+        reader = await client.submit(requests)
+    except InvalidRequestError as exc:  # the engine names its input "prompt"; a chat request's is "messages"
+        if exc.param == "prompt":
+            exc.param = "messages"
+        raise
     job = _Chat(chat_id, model, created(), body, tok, chat, body.reasoning_format or state.settings.reasoning_format,
                 RequestLog(chat_id, http.url.path, arrival, body.stream, body.n))
     if body.stream:

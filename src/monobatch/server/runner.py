@@ -81,8 +81,21 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _log_config() -> dict:
+    """uvicorn's logging config with its access lines on stderr beside every other diagnostic
+    (uvicorn's default prints them on stdout; monobatch's stdout carries results only, docs/cli.md)."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    return config
+
+
 def _config(app: FastAPI, log_level: str, shutdown_timeout: float, **kw) -> uvicorn.Config:
-    return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout, lifespan="on", **kw)
+    return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout, lifespan="on",
+                          log_config=_log_config(), **kw)
 
 
 class _Server(uvicorn.Server):
