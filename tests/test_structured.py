@@ -373,7 +373,8 @@ def _spy_async(sched):
     """Count the async paths a run takes: deferred draws, unchecked draws, the refused unchecked
     draws that were redrawn (``corrected``), the steps that recomputed such a row (``void``) and
     the rows redrawn at forced grammar positions before the next step read them (``forced``)."""
-    engine, seen = sched.engine, {"deferred": 0, "unchecked": 0, "corrected": 0, "void": 0, "forced": 0}
+    engine, seen = sched.engine, {"deferred": 0, "unchecked": 0, "corrected": 0, "void": 0, "forced": 0,
+                                  "forced_then_corrected": 0, "host_not_device": 0}
     real_launch, real_deferred, real_resolve = engine.launch, engine.draw_deferred, engine.resolve
     real_forced = engine.draw_forced
 
@@ -391,6 +392,13 @@ def _spy_async(sched):
     def resolve(pending):
         out = real_resolve(pending)
         seen["corrected"] += len(pending.corrected)
+        # a forced redraw is accepted by construction, and the host read the final draws (the
+        # copy queued after the redraws: on CUDA a copy queued before them would read raw argmaxes)
+        seen["forced_then_corrected"] += len(set(pending.corrected) & set(pending.forced or ()))
+        if pending.host is not None and pending.tokens is not None:
+            host, device = pending.host.tolist(), pending.tokens.cpu().tolist()
+            seen["host_not_device"] += sum(a != b for r, (a, b) in enumerate(zip(host, device))
+                                           if r not in pending.corrected)
         return out
 
     engine.launch, engine.resolve = launch, resolve
@@ -438,6 +446,7 @@ def test_async_scheduling_with_greedy_constrained_rows_equals_sync(make_schedule
     seen = _spy_async(sched)
     overlapped = _run(sched, requests())
     assert seen["unchecked"] and not seen["deferred"], seen
+    assert not seen["forced_then_corrected"] and not seen["host_not_device"], seen
     if forced:
         assert seen["forced"] > 0, seen
     else:
@@ -1027,3 +1036,19 @@ def test_is_stopped_is_asked_again_after_a_mask_or_a_lookup(loaded):
         for m in matchers:
             assert m.raw.is_error()  # the limit hit inside the mask
             assert m.is_stopped and m.failed
+
+
+@pytest.mark.parametrize("pattern,cause", [("[0-9", "unclosed character class"), ("ab\\", "backslash at the end"),
+                                           ("a{1000000}", "too large")])
+def test_the_grammar_compiler_itself_refuses_a_bad_regex_in_one_line(loaded, pattern, cause):
+    """Every path to a matcher (the doors, the scheduler's callers, bench, parity) goes through
+    GrammarCompiler.compile, which checks a regex's syntax first: llguidance alone would take
+    'ab\\' as 'ab'. Refused before it is cached."""
+    from monobatch.engine.constraint import GrammarCompiler, StructuredOutput
+    from monobatch.errors import InvalidRequestError
+
+    grammars = GrammarCompiler(loaded.tokenizer, loaded.tokenizer.vocab_size)
+    spec = StructuredOutput.regex(pattern, "regex")
+    for call in (grammars.compile, grammars.matcher):
+        with pytest.raises(InvalidRequestError, match=f"^regex: the regular expression .* does not compile: .*{cause}"):
+            call(spec)

@@ -26,7 +26,6 @@ from monobatch.chat_output import split_reply
 from monobatch.engine.engine import Engine, EngineConfig
 from monobatch.engine.finish import RequestMetrics
 from monobatch.engine.params import SamplingParams, resolve_sampling
-from monobatch.engine.regex_check import compile_constraint
 from monobatch.engine.scheduler import BatchScheduler
 from monobatch.engine.sequence import Request
 from monobatch.errors import InvalidRequestError
@@ -264,7 +263,7 @@ class LLM:
         params = self._params_for(sampling_params, len(encoded))
         for sp in params:  # a bad constraint is refused before anything runs
             if sp.structured is not None:
-                compile_constraint(self.scheduler.engine.grammars, sp.structured)
+                self.scheduler.engine.grammars.compile(sp.structured)
         results: dict[str, RequestOutput] = {}
         asked: dict[str, SamplingParams] = {}
         added: list[str] = []

@@ -16,7 +16,6 @@ from monobatch.cli.args import (add_constraint_args, add_model_args, add_samplin
                                 engine_settings, open_engine, read_prompt, sampling_flags)
 from monobatch.chat_prompt import prepare_chat
 from monobatch.engine.params import resolve_sampling
-from monobatch.engine.regex_check import compile_constraint
 from monobatch.errors import InvalidRequestError
 
 
@@ -66,7 +65,7 @@ def run(ns: argparse.Namespace) -> int:
     loaded = scheduler.engine.loaded
     params = resolve_sampling(None, flags, loaded.generation_defaults, entry_point="generate")
     if structured is not None:
-        compile_constraint(scheduler.engine.grammars, structured)  # a bad schema/grammar/regex: one line, exit 1
+        scheduler.engine.grammars.compile(structured)  # a bad schema/grammar/regex: one line, exit 1
     tok = loaded.tokenizer
     splitter = None
     if ns.chat:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from monobatch.engine import regex_check
 from monobatch.errors import InvalidRequestError
 
 if TYPE_CHECKING:  # torch is imported where a mask is applied: the CLI's parser imports this module
@@ -427,7 +428,8 @@ class GrammarCompiler:
 
         Raises:
             InvalidRequestError: the spec does not compile (the message is llguidance's, naming
-                the unsupported keyword or the syntax error), or takes longer than ``timeout``
+                the unsupported keyword or the syntax error; a regex's is checked first and worded
+                by :mod:`monobatch.engine.regex_check`), or takes longer than ``timeout``
                 (the model's llguidance tokenizer, built at the first compile, is not counted).
         """
         key = (spec.kind, spec.value)
@@ -435,6 +437,8 @@ class GrammarCompiler:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return
+        if spec.kind == "regex":  # its syntax first: one clear line (engine/regex_check.py)
+            regex_check.check_regex(spec.value, spec.param)
         # The llguidance tokenizer is the model's, built once (seconds for Gemma's 262K vocabulary,
         # ~0.4 s for SmolLM2's): it is not the spec's compile time, so the timeout starts after it.
         try:
@@ -449,10 +453,10 @@ class GrammarCompiler:
         except concurrent.futures.TimeoutError:
             raise InvalidRequestError(f"{spec.param}: the constraint took longer than {timeout:g} s to compile "
                                       "(simplify it)", spec.param) from None
-        except InvalidRequestError:
-            raise
+        except InvalidRequestError as err:  # found by _build's probe (e.g. a lexer limit at the first mask)
+            raise _refused(spec, str(err).removeprefix(f"{spec.param}: ")) from None
         except Exception as exc:  # llguidance's ValueError on a malformed schema or regex
-            raise InvalidRequestError(f"{spec.param}: {_first_line(str(exc))}", spec.param) from None
+            raise _refused(spec, _first_line(str(exc))) from None
         with self._lock:
             self._cache[key] = matcher
             while len(self._cache) > CACHE_SIZE:
@@ -481,6 +485,16 @@ class GrammarCompiler:
             if self._index is None:
                 self._index = TokenIndex(self._tokenizer.token_bytes, self.vocab_size)
             return self._index
+
+
+def _refused(spec: StructuredOutput, cause: str) -> InvalidRequestError:
+    """The error of a spec llguidance refused: ``'<param>: <cause>'``; a regex's in
+    :func:`regex_check.does_not_compile`'s words (one that parses but is too large for the lexer,
+    e.g. ``a{1000000}``, says so)."""
+    if spec.kind != "regex":
+        return InvalidRequestError(f"{spec.param}: {cause}", spec.param)
+    return regex_check.does_not_compile(spec.value, spec.param,
+                                        cause + (" (the pattern is too large)" if "too many" in cause else ""))
 
 
 def _first_line(message: str) -> str:

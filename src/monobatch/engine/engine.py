@@ -22,7 +22,7 @@ from monobatch.engine import cuda_graphs
 from monobatch.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 from monobatch.engine.finish import FinishStep, RowOutput
 from monobatch.engine.params import SamplingParams
-from monobatch.engine.sampler import RowSampler, SampleOutput, SamplerState, token_logprobs
+from monobatch.engine.sampler import RowSampler, SampleOutput, SamplerState, ids_on, token_logprobs
 from monobatch.engine.sequence import Sequence
 from monobatch.errors import InsufficientMemoryError, InvalidRequestError
 from monobatch.kernels import invariant_gemm
@@ -438,7 +438,10 @@ class Engine:
                token_ids: torch.Tensor | None = None, defer_draw: bool = False,
                unchecked: bool = False, replace: dict[int, int] | None = None) -> PendingStep:
         """Forward ``batch`` and draw one token per row on the device, without waiting for it:
-        the draws are copied to the host behind an event (read by :meth:`resolve`).
+        the draws are copied to the host behind an event (read by :meth:`resolve`). An
+        ``unchecked`` step with grammar rows queues that copy later, after its forced redraws
+        (:meth:`draw_forced`; :meth:`resolve` where that was not called): call ``draw_forced``
+        before launching the next step, or the copy waits behind that step's forward.
 
         Args:
             batch: a step whose logit rows belong to ``rows`` (no prompt logprobs).
@@ -464,9 +467,7 @@ class Engine:
         """
         if replace:  # one page-locked copy, no wait for the step in flight
             with self._on_device():
-                buf = torch.tensor([*replace, *replace.values()], dtype=torch.int64)
-                if token_ids.is_cuda:
-                    buf = buf.pin_memory().to(token_ids.device, non_blocking=True)
+                buf = ids_on([*replace, *replace.values()], token_ids.device)
                 k = len(replace)
                 token_ids = token_ids.index_copy(0, buf[:k], buf[k:].to(token_ids.dtype))
         logits = self.forward(batch, token_ids)
@@ -528,7 +529,8 @@ class Engine:
     def _draw_async(self, batch: StepBatch, rows: list[Sequence], logits: torch.Tensor, ahead: int,
                     unchecked: bool = False) -> PendingStep:
         """Draw on the device and queue the copy of the draws to the host behind an event
-        (``unchecked``: as :meth:`launch`; the grammar rows' raw logits are kept for the check).
+        (``unchecked``: as :meth:`launch`; the grammar rows' raw logits are kept for the check and
+        the copy is left to :meth:`draw_forced`).
         Runs in :meth:`_on_device` (the event, the pinned copies and the argmax kernel's launch use
         the current CUDA device, which must be the model's: an engine on ``cuda:1``)."""
         with self._on_device():
@@ -539,9 +541,7 @@ class Engine:
                 gram = [r for r, seq in enumerate(rows) if seq.sampler.grammar is not None]
                 if gram:  # grammar rows have no engine-side mask: their raw logits are the model's
                     if len(gram) < len(rows):  # page-locked, no wait for the step in flight (a new tensor)
-                        idx = torch.tensor(gram, dtype=torch.int64)
-                        idx = idx.pin_memory().to(logits.device, non_blocking=True) if logits.is_cuda else idx
-                        x = logits.index_select(0, idx).to(torch.float32)
+                        x = logits.index_select(0, ids_on(gram, logits.device)).to(torch.float32)
                     else:  # a CUDA graph's logits are its static buffer, overwritten by the next replay
                         x = logits.to(torch.float32, copy=self._graph_for(batch) is not None)
                     check = (gram, x)

@@ -1,6 +1,6 @@
-"""A regex constraint checked before it is compiled, so a pattern that does not parse is refused
-with one clear line at every door (``--regex``, ``structured_outputs.regex`` / ``guided_regex``,
-``StructuredOutput.regex`` in the Python API)::
+"""A regex constraint checked before it is compiled (by :meth:`GrammarCompiler.compile`), so a
+pattern that does not parse is refused with one clear line at every door (``--regex``,
+``structured_outputs.regex`` / ``guided_regex``, ``StructuredOutput.regex`` in the Python API)::
 
     structured_outputs.regex: the regular expression "[a-" does not compile: unclosed character class
 
@@ -13,12 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING
-
 from monobatch.errors import InvalidRequestError
-
-if TYPE_CHECKING:
-    from monobatch.engine.constraint import GrammarCompiler, StructuredOutput
 
 #: Characters of the pattern quoted in the message (a longer one is cut, with "...").
 SHOWN_CHARS = 80
@@ -59,33 +54,11 @@ def check_regex(pattern: str, param: str) -> None:
     """
     cause = regex_syntax_error(pattern)
     if cause is not None:
-        raise _does_not_compile(pattern, param, cause)
+        raise does_not_compile(pattern, param, cause)
 
 
-def _does_not_compile(pattern: str, param: str, cause: str) -> InvalidRequestError:
+def does_not_compile(pattern: str, param: str, cause: str) -> InvalidRequestError:
+    """The error of a regex that does not compile: ``'<param>: the regular expression "<pattern>"
+    does not compile: <cause>'`` (the pattern JSON-quoted, cut at :data:`SHOWN_CHARS`)."""
     shown = json.dumps(pattern[:SHOWN_CHARS], ensure_ascii=True) + ("..." if len(pattern) > SHOWN_CHARS else "")
     return InvalidRequestError(f"{param}: the regular expression {shown} does not compile: {cause}", param)
-
-
-def compile_constraint(grammars: "GrammarCompiler", spec: "StructuredOutput") -> None:
-    """``grammars.compile(spec)``, a regex's syntax checked first (:func:`check_regex`); a regex
-    that parses but that llguidance's lexer refuses (``a{1000}{1000}``: too large) is reported the
-    same way, with llguidance's cause.
-
-    Raises:
-        InvalidRequestError: as :func:`check_regex` and :meth:`GrammarCompiler.compile`.
-    """
-    if spec.kind != "regex":
-        grammars.compile(spec)
-        return
-    check_regex(spec.value, spec.param)
-    try:
-        grammars.compile(spec)
-    except InvalidRequestError as err:
-        prefix = f"{spec.param}: "
-        cause = str(err).removeprefix(prefix)
-        if not str(err).startswith(prefix) or "took longer than" in cause or "cannot load" in cause:
-            raise  # not the pattern's fault: a timeout, or the model's tokenizer
-        if "too many" in cause:
-            cause += " (the pattern is too large)"
-        raise _does_not_compile(spec.value, spec.param, cause) from None

@@ -191,7 +191,7 @@ class SamplerState:
             self.dry.accept(t)
 
 
-def _ids_on(values: Sequence[int] | np.ndarray, device: torch.device) -> torch.Tensor:
+def ids_on(values: Sequence[int] | np.ndarray, device: torch.device) -> torch.Tensor:
     """``values`` as a ``[n]`` int64 tensor on ``device``: one page-locked, non-blocking copy on
     CUDA (nothing waits for the stream; a pageable ``torch.tensor(..., device=)`` would)."""
     t = torch.from_numpy(np.asarray(values, dtype=np.int64))
@@ -497,14 +497,14 @@ class RowSampler:
             refused = [i for i in refused if which[i] not in out]
             if not refused:
                 return out
-        sub = logits if len(refused) == logits.shape[0] else logits.index_select(0, _ids_on(refused, logits.device))
+        sub = logits if len(refused) == logits.shape[0] else logits.index_select(0, ids_on(refused, logits.device))
         fixed = self._best_allowed(sub, [states[which[i]] for i in refused], [picks[which[i]] for i in refused])
         rest = [j for j, t in enumerate(fixed) if t is None]
         if rest:  # no allowed token among the candidates: the full mask
             # torch's argmax, not kernels.argmax: the redraw may run on a side stream beside a step's
             # own argmax, whose split counters are one per device; the result is the same by
             # definition (the first index of the maximum)
-            part = sub if len(rest) == sub.shape[0] else sub.index_select(0, _ids_on(rest, sub.device))
+            part = sub if len(rest) == sub.shape[0] else sub.index_select(0, ids_on(rest, sub.device))
             for j, t in zip(rest, self._masked(part, [states[which[refused[j]]] for j in rest]).argmax(-1).tolist()):
                 fixed[j] = t
         return out | {which[i]: t for i, t in zip(refused, fixed)}
@@ -575,7 +575,7 @@ class RowSampler:
         k = len(picked)
         if single:  # each row's one accepted token: known on the host
             known = [int(ids[0]) for ids in allowed]
-            buf = _ids_on(picked + known, logits.device)
+            buf = ids_on(picked + known, logits.device)
             return picked, buf[:k], buf[k:], known
         at, ids = self._argmax_among(logits, local, allowed, picked)
         return picked, at, ids, None
@@ -598,7 +598,7 @@ class RowSampler:
             table[0, j, :len(ids)] = ids
             table[0, j, len(ids):] = ids[0]
         np.add(table[0], np.array(local, np.int64)[:, None] * logits.shape[1], out=table[1])
-        buf = _ids_on(np.concatenate([np.array(tags, np.int64), table.ravel()]), logits.device)
+        buf = ids_on(np.concatenate([np.array(tags, np.int64), table.ravel()]), logits.device)
         cols = buf[n:n + k * width].view(k, width)
         vals = logits.take(buf[n + k * width:]).view(k, width)  # take indexes the row-major flattening
         return buf[:n], cols.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1)

@@ -22,7 +22,6 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from monobatch.engine import regex_check
 from monobatch.engine.finish import RowOutput
 from monobatch.engine.params import SamplingParams
 from monobatch.engine.sequence import Request
@@ -227,8 +226,8 @@ async def compile_constraint(grammars, params: SamplingParams) -> None:
     Raises:
         InvalidRequestError: the constraint does not compile.
     """
-    if params.structured is not None:  # a regex's syntax first: a clear 400 (engine/regex_check.py)
-        await off_loop(regex_check.compile_constraint, grammars, params.structured)
+    if params.structured is not None:
+        await off_loop(grammars.compile, params.structured)
 
 
 # -- logprobs ------------------------------------------------------------------------------------
