@@ -331,7 +331,7 @@ def test_end_of_input_inside_a_message(typed, capsys):
     session, convo = ScriptedSession(), chat.Conversation([])
     assert chat.repl(session, convo, lines(*typed), stats=False) is True
     assert session.sent == [] and convo.failures == 1
-    assert capsys.readouterr().err == "monobatch chat: the input ended inside a message; it was not sent\n"
+    assert capsys.readouterr().err == "monobatch chat: error: the input ended inside a message; it was not sent\n"
 
 
 def test_piped_chat_ending_inside_a_message_exits_1(server):
@@ -340,7 +340,7 @@ def test_piped_chat_ending_inside_a_message_exits_1(server):
     for stdin in ('"""\nnever closed\n', "continued \\\n"):
         res = monobatch("chat", "--server-base", server.base_url, "--api-key", KEY, stdin=stdin)
         assert res.returncode == 1, res
-        assert_one_line_error(res, "monobatch chat: the input ended inside a message; it was not sent")
+        assert_one_line_error(res, "monobatch chat: error: the input ended inside a message; it was not sent")
 
 
 def test_repl_commands(capsys):

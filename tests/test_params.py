@@ -102,3 +102,14 @@ def test_an_unknown_keyword_is_an_invalid_request_listing_the_fields(name):
     assert "repetition_penalty for repeat_penalty" in message
     with pytest.raises(InvalidRequestError, match=f"^{name}: unknown sampling parameter; SamplingParams takes"):
         resolve_sampling({name: 2})
+
+
+@pytest.mark.parametrize("field,value", [("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("logprobs", 50),
+                                         ("dry_base", 0.5), ("min_tokens", -1)])
+def test_a_range_error_says_what_was_given(field, value):
+    """Every range message ends with the value given (as top_p's and temperature's do)."""
+    from monobatch.engine.params import SamplingParams
+    from monobatch.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match=rf"^{field}: must .*got {value}$"):
+        SamplingParams(**{field: value})

