@@ -238,3 +238,23 @@ def test_deterministic_row_result_does_not_depend_on_its_place_in_a_tile(loaded)
         for j in range(k):
             engine.kv.free(100 * (k + 1) + j)
         engine.kv.free(100 * (k + 1) + 99)
+
+
+def test_step_batch_build_lays_out_decode_rows_and_chunks():
+    """StepBatch.build's flat layout for a mix of decode rows (one token: the fast path) and
+    chunks (last-token logits, every-token logits, no logits), ids given as lists or tuples."""
+    from monobatch.batch import StepBatch
+
+    b = StepBatch.build([(7, [5], 10, True), (3, (1, 2, 3), 0, True), (4, [9], 2, False),
+                         (5, [6, 7], 4, True, True), (6, (8,), 0, True, True)])
+    assert b.token_ids.tolist() == [5, 1, 2, 3, 9, 6, 7, 8]
+    assert b.positions.tolist() == [10, 0, 1, 2, 2, 4, 5, 0]
+    assert b.seq_ids.tolist() == [7, 3, 3, 3, 4, 5, 5, 6]
+    assert b.logit_rows.tolist() == [0, 3, 5, 6, 7]
+    assert [(c.seq_id, c.start, c.pos, c.length, c.token_ids, c.all_logits) for c in b.chunks] == [
+        (7, 0, 10, 1, (5,), False), (3, 1, 0, 3, (1, 2, 3), False), (4, 4, 2, 1, (9,), False),
+        (5, 5, 4, 2, (6, 7), True), (6, 7, 0, 1, (8,), True)]
+    assert b.position_bound == 11
+    for bad in ([(1, [], 0, True)], [(1, [2], -1, True)], [(1, [2], 0, True), (1, [3], 1, True)]):
+        with pytest.raises(ValueError):
+            StepBatch.build(bad)

@@ -105,9 +105,11 @@ class StepBatch:
         rows: list[int] = []
         built: list[Chunk] = []
         seen: set[int] = set()
-        for seq_id, ids, pos, wants, *rest in chunks:
-            every = bool(rest and rest[0])
-            if not ids:
+        for chunk in chunks:
+            seq_id, ids, pos, wants = chunk[:4]
+            every = len(chunk) > 4 and bool(chunk[4])
+            n = len(ids)
+            if not n:
                 raise ValueError(f"empty chunk for sequence {seq_id}")
             if pos < 0:
                 raise ValueError(f"negative position for sequence {seq_id}")
@@ -115,14 +117,21 @@ class StepBatch:
                 raise ValueError(f"sequence {seq_id} appears twice in one StepBatch")
             seen.add(seq_id)
             start = len(tokens)
-            tokens.extend(ids)
-            positions.extend(range(pos, pos + len(ids)))
-            seq_ids.extend([seq_id] * len(ids))
-            if every:
-                rows.extend(range(start, len(tokens)))
-            elif wants:
-                rows.append(len(tokens) - 1)
-            built.append(Chunk(seq_id, start, pos, len(ids), wants, tuple(ids), every))
+            if n == 1:  # a decode row (most of a large batch's chunks): no ranges or list copies
+                tokens.append(ids[0])
+                positions.append(pos)
+                seq_ids.append(seq_id)
+                if wants or every:
+                    rows.append(start)
+            else:
+                tokens.extend(ids)
+                positions.extend(range(pos, pos + n))
+                seq_ids.extend([seq_id] * n)
+                if every:
+                    rows.extend(range(start, start + n))
+                elif wants:
+                    rows.append(start + n - 1)
+            built.append(Chunk(seq_id, start, pos, n, wants, ids if type(ids) is tuple else tuple(ids), every))
         return cls(
             token_ids=torch.tensor(tokens, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
