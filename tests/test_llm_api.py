@@ -126,8 +126,9 @@ def test_bad_input_is_refused_and_changes_nothing(llm):
         llm.generate(["a", "b"], [GREEDY])
     with pytest.raises(InvalidRequestError):
         llm.generate([], GREEDY)
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(InvalidRequestError) as raised:
         llm.chat([{"role": "nobody", "content": "x"}], GREEDY)
+    assert raised.value.param == "messages[0].role"  # the element, as the server's 400 names it
     s = llm.scheduler
     assert not s.has_unfinished() and s.kv.usage().used_blocks == 0
     assert llm.generate("fine", GREEDY)[0].outputs[0].token_ids  # still works

@@ -253,7 +253,7 @@ def test_prepare_rejects_malformed_history():
     bad = [{"role": "assistant", "content": None, "tool_calls": [{"id": "x", "function": {"arguments": "{}"}}]}]
     with pytest.raises(InvalidRequestError) as err:
         prepare_messages(bad, spec(), H)
-    assert err.value.param == "messages"
+    assert err.value.param == "messages[0].tool_calls[0]"
 
 
 # -- tool messages answer calls (chat_prompt.check_tool_results: OpenAI's rules) ------------------

@@ -77,14 +77,25 @@ def from_monobatch(exc: MonobatchError) -> APIError:
     return APIError(400, str(exc), getattr(exc, "param", None), code)
 
 
+def _path(loc: list) -> str:
+    """pydantic's ``loc`` as the request's path: fields joined by dots, list indices in brackets
+    (``messages[0]``, as OpenAI names an element and as the chat checks do)."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
+    return out
+
+
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    """pydantic's errors as one line and the field at fault.
+    """pydantic's errors as one line and the field at fault: the top-level field, or the list
+    element at fault (``messages[0]``) when the error is inside one.
 
     A union field fails once per member (``prompt``: not a string, not a list, ...): those are
     joined under the field's name.
     """
     first = errors[0]
-    kind, loc = first.get("type"), [str(p) for p in first.get("loc", ()) if p != "body"]
+    raw = [p for p in first.get("loc", ()) if p != "body"]
+    kind, loc = first.get("type"), [str(p) for p in raw]
     if kind == "json_invalid":
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
     if kind == "missing" and not loc:
@@ -95,12 +106,13 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     if "field" in ctx:  # our own PydanticCustomErrors carry the field and a finished message
         return first["msg"], ctx["field"]
     if kind == "extra_forbidden":
-        return f"{'.'.join(loc)}: unknown field (not supported by monobatch)", loc[0] if loc else None
+        return f"{_path(raw)}: unknown field (not supported by monobatch)", loc[0] if loc else None
     param = loc[0] if loc else None
     same = [e for e in errors if [str(p) for p in e.get("loc", ()) if p != "body"][:1] == loc[:1]]
     if len(same) > 1 and len({e["type"] for e in same}) > 1:  # a union: every member failed
         return f"{param}: invalid value ({'; '.join(dict.fromkeys(e['msg'] for e in same))})", param
-    return f"{'.'.join(loc)}: {first['msg']}", param
+    index = next((k for k, p in enumerate(raw) if isinstance(p, int)), None)
+    return f"{_path(raw)}: {first['msg']}", param if index is None else _path(raw[:index + 1])
 
 
 def install_handlers(app: FastAPI) -> None:

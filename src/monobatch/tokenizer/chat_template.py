@@ -131,26 +131,27 @@ def normalize_messages(messages: Any) -> list[dict]:
         New message dicts; the caller's are not modified.
 
     Raises:
-        InvalidRequestError: not a list, a message not a dict, an unknown role, missing or
-            non-text content.
+        InvalidRequestError: not a list (param ``messages``), a message not a dict (param
+            ``messages[i]``), an unknown role (``messages[i].role``), missing or non-text content
+            (``messages[i].content``): the element at fault, as OpenAI names it.
     """
     if not isinstance(messages, list):
         raise InvalidRequestError("messages must be a list of message objects", param="messages")
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise InvalidRequestError(f"messages[{i}] must be an object", param="messages")
+            raise InvalidRequestError(f"messages[{i}] must be an object", param=f"messages[{i}]")
         role = message.get("role")
         if role not in ROLES:
             raise InvalidRequestError(f"messages[{i}].role must be one of {sorted(ROLES)}, got {role!r}",
-                                      param="messages")
+                                      param=f"messages[{i}].role")
         clean = {key: value for key, value in message.items() if value is not None}
         if role == "developer":
             clean["role"] = "system"
         content = message.get("content")
         if content is None:
             if not (role == "assistant" and message.get("tool_calls")):
-                raise InvalidRequestError(f"messages[{i}].content is missing", param="messages")
+                raise InvalidRequestError(f"messages[{i}].content is missing", param=f"messages[{i}].content")
         else:
             clean["content"] = _content_text(content, i)
         out.append(clean)
@@ -162,13 +163,13 @@ def _content_text(content: Any, index: int) -> str:
         return content
     if not isinstance(content, list):
         raise InvalidRequestError(f"messages[{index}].content must be a string or a list of text parts",
-                                  param="messages")
+                                  param=f"messages[{index}].content")
     texts = []
     for part in content:
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise InvalidRequestError(f"messages[{index}].content: unsupported part {kind!r} (only text parts)",
-                                      param="messages")
+                                      param=f"messages[{index}].content")
         texts.append(part["text"])
     return "\n".join(texts)
 

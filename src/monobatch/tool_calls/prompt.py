@@ -95,15 +95,15 @@ def history_calls(calls: Any, i: int) -> list[tuple[str, str, Any]]:
     a history call, each a 400 in OpenAI's API too.
 
     Raises:
-        InvalidRequestError: ``tool_calls`` not a list (param "messages"), a call without
-            ``function.name`` (param "messages"), one whose ``id`` is missing, not a string or
+        InvalidRequestError: ``tool_calls`` not a list (param ``messages[i].tool_calls``), a call
+            without ``function.name`` (param ``messages[i].tool_calls[k]``), one whose ``id`` is missing, not a string or
             the id of an earlier call of the same message (param ``messages[i].tool_calls[k].id``:
             a tool message answers a call by its id), or whose ``function.arguments`` is missing
             or not a string (param ``messages[i].tool_calls[k].function.arguments``: OpenAI's
             arguments are JSON text, never a JSON object).
     """
     if not isinstance(calls, list):
-        raise InvalidRequestError(f"messages[{i}].tool_calls must be a list", "messages")
+        raise InvalidRequestError(f"messages[{i}].tool_calls must be a list", f"messages[{i}].tool_calls")
     out: list[tuple[str, str, Any]] = []
     for k, tc in enumerate(calls):
         call = _history_call(tc, i, k)
@@ -123,7 +123,8 @@ def _history_call(tc: Any, i: int, k: int) -> tuple[str, str, Any]:
     """(id, name, arguments as a dict when its JSON text is an object) of one history call."""
     fn = tc.get("function") if isinstance(tc, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise InvalidRequestError(f"messages[{i}].tool_calls: each needs function.name", "messages")
+        raise InvalidRequestError(f"messages[{i}].tool_calls[{k}]: each call needs function.name (a string)",
+                                  f"messages[{i}].tool_calls[{k}]")
     if not isinstance(tc.get("id"), str):
         what = "is missing" if tc.get("id") is None else "must be a string"
         raise InvalidRequestError(f"messages[{i}].tool_calls[{k}].id {what}: a tool message answers a call by "
