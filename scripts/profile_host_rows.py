@@ -9,7 +9,8 @@ timed on its own (exclusive time: a phase's time excludes the phases it calls):
   without ``build``;
 * ``build``: :meth:`Engine.build_batch` (StepBatch.build and its tensors);
 * ``kv_prepare``: the paged store's ``prepare`` (checks, slot mapping and block tables of the CPU
-  kernel; on CUDA a decode graph's step runs ``prepare_decode`` instead, not measured here);
+  kernel), or with ``--graphs`` the CUDA-graph decode path's ``prepare_decode`` (the GPU's: the
+  static host buffer's slots, lengths and block tables), run on CPU without a graph;
 * ``kv_commit``: the paged store's commit of the step's tokens (``PagedKv.commit``, when the caller
   commits: async scheduling commits the step launched ahead);
 * ``ban``: :meth:`FinishStep.ban_early_stops`;
@@ -25,10 +26,10 @@ timed on its own (exclusive time: a phase's time excludes the phases it calls):
 Rows: B requests of random short prompts, plain greedy (``greedy``) or sampled at temperature 0.8,
 top_p 0.95 and a seed (``sampled``), each generating ``-n`` tokens (EOS ignored by none: the
 synthetic vocabulary has no EOS). The loop runs async scheduling (the path the GPU takes) unless
-``--sync``. Arms run in interleaved rounds; each prints the minimum over rounds of the per-round
+``--sync``; ``--graphs`` runs decode steps through the CUDA-graph path (the GPU's). Arms run in interleaved rounds; each prints the minimum over rounds of the per-round
 median of each phase, in us per row-step.
 
-    PYTHONPATH=src .venv/bin/python scripts/profile_host_rows.py [-b 32,128,256] [-n 48] [--rounds 5] [--sync]
+    PYTHONPATH=src .venv/bin/python scripts/profile_host_rows.py [-b 32,128,256] [-n 48] [--rounds 5] [--graphs] [--sync]
     PYTHONPATH=src .venv/bin/python scripts/profile_host_rows.py -b 128 --cprofile sampled   # + top functions
 """
 
@@ -82,11 +83,15 @@ class Phases:
 
 
 def one_round(loaded, prompts: list[list[int]], n: int, sampled: bool, sync: bool, warm: int,
-              prof: cProfile.Profile | None = None) -> dict[str, list[float]]:
+              prof: cProfile.Profile | None = None, graphs: bool = False) -> dict[str, list[float]]:
     """Per decode step that delivered tokens (after ``warm`` steps): seconds by phase."""
     gc.collect()
     engine = Engine(loaded, EngineConfig(async_scheduling=not sync, max_num_seqs=len(prompts),
                                          max_num_batched_tokens=max(len(prompts), 2048)))
+    if graphs:  # the CUDA-graph decode path's static buffers, run without a graph (as CPU tests do)
+        from monobatch.engine.cuda_graphs import DecodeGraphs
+
+        engine.graphs = DecodeGraphs(engine.model, engine.kv, max_batch=len(prompts), capture=False)
     sched = BatchScheduler(engine)
     for i, p in enumerate(prompts):
         params = (SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=n) if sampled
@@ -100,6 +105,7 @@ def one_round(loaded, prompts: list[list[int]], n: int, sampled: bool, sync: boo
     engine.forward = ph.wrap("forward", engine.forward)
     engine.kv.commit = ph.wrap("kv_commit", engine.kv.commit)
     engine.kv.prepare = ph.wrap("kv_prepare", engine.kv.prepare)
+    engine.kv.prepare_decode = ph.wrap("kv_prepare", engine.kv.prepare_decode)
     engine.resolve = ph.wrap("resolve", engine.resolve)
     engine.finisher.ban_early_stops = ph.wrap("ban", engine.finisher.ban_early_stops)
     engine.finisher.apply = ph.wrap("finish", engine.finisher.apply)
@@ -137,6 +143,9 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=4, help="steps skipped at the start")
     ap.add_argument("--arms", default="greedy,sampled")
     ap.add_argument("--sync", action="store_true", help="the synchronous loop (CPU's default) instead of async")
+    ap.add_argument("--graphs", action="store_true",
+                    help="decode steps through the CUDA-graph path's static buffers (DecodeGraphs, capture off): "
+                         "PagedKv.prepare_decode, what the GPU runs, instead of the CPU's prepare")
     ap.add_argument("--shape", default="tiny")
     ap.add_argument("-t", "--threads", type=int, default=1)
     ap.add_argument("--cprofile", choices=("greedy", "sampled"), help="cProfile one round of this arm (largest B)")
@@ -149,12 +158,12 @@ def main() -> None:
     rng = random.Random(0)
     vocab = loaded.model.args.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(8, ns.p))] for _ in range(max(sizes))]
-    one_round(loaded, prompts[:8], 8, True, ns.sync, 0)  # imports, first calls
+    one_round(loaded, prompts[:8], 8, True, ns.sync, 0, graphs=ns.graphs)  # imports, first calls
     med: dict[tuple[int, str], list[dict[str, float]]] = {(b, a): [] for b in sizes for a in arms}
     for r in range(ns.rounds):
         for b in sizes:
             for a in arms:
-                res = one_round(loaded, prompts[:b], ns.n, a == "sampled", ns.sync, ns.warm)
+                res = one_round(loaded, prompts[:b], ns.n, a == "sampled", ns.sync, ns.warm, graphs=ns.graphs)
                 med[b, a].append({k: statistics.median(v) / b * 1e6 for k, v in res.items()})
                 print(f"round {r} B={b} {a}: {len(res['host'])} steps, host {med[b, a][-1]['host']:.2f} us/row-step",
                       flush=True)
@@ -172,7 +181,7 @@ def main() -> None:
             json.dump({"args": vars(ns), "us_per_row_step": result}, f, indent=1)
     if ns.cprofile:
         prof = cProfile.Profile()
-        one_round(loaded, prompts[:max(sizes)], ns.n, ns.cprofile == "sampled", ns.sync, ns.warm, prof)
+        one_round(loaded, prompts[:max(sizes)], ns.n, ns.cprofile == "sampled", ns.sync, ns.warm, prof, ns.graphs)
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(35)
         print(s.getvalue())

@@ -275,3 +275,61 @@ def test_window_kernels_in_interpreter(check):
 @pytest.mark.parametrize("check", [check_varlen, check_decode_kernel])
 def test_window_kernels_cuda(check):
     assert check("cuda") == "ok"
+
+
+def test_decode_inputs_rewrite_changed_rows_only_and_equal_a_fresh_write():
+    """The CUDA-graph decode path's host buffer is kept across steps and a row's block tables are
+    rewritten only when its sequence's tables changed (:meth:`BlockManager.stamp`): through
+    reordered rows, block crossings, released window blocks, copy-on-write after a fork, a trim,
+    and a freed sequence whose id comes back, every row equals a fresh buffer's write and the
+    tables themselves (what the kernel reads: the blocks up to each row's length)."""
+    from monobatch.engine.cuda_graphs import DecodeInputs
+
+    _, paged = stores()
+    nb, G = paged.max_blocks_per_seq, len(paged.groups)
+    kept = DecodeInputs(6, nb, "cpu", groups=G)
+    lens = {}
+
+    def extend(seq, ids):
+        batch = StepBatch.build([(seq, ids, lens.get(seq, 0), True)])
+        paged.prepare(batch)
+        paged.commit(batch)
+        lens[seq] = lens.get(seq, 0) + len(ids)
+
+    for seq, n in ((0, 15), (1, 16), (2, 33), (3, 140)):
+        extend(seq, list(range(100 + seq, 100 + seq + n)))
+    paged.fork(1, 4)  # shares 1's full block: 4's next write goes to a block of its own
+    lens[4] = lens[1]
+    rng = torch.Generator().manual_seed(3)
+    order = [0, 1, 2, 3, 4]
+    stamps_seen = set()
+    for step in range(40):
+        if step == 10:
+            paged.trim(2, 20)
+            lens[2] = 20
+        if step == 20:
+            paged.free(0)
+            del lens[0]
+            extend(0, [5, 6, 7])  # the id again, other blocks
+        if step % 7 == 3:  # another row order (rows hold other sequences)
+            order = [order[i] for i in torch.randperm(len(order), generator=rng).tolist()]
+        rows = order[:4] if step % 5 == 4 else order  # sometimes fewer rows (padding)
+        batch = StepBatch.build([(s, [step + s], lens[s], True) for s in rows])
+        paged.prepare_decode(batch, kept.step.rows(6), kept.step.rows(6))
+        stamps_seen |= {paged.blocks.stamp(s) for s in rows}
+        fresh = DecodeInputs(6, nb, "cpu", groups=G)
+        paged.prepare_decode(batch, fresh.step.rows(6), fresh.step.rows(6))
+        assert torch.equal(kept.step.slot_mapping, fresh.step.slot_mapping)
+        assert torch.equal(kept.step.seq_lens, fresh.step.seq_lens)
+        for i, s in enumerate(rows):
+            used = -(-(lens[s] + 1) // BS)
+            for g in range(G):
+                want = [paged.scratch_block if b is None else b for b in paged.block_table(s, g)][:used]
+                assert kept.step.block_tables[i, g, :used].tolist() == want
+                assert fresh.step.block_tables[i, g, :used].tolist() == want
+        assert kept.step.block_tables[len(rows):, :, 0].eq(paged.scratch_block).all()
+        paged.commit(batch)
+        for s in rows:
+            lens[s] += 1
+    assert paged.block_table(3, 1)[0] is None  # windows released blocks on the way
+    assert len(stamps_seen) > len(order)  # tables did change (and rows were rewritten)

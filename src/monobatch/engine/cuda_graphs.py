@@ -63,7 +63,8 @@ class DecodeInputs:
         slot_mapping = words[2 * rows:].view(groups, rows)
         seq_lens = self.buf[words_end:words_end + rows * 4].view(torch.int32)
         block_tables = self.buf[self._head:].view(torch.int32).view(rows, groups, blocks)
-        self.step = DecodeStep(slot_mapping, block_tables, seq_lens)
+        # a host buffer tracks which sequence's tables each row holds (rewritten only on a change)
+        self.step = DecodeStep(slot_mapping, block_tables, seq_lens, {} if self.buf.device.type == "cpu" else None)
         seq_lens.fill_(1)
 
     def nbytes(self, size: int) -> int:

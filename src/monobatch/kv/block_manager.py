@@ -19,6 +19,7 @@ A model without windows has one group of all its layers (ADR 0002's layout, unch
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -82,6 +83,8 @@ class BlockManager:
         self._len: dict[int, int] = {}
         self._tokens: dict[int, list[int]] = {}  # cached token ids, to key full blocks
         self._keys: dict[int, list[bytes]] = {}  # chained prefix-cache keys of the full blocks
+        self._stamp: dict[int, int] = {}  # seq -> the stamp of its tables' last change (see stamp)
+        self._stamps = itertools.count(1)
 
     # -- queries ----------------------------------------------------------------------------------
     def seq_len(self, seq_id: int) -> int:
@@ -96,6 +99,18 @@ class BlockManager:
         """``group``'s block ids of ``seq_id`` in position order (None: released), a copy."""
         tables = self._tables.get(seq_id)
         return list(tables[group]) if tables else []
+
+    def tables(self, seq_id: int) -> list[list[int | None]]:
+        """Every group's block table of ``seq_id``, as held (not a copy: read, never change it)."""
+        return self._tables[seq_id]
+
+    def stamp(self, seq_id: int) -> int:
+        """A number that changes whenever any of ``seq_id``'s block tables does (a block appended,
+        copied on write, released past a window, trimmed; a new table), unique across sequences
+        and changes: two equal stamps mean the same tables. 0 for an unknown sequence. Lets a
+        caller that mirrors the tables elsewhere (:meth:`PagedKv.prepare_decode`'s host buffer)
+        rewrite a row only when its table changed."""
+        return self._stamp.get(seq_id, 0)
 
     def blocks(self, seq_id: int, group: int, start: int, end: int) -> list[int]:
         """``group``'s blocks holding positions ``start .. end - 1`` of ``seq_id`` (all held)."""
@@ -124,10 +139,19 @@ class BlockManager:
         n = self._len.get(seq_id, 0)
         if num_tokens <= n:
             return True
-        want = -(-num_tokens // self.block_size)
+        bs = self.block_size
+        want = -(-num_tokens // bs)
         held = self._tables.get(seq_id)
-        if held and all(len(t) >= want for t in held) and not any(self._needs_copy(t, n) for t in held):
-            return True  # a decode step inside its last block: nothing to allocate or copy
+        if held:  # a decode step inside its last block: nothing to allocate or copy (checked inline: hot)
+            i, ref, cached = n // bs, self.pool.ref, self.pool.is_cached
+            for t in held:
+                if len(t) < want:
+                    break
+                b = t[i] if i < len(t) else None
+                if b is not None and (ref[b] > 1 or cached(b)):
+                    break
+            else:
+                return True
         tables = held or [[] for _ in self.groups]
         copies = [self._needs_copy(t, n) for t in tables]
         need = sum(max(want - len(t), 0) + c for t, c in zip(tables, copies))
@@ -146,6 +170,7 @@ class BlockManager:
                 table[i] = new
             while len(table) < want:
                 table.append(self.pool.allocate())
+        self._stamp[seq_id] = next(self._stamps)
         return True
 
     # -- the prefix cache ---------------------------------------------------------------------------
@@ -191,6 +216,7 @@ class BlockManager:
             tables.append([None] * lo + [pool.lookup(self._key(chain[i][0], g), chain[i][1], chain[i][2])
                                          for i in range(lo, n)])
         self._tables[seq_id], self._keys[seq_id] = tables, [key for key, _, _ in chain[:n]]
+        self._stamp[seq_id] = next(self._stamps)
         self._len[seq_id], self._tokens[seq_id] = n * bs, list(token_ids[:n * bs])
         return n * bs
 
@@ -217,6 +243,7 @@ class BlockManager:
                         break  # released before (released blocks are a prefix of the table)
                     self.pool.release(table[i])
                     table[i] = None
+                    self._stamp[seq_id] = next(self._stamps)
 
     # -- lifetime ------------------------------------------------------------------------------------
     def trim(self, seq_id: int, n: int) -> None:
@@ -238,6 +265,7 @@ class BlockManager:
                 if block is not None:
                     self.pool.release(block)
             del table[keep:]
+        self._stamp[seq_id] = next(self._stamps)
         self._len[seq_id] = n
         del self._tokens[seq_id][n:]
         del self._keys[seq_id][n // bs:]
@@ -259,6 +287,7 @@ class BlockManager:
                 if block is not None:
                     self.pool.share(block)
         self._tables[dst], self._len[dst] = tables, n
+        self._stamp[dst] = next(self._stamps)
         self._tokens[dst], self._keys[dst] = list(self._tokens.get(src, [])), list(self._keys.get(src, []))
 
     def free(self, seq_id: int) -> None:
@@ -268,5 +297,5 @@ class BlockManager:
             for block in reversed(table):
                 if block is not None:
                     self.pool.release(block)
-        for state in (self._len, self._tokens, self._keys):
+        for state in (self._len, self._tokens, self._keys, self._stamp):
             state.pop(seq_id, None)

@@ -94,15 +94,20 @@ class DecodeStep:
         block_tables: ``[B, G, nb]`` int32, each row's block ids per group (``nb`` = blocks of a
             full context; a local group's released blocks are the scratch block).
         seq_lens: ``[B]`` int32, keys each row attends to (its new token included).
+        written: for a host buffer that :meth:`PagedKv.prepare_decode` fills step after step: row
+            -> the :meth:`BlockManager.stamp` of the tables its ``block_tables`` row holds, so a
+            row whose sequence's tables did not change since is not rewritten (most rows of most
+            steps); None: not tracked (every row written).
     """
 
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
+    written: dict[int, int] | None = None
 
     def rows(self, n: int) -> "DecodeStep":
         """The first ``n`` rows (views: same memory, so a graph captured on them sees new values)."""
-        return DecodeStep(self.slot_mapping[:, :n], self.block_tables[:n], self.seq_lens[:n])
+        return DecodeStep(self.slot_mapping[:, :n], self.block_tables[:n], self.seq_lens[:n], self.written)
 
     def group(self, g: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Group ``g``'s ``(slot_mapping [B], block_tables [B, nb])`` (views)."""
@@ -321,23 +326,39 @@ class PagedKv(KvStore):
             InsufficientMemoryError: the pool has no free or evictable block left.
         """
         bs, n, G = self.block_size, len(batch.chunks), len(self.groups)
-        slots, lens = [[] for _ in range(G)], []
+        size, scratch = host.slot_mapping.shape[1], self.scratch_block
+        # numpy views of the host tensors: a row's table is written with one slice assignment
+        # (a torch index_put a row and group cost several us of host time, issue 16)
+        tables_np = host.block_tables.numpy()
+        slots = np.full((G, size), scratch * bs, dtype=np.int64)
+        lens = np.ones(size, dtype=np.int32)
+        written = host.written if host.written is not None else {}
+        blocks, seq_len, max_len = self.blocks, self.blocks.seq_len, self.max_seq_len
         for i, c in enumerate(batch.chunks):
+            seq_id, pos = c.seq_id, c.pos
             if c.length != 1:
                 raise ValueError("prepare_decode takes one token per sequence")
-            self.check_chunk(c)
-            if not self.reserve(c.seq_id, c.end_pos):
+            if pos != seq_len(seq_id) or pos + 1 > max_len:
+                self.check_chunk(c)  # raises
+            if not blocks.reserve(seq_id, pos + 1):
                 self._pool_full()
-            lens.append(c.end_pos)
-            for g in range(G):
-                table = [self.scratch_block if b is None else b for b in self.blocks.table(c.seq_id, g)]
-                slots[g].append(table[c.pos // bs] * bs + c.pos % bs)
-                host.block_tables[i, g, :len(table)] = torch.as_tensor(table, dtype=torch.int32)
-        pad = host.slot_mapping.shape[1] - n
-        host.slot_mapping.copy_(torch.as_tensor([s + [self.scratch_block * bs] * pad for s in slots], dtype=torch.int64))
-        host.seq_lens.copy_(torch.as_tensor(lens + [1] * pad, dtype=torch.int32))
-        if pad:
-            host.block_tables[n:, :, 0] = self.scratch_block
+            lens[i] = pos + 1
+            tables = blocks.tables(seq_id)
+            k, off = pos // bs, pos % bs
+            for g, table in enumerate(tables):
+                slots[g, i] = table[k] * bs + off  # the block being written is never released
+            stamp = blocks.stamp(seq_id)
+            if written.get(i) != stamp:  # the row holds another sequence's tables, or older ones
+                for g, table in enumerate(tables):
+                    tables_np[i, g, :len(table)] = [scratch if b is None else b for b in table] \
+                        if None in table else table
+                written[i] = stamp
+        for i in [r for r in written if r >= n]:
+            del written[i]  # padding rows: rewritten below
+        host.slot_mapping.copy_(torch.from_numpy(slots))
+        host.seq_lens.copy_(torch.from_numpy(lens))
+        if n < size:
+            tables_np[n:, :, 0] = scratch
         self._step, self._meta_of = device, None
 
     def prepare_prefill(self, batch: StepBatch, host: PrefillStep, device: PrefillStep) -> None:
