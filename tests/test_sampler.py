@@ -391,6 +391,42 @@ def test_counter_uniforms_match_the_integer_reference():
     assert 0.0 < u.min().item() and u.max().item() < 1.0
 
 
+@settings(max_examples=200, deadline=None)
+@given(hs.lists(hs.tuples(hs.integers(-(1 << 63), (1 << 64) - 1), hs.integers(0, (1 << 40))), min_size=1, max_size=40))
+def test_vectorized_row_keys_equal_row_key(cases):
+    """The plan's keys for a whole group at once (numpy uint64, wrapping) are row_key's, bit for bit."""
+    mixes = np.array([stages.seed_mix(s) for s, _ in cases], np.uint64)
+    got = stages.row_keys(mixes, np.array([p for _, p in cases], np.uint64))
+    assert got.dtype == np.int64
+    assert got.tolist() == [stages.to_signed64(stages.row_key(s, p)) for s, p in cases]
+
+
+def test_sampled_rows_plan_keys_and_values_per_row():
+    """_Plan's sampled rows: each group's rows, keys (at position len(history) + ahead) and
+    values are those of the row's own params, whatever rows sit between them."""
+    from monobatch.engine.sampler import _Plan
+
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=7), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.2, top_k=40, min_p=0.05, seed=3),
+              SamplingParams(temperature=0.7, seed=11, repeat_penalty=1.1),
+              SamplingParams(temperature=0.9, typical_p=0.5, seed=5, logprobs=2)]
+    states = [SamplerState(p, [1, 2, 3 + i], p.effective_seed()) for i, p in enumerate(params)]
+    states[3].accept(9)
+    plan = _Plan(states, 500, ahead=1)
+    want = {"sort": [0, 4], "topk": [2], "plain": [3]}
+    for g, rows in want.items():
+        assert plan.ints[f"{g}_rows"].tolist() == rows
+        assert plan.ints[f"{g}_keys"].tolist() == [states[r].draw_key(1) for r in rows]
+        p = [params[r] for r in rows]
+        assert plan.ints[f"{g}_top_k"].tolist() == [q.top_k for q in p]
+        assert plan.flts[f"{g}_temp"].tolist() == [q.temperature for q in p]
+        assert plan.flts[f"{g}_top_p"].tolist() == [q.top_p if q.top_p < 1 else math.inf for q in p]
+        assert plan.flts[f"{g}_typical"].tolist() == [q.typical_p if q.typical_p < 1 else math.inf for q in p]
+        assert plan.flts[f"{g}_log_min_p"].tolist() == [math.log(q.min_p) if q.min_p else -math.inf for q in p]
+    assert plan.ints["rep_rows"].tolist() == [3] * len(states[3].repeat_counts)
+    assert plan.ints["lp_rows"].tolist() == [4] and plan.top_n == [None, None, None, None, 2]
+
+
 def test_row_keys_differ_across_seeds_and_positions():
     keys = {stages.row_key(s, p) for s in range(50) for p in range(50)}
     assert len(keys) == 2500

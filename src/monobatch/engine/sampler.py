@@ -97,7 +97,8 @@ class SamplerState:
     """
 
     __slots__ = ("params", "seed", "history", "num_prompt_tokens", "repeat_counts",
-                 "generated_counts", "dry", "grammar", "_repeat_window", "_count_generated", "_kind")
+                 "generated_counts", "dry", "grammar", "_repeat_window", "_count_generated", "_kind",
+                 "has_extras", "seed_mix", "_draw_values")
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], seed: int,
                  token_bytes: Callable[[int], bytes] | None = None,
@@ -105,6 +106,8 @@ class SamplerState:
         self.params = params
         self.grammar = grammar
         self.seed = int(seed)
+        self.seed_mix = st.seed_mix(self.seed)  # the seed's half of every draw key (st.row_keys)
+        self._draw_values: tuple[int, tuple] | None = None  # (vocab size, draw_values' result)
         self.history = [int(t) for t in prompt_ids]
         self.num_prompt_tokens = len(self.history)
         on = params.repeat_penalty != 1.0 and params.repeat_last_n != 0
@@ -125,6 +128,25 @@ class SamplerState:
         greedy = params.temperature == 0.0 and not params.logit_bias
         history_free, grammar_only = free and grammar is None, free and grammar is not None
         self._kind = (history_free, grammar_only, grammar_only and greedy, greedy and history_free)
+        #: whether a step's plan may hold entries of this row beyond its draw values (logprobs,
+        #: logit_bias, penalty counts, DRY): fixed by the params, so rows without any skip them
+        self.has_extras = not free or bool(params.logit_bias)
+
+    def draw_values(self, vocab_size: int) -> tuple:
+        """A sampled row's fixed draw parameters for a vocabulary of ``vocab_size`` (computed once):
+        ``(group, top_k, temperature, log min_p, typical_p mass, top_p mass)``; "off" as values
+        the stages need no mask for (top_k 0, ln 0 = -inf, a mass of 1 -> inf)."""
+        cached = self._draw_values
+        if cached is not None and cached[0] == vocab_size:
+            return cached[1]
+        p = self.params
+        top_k = p.top_k if 0 < p.top_k < vocab_size else 0
+        g = ("topk" if 0 < top_k <= TOPK_FAST else
+             "sort" if top_k or p.typical_p < 1.0 or p.top_p < 1.0 else "plain")
+        log_min_p = math.log(p.min_p) if p.min_p > 0.0 else -math.inf
+        values = (g, top_k, p.temperature, log_min_p, _mass(p.typical_p), _mass(p.top_p))
+        self._draw_values = (vocab_size, values)
+        return values
 
     @property
     def history_free(self) -> bool:
@@ -255,48 +277,62 @@ class _Plan:
             ints["mask_rows"].append(np.array(grammar_rows, np.int64))
             ints["mask"].append(mask.view(np.int64).ravel())
         self.mask_words = mask.shape[1] if grammar_rows else 0
+        # sampled rows by group: row indices, seed mixes and positions (the RNG keys, computed for
+        # the whole group at once) and the fixed per-row values (SamplerState.draw_values)
+        sampled: dict[str, tuple[list, list, list, list]] = {g: ([], [], [], []) for g in GROUPS}
+        top_n = self.top_n
         for r, s in enumerate(states):
             p = s.params
-            self.top_n.append(p.logprobs)
-            if p.logprobs is not None and p.logprobs > 0:
-                ints["lp_rows"].append([r])
-            if p.logit_bias:
-                rows, cols, vals = _entries(r, p.logit_bias)  # values are float biases
-                ints["bias_rows"].append(rows), ints["bias_cols"].append(cols)
-                flts["bias"].append(vals)
-            if s.repeat_counts:
-                rows, cols, _ = _entries(r, s.repeat_counts)
-                ints["rep_rows"].append(rows), ints["rep_cols"].append(cols)
-                flts["rep"].append(np.full(len(rows), p.repeat_penalty))
-            if s.generated_counts:  # presence/frequency, added after the repetition penalty
-                rows, cols, cnt = _entries(r, s.generated_counts)
-                ints["add_rows"].append(rows), ints["add_cols"].append(cols)
-                flts["add"].append(st.presence_frequency_delta(
-                    cnt, p.presence_penalty, p.frequency_penalty))
-            if s.dry is not None and s.dry.lengths:  # DRY, likewise
-                rows, cols, lens = _entries(r, s.dry.lengths)
-                ints["add_rows"].append(rows), ints["add_cols"].append(cols)
-                flts["add"].append(st.dry_delta(
-                    lens, p.dry_multiplier, p.dry_base, p.dry_allowed_length))
+            top_n.append(p.logprobs)
+            if s.has_extras:  # logprobs, logit_bias, penalties or DRY: their entries (most rows have none)
+                self._extras(r, s, p, ints, flts)
             if p.temperature == 0.0:
                 continue  # greedy: the argmax of the penalised logits
-            top_k = p.top_k if 0 < p.top_k < vocab_size else 0
-            g = ("topk" if 0 < top_k <= TOPK_FAST else
-                 "sort" if top_k or p.typical_p < 1.0 or p.top_p < 1.0 else "plain")
-            key = s.draw_key(ahead)
-            for k, v in zip(_PER_ROW_INTS, (r, key, top_k)):
-                ints[f"{g}_{k}"].append([v])
-            # "off" as values the stages need no mask for: ln 0 = -inf, p >= 1 -> inf
-            log_min_p = math.log(p.min_p) if p.min_p > 0.0 else -math.inf
-            for k, v in zip(_PER_ROW_FLTS, (p.temperature, log_min_p, _mass(p.typical_p),
-                                            _mass(p.top_p))):
-                flts[f"{g}_{k}"].append([v])
+            values = s.draw_values(vocab_size)
+            rows, mixes, positions, vals = sampled[values[0]]
+            rows.append(r)
+            mixes.append(s.seed_mix)
+            positions.append(len(s.history) + ahead)
+            vals.append(values[1:])
+        for g, (rows, mixes, positions, vals) in sampled.items():
+            if not rows:
+                continue
+            table = np.array(vals, dtype=np.float64)  # (n, 5): top_k, then _PER_ROW_FLTS
+            ints[f"{g}_rows"].append(np.array(rows, np.int64))
+            ints[f"{g}_keys"].append(st.row_keys(np.array(mixes, np.uint64), np.array(positions, np.uint64)))
+            ints[f"{g}_top_k"].append(table[:, 0].astype(np.int64))
+            for j, k in enumerate(_PER_ROW_FLTS, 1):
+                flts[f"{g}_{k}"].append(table[:, j])
         self.ints = {k: _cat(v, np.int64) for k, v in ints.items()}
         self.flts = {k: _cat(v, np.float64) for k, v in flts.items()}
         self.n = {k: len(v) for k, v in {**self.ints, **self.flts}.items()}
         if self.n["bias_cols"] and int(self.ints["bias_cols"].max()) >= vocab_size:
             raise ValueError(f"logit_bias token id outside the vocabulary (size {vocab_size}); "
                              "check requests with SamplingParams.check_vocab at admission")
+
+    @staticmethod
+    def _extras(r: int, s: SamplerState, p: SamplingParams, ints: dict[str, list], flts: dict[str, list]) -> None:
+        """Row ``r``'s logprob request, logit_bias, penalty and DRY entries."""
+        if p.logprobs is not None and p.logprobs > 0:
+            ints["lp_rows"].append([r])
+        if p.logit_bias:
+            rows, cols, vals = _entries(r, p.logit_bias)  # values are float biases
+            ints["bias_rows"].append(rows), ints["bias_cols"].append(cols)
+            flts["bias"].append(vals)
+        if s.repeat_counts:
+            rows, cols, _ = _entries(r, s.repeat_counts)
+            ints["rep_rows"].append(rows), ints["rep_cols"].append(cols)
+            flts["rep"].append(np.full(len(rows), p.repeat_penalty))
+        if s.generated_counts:  # presence/frequency, added after the repetition penalty
+            rows, cols, cnt = _entries(r, s.generated_counts)
+            ints["add_rows"].append(rows), ints["add_cols"].append(cols)
+            flts["add"].append(st.presence_frequency_delta(
+                cnt, p.presence_penalty, p.frequency_penalty))
+        if s.dry is not None and s.dry.lengths:  # DRY, likewise
+            rows, cols, lens = _entries(r, s.dry.lengths)
+            ints["add_rows"].append(rows), ints["add_cols"].append(cols)
+            flts["add"].append(st.dry_delta(
+                lens, p.dry_multiplier, p.dry_base, p.dry_allowed_length))
 
     def uses(self, name: str) -> bool:
         """True when some row has entries in array ``name`` (the stage must run)."""

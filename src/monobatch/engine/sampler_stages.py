@@ -302,6 +302,27 @@ def row_key(seed: int, position: int) -> int:
     return splitmix64((splitmix64(seed & M64) + position * GOLDEN) & M64)
 
 
+def seed_mix(seed: int) -> int:
+    """The seed's part of :func:`row_key` (``splitmix64(seed)``), fixed for a sequence."""
+    return splitmix64(seed & M64)
+
+
+def row_keys(mixes: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """:func:`row_key` of many draws at once, as signed int64 (:func:`to_signed64`'s view).
+
+    Args:
+        mixes: ``[n]`` uint64 :func:`seed_mix` of each draw's seed.
+        positions: ``[n]`` uint64 positions.
+    Returns:
+        ``[n]`` int64, equal to ``to_signed64(row_key(seed, position))`` for each pair.
+    """
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps mod 2**64, as the & M64 above
+        z = mixes + positions * np.uint64(GOLDEN) + np.uint64(GOLDEN)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
+        return (z ^ (z >> np.uint64(31))).view(np.int64)
+
+
 def to_signed64(z: int) -> int:
     """Two's-complement view of an unsigned 64-bit int, for an int64 tensor."""
     return z - (1 << 64) if z >= (1 << 63) else z
