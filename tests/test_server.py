@@ -356,6 +356,21 @@ def test_e3_wrong_types_are_400(server, path, patch, param, stream_):
     assert_error(server.post(path, body), 400, param)
 
 
+@pytest.mark.parametrize("path,patch,message", [
+    ("/v1/completions", {"max_tokens": -1}, "max_tokens: must be >= 0, got -1"),
+    ("/v1/chat/completions", {"max_tokens": -1}, "max_tokens: must be >= 0, got -1"),
+    ("/v1/chat/completions", {"max_completion_tokens": -1}, "max_completion_tokens: must be >= 0, got -1"),
+    ("/v1/chat/completions", {"n": 129}, "n: must be in [1, 128], got 129"),
+    ("/v1/completions", {"logprobs": 21}, "logprobs: must be in [0, 20], got 21"),
+    ("/v1/completions", {"max_tokens": "16"}, 'max_tokens: must be an integer >= 0, got "16"'),
+])
+def test_an_integer_out_of_range_says_the_range_and_the_value(server, path, patch, message):
+    """The 400 of an integer out of its range reads as the engine's range errors do (the field,
+    the whole range, the value given), not as pydantic's "Input should be greater than or equal to 0"."""
+    body = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    assert assert_error(server.post(path, {**body, **patch}), 400, next(iter(patch)))["message"] == message
+
+
 @pytest.mark.parametrize("patch,param", [('"store": "\\ud800"', "store"), ('"service_tier": "\\ud800"', "service_tier"),
                                          ('"metadata": {"k": 1, "x": "\\ud800"}', "metadata")])
 def test_a_lone_surrogate_in_a_refused_value_is_a_400(server, patch, param):

@@ -30,8 +30,8 @@ import copy
 import json
 from typing import Annotated, Any, Callable, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, WrapValidator, model_validator
+from pydantic_core import PydanticCustomError, ValidationError
 
 from monobatch.chat_output import REASONING_FORMATS
 from monobatch.engine.constraint import StructuredOutput
@@ -77,9 +77,37 @@ def _whole_float(value: Any) -> Any:
 
 #: An integer field: strict, but a whole JSON number written with a fraction (``2.0``) counts.
 JsonInt = Annotated[int, BeforeValidator(_whole_float)]
-#: The same with bounds, for optional fields (bounds first: so the JSON schema reads minimum/maximum).
-TokenCount = Annotated[int, Field(ge=0), BeforeValidator(_whole_float)]
-LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), BeforeValidator(_whole_float)]
+#: pydantic's error types of a value outside a field's bounds.
+_RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal"})
+
+
+def _bounded(low: int, high: int | None = None) -> Any:
+    """A :data:`JsonInt` in ``[low, high]`` (``high`` None: no upper bound), the bounds in its JSON
+    schema (first: so the schema reads minimum/maximum), a value outside them refused as the
+    engine's range errors read: ``max_tokens: must be >= 0, got -1``, ``n: must be in [1, 128],
+    got 0`` (the field, the whole range, the value given as JSON; not pydantic's "Input should be
+    ..."); a value that is no integer: ``max_tokens: must be an integer >= 0, got "10"``."""
+    allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+
+    def words(value: Any, handler: Callable[[Any], int], info: ValidationInfo) -> int:
+        try:
+            return handler(value)
+        except ValidationError as exc:
+            kind = exc.errors()[0]["type"]
+            if kind not in _RANGE_ERRORS and not kind.startswith("int_"):
+                raise
+            what = "must be " + allowed if kind in _RANGE_ERRORS else "must be an integer " + allowed
+            got = json.dumps(value, ensure_ascii=True, default=repr)  # escapes: a lone surrogate never reaches the reply
+            raise PydanticCustomError("range", "{field}: " + what + ", got {got}",
+                                      {"field": info.field_name, "got": got}) from None
+
+    return Annotated[int, Field(ge=low, le=high), BeforeValidator(_whole_float), WrapValidator(words)]
+
+
+#: Bounded integer fields' types (a type, so that ``TokenCount | None`` keeps the bounds on the integer).
+TokenCount = _bounded(0)
+LogprobCount = _bounded(0, MAX_LOGPROBS)
+ChoiceCount = _bounded(1, MAX_N)
 
 
 # -- JSON-schema annotations (the OpenAPI document; validation is unchanged) -----------------------
@@ -415,8 +443,8 @@ class SamplingFields(_Body):
         {"anyOf": [_absent("stream_options"), _given("stream", {"const": True})]},)
 
     model: str | None = Field(None, json_schema_extra=_model_name)
-    n: JsonInt = Field(1, ge=1, le=MAX_N, description="Choices per prompt; prompts x n is at most 256 (and at "
-                                                      "most --max-num-seqs + --max-queue when --max-queue is set).")
+    n: ChoiceCount = Field(1, description="Choices per prompt; prompts x n is at most 256 (and at "
+                                          "most --max-num-seqs + --max-queue when --max-queue is set).")
     stream: bool = Field(False, description="Answer with server-sent events (text/event-stream).")
     stream_options: StreamOptions | None = Field(None, description="Only with stream: true.")
     max_tokens: TokenCount | None = Field(None, description=(  # -1 (the CLI's no limit) is a 400, as in OpenAI
