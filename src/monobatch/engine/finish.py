@@ -202,9 +202,10 @@ class FinishStep:
             return FinishReason.ABORT  # never a "stop" that claims the text matches
         if grammar is not None and (grammar.is_stopped or token in self.eog_ids):
             return FinishReason.STOP  # the grammar has terminated (it accepted the end, or nothing can follow)
-        if self.is_looping(seq.output_ids, p.loop_window):
+        if p.loop_window and self.is_looping(seq.output_ids, p.loop_window):
             return FinishReason.LOOP
-        if self.ends_by_length(seq, len(seq.output_ids)):
+        n = len(seq.output_ids)  # ends_by_length, inline (every row, every step)
+        if (p.max_tokens is not None and n >= p.max_tokens) or len(seq.prompt_ids) + n >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
@@ -219,17 +220,23 @@ class FinishStep:
         """Append each row's token to its sequence and build the step's outputs (one per row)."""
         now = time.perf_counter()
         outputs = []
+        eog, stop_reason, reason_of = self.eog_ids, FinishReason.STOP, self._reason
         for r, seq in enumerate(seqs):
             token = sample.token_ids[r]
             seq.output_ids.append(token)
             seq.sampler.accept(token)
             seq.record_token_time(now)
-            reason = self._reason(seq, token)
+            reason = reason_of(seq, token)
             # The token that ends a sequence by id (EOS, stop token) adds no text.
-            by_id = reason is FinishReason.STOP and (token in self.eog_ids or token in seq.params.stop_token_ids)
-            text = "" if by_id else seq.stop.feed(seq.detok.push(token))
-            if seq.stop.matched is not None:  # a stop string wins over length/loop on the same token
-                reason = FinishReason.STOP
+            stop = seq.stop
+            if reason is stop_reason and (token in eog or token in seq.params.stop_token_ids):
+                text = ""
+            elif stop.stops:
+                text = stop.feed(seq.detok.push(token))
+                if stop.matched is not None:  # a stop string wins over length/loop on the same token
+                    reason = stop_reason
+            else:  # no stop strings: the text as it comes (StopMatcher.feed would return it)
+                text = seq.detok.push(token)
             out = RowOutput(seq.request_id, [token], text, num_prompt_tokens=len(seq.prompt_ids),
                             num_output_tokens=len(seq.output_ids), num_cached_tokens=seq.num_cached_tokens)
             if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
