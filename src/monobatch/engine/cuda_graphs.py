@@ -13,7 +13,8 @@ memory, a kernel that does not build) is logged once and runs the same static-bu
 eagerly from then on.
 
 The step's inputs are staged in one page-locked host buffer (:class:`DecodeInputs`) and copied
-to the device in one memcpy. The host buffer is rewritten each step while the previous step's
+to the device in one memcpy. The host buffer is rewritten each step (a row's block tables only
+when its sequence's tables changed: :meth:`PagedKv.prepare_decode`) while the previous step's
 copy from it may still be queued: an event recorded after the copy is waited on before the next
 rewrite.
 
