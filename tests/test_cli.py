@@ -62,6 +62,41 @@ def test_unknown_flag_names_the_command(command):
     assert res.stdout == ""
 
 
+@pytest.mark.parametrize("command,args,flag", [
+    ("generate", ["--max-tok", "3", "-p", "hi"], "--max-tok"),  # once --max-tokens, silently
+    ("generate", ["--tempera=0.5", "-p", "hi"], "--tempera=0.5"),
+    ("serve", ["--ho", "0.0.0.0"], "--ho"),
+    ("run", ["--server", "http://127.0.0.1:9", "hi"], "--server"),  # once --server-base
+    ("bench", ["--num-p", "2"], "--num-p"),
+])
+def test_an_abbreviated_flag_is_an_unknown_flag(command, args, flag):
+    """Flags are taken only as written (argparse's prefix matching off, allow_abbrev=False): an
+    abbreviation is one line and exit 2, never a longer flag it happens to start (llama.cpp's and
+    vLLM's users type whole flags); llama.cpp's own short names (--temp) are flags of their own."""
+    res = monobatch(command, *args, timeout=60)
+    assert res.returncode == 2, res
+    assert res.stderr.startswith(f"monobatch {command}: error: unrecognized arguments: {flag}"), res.stderr
+    assert len(res.stderr.splitlines()) == 1 and res.stdout == "", res.stderr
+
+
+def test_every_parser_refuses_abbreviations():
+    """Every parser and subparser of the command (a new one too) has prefix matching off."""
+    import argparse
+
+    sys.path.insert(0, str(ROOT / "src"))
+    from monobatch.cli.main import build_parser
+
+    parsers, seen = [build_parser()], []
+    while parsers:
+        p = parsers.pop()
+        seen.append(p.prog)
+        assert p.allow_abbrev is False, p.prog
+        parsers += [sp for a in p._actions if isinstance(a, argparse._SubParsersAction) for sp in a.choices.values()]
+    assert len(seen) == 8, seen
+    ns, extras = build_parser().parse_known_args(["generate", "--temp", "0.5", "--max-tokens", "3"])
+    assert (ns.temperature, ns.max_tokens, extras) == (0.5, 3, [])  # whole flags, llama.cpp's --temp among them
+
+
 def test_unknown_flag_without_a_command():
     res = monobatch("--bogus", timeout=60)
     assert res.returncode == 2 and res.stderr == "monobatch: error: unrecognized arguments: --bogus (see --help)\n"

@@ -27,7 +27,14 @@ if TYPE_CHECKING:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one line on stderr and exits 2 (no usage dump)."""
+    """argparse that reports a bad flag as one line on stderr and exits 2 (no usage dump), and
+    takes flags only as written (``allow_abbrev=False``: ``--temp`` is an unknown flag, never a
+    silent ``--temperature``; llama.cpp's and vLLM's users type whole flags). The subcommands'
+    parsers are of this class too (``add_subparsers(parser_class=...)``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         """Print ``prog: error: message (see --help)`` and exit 2."""
