@@ -297,13 +297,15 @@ def test_serve_takes_the_model_as_vllm_does(tmp_path):
 
 
 @pytest.mark.parametrize("pattern,cause", [("[0-9", "unclosed character class"), ("(ab", "unclosed group"),
-                                           ("ab\\", "incomplete escape sequence (a backslash at the end)")])
+                                           ("ab\\", "incomplete escape sequence (a backslash at the end)"),
+                                           ("\\d+[a-", "unclosed character class")])
 def test_a_regex_that_does_not_parse_is_one_line_before_loading(pattern, cause):
     """--regex is checked with llguidance's parser (Rust regex syntax) before a model loads (the
-    missing model is not what is reported), and the line says so plainly with the short cause."""
+    missing model is not what is reported), and the line says so plainly with the short cause,
+    the pattern as typed (``"\\d+[a-"``, not JSON's ``"\\\\d+[a-"``)."""
     res = monobatch("generate", "-m", "/nonexistent/model.gguf", "-p", "hi", "-n", "2", "--no-progress",
                     "--regex", pattern)
-    assert_one_line_error(res, f"--regex: the regular expression {json.dumps(pattern)} does not compile: {cause}")
+    assert_one_line_error(res, f'--regex: the regular expression "{pattern}" does not compile: {cause}')
     assert "at 1(" not in res.stderr and "(in regex)" not in res.stderr
 
 

@@ -181,3 +181,6 @@ def test_structured_output_and_tools_through_the_python_api(llm):
         llm.generate("x", SamplingParams(max_tokens=2, structured=StructuredOutput.regex("[0-9")))
     assert info.value.param == "regex"
     assert str(info.value) == 'regex: the regular expression "[0-9" does not compile: unclosed character class'
+    with pytest.raises(InvalidRequestError) as info:  # the pattern as typed: one backslash, as every door shows it
+        llm.generate("x", SamplingParams(max_tokens=2, structured=StructuredOutput.regex(r"\d+[a-")))
+    assert str(info.value) == r'regex: the regular expression "\d+[a-" does not compile: unclosed character class'

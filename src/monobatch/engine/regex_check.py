@@ -11,7 +11,6 @@ a position in the Lark grammar it wraps the pattern in). The syntax is Rust's ``
 
 from __future__ import annotations
 
-import json
 import re
 from monobatch.errors import InvalidRequestError
 
@@ -57,8 +56,19 @@ def check_regex(pattern: str, param: str) -> None:
         raise does_not_compile(pattern, param, cause)
 
 
+def shown_pattern(pattern: str) -> str:
+    """``pattern`` in double quotes as the user typed it (``"\\d+[a-"``: a backslash stays one
+    backslash, not JSON's or ``repr``'s doubled one), cut at :data:`SHOWN_CHARS` (with "...");
+    only characters that are not printable are escaped (a newline as ``\\n``, a lone surrogate as
+    ``\\ud800``: the same regex, and the message stays one line that any output can encode)."""
+    cut = pattern[:SHOWN_CHARS]
+    text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in cut)
+    return f'"{text}"' + ("..." if len(pattern) > SHOWN_CHARS else "")
+
+
 def does_not_compile(pattern: str, param: str, cause: str) -> InvalidRequestError:
     """The error of a regex that does not compile: ``'<param>: the regular expression "<pattern>"
-    does not compile: <cause>'`` (the pattern JSON-quoted, cut at :data:`SHOWN_CHARS`)."""
-    shown = json.dumps(pattern[:SHOWN_CHARS], ensure_ascii=True) + ("..." if len(pattern) > SHOWN_CHARS else "")
-    return InvalidRequestError(f"{param}: the regular expression {shown} does not compile: {cause}", param)
+    does not compile: <cause>'`` (the pattern as typed: :func:`shown_pattern`), the same at every
+    door (``--regex``, ``structured_outputs.regex``, ``guided_regex``, ``StructuredOutput.regex``)."""
+    return InvalidRequestError(f"{param}: the regular expression {shown_pattern(pattern)} does not compile: {cause}",
+                               param)
