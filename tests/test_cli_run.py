@@ -215,6 +215,18 @@ def test_constraint_errors_name_the_flag(server, tmp_path, remote):
     assert_one_line_error(res, "--grammar-file: ", "does not parse")
     res = monobatch("run", *where, "--json-schema", '{"type": "frobnicate"}', "-n", "2", "hi")
     assert_one_line_error(res, "--json-schema: ")
+    # a regex that parses but is too large for the lexer: refused by the server (structured_outputs.regex),
+    # the line worded as generate's --regex line
+    res = monobatch("run", *where, "--regex", "a{1000000}", "-n", "2", "hi")
+    assert_one_line_error(res, '--regex: the regular expression "a{1000000}" does not compile: ', "too large")
+
+
+def test_a_regex_that_does_not_parse_is_refused_before_connecting():
+    """--regex's syntax is checked here, as generate checks it, before the server is asked (none
+    listens on the port: the line is the regex's, not "cannot connect"), in generate's words."""
+    res = monobatch("run", "--server-base", f"http://127.0.0.1:{free_port()}", "--regex", "\\d+[a-", "hi", timeout=120)
+    assert_one_line_error(res, 'monobatch run: error: --regex: the regular expression "\\d+[a-" does not compile: '
+                               "unclosed character class")
 
 
 def test_server_error_is_one_line(server):

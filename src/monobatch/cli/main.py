@@ -34,7 +34,7 @@ def build_parser() -> OneLineParser:
 _FLAG_NAMES = {"dry_sequence_breakers": "--dry-sequence-breaker", "max_tokens": "-n/--max-tokens",
                # run/chat send their constraint flags as request fields (the server names those)
                "grammar": "--grammar-file", "response_format.json_schema.schema": "--json-schema",
-               "response_format": "--json-schema"}
+               "response_format": "--json-schema", "structured_outputs.regex": "--regex"}
 
 
 def as_flag(error: MonobatchError, argv: list[str]) -> str:
