@@ -598,12 +598,12 @@ def test_forced_draws_are_the_best_accepted_tokens(loaded):
     logits[4, tied] = 9.0  # tied accepted tokens: the lowest id of them wins
     want = [_accepted_argmax(logits[r], states[r].grammar, tok.vocab_size) for r in range(5)]
     assert want[4] == int(tied[0])
-    rows, at, ids, known = sampler.forced_draws(logits, states, [0, 1, 2, 3, 4], only={0, 1, 2, 4})
-    assert rows == [0, 2, 4] and at.tolist() == rows and known is None
+    rows, at, ids = sampler.forced_draws(logits, states, [0, 1, 2, 3, 4], only={0, 1, 2, 4})
+    assert rows == [0, 2, 4] and at.tolist() == rows
     assert ids.tolist() == [want[0], want[2], want[4]]
-    # rows with one accepted token each: their draws are known on the host
-    rows, at, ids, known = sampler.forced_draws(logits, states, [0, 1, 2, 3, 4], only={0, 1, 3})
-    assert rows == [0, 3] and known == [want[0], want[3]] == ids.tolist() and at.tolist() == rows
+    # rows with one accepted token each: their draws are known on the host (uploaded, no gather)
+    rows, at, ids = sampler.forced_draws(logits, states, [0, 1, 2, 3, 4], only={0, 1, 3})
+    assert rows == [0, 3] and ids.tolist() == [want[0], want[3]] and at.tolist() == rows
     # a refused pick at a forced position is redrawn the same way (RowSampler.correct)
     assert sampler.correct(logits, states, [t + 1 for t in want], only={2, 4}) == {2: want[2], 4: want[4]}
 

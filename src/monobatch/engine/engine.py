@@ -522,7 +522,7 @@ class Engine:
             got = self.sampler.forced_draws(x, [seq.sampler for seq in rows], gram, live)
             if got is None:
                 return
-            picked, at, ids, _ = got
+            picked, at, ids = got
             pending.tokens.index_copy_(0, at, ids)
             pending.forced = picked
 

@@ -573,7 +573,7 @@ class RowSampler:
         return out
 
     def forced_draws(self, logits: torch.Tensor, states: list[SamplerState], rows: list[int],
-                     only: set[int]) -> tuple[list[int], torch.Tensor, torch.Tensor, list[int] | None] | None:
+                     only: set[int]) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
         """The greedy draws of the rows whose grammar forces its next bytes, drawn among the few
         tokens the grammar accepts there (:meth:`GrammarMatcher.forced_ids`) — for async
         scheduling's unchecked draws, whose raw argmax is refused mostly at such positions.
@@ -593,8 +593,7 @@ class RowSampler:
 
         Returns:
             ``(state indices, the same as a [k] int64 tensor on the logits' device, [k] int64
-            draws there, the draws as a list when every row accepts one token, else None)``, or
-            None when no row is forced.
+            draws there)``, or None when no row is forced.
         """
         local, picked, allowed = [], [], []
         single = True
@@ -609,12 +608,11 @@ class RowSampler:
         if not picked:
             return None
         k = len(picked)
-        if single:  # each row's one accepted token: known on the host
-            known = [int(ids[0]) for ids in allowed]
-            buf = ids_on(picked + known, logits.device)
-            return picked, buf[:k], buf[k:], known
+        if single:  # each row's one accepted token: known on the host, uploaded with the row indices
+            buf = ids_on(picked + [int(ids[0]) for ids in allowed], logits.device)
+            return picked, buf[:k], buf[k:]
         at, ids = self._argmax_among(logits, local, allowed, picked)
-        return picked, at, ids, None
+        return picked, at, ids
 
     @staticmethod
     def _argmax_among(logits: torch.Tensor, local: list[int], allowed: list[np.ndarray],
