@@ -107,7 +107,7 @@ def test_torch_dequantize_is_gguf(qtype):
 
 
 def check_kernels(device: str = "cpu") -> str:
-    """Every type: GEMV (default configs; FMA ones up to M = 8, DOT ones above and, on CUDA, at any
+    """Every type: GEMV (default configs; FMA ones up to M = FMA_MAX_M, DOT ones above and, on CUDA, at any
     M; split-K) and GEMM (M 1, 20, 70; three tiles) against the float64 reference, bias, output
     into a column slice, float32 out; in fp32 (interpreter: fewer M and configs, a few seconds)
     or bf16 (CUDA)."""
@@ -143,7 +143,8 @@ def check_kernels(device: str = "cpu") -> str:
             from monobatch.kernels.fused import silu_mul
             for M in (1, 3, 5, 20):
                 gu = (torch.randn(M, 2 * k, generator=g) * 3).to(device, dtype)
-                for cfg in (None, (16, 64, 3, 4, 2, True), (8, 64, 3, 4, 2, False)) if M <= Q.MAX_M else (None,):
+                fma = ((8, 64, 3, 4, 2, False),) if M <= Q.FMA_MAX_M else ()
+                for cfg in (None, (16, 64, 3, 4, 2, True)) + fma if M <= Q.MAX_M else (None,):
                     if M > Q.MAX_M:
                         got, want = Q.matmul(gu, *args, bias, gated=True), Q.matmul(silu_mul(gu), *args, bias)
                     else:
@@ -554,10 +555,10 @@ def test_fma_gemv_compiles_for_sm90(layout, rows):
         pytest.skip(sm90_compile_problem())
     q4, group = layout
     bn, bk, _, warps, stages, _ = Q.gemv_config(16384, 2048, rows, Q.Layout(q4, group), "fma")
-    gb = 16 if q4 else group
-    c = dict(HAS_BIAS=rows == 2, ROWS=rows, M_PAD=Q._pow2(rows), BLOCK_N=bn, NG=bk // (2 if q4 else 1) // gb,
-             GB=gb, STAGES=stages, Q4=q4, GATED=rows == 2, PDL=True)
-    sig = {**_PTRS, "QS": "*u8" if q4 else "*i8"}
+    gw = 4 if q4 else group // 4  # int32 words a group
+    c = dict(HAS_BIAS=rows == 2, ROWS=rows, M_PAD=Q._pow2(rows), BLOCK_N=bn, NG=bk // (2 if q4 else 1) // (4 * gw),
+             GW=gw, STAGES=stages, Q4=q4, GATED=rows == 2, EVEN=True, PDL=True)
+    sig = {**_PTRS, "QW": "*i32"}
     ptx = _sm90(Q._gemv_fma_kernel, c, sig, num_warps=warps, num_stages=stages, launch_pdl=True)
     _check_pdl(ptx)
     assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)  # the first tile's bytes

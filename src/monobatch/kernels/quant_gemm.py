@@ -77,7 +77,7 @@ if triton is not None:
 #: Most rows the GEMV takes; more go to the tiled GEMM.
 MAX_M = 16
 #: Most rows the FMA variant of the GEMV takes (a config asking for it, or ``variant="fma"``).
-FMA_MAX_M = 8
+FMA_MAX_M = 4
 #: Most rows :func:`gemv_config` gives the FMA variant by default: on the H200 (2026-12-02,
 #: ``scripts/probe_quant_cuda.py``) it beat the DOT variant at M = 1 (1.1-2x) and about tied at
 #: M = 2 for Q4 (ahead for the 8-bit layouts); from M = 4 DOT was faster for Q4 at most shapes.
@@ -107,26 +107,19 @@ def gemv_config(N: int, K: int, M: int, layout: Layout,
     DOT configs: from the H200 sweep of 2026-12-01 (``scripts/bench_packed_cuda.py --sweep``,
     llama-1b's five weight shapes at M = 1, docs/benchmarks): 64-row tiles of 128 weights, K in 4
     slices, 4 stages, were the fastest for the Q4 layout at every shape and for Q8_0's qkv and o;
-    wider 8-bit outputs (gate/up, the LM head) took 256-weight steps without a split. FMA configs,
-    M <= 2, from the H200 probe of 2026-12-02 (``scripts/probe_quant_cuda.py``'s sweep on llama-1b's
-    shapes, then its defaults on llama-1b's and llama-8b's): K <= 4096 (qkv, o, gate/up, LM head),
-    16-row tiles of 256 packed bytes a step (512 weights for Q4, 256 for Q8) without a split; the
-    down projections (K 8192, 14336), 32-row tiles of 128 bytes a step with K split until the
-    grid has ~528 programs (4 a multiprocessor on the H200's 132; 16-row tiles were 1.3-1.9x
-    slower there). M > 2 (``variant="fma"`` only; slower than DOT there for Q4): the latter,
-    untuned, with 64-byte steps for M > 4 (the Q4 tile's fp32 weights and 8 accumulators spill
-    at 128)."""
+    wider 8-bit outputs (gate/up, the LM head) took 256-weight steps without a split. FMA configs:
+    the FMA variant since 2026-12-03 (integer-weighted group sums, ~4.4 instructions a weight in
+    SASS at M = 1 against the earlier kernel's ~8.8): 64-row tiles (32 from M = 2: the
+    accumulators' registers) of 512 weights a step for Q4 and 256 for the 8-bit layouts, K split
+    until the grid has ~528 programs (4 a multiprocessor on the H200's 132). First guesses from
+    the SASS counts, not yet timed on the H200 (``scripts/probe_quant_cuda.py`` sweeps them)."""
     fma = M <= FMA_MAX_M if variant == "fma" else (variant or VARIANT) == "fma" and M <= FMA_DEFAULT_M
     if fma:
-        if M <= 2 and K <= 4096:  # the H200 probe's fastest (2026-12-02): 16 x 256 bytes, no split
-            block_n, block_k = 16, (512 if layout.q4 else 256)
-        else:  # 32 x 128 bytes (64 bytes for M > 4), K split to ~4 programs a multiprocessor
-            block_n, block_k = 32, (256 if layout.q4 else 128) if M <= 4 else (128 if layout.q4 else 64)
+        block_n, block_k = (64 if M == 1 else 32), (512 if layout.q4 else 256)
         block_k = max(32, min(block_k, _pow2(K)))
         steps = -(-K // block_k)
         tiles = -(-N // block_n)
-        splits = 1 if M <= 2 and K <= 4096 else max(1, min(steps, -(-528 // tiles)))
-        return block_n, block_k, splits, 4, 3, False
+        return block_n, block_k, max(1, min(steps, -(-528 // tiles))), 4, 3, False
     wide_q8 = not layout.q4 and N > 8192
     block_n, block_k, splits, warps, stages = (64, 256, 1, 4, 3) if wide_q8 else (64, 128, 4, 4, 4)
     block_k = max(32, min(block_k, _pow2(K)))
@@ -248,65 +241,96 @@ if triton is not None:
         split_k_store(acc, WS, CNT, B, Y, M, N, pid_n, pid_k, splits, offs_m, offs_n, mmask, nmask, stride_ym, HAS_BIAS)
 
     @triton.jit
-    def _fma_load(q_rows, s_rows, m_rows, nmask, g, g_hi, GB: tl.constexpr):
-        # The packed bytes [BN, NG, GB] of groups g [NG] (GB bytes a group: one 16-byte vector load
-        # per group and row for Q4 and Q8/16, two for Q8/32) and their scales and mins [BN, NG].
-        # Kept 3-D: no reshape (the old FMA variant's [BN, NG, GB] -> [BN, NG * GB] reshape was
-        # the suspect of its wrong rows on sm_90).
-        gmask = nmask[:, None] & (g < g_hi)[None, :]
-        off = (g * GB)[None, :, None] + tl.arange(0, GB)[None, None, :]
-        raw = tl.load(q_rows[:, None, None] + off, mask=gmask[:, :, None], other=0)
-        s = tl.load(s_rows[:, None] + g[None, :], mask=gmask, other=0.0)
-        m = tl.load(m_rows[:, None] + g[None, :], mask=gmask, other=0.0)
-        return raw, s, m
+    def _nib(wm, MASK: tl.constexpr, BIAS: tl.constexpr):
+        # wm = a word with 2^23's exponent bits set (w | 0x4B000000): its bits MASK kept as the
+        # mantissa of 2^23 + v, v = the field's integer times 2^(its offset), exactly; minus BIAS
+        # (2^23, or 2^23 + 128 * 2^offset for an int8 field stored as q + 128): the field's value
+        # times 2^offset, exact. One LOP3 and one FADD a weight.
+        return (wm & (0x4B000000 | MASK)).to(tl.float32, bitcast=True) - BIAS
 
     @triton.jit
-    def _fma_row(acc, wlo, whi, X, row: tl.constexpr, stride_xm, col, xmask, K, Q4: tl.constexpr,
-                 GATED: tl.constexpr):
-        # acc [BN, NG] += each group's sum_j w_j x_j over the tile [BN, NG, GB] (fp32 products of the
-        # exact fp32 weights and this row's x at the group's columns [NG, GB]; Q4: the low nibbles'
-        # columns, the high nibbles' are +16). The sum over a group's GB bytes is within a thread.
-        xp = X + row * stride_xm + col
-        xl = _load_x(xp, xmask, K, GATED).to(tl.float32)
-        d = tl.sum(wlo * xl[None, :, :], axis=2)
+    def _fma_row(WM, TM, X, row: tl.constexpr, stride_xm, j, g0, jmask, K, BN: tl.constexpr, NG: tl.constexpr,
+                 GW: tl.constexpr, Q4: tl.constexpr, GATED: tl.constexpr):
+        # One row of x against a K step of packed words: (d [BN, NG] = each group's sum_j q_j x_j,
+        # sx [NG] = each group's sum_j x_j). WM/TM [BN, NG * GW]: the step's words w with 2^23's
+        # exponent or-ed in, of w and of w >> 12 (Q4) / w >> 16 (Q8). Each field's float is its
+        # integer times 2^offset (_nib), so x at that column is taken times 2^-offset (exact): the
+        # products are q * x exactly. Q4 word p of group g holds bytes 4p..4p+3; byte b's low nibble
+        # is column 32g + b, its high one 32g + 16 + b. Q8 word p holds columns 4p..4p+3 (each byte
+        # q + 128 after _fma_load's xor).
+        xr = X + row * stride_xm
         if Q4:
-            xh = _load_x(xp + 16, xmask, K, GATED).to(tl.float32)
-            d += tl.sum(whi * xh[None, :, :], axis=2)
-        return acc + d
+            col = (g0 + j // GW) * 32 + (j % GW) * 4
+            x0 = _load_x(xr + col, jmask, K, GATED).to(tl.float32)
+            x1 = _load_x(xr + col + 16, jmask, K, GATED).to(tl.float32)
+            x2 = _load_x(xr + col + 1, jmask, K, GATED).to(tl.float32)
+            x3 = _load_x(xr + col + 17, jmask, K, GATED).to(tl.float32)
+            x4 = _load_x(xr + col + 2, jmask, K, GATED).to(tl.float32)
+            x5 = _load_x(xr + col + 18, jmask, K, GATED).to(tl.float32)
+            x6 = _load_x(xr + col + 3, jmask, K, GATED).to(tl.float32)
+            x7 = _load_x(xr + col + 19, jmask, K, GATED).to(tl.float32)
+            sxw = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+            p = _nib(WM, 0xF, 8388608.0) * x0[None, :]
+            p += _nib(WM, 0xF0, 8388608.0) * (x1 * 0.0625)[None, :]
+            p += _nib(WM, 0xF00, 8388608.0) * (x2 * 0.00390625)[None, :]
+            p += _nib(WM, 0xF000, 8388608.0) * (x3 * 0.000244140625)[None, :]
+            p += _nib(WM, 0xF0000, 8388608.0) * (x4 * 1.52587890625e-05)[None, :]
+            p += _nib(TM, 0xF00, 8388608.0) * (x5 * 0.00390625)[None, :]  # byte 2's high nibble, w bits 20..23
+            p += _nib(TM, 0xF000, 8388608.0) * (x6 * 0.000244140625)[None, :]
+            p += _nib(TM, 0xF0000, 8388608.0) * (x7 * 1.52587890625e-05)[None, :]
+        else:
+            col = (g0 * GW + j) * 4
+            x0 = _load_x(xr + col, jmask, K, GATED).to(tl.float32)
+            x1 = _load_x(xr + col + 1, jmask, K, GATED).to(tl.float32)
+            x2 = _load_x(xr + col + 2, jmask, K, GATED).to(tl.float32)
+            x3 = _load_x(xr + col + 3, jmask, K, GATED).to(tl.float32)
+            sxw = (x0 + x1) + (x2 + x3)
+            p = _nib(WM, 0xFF, 8388736.0) * x0[None, :]
+            p += _nib(WM, 0xFF00, 8421376.0) * (x1 * 0.00390625)[None, :]
+            p += _nib(TM, 0xFF, 8388736.0) * x2[None, :]
+            p += _nib(TM, 0xFF00, 8421376.0) * (x3 * 0.00390625)[None, :]
+        return tl.sum(tl.reshape(p, (BN, NG, GW)), axis=2), tl.sum(tl.reshape(sxw, (NG, GW)), axis=1)
 
     @triton.jit
-    def _fma_step(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, raw, s, m, X, g, g_hi, stride_xm, K,
-                  ROWS: tl.constexpr, Q4: tl.constexpr, GB: tl.constexpr, GATED: tl.constexpr):
-        # one K step of every row (ROWS <= 8, unrolled: one [BN, NG] accumulator a row); the tile is
-        # dequantized once, w = q * s + m in fp32 (q * s exact: the bits of dequantize()'s float32)
-        u = raw.to(tl.int32)
-        s3 = s[:, :, None]
-        m3 = m[:, :, None]
+    def _fma_load(w_rows, s_rows, m_rows, nmask, g0, g_hi, j, offs_g, GW: tl.constexpr, NG: tl.constexpr,
+                  Q4: tl.constexpr, EVEN: tl.constexpr):
+        # A K step's words [BN, NG * GW] (16-byte loads; exponent bits or-ed in, of w and of its
+        # shift) and its groups' scales and mins [BN, NG]; jmask [NG * GW]: the words inside the slice
+        g = g0 + offs_g
+        if EVEN:  # N a multiple of BLOCK_N, K of the step: no masks
+            jmask = j < NG * GW
+            w = tl.load(w_rows[:, None] + (g0 * GW + j)[None, :])
+            s = tl.load(s_rows[:, None] + g[None, :])
+            m = tl.load(m_rows[:, None] + g[None, :])
+        else:
+            jmask = g0 * GW + j < g_hi * GW
+            w = tl.load(w_rows[:, None] + (g0 * GW + j)[None, :], mask=nmask[:, None] & jmask[None, :], other=0)
+            gm = nmask[:, None] & (g < g_hi)[None, :]
+            s = tl.load(s_rows[:, None] + g[None, :], mask=gm, other=0.0)
+            m = tl.load(m_rows[:, None] + g[None, :], mask=gm, other=0.0)
         if Q4:
-            wlo = _small_int_to_float(u & 15) * s3 + m3
-            whi = _small_int_to_float(u >> 4) * s3 + m3
-            col = (g * 32)[:, None] + tl.arange(0, GB)[None, :]  # group g's bytes hold columns 32g + j (+16)
-        else:  # int8 q: 2^23 + q + 128 as its bits, minus 2^23 + 128 (exact)
-            wlo = (((u + 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0) * s3 + m3
-            whi = wlo
-            col = (g * GB)[:, None] + tl.arange(0, GB)[None, :]
-        xmask = (g < g_hi)[:, None] & (tl.arange(0, GB) < GB)[None, :]
-        acc0 = _fma_row(acc0, wlo, whi, X, 0, stride_xm, col, xmask, K, Q4, GATED)
+            t = w >> 12
+        else:  # int8 q -> q + 128 in each byte (bias 2^23 + 128 * 2^offset in _nib)
+            w = w ^ -2139062144  # 0x80808080
+            t = w >> 16
+        return w | 0x4B000000, t | 0x4B000000, s, m, jmask
+
+    @triton.jit
+    def _fma_step(acc0, acc1, acc2, acc3, WM, TM, s, m, X, stride_xm, j, g0, jmask, K, ROWS: tl.constexpr,
+                  BN: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, Q4: tl.constexpr, GATED: tl.constexpr):
+        # every row (ROWS <= 4, unrolled): acc [BN, NG] += s * sum_j q_j x_j + m * sum_j x_j a group
+        d, sx = _fma_row(WM, TM, X, 0, stride_xm, j, g0, jmask, K, BN, NG, GW, Q4, GATED)
+        acc0 += s * d + m * sx[None, :]
         if ROWS > 1:
-            acc1 = _fma_row(acc1, wlo, whi, X, 1, stride_xm, col, xmask, K, Q4, GATED)
+            d, sx = _fma_row(WM, TM, X, 1, stride_xm, j, g0, jmask, K, BN, NG, GW, Q4, GATED)
+            acc1 += s * d + m * sx[None, :]
         if ROWS > 2:
-            acc2 = _fma_row(acc2, wlo, whi, X, 2, stride_xm, col, xmask, K, Q4, GATED)
+            d, sx = _fma_row(WM, TM, X, 2, stride_xm, j, g0, jmask, K, BN, NG, GW, Q4, GATED)
+            acc2 += s * d + m * sx[None, :]
         if ROWS > 3:
-            acc3 = _fma_row(acc3, wlo, whi, X, 3, stride_xm, col, xmask, K, Q4, GATED)
-        if ROWS > 4:
-            acc4 = _fma_row(acc4, wlo, whi, X, 4, stride_xm, col, xmask, K, Q4, GATED)
-        if ROWS > 5:
-            acc5 = _fma_row(acc5, wlo, whi, X, 5, stride_xm, col, xmask, K, Q4, GATED)
-        if ROWS > 6:
-            acc6 = _fma_row(acc6, wlo, whi, X, 6, stride_xm, col, xmask, K, Q4, GATED)
-        if ROWS > 7:
-            acc7 = _fma_row(acc7, wlo, whi, X, 7, stride_xm, col, xmask, K, Q4, GATED)
-        return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+            d, sx = _fma_row(WM, TM, X, 3, stride_xm, j, g0, jmask, K, BN, NG, GW, Q4, GATED)
+            acc3 += s * d + m * sx[None, :]
+        return acc0, acc1, acc2, acc3
 
     @triton.jit
     def _put_row(acc, part, offs_m, row: tl.constexpr):
@@ -314,40 +338,38 @@ if triton is not None:
         return tl.where(offs_m[None, :] == row, tl.sum(part, axis=1)[:, None], acc)
 
     @triton.jit(do_not_specialize=["M", "splits"])
-    def _gemv_fma_kernel(X, QS, S, MN, B, Y, WS, CNT, M, N, K, NG_ROW, g_per, splits, stride_xm, stride_qn,
+    def _gemv_fma_kernel(X, QW, S, MN, B, Y, WS, CNT, M, N, K, NG_ROW, g_per, splits, stride_xm, stride_wn,
                          stride_sn, stride_ym, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, M_PAD: tl.constexpr,
-                         BLOCK_N: tl.constexpr, NG: tl.constexpr, GB: tl.constexpr, STAGES: tl.constexpr,
-                         Q4: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
-        # The FMA variant (CUDA cores, M = ROWS <= 8). Positions are groups of GB packed bytes
-        # (GB 16 for Q4: 32 weights; GROUP bytes for Q8): NG_ROW groups a row, NG a K step, g_per a
-        # K slice. Each group's scale and min apply once to its integer-weighted sum of x.
+                         BLOCK_N: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, STAGES: tl.constexpr,
+                         Q4: tl.constexpr, GATED: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
+        # The FMA variant (CUDA cores, M = ROWS <= 4). QW: the packed bytes as int32 words, GW a
+        # group (4 for Q4 and Q8/16, 8 for Q8/32); positions are groups: NG_ROW a row, NG a K step,
+        # g_per a K slice.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, M_PAD)
         offs_g = tl.arange(0, NG)
+        j = tl.arange(0, NG * GW)
         nmask = offs_n < N
         mmask = offs_m < M
         g_lo = pid_k * g_per
         g_hi = tl.minimum(g_lo + g_per, NG_ROW)
         rows = offs_n.to(tl.int64)
-        q_rows = QS + rows * stride_qn
+        w_rows = QW + rows * stride_wn
         s_rows = S + rows * stride_sn
         m_rows = MN + rows * stride_sn
         acc0 = tl.zeros((BLOCK_N, NG), tl.float32)
-        acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
-        # The first W tile is loaded before the PDL wait (no kernel writes weights), x after it.
-        g = g_lo + offs_g
-        raw, s, m = _fma_load(q_rows, s_rows, m_rows, nmask, g, g_hi, GB)
+        acc1, acc2, acc3 = acc0, acc0, acc0
+        # The first step's words are loaded before the PDL wait (no kernel writes weights), x after it.
+        WM, TM, s, m, jmask = _fma_load(w_rows, s_rows, m_rows, nmask, g_lo, g_hi, j, offs_g, GW, NG, Q4, EVEN)
         pdl.wait_prior(PDL)
-        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _fma_step(
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, raw, s, m, X, g, g_hi, stride_xm, K, ROWS, Q4, GB, GATED)
+        acc0, acc1, acc2, acc3 = _fma_step(acc0, acc1, acc2, acc3, WM, TM, s, m, X, stride_xm, j, g_lo, jmask, K,
+                                           ROWS, BLOCK_N, NG, GW, Q4, GATED)
         for g0 in tl.range(g_lo + NG, g_hi, NG, num_stages=STAGES):
-            g = g0 + offs_g
-            raw, s, m = _fma_load(q_rows, s_rows, m_rows, nmask, g, g_hi, GB)
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _fma_step(
-                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, raw, s, m, X, g, g_hi, stride_xm, K, ROWS, Q4, GB,
-                GATED)
+            WM, TM, s, m, jmask = _fma_load(w_rows, s_rows, m_rows, nmask, g0, g_hi, j, offs_g, GW, NG, Q4, EVEN)
+            acc0, acc1, acc2, acc3 = _fma_step(acc0, acc1, acc2, acc3, WM, TM, s, m, X, stride_xm, j, g0, jmask, K,
+                                               ROWS, BLOCK_N, NG, GW, Q4, GATED)
         acc = tl.zeros((BLOCK_N, M_PAD), tl.float32)  # reduce over the groups once; column r <- row r
         acc = _put_row(acc, acc0, offs_m, 0)
         if ROWS > 1:
@@ -356,14 +378,6 @@ if triton is not None:
             acc = _put_row(acc, acc2, offs_m, 2)
         if ROWS > 3:
             acc = _put_row(acc, acc3, offs_m, 3)
-        if ROWS > 4:
-            acc = _put_row(acc, acc4, offs_m, 4)
-        if ROWS > 5:
-            acc = _put_row(acc, acc5, offs_m, 5)
-        if ROWS > 6:
-            acc = _put_row(acc, acc6, offs_m, 6)
-        if ROWS > 7:
-            acc = _put_row(acc, acc7, offs_m, 7)
         split_k_store(acc, WS, CNT, B, Y, M, N, pid_n, pid_k, splits, offs_m, offs_n, mmask, nmask, stride_ym, HAS_BIAS)
 
     @triton.jit
@@ -518,12 +532,14 @@ def gemv(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.
     cnt = ws.new_empty(1, dtype=torch.int32) if cnt is None else cnt  # unused without split-K
     b = y if bias is None else bias.contiguous()
     if not dot:
-        gb = 16 if layout.q4 else layout.group  # bytes a group
+        gw = 4 if layout.q4 else layout.group // 4  # int32 words a group
+        ng = max(1, bw // (4 * gw))  # groups a K step
+        even = N % block_n == 0 and K % block_k == 0
         _gemv_fma_kernel[(tiles, splits)](
-            x, qs, scale, minimum, b, y, ws, cnt, M, N, K, K // per_byte // gb, k_per // per_byte // gb, splits,
-            x.stride(0), qs.stride(0), scale.stride(0), y.stride(0), HAS_BIAS=bias is not None, ROWS=M,
-            M_PAD=_pow2(M), BLOCK_N=block_n, NG=max(1, bw // gb), GB=gb, STAGES=stages, Q4=layout.q4, GATED=gated,
-            num_warps=warps, num_stages=stages, **pdl.launch(x.device))
+            x, qs.view(torch.int32), scale, minimum, b, y, ws, cnt, M, N, K, K // per_byte // (4 * gw),
+            k_per // per_byte // (4 * gw), splits, x.stride(0), qs.stride(0) // 4, scale.stride(0), y.stride(0),
+            HAS_BIAS=bias is not None, ROWS=M, M_PAD=_pow2(M), BLOCK_N=block_n, NG=ng, GW=gw, STAGES=stages,
+            Q4=layout.q4, GATED=gated, EVEN=even, num_warps=warps, num_stages=stages, **pdl.launch(x.device))
         return y
     _gemv_kernel[(tiles, splits)](
         x, qs, scale, minimum, b, y, ws, cnt, M, N, K, K // per_byte, k_per // per_byte, splits,
