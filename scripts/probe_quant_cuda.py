@@ -60,9 +60,10 @@ def model_shapes(name: str) -> dict[str, tuple[int, int, bool]]:
 
 
 CHECK_TYPES = (T.Q4_0, T.Q4_K, T.Q8_0, T.Q6_K)
-BENCH_TYPES = (T.Q4_K, T.Q8_0, T.Q6_K)  # one a layout: Q4/32, Q8/32, Q8/16
+#: one type a layout (Q4/32, Q8/32, Q8/16); PROBE_TYPES / PROBE_MS (comma lists) narrow a run (spawned workers read them too)
+BENCH_TYPES = tuple(T[n] for n in os.environ.get("PROBE_TYPES", "Q4_K,Q8_0,Q6_K").split(","))
 CHECK_MS = tuple(range(1, Q.FMA_MAX_M + 1))
-BENCH_MS = (1, 2, 4)
+BENCH_MS = tuple(int(v) for v in os.environ.get("PROBE_MS", "1,2,4").split(","))
 #: FMA configs swept on llama-1b's shapes: (BLOCK_N, BLOCK_K for Q4 (Q8: half, the same bytes a
 #: step), num_warps, num_stages); each with SPLIT_K 1 and with K split until ~528 programs (runtime
 #: arguments: no extra compile). (64, 512, 4, 3) is gemv_config's at M = 1, (32, 512, 4, 3) above.

@@ -70,9 +70,9 @@ KERNELS = {
     "silu_mul": (fused._silu_mul_kernel, dict(BLOCK=1024), False),
     "store_kv": (paged_decode._store_kv_kernel, dict(NKV=8, NKV_PAD=8, HD=64), False),
     "attention": (paged_decode._partition_kernel, dict(NKV=8, G=4, G_PAD=16, HD=64, BS=16, SPLITS=64, BN=64,
-                                                       IEEE=False, STAGES=2, STORE=False), False),
+                                                       MIN_PART=256, IEEE=False, STAGES=2, STORE=False), False),
     "attention_store": (paged_decode._partition_kernel, dict(NKV=8, G=4, G_PAD=16, HD=64, BS=16, SPLITS=64,
-                                                             BN=64, IEEE=False, STAGES=2, STORE=True), False),
+                                                             BN=64, MIN_PART=256, IEEE=False, STAGES=2, STORE=True), False),
 }
 
 

@@ -9,8 +9,8 @@ Two implementations of one contract:
 * :func:`paged_decode_torch` — gather every row's blocks, mask past its length, one SDPA call.
   Runs anywhere (CPU, CUDA without Triton); its cost grows with the table width, not the length.
 * :func:`paged_decode_triton` — split-K ("flash-decoding", Dao et al. 2023): each sequence's
-  context is cut into ``splits`` partitions of equal length (a multiple of ``BLOCK_N`` keys, set
-  from the sequence's own length inside the kernel), one program per (sequence, KV head,
+  context is cut into ``splits`` partitions of equal length (a multiple of ``BLOCK_N`` keys and at
+  least ``MIN_PART``, set from the sequence's own length inside the kernel), one program per (sequence, KV head,
   partition) runs an online softmax (Milakov & Gimelshein 2018) over its keys read straight from
   the pool through the block table, and the partitions are merged by their log-sum-exp in the
   same launch: each program holding keys stores its fp32 partial (output and log-sum-exp) and
@@ -68,6 +68,13 @@ MAX_SPLITS, SPLIT_WAVES = _splits_setting(os.environ.get("MONOBATCH_DECODE_SPLIT
 #: Keys one loop iteration of the Triton kernel loads (a multiple of 16 for tl.dot); partitions
 #: are multiples of it.
 BLOCK_N = 64
+#: Fewest keys a partition takes (a multiple of :data:`BLOCK_N`): a short context is split into
+#: fewer partitions than :func:`num_splits` allows, down to one (no merge): each merge costs a
+#: counter round trip and dependent L2 loads, more than a few more key blocks in one program.
+#: ``MONOBATCH_DECODE_MIN_PART`` overrides it (A/B runs).
+MIN_PART = _positive_setting("MONOBATCH_DECODE_MIN_PART", "256")
+if MIN_PART % BLOCK_N:
+    raise SystemExit(f"MONOBATCH_DECODE_MIN_PART={MIN_PART}: expected a multiple of {BLOCK_N}")
 #: Software-pipeline depth of the kernel's key loop (``tl.range(num_stages=)``): iterations whose
 #: loads are in flight at once. ``MONOBATCH_DECODE_STAGES`` overrides it (A/B runs).
 KV_STAGES = _positive_setting("MONOBATCH_DECODE_STAGES", "2")
@@ -133,8 +140,8 @@ if triton is not None:
                           stride_vnb, stride_vnh,
                           stride_ob, stride_oh, stride_op, stride_lb, stride_lh, stride_outb, stride_outh,
                           scale, window, NKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
-                          BS: tl.constexpr, SPLITS: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr,
-                          STAGES: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
+                          BS: tl.constexpr, SPLITS: tl.constexpr, BN: tl.constexpr, MIN_PART: tl.constexpr,
+                          IEEE: tl.constexpr, STAGES: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         part = tl.program_id(2)
@@ -142,7 +149,8 @@ if triton is not None:
         seq_len = tl.load(LENS + b)
         # keys lo .. seq_len - 1: all of them, or a sliding window's last `window` (ADR 0005)
         lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-        part_len = tl.cdiv(tl.cdiv(seq_len - lo, SPLITS), BN) * BN  # this sequence's partition length
+        # this sequence's partition length: SPLITS of them cover its keys, each at least MIN_PART
+        part_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len - lo, SPLITS), BN) * BN, MIN_PART)
         nparts = tl.cdiv(seq_len - lo, part_len)  # partitions holding keys (the others do nothing)
         start = lo + part * part_len
         end = tl.minimum(start + part_len, seq_len)
@@ -218,7 +226,7 @@ if triton is not None:
                 if tl.atomic_add(cnt, 1, sem="acq_rel") == nparts - 1:
                     offs_p = tl.arange(0, SPLITS)
                     pmask = offs_p < nparts
-                    for g in range(G):
+                    for g in tl.static_range(G):  # unrolled: the heads' loads in flight together
                         h = kvh * G + g
                         lse_p = tl.load(LSE_PART + b * stride_lb + h * stride_lh + offs_p, mask=pmask,
                                         other=float("-inf"), cache_modifier=".cg")
@@ -298,7 +306,7 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), 1.0 / math.sqrt(hd), int(window), NKV=n_kv, G=g,
-        G_PAD=max(16, triton.next_power_of_2(g)), HD=hd, BS=block_size, SPLITS=parts, BN=BLOCK_N,
+        G_PAD=max(16, triton.next_power_of_2(g)), HD=hd, BS=block_size, SPLITS=parts, BN=BLOCK_N, MIN_PART=MIN_PART,
         IEEE=q.dtype == torch.float32, STAGES=KV_STAGES, STORE=store, **pdl.launch(q.device))
     return out
 

@@ -109,17 +109,18 @@ def gemv_config(N: int, K: int, M: int, layout: Layout,
     slices, 4 stages, were the fastest for the Q4 layout at every shape and for Q8_0's qkv and o;
     wider 8-bit outputs (gate/up, the LM head) took 256-weight steps without a split. FMA configs:
     the FMA variant since 2026-12-03 (integer-weighted group sums, ~4.4 instructions a weight in
-    SASS at M = 1 against the earlier kernel's ~8.8): 64-row tiles (32 from M = 2: the
-    accumulators' registers) of 512 weights a step for Q4 and 256 for the 8-bit layouts, K split
-    until the grid has ~528 programs (4 a multiprocessor on the H200's 132). First guesses from
-    the SASS counts, not yet timed on the H200 (``scripts/probe_quant_cuda.py`` sweeps them)."""
+    SASS at M = 1 against the earlier kernel's ~8.8): 64-row tiles of 512 weights a step for Q4
+    and 256 for the 8-bit layouts, K split until the grid has ~528 programs (4 a multiprocessor on
+    the H200's 132); at M = 1 unpipelined (one stage: the H200 sweep of 2026-12-03 at llama-1b's
+    shapes, Q4_K and Q6_K, found it the fastest or within 10 % at every shape), from M = 2 32-row
+    tiles (the accumulators' registers) and 3 stages (untimed)."""
     fma = M <= FMA_MAX_M if variant == "fma" else (variant or VARIANT) == "fma" and M <= FMA_DEFAULT_M
     if fma:
         block_n, block_k = (64 if M == 1 else 32), (512 if layout.q4 else 256)
         block_k = max(32, min(block_k, _pow2(K)))
         steps = -(-K // block_k)
         tiles = -(-N // block_n)
-        return block_n, block_k, max(1, min(steps, -(-528 // tiles))), 4, 3, False
+        return block_n, block_k, max(1, min(steps, -(-528 // tiles))), 4, (1 if M == 1 else 3), False
     wide_q8 = not layout.q4 and N > 8192
     block_n, block_k, splits, warps, stages = (64, 256, 1, 4, 3) if wide_q8 else (64, 128, 4, 4, 4)
     block_k = max(32, min(block_k, _pow2(K)))
