@@ -105,11 +105,10 @@ def _check_triton_interpreter() -> str:
     """The split-K kernel (partitions and their fused merge in one launch) against the oracle,
     run in a TRITON_INTERPRET=1 subprocess. Cases (partitions per (sequence, KV head) from
     num_splits with 16 "SMs"): B=3 with lengths 1 / 513 / 1100 (2 splits: one sequence with a
-    single partition holding keys, written directly, and one past its length; 513 and 1100 in
-    two merged partitions), B=1 with 1100
-    keys (16 splits of at least MIN_PART = 256 keys: 5 holding keys, 11 past the length: the merge
-    skips them), B=2 with 5 / 70 keys (each under MIN_PART: written directly), B=16 (1 split),
-    and G = 3 query heads per KV head (padded rows). Each case runs twice with the same counters: identical bits (the merge's order does
+    single partition holding keys, written directly, and one past its length), B=1 with 1100
+    keys (16 splits, 9 holding keys, 7 past the length: the merge skips them), B=2 with 5 / 70
+    keys (one direct, one merged), B=16 (1 split), and G = 3 query heads per KV head (padded
+    rows). Each case runs twice with the same counters: identical bits (the merge's order does
     not depend on the arrival order) and the counters are left zeroed for the next call."""
     from monobatch.kernels.paged_decode import num_splits, paged_decode_triton, store_kv
     cpu = torch.device("cpu")

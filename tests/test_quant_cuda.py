@@ -204,6 +204,40 @@ def check_fma_gemv() -> str:
     return "ok"
 
 
+def check_dequant_matmul() -> str:
+    """From DEQUANT_MIN_M rows (16-bit activations, outside batch-invariant mode) the packed matmul
+    is the dequant path's product: the weight dequantized by one take launch into x's dtype, then
+    monobatch.kernels.gemv.linear, bit for bit (fp16 here: the interpreter; bf16 on CUDA), with
+    bias, a float32 output, an output column slice and the gated input; fewer rows take the
+    GEMV, and float32 activations the tiled GEMM."""
+    from monobatch.kernels import gemv as dense, quant_gemm as Q
+    from monobatch.kernels.fused import silu_mul
+    g = torch.Generator().manual_seed(11)
+    n, k = 40, 256
+    for i, qtype in enumerate(LAYOUT_TYPES):
+        rep, _ = _parts(qtype, n, k, seed=40 + i)
+        args = (rep.qs, rep.scale, rep.minimum, rep.layout)
+        w = Q.dequantize(*args).to(torch.float16)
+        assert torch.equal(Q.dequantized(*args, torch.float16), w)
+        bias = torch.randn(n, generator=g).half()
+        for M in (Q.DEQUANT_MIN_M, Q.DEQUANT_MIN_M + 13):
+            x = torch.randn(M, k, generator=g).half()
+            assert torch.equal(Q.matmul(x, *args, bias), dense.linear(x, w, bias))
+            assert torch.equal(Q.matmul(x, *args, out_dtype=torch.float32), dense.linear(x, w, None, torch.float32))
+            wide = torch.zeros(M, n + 8, dtype=torch.float32)
+            Q.matmul(x, *args, out=wide[:, 4:4 + n])
+            assert torch.equal(wide[:, 4:4 + n], dense.linear(x, w, None, torch.float32)) and not wide[:, :4].any()
+            gu = torch.randn(M, 2 * k, generator=g).half()
+            assert torch.equal(Q.matmul(gu, *args, gated=True), dense.linear(silu_mul(gu), w))
+            x32 = x.float()  # float32 activations: the tiled GEMM (IEEE products), not the 16-bit weights
+            assert torch.equal(Q.matmul(x32, *args), Q.gemm(x32, *args))
+    return "ok"
+
+
+def test_dequant_matmul_in_interpreter():
+    run_in_triton_interpreter("test_quant_cuda", "check_dequant_matmul")
+
+
 def test_fma_gemv_in_interpreter():
     run_in_triton_interpreter("test_quant_cuda", "check_fma_gemv")
 

@@ -68,11 +68,12 @@ MAX_SPLITS, SPLIT_WAVES = _splits_setting(os.environ.get("MONOBATCH_DECODE_SPLIT
 #: Keys one loop iteration of the Triton kernel loads (a multiple of 16 for tl.dot); partitions
 #: are multiples of it.
 BLOCK_N = 64
-#: Fewest keys a partition takes (a multiple of :data:`BLOCK_N`): a short context is split into
-#: fewer partitions than :func:`num_splits` allows, down to one (no merge): each merge costs a
-#: counter round trip and dependent L2 loads, more than a few more key blocks in one program.
-#: ``MONOBATCH_DECODE_MIN_PART`` overrides it (A/B runs).
-MIN_PART = _positive_setting("MONOBATCH_DECODE_MIN_PART", "256")
+#: Fewest keys a partition takes (a multiple of :data:`BLOCK_N`; the default, one block, sets no
+#: minimum beyond it). Larger values were measured slower on the H200 (2026-12-03, llama-1b B=1,
+#: same call: 256 keys a partition at a 256-key context 1,059 against 1,155 tok/s with 64; 1,024
+#: keys at a 1,024-key context 784 against 1,061 with 256): one program walking more key blocks costs more than the
+#: merge it saves. ``MONOBATCH_DECODE_MIN_PART`` sets it (A/B runs).
+MIN_PART = _positive_setting("MONOBATCH_DECODE_MIN_PART", "64")
 if MIN_PART % BLOCK_N:
     raise SystemExit(f"MONOBATCH_DECODE_MIN_PART={MIN_PART}: expected a multiple of {BLOCK_N}")
 #: Software-pipeline depth of the kernel's key loop (``tl.range(num_stages=)``): iterations whose

@@ -588,18 +588,55 @@ def gemm(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.
     return y
 
 
+#: Rows from which :func:`matmul` (outside batch-invariant mode) dequantizes the weight into a
+#: temporary in x's dtype and multiplies it with cuBLAS (:func:`monobatch.kernels.gemv.linear`, the
+#: dequant path's product, so the same bits as ``--weights dequant``) instead of the tiled packed
+#: GEMM, which dequantizes every weight tile once per row tile and fills few programs at a
+#: batch-decode M (llama-1b Q4_0 on the H200, 2026-12-03: TTFT at 256 tokens 8.3 ms packed
+#: against 2.8 dequantized, batched 64 x (128 + 128) 19.6k against 54.6k tok/s).
+#: ``MONOBATCH_PACKED_DEQUANT_M`` overrides it (A/B runs; a value above any batch keeps the GEMM).
+DEQUANT_MIN_M = int(os.environ.get("MONOBATCH_PACKED_DEQUANT_M", str(MAX_M + 1)))
+_ROWS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def dequantized(qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, layout: Layout,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The whole packed weight ``[N, K]`` in ``dtype``, one :func:`take` launch (its rows' bits are
+    :func:`dequantize`'s, rounded once to ``dtype``: the weights ``--weights dequant`` loads).
+    A fresh tensor each call (CUDA-graph capturable: the row ids are made once per device and N).
+
+    Raises:
+        RuntimeError: no Triton.
+    """
+    key = (qs.device, qs.shape[0])
+    ids = _ROWS.get(key)
+    if ids is None:
+        ids = _ROWS[key] = torch.arange(qs.shape[0], device=qs.device)
+    return take(ids, qs, scale, minimum, layout, dtype)
+
+
 def matmul(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, layout: Layout,
            bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
            out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """The dispatcher :meth:`monobatch.quant.packed.PackedWeight.matmul` calls on CUDA: x ``[M, K]``
     (``[M, 2K]`` gate/up rows with ``gated``, the product's input then ``silu(gate) * up``) ->
     ``[M, N]``. Batch-invariant mode: :func:`gemm` with :data:`INVARIANT_TILE` for every M; else
-    :func:`gemv` up to :data:`MAX_M` rows, :func:`gemm` above (gated: after
-    :func:`monobatch.kernels.fused.silu_mul`, whose bits the gated GEMV reproduces)."""
-    if x.shape[0] <= MAX_M and not invariant_gemm.active():
+    :func:`gemv` up to :data:`MAX_M` rows, from :data:`DEQUANT_MIN_M` rows the weight dequantized
+    into a temporary and multiplied by cuBLAS (:func:`dequantized`), :func:`gemm` between (gated:
+    after :func:`monobatch.kernels.fused.silu_mul`, whose bits the gated GEMV reproduces)."""
+    invariant = invariant_gemm.active()
+    if x.shape[0] <= MAX_M and not invariant:
         return gemv(x, qs, scale, minimum, layout, bias, out_dtype, out, gated=gated)
     if gated:
         x = fused.silu_mul(x)
+    if x.shape[0] >= DEQUANT_MIN_M and not invariant and x.dtype in (torch.bfloat16, torch.float16):
+        from monobatch.kernels.gemv import linear
+        w = dequantized(qs, scale, minimum, layout, x.dtype)
+        y = linear(x, w, bias, out.dtype if out is not None else out_dtype)
+        if out is None:
+            return y
+        out.copy_(y)
+        return out
     return gemm(x, qs, scale, minimum, layout, bias, out_dtype, out)
 
 
