@@ -16,19 +16,16 @@ by the tile, like any other). No shuffle of nibbles into column order is needed.
 * :func:`gemv` (decode rows, M <= :data:`MAX_M`), two variants (:func:`gemv_config` picks;
   ``MONOBATCH_PACKED_GEMV=fma|dot``, read at import, :data:`VARIANT`, is the A/B switch):
 
-  - **FMA** (M <= :data:`FMA_MAX_M` = 8, the default for M <= :data:`FMA_DEFAULT_M` = 2; CUDA
-    cores, meant to be bound by the weight bytes): each program holds a ``[BLOCK_N, NG, GB]`` tile of packed bytes (GB: a group's
-    bytes, 16 for Q4's 32 weights, GROUP for Q8; one 16-byte load per group and row), kept 3-D
-    throughout (no ``tl.reshape``: the FMA variant before it reshaped that tile to
-    ``[BLOCK_N, NG * GB]`` and gave wrong rows on the H200 at some tiles, ADR 0006). The tile is
-    dequantized once a step in fp32 (``w = q * s + m`` with the group's scale and min broadcast
-    along GB; ``q * s`` is exact, so these are :func:`dequantize`'s float32 weights bit for bit),
-    then for each row of x (unrolled, one ``[BLOCK_N, NG]`` fp32 accumulator a row) multiplied by
-    x at the group's columns (``[NG, GB]``; Q4: the low and the high nibbles' two column sets) and
-    summed over GB within the thread; the accumulators are reduced over NG once, after the K loop.
-    **No weight is rounded to bf16**: the products are of bf16 (or fp32) activations and the exact
-    fp32 weights, so its results differ from the DOT path's and the dequantized bf16 path's by
-    the weights' bf16 rounding (they are closer to the fp32 product).
+  - **FMA** (M <= :data:`FMA_MAX_M` = 4, the default for M <= :data:`FMA_DEFAULT_M` = 2; CUDA
+    cores; ADR 0006, "the FMA GEMV as integer-weighted group sums"): the packed bytes are read as
+    int32 words (``QW``: ``qs.view(torch.int32)``), a K step's ``[BLOCK_N, NG * GW]`` words in
+    16-byte loads (GW: a group's words). Each 4- or 8-bit field becomes a float with one masked
+    AND of ``w | 0x4B000000`` (2^23's exponent) and one exact subtract — the field's integer times
+    2^offset; x at the field's column is taken times 2^-offset, so every product is ``q * x``
+    exactly — and a group's scale and min apply once: ``acc += s * sum(q x) + m * sum(x)``, one
+    ``[BLOCK_N, NG]`` fp32 accumulator a row of x (unrolled), reduced over NG after the K loop.
+    No weight is rounded to bf16 (the results differ from the DOT and dequantized bf16 paths by
+    the weights' bf16 rounding, closer to the fp32 product).
   - **DOT** (every M, 1..16; the default above FMA_DEFAULT_M): the ``[BLOCK_N, BLOCK_K]`` tile
     rounded to x's dtype (bf16: the dequant path's weights exactly, which are rounded to bf16 at
     load) times x^T padded to 16 columns on the tensor cores, fp32 accumulation.
@@ -39,9 +36,13 @@ by the tile, like any other). No shuffle of nibbles into column order is needed.
   allocation: CUDA-graph capturable. A gated input (SwiGLU's down projection) is
   ``silu(gate) * up`` computed as it is loaded, with :func:`monobatch.kernels.fused.silu_mul`'s
   bits. The batch-invariant mode does not use either (below).
-* :func:`gemm` (prefill, large batches): ``[BM, BN]`` output tiles, K walked in ascending
-  ``BK`` steps; each step dequantizes a ``[BN, BK]`` tile of W in registers (rounded to x's
-  dtype) and ``tl.dot``-s it with the x tile into one fp32 accumulator. No split-K.
+* From :data:`DEQUANT_MIN_M` rows (prefill, batches; 16-bit activations): :func:`matmul`
+  dequantizes the weight into a temporary (:func:`dequantized`) and multiplies it by cuBLAS
+  (:func:`monobatch.kernels.gemv.linear`): the ``--weights dequant`` path's bits.
+* :func:`gemm` (the batch-invariant mode, float32 activations, or rows below
+  :data:`DEQUANT_MIN_M`): ``[BM, BN]`` output tiles, K walked in ascending ``BK`` steps; each step
+  dequantizes a ``[BN, BK]`` tile of W in registers (rounded to x's dtype) and ``tl.dot``-s it
+  with the x tile into one fp32 accumulator. No split-K.
 * **Batch invariance** (``--deterministic``, :func:`monobatch.kernels.invariant_gemm.active`):
   :func:`matmul` sends every M, decode rows included, to :func:`gemm` with the one tile
   :data:`INVARIANT_TILE`, so a row's sum has the same order (same MMA steps over the same K
@@ -79,8 +80,9 @@ MAX_M = 16
 #: Most rows the FMA variant of the GEMV takes (a config asking for it, or ``variant="fma"``).
 FMA_MAX_M = 4
 #: Most rows :func:`gemv_config` gives the FMA variant by default: on the H200 (2026-12-02,
-#: ``scripts/probe_quant_cuda.py``) it beat the DOT variant at M = 1 (1.1-2x) and about tied at
-#: M = 2 for Q4 (ahead for the 8-bit layouts); from M = 4 DOT was faster for Q4 at most shapes.
+#: ``scripts/probe_quant_cuda.py``) the earlier FMA kernel beat the DOT variant at M = 1 (1.1-2x)
+#: and about tied at M = 2 for Q4; the 2026-12-03 kernel is 1.7-2.5x DOT at M = 1 (not yet timed
+#: at M = 2..4, so the bound is kept).
 FMA_DEFAULT_M = 2
 #: ``MONOBATCH_PACKED_GEMV`` (read once, at import): ``fma`` (the default: the FMA variant for
 #: M <= FMA_DEFAULT_M, DOT above) or ``dot`` (the DOT variant for every M; the A/B switch).
