@@ -60,7 +60,8 @@ def model_shapes(name: str) -> dict[str, tuple[int, int, bool]]:
 
 
 CHECK_TYPES = (T.Q4_0, T.Q4_K, T.Q8_0, T.Q6_K)
-#: one type a layout (Q4/32, Q8/32, Q8/16); PROBE_TYPES / PROBE_MS (comma lists) narrow a run (spawned workers read them too)
+#: one type a layout (Q4/32, Q8/32, Q8/16); PROBE_TYPES / PROBE_MS (comma lists) narrow a run (spawned
+#: workers read them too)
 BENCH_TYPES = tuple(T[n] for n in os.environ.get("PROBE_TYPES", "Q4_K,Q8_0,Q6_K").split(","))
 CHECK_MS = tuple(range(1, Q.FMA_MAX_M + 1))
 BENCH_MS = tuple(int(v) for v in os.environ.get("PROBE_MS", "1,2,4").split(","))

@@ -26,10 +26,12 @@ timed on its own (exclusive time: a phase's time excludes the phases it calls):
 Rows: B requests of random short prompts, plain greedy (``greedy``) or sampled at temperature 0.8,
 top_p 0.95 and a seed (``sampled``), each generating ``-n`` tokens (EOS ignored by none: the
 synthetic vocabulary has no EOS). The loop runs async scheduling (the path the GPU takes) unless
-``--sync``; ``--graphs`` runs decode steps through the CUDA-graph path (the GPU's). Arms run in interleaved rounds; each prints the minimum over rounds of the per-round
+``--sync``; ``--graphs`` runs decode steps through the CUDA-graph path (the GPU's).
+Arms run in interleaved rounds; each prints the minimum over rounds of the per-round
 median of each phase, in us per row-step.
 
-    PYTHONPATH=src .venv/bin/python scripts/profile_host_rows.py [-b 32,128,256] [-n 48] [--rounds 5] [--graphs] [--sync]
+    PYTHONPATH=src .venv/bin/python scripts/profile_host_rows.py [-b 32,128,256] [-n 48] [--rounds 5] \
+        [--graphs] [--sync]
     PYTHONPATH=src .venv/bin/python scripts/profile_host_rows.py -b 128 --cprofile sampled   # + top functions
 """
 
@@ -54,7 +56,8 @@ from monobatch.engine.scheduler import BatchScheduler
 from monobatch.engine.sequence import Request
 from monobatch.loader.dummy import dummy_model
 
-PHASES = ("schedule", "build", "kv_prepare", "kv_commit", "ban", "plan", "sample", "resolve", "finish", "after", "other")
+PHASES = ("schedule", "build", "kv_prepare", "kv_commit", "ban", "plan", "sample", "resolve", "finish", "after",
+          "other")
 
 
 class Phases:
@@ -169,7 +172,8 @@ def main() -> None:
                       flush=True)
     result = {}
     if ns.rounds:
-        print(f"\nus per row-step, min over {ns.rounds} rounds of each round's median ({'sync' if ns.sync else 'async'})")
+        mode = "sync" if ns.sync else "async"
+        print(f"\nus per row-step, min over {ns.rounds} rounds of each round's median ({mode})")
         print(f"{'B':>4} {'arm':8} " + " ".join(f"{k:>9}" for k in (*PHASES, "host")))
     for b in sizes if ns.rounds else ():
         for a in arms:

@@ -282,7 +282,8 @@ def test_prompt_from_a_file_as_llama_cpp_reads_it(tmp_path):
     assert from_file.returncode == 0 and from_flag.returncode == 0, from_file.stderr + from_flag.stderr
     a, b = json.loads(from_file.stdout), json.loads(from_flag.stdout)
     assert a["token_ids"] == b["token_ids"] and a["usage"] == b["usage"]
-    assert_one_line_error(monobatch("generate", "-f", str(prompt), "-p", "hi", "--no-progress"), "give the prompt once")
+    assert_one_line_error(monobatch("generate", "-f", str(prompt), "-p", "hi", "--no-progress"),
+                          "the prompt was given with -p/--prompt and with -f/--file: give it once")
     assert_one_line_error(monobatch("generate", "-f", str(tmp_path / "absent.txt"), "--no-progress"),
                           "cannot read the prompt file")
 

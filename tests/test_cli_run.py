@@ -180,9 +180,10 @@ def free_port() -> int:
     (["--server-base", "http://127.0.0.1:{port}", "--loop-window", "8", "hi"], ["--loop-window", "server setting"]),
     (["--api-key", "k", "hi"], ["--api-key needs --server-base"]),
     (["--top-p", "2", "hi"], ["--top-p"]),
-    (["--logprobs", "2", "hi"], ["--logprobs"]),
+    (["--logprobs", "2", "hi"], ["unrecognized arguments: --logprobs"]),  # run prints text only
     (["-m", "/nowhere/model.gguf", "hi"], ["model not found"]),
-    (["-p", "a", "b"], ["once"]),
+    (["-p", "a", "b"], ["the prompt was given as an argument and with -p/--prompt: give it once"]),
+    (["-ngl", "99", "hi"], ["-ngl", "no layer offload", "--device cuda"]),  # llama.cpp's flag, not "-n gl"
     ([""], ["prompt is empty"]),
     (["--frobnicate", "hi"], ["unrecognized"]),
 ])

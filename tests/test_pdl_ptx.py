@@ -72,7 +72,8 @@ KERNELS = {
     "attention": (paged_decode._partition_kernel, dict(NKV=8, G=4, G_PAD=16, HD=64, BS=16, SPLITS=64, BN=64,
                                                        MIN_PART=256, IEEE=False, STAGES=2, STORE=False), False),
     "attention_store": (paged_decode._partition_kernel, dict(NKV=8, G=4, G_PAD=16, HD=64, BS=16, SPLITS=64,
-                                                             BN=64, MIN_PART=256, IEEE=False, STAGES=2, STORE=True), False),
+                                                             BN=64, MIN_PART=256, IEEE=False, STAGES=2,
+                                                             STORE=True), False),
 }
 
 

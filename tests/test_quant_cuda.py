@@ -175,7 +175,8 @@ def check_fma_gemv() -> str:
     """The FMA GEMV (interpreter, fp32 activations) on each layout at every M it takes, against the
     float64 reference: N = 40 (off every BLOCK_N), K off the step (Q4_0/Q8_0 K = 320 with
     256-weight steps, Q6_K K = 768 with 512-weight steps), split-K off and on (2 and 3 slices: a
-    short last slice), bias; the gated input has the bits of the product of silu_mul's output."""
+    short last slice), bias; the gated input has the bits of the product of silu_mul's output;
+    and N = 32, K = 512 at M = 2..FMA_MAX_M (whole tiles and steps: the unmasked loads)."""
     from monobatch.kernels import quant_gemm as Q
     from monobatch.kernels.fused import silu_mul
     g = torch.Generator().manual_seed(7)
@@ -201,37 +202,61 @@ def check_fma_gemv() -> str:
                     assert torch.equal(got, Q.gemv(silu_mul(gu), *args, bias, config=cfg)), (qtype.name, M, cfg)
         with pytest.raises(ValueError):
             Q.gemv(torch.zeros(Q.FMA_MAX_M + 1, k), *args, config=(16, 64, 1, 4, 2, False))
+        # N a multiple of BLOCK_N and K of the step: the unmasked (EVEN) loads, split in 2 slices
+        rep, w = _parts(qtype, 32, 512, seed=30 + i)
+        for M in range(2, Q.FMA_MAX_M + 1):
+            x = torch.randn(M, 512, generator=g)
+            cfg = (16, 256 if rep.layout.q4 else 128, 2, 4, 2, False)
+            got = Q.gemv(x, rep.qs, rep.scale, rep.minimum, rep.layout, config=cfg)
+            assert _rel(got, x.double() @ w.T) <= REL_TOL, (qtype.name, M)
     return "ok"
 
 
-def check_dequant_matmul() -> str:
-    """From DEQUANT_MIN_M rows (16-bit activations, outside batch-invariant mode) the packed matmul
-    is the dequant path's product: the weight dequantized by one take launch into x's dtype, then
-    monobatch.kernels.gemv.linear, bit for bit (fp16 here: the interpreter; bf16 on CUDA), with
-    bias, a float32 output, an output column slice and the gated input; fewer rows take the
-    GEMV, and float32 activations the tiled GEMM."""
+def check_dequant_matmul(device: str = "cpu") -> str:
+    """From DEQUANT_MIN_M rows (16-bit activations, outside batch-invariant mode) a packed product
+    is the dequant path's: the weight dequantized by take launches into x's dtype, then
+    monobatch.kernels.gemv.linear once, bit for bit — one part through quant_gemm.matmul, and a
+    fused weight of two layouts (Q4_K rows over Q6_K rows) through PackedWeight.cuda_matmul, one
+    product of the whole [N, K] — with bias, a float32 output, an output column slice and the
+    gated input; float32 activations take the tiled GEMM. fp16 in the interpreter, bf16 on CUDA."""
     from monobatch.kernels import gemv as dense, quant_gemm as Q
     from monobatch.kernels.fused import silu_mul
+    from monobatch.quant.packed import PackedWeight
+    dt = torch.float16 if device == "cpu" else torch.bfloat16
     g = torch.Generator().manual_seed(11)
     n, k = 40, 256
     for i, qtype in enumerate(LAYOUT_TYPES):
-        rep, _ = _parts(qtype, n, k, seed=40 + i)
+        rep, _ = _parts(qtype, n, k, seed=40 + i, device=device)
         args = (rep.qs, rep.scale, rep.minimum, rep.layout)
-        w = Q.dequantize(*args).to(torch.float16)
-        assert torch.equal(Q.dequantized(*args, torch.float16), w)
-        bias = torch.randn(n, generator=g).half()
+        w = Q.dequantize(*args).to(dt)
+        bias = torch.randn(n, generator=g).to(device, dt)
         for M in (Q.DEQUANT_MIN_M, Q.DEQUANT_MIN_M + 13):
-            x = torch.randn(M, k, generator=g).half()
+            x = torch.randn(M, k, generator=g).to(device, dt)
             assert torch.equal(Q.matmul(x, *args, bias), dense.linear(x, w, bias))
             assert torch.equal(Q.matmul(x, *args, out_dtype=torch.float32), dense.linear(x, w, None, torch.float32))
-            wide = torch.zeros(M, n + 8, dtype=torch.float32)
+            wide = torch.zeros(M, n + 8, dtype=torch.float32, device=device)
             Q.matmul(x, *args, out=wide[:, 4:4 + n])
             assert torch.equal(wide[:, 4:4 + n], dense.linear(x, w, None, torch.float32)) and not wide[:, :4].any()
-            gu = torch.randn(M, 2 * k, generator=g).half()
+            gu = torch.randn(M, 2 * k, generator=g).to(device, dt)
             assert torch.equal(Q.matmul(gu, *args, gated=True), dense.linear(silu_mul(gu), w))
             x32 = x.float()  # float32 activations: the tiled GEMM (IEEE products), not the 16-bit weights
             assert torch.equal(Q.matmul(x32, *args), Q.gemm(x32, *args))
+    a, b = random_blocks(T.Q4_K, 64, k, 1), random_blocks(T.Q6_K, 32, k, 2)
+    fused = PackedWeight.from_repacked([(repack(T.Q4_K, a, k), "Q4_K"), (repack(T.Q6_K, b, k), "Q6_K")], k).to(device)
+    whole = np.concatenate([dequantize(a, T.Q4_K), dequantize(b, T.Q6_K)]).reshape(96, k)
+    whole = torch.from_numpy(whole).to(device, dt)
+    bias = torch.randn(96, generator=g).to(device, dt)
+    x = torch.randn(Q.DEQUANT_MIN_M + 3, k, generator=g).to(device, dt)
+    assert torch.equal(fused.cuda_matmul(x, bias), dense.linear(x, whole, bias))
+    gu = torch.randn(Q.DEQUANT_MIN_M, 2 * k, generator=g).to(device, dt)
+    assert torch.equal(fused.cuda_matmul(gu, gated=True, out_dtype=torch.float32),
+                       dense.linear(silu_mul(gu), whole, None, torch.float32))
     return "ok"
+
+
+def test_dequant_matmul_cuda():
+    _cuda()
+    assert check_dequant_matmul("cuda") == "ok"
 
 
 def test_dequant_matmul_in_interpreter():
@@ -571,7 +596,7 @@ def test_kernels_compile_for_sm90(q4, variant):
 
 
 @pytest.mark.parametrize("layout", [(True, 32), (False, 32), (False, 16)], ids=["Q4", "Q8", "Q8_16"])
-@pytest.mark.parametrize("rows", [1, 2, 4, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_fma_gemv_compiles_for_sm90(layout, rows):
     """The FMA GEMV at its default config for llama-1b's gate/up (rows 2: the gated input, bias)
     compiles for sm_90 with no register spills, its packed bytes in 16-byte loads (``cp.async`` of

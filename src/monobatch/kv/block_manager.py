@@ -27,6 +27,10 @@ from typing import Callable, Sequence
 from monobatch.kv.attention import window_start
 from monobatch.kv.block_pool import ROOT_HASH, BlockPool, block_hash
 
+#: Stamps of block-table changes (BlockManager.stamp), one count for every manager in the process:
+#: a host buffer that outlives one manager never takes another's stamp for its own.
+_STAMPS = itertools.count(1)
+
 
 @dataclass(frozen=True, slots=True)
 class LayerGroup:
@@ -84,7 +88,6 @@ class BlockManager:
         self._tokens: dict[int, list[int]] = {}  # cached token ids, to key full blocks
         self._keys: dict[int, list[bytes]] = {}  # chained prefix-cache keys of the full blocks
         self._stamp: dict[int, int] = {}  # seq -> the stamp of its tables' last change (see stamp)
-        self._stamps = itertools.count(1)
 
     # -- queries ----------------------------------------------------------------------------------
     def seq_len(self, seq_id: int) -> int:
@@ -106,8 +109,8 @@ class BlockManager:
 
     def stamp(self, seq_id: int) -> int:
         """A number that changes whenever any of ``seq_id``'s block tables does (a block appended,
-        copied on write, released past a window, trimmed; a new table), unique across sequences
-        and changes: two equal stamps mean the same tables. 0 for an unknown sequence. Lets a
+        copied on write, released past a window, trimmed; a new table), unique across sequences,
+        changes and managers: two equal stamps mean the same tables. 0 for an unknown sequence. Lets a
         caller that mirrors the tables elsewhere (:meth:`PagedKv.prepare_decode`'s host buffer)
         rewrite a row only when its table changed."""
         return self._stamp.get(seq_id, 0)
@@ -170,7 +173,7 @@ class BlockManager:
                 table[i] = new
             while len(table) < want:
                 table.append(self.pool.allocate())
-        self._stamp[seq_id] = next(self._stamps)
+        self._stamp[seq_id] = next(_STAMPS)
         return True
 
     # -- the prefix cache ---------------------------------------------------------------------------
@@ -216,7 +219,7 @@ class BlockManager:
             tables.append([None] * lo + [pool.lookup(self._key(chain[i][0], g), chain[i][1], chain[i][2])
                                          for i in range(lo, n)])
         self._tables[seq_id], self._keys[seq_id] = tables, [key for key, _, _ in chain[:n]]
-        self._stamp[seq_id] = next(self._stamps)
+        self._stamp[seq_id] = next(_STAMPS)
         self._len[seq_id], self._tokens[seq_id] = n * bs, list(token_ids[:n * bs])
         return n * bs
 
@@ -243,7 +246,7 @@ class BlockManager:
                         break  # released before (released blocks are a prefix of the table)
                     self.pool.release(table[i])
                     table[i] = None
-                    self._stamp[seq_id] = next(self._stamps)
+                    self._stamp[seq_id] = next(_STAMPS)
 
     # -- lifetime ------------------------------------------------------------------------------------
     def trim(self, seq_id: int, n: int) -> None:
@@ -265,7 +268,7 @@ class BlockManager:
                 if block is not None:
                     self.pool.release(block)
             del table[keep:]
-        self._stamp[seq_id] = next(self._stamps)
+        self._stamp[seq_id] = next(_STAMPS)
         self._len[seq_id] = n
         del self._tokens[seq_id][n:]
         del self._keys[seq_id][n // bs:]
@@ -287,7 +290,7 @@ class BlockManager:
                 if block is not None:
                     self.pool.share(block)
         self._tables[dst], self._len[dst] = tables, n
-        self._stamp[dst] = next(self._stamps)
+        self._stamp[dst] = next(_STAMPS)
         self._tokens[dst], self._keys[dst] = list(self._tokens.get(src, [])), list(self._keys.get(src, []))
 
     def free(self, seq_id: int) -> None:

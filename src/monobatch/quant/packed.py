@@ -214,12 +214,18 @@ class PackedWeight:
                     out_dtype: torch.dtype | None = None, gated: bool = False) -> torch.Tensor:
         """:meth:`matmul` on CUDA: x ``[..., K]`` (bf16/fp16, or fp32) -> ``[..., N]`` by
         :func:`monobatch.kernels.quant_gemm.matmul`, one launch a part, each writing its columns of
-        one output (no concatenation). Capturable in a CUDA graph. With ``gated``, x is ``[..., 2K]``
+        one output (no concatenation); where :func:`monobatch.kernels.quant_gemm.dequant_rows`
+        (prompts, batches), every part dequantized into one temporary and one cuBLAS product
+        (:func:`monobatch.kernels.quant_gemm.dequant_matmul`: the dequant path's bits, fused
+        weights included). Capturable in a CUDA graph. With ``gated``, x is ``[..., 2K]``
         SwiGLU gate/up rows and the product's input ``silu(gate) * up`` (the down projection: the
         SiLU computed inside the GEMV, with :func:`monobatch.kernels.fused.silu_mul`'s bits)."""
         lead, K = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, K)
-        if len(self.parts) == 1:
+        if quant_gemm.dequant_rows(x2):  # prompts, batches: one dequantized temporary, one cuBLAS product
+            y = quant_gemm.dequant_matmul(x2, [(p.qs, p.scale, p.minimum, p.layout) for p in self.parts], bias,
+                                          out_dtype, gated)
+        elif len(self.parts) == 1:
             p = self.parts[0]
             y = quant_gemm.matmul(x2, p.qs, p.scale, p.minimum, p.layout, bias, out_dtype, gated=gated)
         else:

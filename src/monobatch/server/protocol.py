@@ -79,6 +79,8 @@ def _whole_float(value: Any) -> Any:
 JsonInt = Annotated[int, BeforeValidator(_whole_float)]
 #: pydantic's error types of a value outside a field's bounds.
 _RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal"})
+#: Characters of a refused value a range error shows (the rest as "...").
+_SHOWN = 80
 
 
 def _bounded(low: int, high: int | None = None) -> Any:
@@ -97,7 +99,9 @@ def _bounded(low: int, high: int | None = None) -> Any:
             if kind not in _RANGE_ERRORS and not kind.startswith("int_"):
                 raise
             what = "must be " + allowed if kind in _RANGE_ERRORS else "must be an integer " + allowed
-            got = json.dumps(value, ensure_ascii=True, default=repr)  # escapes: a lone surrogate never reaches the reply
+            # escaped (a lone surrogate never reaches the reply) and cut (a huge value is not echoed)
+            got = json.dumps(value, ensure_ascii=True, default=repr)
+            got = got if len(got) <= _SHOWN else got[:_SHOWN] + "..."
             raise PydanticCustomError("range", "{field}: " + what + ", got {got}",
                                       {"field": info.field_name, "got": got}) from None
 

@@ -96,11 +96,12 @@ def history_calls(calls: Any, i: int) -> list[tuple[str, str, Any]]:
 
     Raises:
         InvalidRequestError: ``tool_calls`` not a list (param ``messages[i].tool_calls``), a call
-            without ``function.name`` (param ``messages[i].tool_calls[k]``), one whose ``id`` is missing, not a string or
-            the id of an earlier call of the same message (param ``messages[i].tool_calls[k].id``:
-            a tool message answers a call by its id), or whose ``function.arguments`` is missing
-            or not a string (param ``messages[i].tool_calls[k].function.arguments``: OpenAI's
-            arguments are JSON text, never a JSON object).
+            without ``function.name`` (param ``messages[i].tool_calls[k]``), one whose ``id`` is
+            missing, not a string or the id of an earlier call of the same message (param
+            ``messages[i].tool_calls[k].id``: a tool message answers a call by its id), or whose
+            ``function.arguments`` is missing or not a string (param
+            ``messages[i].tool_calls[k].function.arguments``: OpenAI's arguments are JSON text,
+            never a JSON object).
     """
     if not isinstance(calls, list):
         raise InvalidRequestError(f"messages[{i}].tool_calls must be a list", f"messages[{i}].tool_calls")

@@ -3,14 +3,11 @@
 # ~9 minutes on a fresh machine): its CUDA tests, scripts/probe_quant_cuda.py (check at llama-1b's
 # shapes, M = 1..4, then the bench and config sweep beside the DOT variant and dense bf16), and
 # `monobatch bench` B=1 on llama-1b: dense bf16, packed Q4_0 and packed Q4_K (MONOBATCH_CUDA_PACKED=1).
-# Usage: bash scripts/gpu_fma_probe.sh OUTDIR [BUDGET_S]   (writes log.txt, tests.txt, probe.txt, bench.jsonl)
+# Usage (it was scripts/gpu_fma_probe.sh): bash f1.sh OUTDIR [BUDGET_S]   (writes log.txt, tests.txt, probe.txt, bench.jsonl)
 set -u
 OUT=${1:?OUTDIR}; BUDGET=${2:-540}; mkdir -p "$OUT"
-T0=$SECONDS
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+T0=$SECONDS LOG="$OUT/log.txt"; export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests
-LOG="$OUT/log.txt"
 nvidia-smi --query-gpu=name,driver_version,utilization.gpu,memory.used --format=csv > "$LOG"
 git log -1 --format='commit %H %s' >> "$LOG" 2>/dev/null
 stamp() { echo "$1 at $((SECONDS - T0)) s" >> "$LOG"; }
