@@ -650,3 +650,14 @@ def test_params_refuse_malformed_logit_bias_and_breakers(kw):
     with pytest.raises(InvalidRequestError):
         SamplingParams(**kw)
     assert SamplingParams(logit_bias={"5": -100}).logit_bias == {5: -100.0}
+
+
+def test_repeat_penalty_results_stay_finite():
+    """A penalty that is 0 or inf in float32 (a positive float64 rounded) leaves finite logits: an
+    infinite one becomes float32's largest, a NaN 0; a finite result keeps its bits."""
+    x = torch.tensor([[2.0, -3.0, 0.5, -1.0]])
+    rows, cols = torch.tensor([0, 0, 0, 0]), torch.tensor([0, 1, 2, 3])
+    big = torch.finfo(torch.float32).max
+    out = stages.apply_repeat_penalty(x.clone(), rows, cols, torch.tensor([0.0, 0.0, float("inf"), 1.3]))
+    assert torch.isfinite(out).all()
+    assert out.tolist() == [[big, -0.0, 0.0, torch.tensor(-1.0 * 1.3).item()]]

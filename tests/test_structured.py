@@ -8,6 +8,7 @@ constrained reply that ends with ``stop`` is validated with ``jsonschema``.
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import numpy as np
@@ -1052,3 +1053,18 @@ def test_the_grammar_compiler_itself_refuses_a_bad_regex_in_one_line(loaded, pat
     for call in (grammars.compile, grammars.matcher):
         with pytest.raises(InvalidRequestError, match=f"^regex: the regular expression .* does not compile: .*{cause}"):
             call(spec)
+
+
+@pytest.mark.parametrize("penalty", [5e-324, 1e300])
+def test_a_penalty_past_float32_keeps_the_grammar_in_charge(server, penalty):
+    """A repeat penalty that rounds to 0 or inf in float32 (the fuzzer's 5e-324) once put inf into
+    the logits: the softmax went NaN, the draw left the grammar's mask, the matcher failed and the
+    reply was a 500. The penalty's results are kept finite, so the constrained reply is a JSON
+    prefix (finish_reason length at 12 tokens) or whole JSON, never an error."""
+    body = {"messages": QUESTION, "repeat_penalty": penalty, "max_tokens": 12, "logprobs": True,
+            "response_format": {"type": "json_object"}}
+    got = server.post("/v1/chat/completions", body)
+    assert got.status_code == 200, got.text
+    choice = got.json()["choices"][0]
+    assert choice["finish_reason"] in ("length", "stop") and choice["message"]["content"].startswith("{")
+    assert all(math.isfinite(t["logprob"]) or t["logprob"] == float("-inf") for t in choice["logprobs"]["content"])

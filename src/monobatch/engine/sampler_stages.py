@@ -56,16 +56,19 @@ def apply_repeat_penalty(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor
 
     A logit ``<= 0`` is multiplied by the penalty, a positive one divided by it (the usual fix of
     CTRL's divide-only rule, which would make negative logits more likely). Applied once per
-    token, whatever its count.
+    token, whatever its count. The results are kept finite (an infinite one becomes float32's
+    largest, a NaN 0): a penalty that underflows float32 (``5e-324`` is 0 there) or overflows it
+    would otherwise put inf or NaN into the softmax, and a grammar's mask could no longer decide
+    the draw (a fuzzed request once ended in a 500 that way). Finite results are unchanged.
 
     Args:
         x: (R, V) float32, changed in place. rows, cols: (E,) int64, one entry per (row, token).
-        penalty: (E,) float32 > 0.
+        penalty: (E,) float32 >= 0 (a positive float64 penalty may round to 0 or inf).
     Returns:
         x.
     """
     v = x[rows, cols]
-    x[rows, cols] = torch.where(v <= 0, v * penalty, v / penalty)
+    x[rows, cols] = torch.where(v <= 0, v * penalty, v / penalty).nan_to_num_()
     return x
 
 
