@@ -3,6 +3,7 @@ configs and row counts on this GPU? And cuBLAS's (torch.mm)? Plus each config's 
 
     PYTHONPATH=src python3 scripts/check_gemm_invariance.py [--shapes llama-1b,smollm2-135m] [--json OUT]
         [--tiles 128x128x64x8x3,128x128x128x8x4 --no-split]   # other candidates (BM x BN x BK x warps x stages)
+        [--flat]   # also each tile's unsplit K steps in one loop (invariant_gemm.FLAT)
 
 For every weight shape of the named model shapes: x ``[2048, K]`` bf16 random; each candidate tile
 computes ``x[:M] @ W^T`` for M in (1, 3, 16, 17, 64, 100, 512); every row must equal the same row
@@ -68,9 +69,12 @@ def main() -> None:
     ap.add_argument("--tiles", help="comma-separated BMxBNxBKxWARPSxSTAGES to check instead of CANDIDATES "
                     "(each against the first CANDIDATE's rows)")
     ap.add_argument("--no-split", action="store_true", help="only the unsplit schedule of each tile")
+    ap.add_argument("--flat", action="store_true", help="also each tile's unsplit K steps in one loop (':flat')")
     ns = ap.parse_args()
     tiles = [tuple(int(v) for v in t.split("x")) for t in ns.tiles.split(",")] if ns.tiles else CANDIDATES
-    splits = (False,) if ns.no_split else (False, True)
+    splits = ((False, False),) if ns.no_split else ((False, False), (True, False))  # (split, flat)
+    if ns.flat:
+        splits += ((False, True),)
     torch.manual_seed(0)
     report: dict = {"gpu": torch.cuda.get_device_name(), "shapes": {}}
     for shape in ns.shapes.split(","):
@@ -80,16 +84,18 @@ def main() -> None:
             out_dtype = torch.float32 if n == SHAPES[shape]["vocab_size"] else torch.bfloat16
             ref = invariant_gemm.linear(x[:512], w, out_dtype=out_dtype, config=CANDIDATES[0])
             entry = {"differing_rows": {}, "time_us": {}}
-            for cfg, split in [(c, s) for c in tiles for s in splits] + [(None, None)]:
-                label = "default" if cfg is None else "x".join(map(str, cfg)) + (":split" if split else "")
+            for cfg, (split, flat) in [(c, s) for c in tiles for s in splits] + [(None, (None, None))]:
+                label = ("default" if cfg is None else
+                         "x".join(map(str, cfg)) + (":split" if split else "") + (":flat" if flat else ""))
                 try:
                     bad = 0
                     for m in ROWS:
-                        y = invariant_gemm.linear(x[:m], w, out_dtype=out_dtype, config=cfg, split=split)
+                        y = invariant_gemm.linear(x[:m], w, out_dtype=out_dtype, config=cfg, split=split, flat=flat)
                         bad += int((y != ref[:m]).any(dim=1).sum())
                     entry["differing_rows"][label] = bad
                     entry["time_us"][label] = [round(timed(lambda m=m: invariant_gemm.linear(
-                        x[:m], w, out_dtype=out_dtype, config=cfg, split=split)), 1) for m in TIMED_ROWS]
+                        x[:m], w, out_dtype=out_dtype, config=cfg, split=split, flat=flat)), 1)
+                        for m in TIMED_ROWS]
                 except Exception as exc:  # e.g. a tile over the GPU's shared memory: recorded, the others go on
                     entry.setdefault("failed", {})[label] = f"{type(exc).__name__}: {str(exc)[:200]}"
             mm_ref = torch.mm(x[:512], w.t())

@@ -24,7 +24,8 @@
 #      SERVE_ROUNDS (2), PROMPTS (500), CONC (64), IN_LEN (256), OUT_LEN (128), W (/tmp/gpu_serving:
 #      build, GGUFs, logs), BUDGET (540 s); sizes for a CPU smoke test of the plumbing: LB_P (256,8192),
 #      LB_D (256,8192), LB_R (5), NPL (32,64,128,256), BB_C (131072), LS_C (65536), DEVICE (cuda),
-#      SERVE_FLAGS (extra `monobatch serve` flags, e.g. "-t 1")
+#      SERVE_FLAGS (extra `monobatch serve` flags, e.g. "-t 1"), PACKED_ARMS (the packed step's
+#      monobatch weights, default "packed dequant")
 # Writes into OUTDIR (8 files): gpu.txt (machine, versions), log.txt (every step, its time and exit
 # status, the summary table), llama_cpp.txt (llama-bench's markdown, batched-bench's and the
 # servers' logs), llama_cpp.jsonl (llama-bench and llama-batched-bench JSON lines), rounds.json and
@@ -272,8 +273,9 @@ packed_step() {
         keep_json "llama-batched-bench-$q" 1 ;; esac
     fi
     # monobatch on the same file: packed (opt-in on CUDA, MONOBATCH_CUDA_PACKED=1) and dequantized at load
-    for w in packed dequant; do
-      MONOBATCH_CUDA_PACKED=$([ $w = packed ] && echo 1 || echo 0) t 120 python3 -m monobatch bench -m "$f" --device cuda \
+    for w in ${PACKED_ARMS:-packed dequant}; do
+      MONOBATCH_CUDA_PACKED=$([ $w = packed ] && echo 1 || echo 0) t $([ "${q%%:*}" = llama-8b ] && echo 240 || echo 120) \
+        python3 -m monobatch bench -m "$f" --device cuda \
         --json --no-progress --weights $w -p 256,2048 -n 128 -r 2 | sed "s/^{/{\"file\": \"$q $w\", /" >> "$OUT/packed.jsonl" 2>> "$LOG"
       case $q in *Q4_0)
         MONOBATCH_CUDA_PACKED=$([ $w = packed ] && echo 1 || echo 0) t 90 python3 -m monobatch bench -m "$f" --device cuda \

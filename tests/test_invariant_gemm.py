@@ -11,7 +11,8 @@ from helpers import run_in_triton_interpreter
 
 
 def check(device: str = "cpu") -> str:
-    """Every tile of TILES, split-K on and off, with and without bias, float32 and (CUDA)
+    """Every tile of TILES, split-K on and off (unsplit: the K steps in one loop and nested per
+    slice), with and without bias, float32 and (CUDA)
     bfloat16 with float32 output, odd M/N/K (K over two SLICE_Ks and a part, so the split has
     three slices, the last one short); then, on CUDA, the rows of every M, tile and split equal
     the rows of the largest M."""
@@ -26,9 +27,10 @@ def check(device: str = "cpu") -> str:
         ref = (x.double() @ w.double().T + b.double())
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         for cfg in invariant_gemm.TILES:
-            for split in (False, True):
+            for split, flat in ((False, False), (False, True), (True, False)):
                 for bias in (None, b):
-                    y = invariant_gemm.linear(x, w, bias, out_dtype=torch.float32, config=tuple(cfg), split=split)
+                    y = invariant_gemm.linear(x, w, bias, out_dtype=torch.float32, config=tuple(cfg), split=split,
+                                              flat=flat)
                     want = ref if bias is not None else ref - b.double()
                     torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol)
         if device == "cuda":
@@ -36,9 +38,9 @@ def check(device: str = "cpu") -> str:
             assert torch.equal(invariant_gemm.linear(x, w, b, split=False), full)
             for m in (1, 2, 5, 16, 17, 33, 64, 65):
                 for cfg in invariant_gemm.TILES:
-                    for split in (False, True):
-                        got = invariant_gemm.linear(x[:m], w, b, config=tuple(cfg), split=split)
-                        assert torch.equal(got, full[:m]), (m, cfg, split)
+                    for split, flat in ((False, False), (False, True), (True, False)):
+                        got = invariant_gemm.linear(x[:m], w, b, config=tuple(cfg), split=split, flat=flat)
+                        assert torch.equal(got, full[:m]), (m, cfg, split, flat)
     return "ok"
 
 
