@@ -3,7 +3,7 @@ configs and row counts on this GPU? And cuBLAS's (torch.mm)? Plus each config's 
 
     PYTHONPATH=src python3 scripts/check_gemm_invariance.py [--shapes llama-1b,smollm2-135m] [--json OUT]
         [--tiles 128x128x64x8x3,128x128x128x8x4 --no-split]   # other candidates (BM x BN x BK x warps x stages)
-        [--flat]   # also each tile's unsplit K steps in one loop (invariant_gemm.FLAT)
+        [--flat]   # also each tile's unsplit K steps in one loop (linear's default; without it, nested per slice)
 
 For every weight shape of the named model shapes: x ``[2048, K]`` bf16 random; each candidate tile
 computes ``x[:M] @ W^T`` for M in (1, 3, 16, 17, 64, 100, 512); every row must equal the same row
@@ -69,7 +69,8 @@ def main() -> None:
     ap.add_argument("--tiles", help="comma-separated BMxBNxBKxWARPSxSTAGES to check instead of CANDIDATES "
                     "(each against the first CANDIDATE's rows)")
     ap.add_argument("--no-split", action="store_true", help="only the unsplit schedule of each tile")
-    ap.add_argument("--flat", action="store_true", help="also each tile's unsplit K steps in one loop (':flat')")
+    ap.add_argument("--flat", action="store_true",
+                    help="also each tile's unsplit K steps in one loop (':flat', linear's default; the others nested)")
     ns = ap.parse_args()
     tiles = [tuple(int(v) for v in t.split("x")) for t in ns.tiles.split(",")] if ns.tiles else CANDIDATES
     splits = ((False, False),) if ns.no_split else ((False, False), (True, False))  # (split, flat)
@@ -84,7 +85,7 @@ def main() -> None:
             out_dtype = torch.float32 if n == SHAPES[shape]["vocab_size"] else torch.bfloat16
             ref = invariant_gemm.linear(x[:512], w, out_dtype=out_dtype, config=CANDIDATES[0])
             entry = {"differing_rows": {}, "time_us": {}}
-            for cfg, (split, flat) in [(c, s) for c in tiles for s in splits] + [(None, (None, None))]:
+            for cfg, (split, flat) in [(c, s) for c in tiles for s in splits] + [(None, (None, True))]:
                 label = ("default" if cfg is None else
                          "x".join(map(str, cfg)) + (":split" if split else "") + (":flat" if flat else ""))
                 try:

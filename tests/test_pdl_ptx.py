@@ -26,13 +26,13 @@ except ImportError:
     pytest.skip("this Triton has no griddepcontrol helpers", allow_module_level=True)
 
 from helpers import sm90_compile_problem  # noqa: E402
-from monobatch.kernels import fused, gemv, invariant_gemm, paged_decode  # noqa: E402
+from monobatch.kernels import fused, gemv, paged_decode  # noqa: E402
 
 #: Pointer arguments that are not the model dtype.
 _POINTERS = {"WS": "*fp32", "O_PART": "*fp32", "LSE_PART": "*fp32", "CNT": "*i32", "TABLES": "*i32",
              "LENS": "*i32", "SLOTS": "*i64"}
 _FLOATS = {"eps", "scale"}
-_INTS = {"_gemv_kernel": {"M", "N", "K"}, "_silu_mul_kernel": {"F"}, "_gemm_kernel": {"M", "N", "K"}}  # upper-case sizes, per kernel
+_INTS = {"_gemv_kernel": {"M", "N", "K"}, "_silu_mul_kernel": {"F"}}  # upper-case sizes, per kernel
 
 
 def _ptx(fn, constexprs: dict, **options) -> str:
@@ -73,11 +73,7 @@ KERNELS = {
                                                        MIN_PART=256, IEEE=False, STAGES=2, STORE=False), False),
     "attention_store": (paged_decode._partition_kernel, dict(NKV=8, G=4, G_PAD=16, HD=64, BS=16, SPLITS=64,
                                                              BN=64, MIN_PART=256, IEEE=False, STAGES=2,
-                                                             STORE=True), True),
-    "invariant_gemm_split": (invariant_gemm._gemm_kernel, dict(HAS_BIAS=False, BM=16, BN=32, BK=64, SLICE=512,
-                                                               SPLIT=True, GROUP_M=8, IEEE=False, FLAT=False), False),
-    "invariant_gemm_tiles": (invariant_gemm._gemm_kernel, dict(HAS_BIAS=True, BM=128, BN=128, BK=64, SLICE=512,
-                                                               SPLIT=False, GROUP_M=8, IEEE=False, FLAT=True), False),
+                                                             STORE=True), False),
 }
 
 
@@ -86,9 +82,7 @@ KERNELS = {
 @pytest.mark.parametrize("name", list(KERNELS))
 def test_nothing_touched_before_the_wait(name):
     """Before the wait: no store, atomic or async copy (cp.async: a pipelined load, whose
-    operand could be an activation), and for the kernels without weights no load at all. (The
-    attention that stores the step's new K/V loads before the wait too: the step's lengths,
-    tables and slots, and the first key block's earlier keys — no kernel of the step writes them.)"""
+    operand could be an activation), and for the kernels without weights no load at all."""
     if (why := sm90_compile_problem()) is not None:
         pytest.skip(f"cannot compile for sm_90 here: {why}")
     fn, constexprs, has_weights = KERNELS[name]
