@@ -3,11 +3,12 @@ configs and row counts on this GPU? And cuBLAS's (torch.mm)? Plus each config's 
 
     PYTHONPATH=src python3 scripts/check_gemm_invariance.py [--shapes llama-1b,smollm2-135m] [--json OUT]
         [--tiles 128x128x64x8x3,128x128x128x8x4 --no-split]   # other candidates (BM x BN x BK x warps x stages)
-        [--flat]   # also each tile's unsplit K steps in one loop (linear's default; without it, nested per slice)
+        [--nested]   # also each tile's unsplit K steps nested per slice (':nested'; linear's default: one loop)
 
 For every weight shape of the named model shapes: x ``[2048, K]`` bf16 random; each candidate tile
 computes ``x[:M] @ W^T`` for M in (1, 3, 16, 17, 64, 100, 512); every row must equal the same row
-of the first candidate at M = 512 (bitwise), each with split-K off and on (``:split``). Prints one
+of the first candidate at M = 512 (bitwise), each with split-K off and on (``:split``; unsplit: the
+K steps in one loop, and with ``--nested`` also nested per slice, ``:nested``). Prints one
 JSON object: per shape and candidate the rows that differ (0 = invariant), and the GPU time (us,
 CUDA-graph replays: no launch overhead) at M = 1, 64, 256 and 2048 for each candidate, for the
 default choice (``default``: config_for and split_for) and for torch.mm.
@@ -69,13 +70,13 @@ def main() -> None:
     ap.add_argument("--tiles", help="comma-separated BMxBNxBKxWARPSxSTAGES to check instead of CANDIDATES "
                     "(each against the first CANDIDATE's rows)")
     ap.add_argument("--no-split", action="store_true", help="only the unsplit schedule of each tile")
-    ap.add_argument("--flat", action="store_true",
-                    help="also each tile's unsplit K steps in one loop (':flat', linear's default; the others nested)")
+    ap.add_argument("--nested", action="store_true",
+                    help="also each tile's unsplit K steps nested per slice (':nested'; linear's default is one loop)")
     ns = ap.parse_args()
     tiles = [tuple(int(v) for v in t.split("x")) for t in ns.tiles.split(",")] if ns.tiles else CANDIDATES
-    splits = ((False, False),) if ns.no_split else ((False, False), (True, False))  # (split, flat)
-    if ns.flat:
-        splits += ((False, True),)
+    splits = ((False, True),) if ns.no_split else ((False, True), (True, False))  # (split, flat)
+    if ns.nested:
+        splits += ((False, False),)
     torch.manual_seed(0)
     report: dict = {"gpu": torch.cuda.get_device_name(), "shapes": {}}
     for shape in ns.shapes.split(","):
@@ -87,7 +88,8 @@ def main() -> None:
             entry = {"differing_rows": {}, "time_us": {}}
             for cfg, (split, flat) in [(c, s) for c in tiles for s in splits] + [(None, (None, True))]:
                 label = ("default" if cfg is None else
-                         "x".join(map(str, cfg)) + (":split" if split else "") + (":flat" if flat else ""))
+                         "x".join(map(str, cfg)) + (":split" if split else "")
+                         + (":nested" if not split and not flat else ""))
                 try:
                     bad = 0
                     for m in ROWS:
