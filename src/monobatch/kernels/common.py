@@ -40,6 +40,22 @@ if _wanted():
     except ImportError:  # pragma: no cover - depends on the install
         triton = tl = None
 
+def positive_setting(name: str, default: str) -> int:
+    """The positive integer in environment variable ``name`` (``default`` when unset): a kernel's
+    tuning knob for A/B runs, read once at import.
+
+    Raises:
+        SystemExit: the value is not a positive integer (a start-up error, one line).
+    """
+    text = os.environ.get(name, default)
+    try:
+        if int(text) >= 1:
+            return int(text)
+    except ValueError:
+        pass
+    raise SystemExit(f"{name}={text!r}: expected a positive integer")
+
+
 #: Split counters kept per device (int32 slots); a launch needing more gets fresh zeroed ones.
 MAX_COUNTERS = 1 << 16
 #: device -> the zeroed int32 counter buffer shared by every "last program reduces" kernel.

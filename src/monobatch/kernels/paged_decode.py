@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from monobatch.kernels import pdl
-from monobatch.kernels.common import counters, require_triton, sm_count, tl, triton
+from monobatch.kernels.common import counters, positive_setting, require_triton, sm_count, tl, triton
 
 
 def _splits_setting(text: str) -> tuple[int, int]:
@@ -51,34 +51,28 @@ def _splits_setting(text: str) -> tuple[int, int]:
     raise SystemExit(f"MONOBATCH_DECODE_SPLITS={text!r}: expected 'MAX_SPLITS,WAVES', a power of two and a positive integer")
 
 
-def _positive_setting(name: str, default: str) -> int:
-    text = os.environ.get(name, default)
-    try:
-        if int(text) >= 1:
-            return int(text)
-    except ValueError:
-        pass
-    raise SystemExit(f"{name}={text!r}: expected a positive integer")
-
-
 #: Most partitions one sequence's keys are split into (programs per sequence and KV head), and
 #: programs per SM the split count aims for (B * n_kv * splits ~ SPLIT_WAVES * SMs).
 #: ``MONOBATCH_DECODE_SPLITS=64,4`` overrides both (A/B runs).
 MAX_SPLITS, SPLIT_WAVES = _splits_setting(os.environ.get("MONOBATCH_DECODE_SPLITS", "64,2"))
-#: Keys one loop iteration of the Triton kernel loads (a multiple of 16 for tl.dot); partitions
-#: are multiples of it.
-BLOCK_N = 64
+#: Keys one loop iteration of the Triton kernel loads (a multiple of 16 for tl.dot, a power of
+#: two); partitions are multiples of it. ``MONOBATCH_DECODE_BLOCK_N`` overrides it (A/B runs).
+BLOCK_N = positive_setting("MONOBATCH_DECODE_BLOCK_N", "64")
+if BLOCK_N % 16 or BLOCK_N & (BLOCK_N - 1):
+    raise SystemExit(f"MONOBATCH_DECODE_BLOCK_N={BLOCK_N}: expected a power of two >= 16")
 #: Fewest keys a partition takes (a multiple of :data:`BLOCK_N`; the default, one block, sets no
 #: minimum beyond it). Larger values were measured slower on the H200 (2026-12-03, llama-1b B=1,
 #: same call: 256 keys a partition at a 256-key context 1,059 against 1,155 tok/s with 64; 1,024
 #: keys at a 1,024-key context 784 against 1,061 with 256): one program walking more key blocks costs more than the
 #: merge it saves. ``MONOBATCH_DECODE_MIN_PART`` sets it (A/B runs).
-MIN_PART = _positive_setting("MONOBATCH_DECODE_MIN_PART", "64")
+MIN_PART = positive_setting("MONOBATCH_DECODE_MIN_PART", str(BLOCK_N))
 if MIN_PART % BLOCK_N:
     raise SystemExit(f"MONOBATCH_DECODE_MIN_PART={MIN_PART}: expected a multiple of {BLOCK_N}")
 #: Software-pipeline depth of the kernel's key loop (``tl.range(num_stages=)``): iterations whose
 #: loads are in flight at once. ``MONOBATCH_DECODE_STAGES`` overrides it (A/B runs).
-KV_STAGES = _positive_setting("MONOBATCH_DECODE_STAGES", "2")
+KV_STAGES = positive_setting("MONOBATCH_DECODE_STAGES", "2")
+#: Warps of one program of the Triton kernel. ``MONOBATCH_DECODE_WARPS`` overrides it (A/B runs).
+NUM_WARPS = positive_setting("MONOBATCH_DECODE_WARPS", "4")
 #: Store a step's new K/V rows inside the attention launch (:func:`paged_decode_attention`);
 #: False: a separate :func:`store_kv` launch first (A/B runs).
 FOLD_STORE = True
@@ -308,7 +302,7 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), 1.0 / math.sqrt(hd), int(window), NKV=n_kv, G=g,
         G_PAD=max(16, triton.next_power_of_2(g)), HD=hd, BS=block_size, SPLITS=parts, BN=BLOCK_N, MIN_PART=MIN_PART,
-        IEEE=q.dtype == torch.float32, STAGES=KV_STAGES, STORE=store, **pdl.launch(q.device))
+        IEEE=q.dtype == torch.float32, STAGES=KV_STAGES, STORE=store, num_warps=NUM_WARPS, **pdl.launch(q.device))
     return out
 
 

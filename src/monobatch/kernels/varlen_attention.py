@@ -71,17 +71,23 @@ from typing import Sequence
 import torch
 
 from monobatch.kernels import pdl
-from monobatch.kernels.common import counters, require_triton, sm_count, tl, triton
+from monobatch.kernels.common import counters, positive_setting, require_triton, sm_count, tl, triton
 
 #: Keys one loop iteration loads (a multiple of 16 for tl.dot); key blocks start at multiples of it.
-BLOCK_N = 64
+#: ``MONOBATCH_VARLEN_BLOCK_N`` overrides it (A/B runs; a deterministic process's bits follow it).
+BLOCK_N = positive_setting("MONOBATCH_VARLEN_BLOCK_N", "64")
+if BLOCK_N % 16 or BLOCK_N & (BLOCK_N - 1):
+    raise SystemExit(f"MONOBATCH_VARLEN_BLOCK_N={BLOCK_N}: expected a power of two >= 16")
 #: Query rows (tokens x padded query heads of one KV head) of one program in the default mode.
 FAST_ROWS = 128
 #: The one tile shape of deterministic mode, for decode and prefill rows alike (see the module
 #: docstring): a row's bits depend on the tile shape, so it never changes with the batch.
 DETERMINISTIC_ROWS = 64
-#: Software-pipeline depth of the key loop.
-KV_STAGES = 2
+#: Software-pipeline depth of the key loop. ``MONOBATCH_VARLEN_STAGES`` overrides it (A/B runs).
+KV_STAGES = positive_setting("MONOBATCH_VARLEN_STAGES", "2")
+#: Warps of one program. ``MONOBATCH_VARLEN_WARPS`` overrides it (A/B runs; a deterministic
+#: process's bits may follow it, as they follow the tile shape).
+NUM_WARPS = positive_setting("MONOBATCH_VARLEN_WARPS", "4")
 
 
 def _split_setting(text: str) -> tuple[int, int, int]:
@@ -515,5 +521,5 @@ def varlen_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         meta.block_tables.stride(0), out.stride(0), out.stride(1), T * n_q, scale * math.log2(math.e), int(window),
         NKV=n_kv, G=g, G_PAD=triton.next_power_of_2(g), HD=hd, BS=block_size, BT=meta.tokens_per_tile, BN=BLOCK_N,
         IEEE=q.dtype == torch.float32, STAGES=KV_STAGES, SPLIT=meta.fixed_split, SPLIT_MIN=SPLIT_MIN,
-        SPLIT_SHIFT=SPLIT_PARTS.bit_length() - 1, MAX_SPLITS=MAX_SPLITS, **pdl.launch(q.device))
+        SPLIT_SHIFT=SPLIT_PARTS.bit_length() - 1, MAX_SPLITS=MAX_SPLITS, num_warps=NUM_WARPS, **pdl.launch(q.device))
     return out

@@ -53,11 +53,12 @@ def _dequant_buffer(rows: int, k: int) -> torch.Tensor:
     return buf[:rows * k].view(rows, k)
 
 
-#: Packed weights on CUDA are opt-in (``MONOBATCH_CUDA_PACKED=1``): on the H200 (2026-12-01) the
-#: GEMV's FMA variant gave wrong rows (fixed by taking the DOT variant for every M, after which the
-#: CUDA tests and `parity --weights packed --deterministic` pass there), but B=1 decode is 0.42x the
-#: bf16 path's on the bundled model and, with the swept configs, 0.46x on llama-1b Q4_0 (529.6 vs
-#: 1,141.3 tok/s; ADR 0006, CUDA section). Until it is faster, CUDA dequantizes at load by default.
+#: Packed weights on CUDA are opt-in (``MONOBATCH_CUDA_PACKED=1``; ADR 0006, "The default on CUDA
+#: stays dequantize-at-load"). Since the FMA GEMV (2026-12-03) they are ahead of bf16 at B=1 decode
+#: (H200, llama-1b Q4_0: 1,281.8 against 1,155.5 tok/s) at a quarter of the weight bytes, but
+#: behind on prompts (TTFT p256 3.28 against 2.57 ms: each weight dequantized into a temporary for
+#: cuBLAS) and 64-row batches (0.92x), and ``--deterministic`` runs every packed product through
+#: the tiled GEMM (not measured). Until those are at par, CUDA dequantizes at load by default.
 CUDA_PACKED = os.environ.get("MONOBATCH_CUDA_PACKED", "0") == "1"
 
 
