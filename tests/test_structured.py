@@ -567,10 +567,11 @@ def test_forced_ids_are_every_token_the_check_accepts(loaded):
 
 
 def test_forced_draws_are_the_best_accepted_tokens(loaded):
-    """RowSampler.forced_draws draws forced rows among the tokens their grammar accepts: the greedy
-    draw's definition (first maximum: ties go to the lowest id), on the device by a gather where a
-    row accepts several tokens, on the host where each accepts one; rows not forced, or not asked
-    for, left out."""
+    """RowSampler.forced_draws draws forced rows among the tokens their grammar may accept there (the
+    unchecked candidates): where the grammar accepts the pick it is the greedy draw's definition
+    (first maximum: ties go to the lowest id), on the device by a gather where a row has several
+    candidates, on the host where each has one; rows not forced, or not asked for, left out; a
+    refused pick is corrected by RowSampler.correct."""
     from monobatch.bench import CONSTRAINED_SCHEMA
     from monobatch.engine.constraint import GrammarCompiler, StructuredOutput
     from monobatch.engine.params import SamplingParams
@@ -607,6 +608,17 @@ def test_forced_draws_are_the_best_accepted_tokens(loaded):
     assert rows == [0, 3] and ids.tolist() == [want[0], want[3]] and at.tolist() == rows
     # a refused pick at a forced position is redrawn the same way (RowSampler.correct)
     assert sampler.correct(logits, states, [t + 1 for t in want], only={2, 4}) == {2: want[2], 4: want[4]}
+    # the draws are over the unchecked candidates (every split and extension of the forced bytes, a
+    # superset of the accepted tokens): a refused candidate above the accepted ones is drawn, and the
+    # check corrects it to the best accepted token, as it corrects a refused raw argmax
+    cands = states[4].grammar.forced_candidates()
+    accepted = set(states[4].grammar.forced_ids().tolist())
+    assert accepted < set(cands.tolist())
+    refused = min(set(cands.tolist()) - accepted)
+    logits[4, refused] = 20.0
+    rows, at, ids = sampler.forced_draws(logits, states, [0, 1, 2, 3, 4], only={4})
+    assert rows == [4] and ids.tolist() == [refused]
+    assert sampler.correct(logits, states, [refused if r == 4 else 0 for r in range(5)], only={4}) == {4: want[4]}
 
 
 def test_forced_redraws_leave_fewer_void_rows(make_scheduler, prompt, loaded, monkeypatch):

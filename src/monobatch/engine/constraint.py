@@ -182,6 +182,8 @@ class TokenIndex:
                 self._by_bytes.setdefault(b, []).append(t)
         # forced bytes -> candidates(): a grammar's forced bytes repeat (keys, separators)
         self._candidates: dict[bytes, tuple[list[int], list[int] | None]] = {}
+        # forced bytes -> candidate_array(): the same, as one sorted read-only array (or None)
+        self._candidate_arrays: dict[bytes, np.ndarray | None] = {}
         # accepted id tuples -> one read-only array each (ids_array): the same sets recur every row and step
         self._arrays: dict[tuple[int, ...], np.ndarray] = {}
 
@@ -218,6 +220,25 @@ class TokenIndex:
             hit = self._candidates[key] = (self.splits(key), self.extensions(key, FORCED_MAX_TOKENS))
         return hit
 
+    def candidate_array(self, forced: bytes) -> np.ndarray | None:
+        """Every token a grammar whose next bytes are ``forced`` may accept there, unchecked: the
+        splits and extensions of :meth:`candidates`, as one ascending read-only ``[n]`` int64
+        array; None where they number more than :data:`FORCED_MAX_TOKENS` (or none). Remembered per
+        ``forced`` (at most :data:`CANDIDATE_CACHE` entries)."""
+        key = forced[:self._longest + 1]
+        try:
+            return self._candidate_arrays[key]
+        except KeyError:
+            pass
+        if len(self._candidate_arrays) >= CANDIDATE_CACHE:
+            self._candidate_arrays.clear()
+        splits, ext = self.candidates(key)
+        ids = None if ext is None or len(splits) + len(ext) > FORCED_MAX_TOKENS else sorted(set(splits + ext))
+        arr = self._candidate_arrays[key] = np.array(ids, dtype=np.int64) if ids else None
+        if arr is not None:
+            arr.flags.writeable = False
+        return arr
+
     def ids_array(self, ids: tuple[int, ...]) -> np.ndarray:
         """``ids`` as a read-only ``[n]`` int64 array, one per distinct tuple (at most
         :data:`CANDIDATE_CACHE` kept): a forced position's accepted ids recur every row and step,
@@ -247,7 +268,7 @@ class GrammarMatcher:
     is over one set.
     """
 
-    __slots__ = ("_m", "_ahead", "_index", "_forced", "_splits", "_stopped")
+    __slots__ = ("_m", "_ahead", "_index", "_forced", "_splits", "_stopped", "_cands")
 
     def __init__(self, matcher: Any, index: TokenIndex) -> None:
         self._m = matcher
@@ -256,6 +277,7 @@ class GrammarMatcher:
         self._forced: np.ndarray | bool | None = None  # forced_ids of this position (False: none; None: unknown)
         self._splits: list[int] = []  # splits() of this position, once _forced is known
         self._stopped: bool | None = None  # is_stopped of this position (None: not asked yet)
+        self._cands: np.ndarray | bool | None = None  # forced_candidates of this position (False: none; None: unknown)
 
     @property
     def raw(self) -> Any:
@@ -272,8 +294,11 @@ class GrammarMatcher:
             if ahead == t:
                 return True
             self._m.rollback(1)
-        self._forced = self._stopped = None
-        return bool(self._m.consume_token(t))
+        self._forced = self._stopped = self._cands = None
+        # the check and the advance in one call first: llguidance's consume_token walks an unchecked
+        # token the slow way (5-60 µs on this project's CPU, 2026-12-04, against ~2 µs), to the same
+        # state; a refused token goes through consume_token, which leaves the error state as before
+        return self._m.try_consume_tokens([t]) == 1 or bool(self._m.consume_token(t))
 
     def advance_if_allowed(self, token_id: int) -> bool:
         """:meth:`allows` and, when it does, the advance, in one llguidance call (~30 % less than
@@ -286,7 +311,7 @@ class GrammarMatcher:
         if self._m.try_consume_tokens([t]) != 1:
             self._stopped = None  # a refusal may be a resource limit: is_stopped (and failed) ask again
             return False
-        self._ahead, self._forced, self._stopped = t, None, None
+        self._ahead, self._forced, self._stopped, self._cands = t, None, None, None
         return True
 
     def allows(self, token_id: int) -> bool:
@@ -302,8 +327,34 @@ class GrammarMatcher:
         None elsewhere, or where the accepted splits and the (unchecked) extensions number more
         than :data:`FORCED_MAX_TOKENS`. Such positions are where a greedy model's raw argmax is
         refused (on the bundled model, 91 % of refusals, at a median of one allowed token)."""
-        self._forced_position()
-        return None if self._forced is False else self._forced
+        forced = self._forced
+        if forced is None:
+            forced = self._forced_position()
+        return None if forced is False else forced
+
+    def forced_candidates(self) -> np.ndarray | None:
+        """Where the grammar forces the next bytes, the tokens it may accept there, unchecked: every
+        split of the forced bytes and every token extending them (:meth:`TokenIndex.candidate_array`;
+        a superset of :meth:`forced_ids`, shared and read-only; kept until the matcher moves). None
+        elsewhere, or where they number more than :data:`FORCED_MAX_TOKENS`. One llguidance call
+        (the forced bytes), no token checks: for async scheduling's early redraw
+        (:meth:`RowSampler.forced_draws`), whose pick the check accepts only if it is the best
+        accepted token (a superset's best that the grammar accepts is the best it accepts) and
+        corrects otherwise."""
+        cands = self._cands
+        if cands is None:
+            cands = False
+            m = self._m
+            if not (self._stopped if self._stopped is not None else m.is_stopped()):
+                forced = m.compute_ff_bytes()
+                if forced:
+                    arr = self._index.candidate_array(forced)
+                    cands = False if arr is None else arr
+                self._stopped = bool(m.is_stopped())  # (a lookup may hit a resource limit)
+            else:
+                self._stopped = True
+            self._cands = cands
+        return None if cands is False else cands
 
     def splits(self) -> list[int]:
         """At a forced position, the splits of the forced bytes the check accepts (`` {`` and
@@ -313,23 +364,27 @@ class GrammarMatcher:
         self._forced_position()
         return self._splits
 
-    def _forced_position(self) -> None:
-        # fills _forced and _splits for this position, once
+    def _forced_position(self) -> np.ndarray | bool:
+        # fills _forced and _splits for this position, once; returns _forced
         if self._forced is not None:
-            return
+            return self._forced
         self._forced, self._splits = False, []
-        if self.is_stopped:
-            return
-        forced = self._m.compute_ff_bytes()
-        self._stopped = None  # the lookups below too may leave the matcher in an error state
-        if not forced:
-            return
-        ok = self._m.validate_tokens
-        splits, ext = self._index.candidates(forced)
-        self._splits = [t for t in splits if ok([t]) == 1]
-        if ext is not None and len(ext) <= FORCED_MAX_TOKENS - len(self._splits):
-            ids = sorted(self._splits + [t for t in ext if ok([t]) == 1])
-            self._forced = self._index.ids_array(tuple(ids)) if ids else False
+        m = self._m
+        if self._stopped if self._stopped is not None else m.is_stopped():
+            self._stopped = True
+            return False
+        forced = m.compute_ff_bytes()
+        if forced:
+            ok = m.validate_tokens
+            splits, ext = self._index.candidates(forced)
+            self._splits = accepted = [t for t in splits if ok([t]) == 1]
+            if ext is not None and len(ext) <= FORCED_MAX_TOKENS - len(accepted):
+                ids = sorted(accepted + [t for t in ext if ok([t]) == 1])
+                self._forced = self._index.ids_array(tuple(ids)) if ids else False
+        # the lookups may leave the matcher in an error state (a resource limit): asked again now,
+        # one call (~0.03 µs), rather than on the next read of is_stopped
+        self._stopped = bool(m.is_stopped())
+        return self._forced
 
     def recheck_stopped(self) -> None:
         """Forget :attr:`is_stopped`'s answer for this position: llguidance's mask, forced bytes

@@ -503,28 +503,28 @@ class Engine:
         """
         if pending.tokens is None:
             return
-        try:
-            if FORCED_DRAWS and pending.check is not None:
-                self._redraw_forced(pending)
-        finally:
-            if pending.host is None:
-                with self._on_device():
+        with self._on_device():
+            try:
+                if FORCED_DRAWS and pending.check is not None:
+                    self._redraw_forced(pending)
+            finally:
+                if pending.host is None:
                     pending.host, pending.ready = _to_host(pending.tokens)
 
     def _redraw_forced(self, pending: PendingStep) -> None:
-        """:meth:`draw_forced`'s redraws, written into ``pending.tokens`` (``pending.forced``: their rows)."""
+        """:meth:`draw_forced`'s redraws, written into ``pending.tokens`` (``pending.forced``: their
+        rows). Runs in :meth:`_on_device`."""
         gram, x = pending.check
         void, rows = pending.void, pending.rows
-        live = {r for r in gram if r not in void and not rows[r].is_finished}
+        live = {r for r in gram if not rows[r].is_finished and r not in void}
         if not live:
             return
-        with self._on_device():
-            got = self.sampler.forced_draws(x, [seq.sampler for seq in rows], gram, live)
-            if got is None:
-                return
-            picked, at, ids = got
-            pending.tokens.index_copy_(0, at, ids)
-            pending.forced = picked
+        got = self.sampler.forced_draws(x, [seq.sampler for seq in rows], gram, live)
+        if got is None:
+            return
+        picked, at, ids = got
+        pending.tokens.index_copy_(0, at, ids)
+        pending.forced = picked
 
     def _draw_async(self, batch: StepBatch, rows: list[Sequence], logits: torch.Tensor, ahead: int,
                     unchecked: bool = False) -> PendingStep:
@@ -596,10 +596,16 @@ class Engine:
         busy through a refusal)."""
         gram, x = pending.check
         pending.check = None
-        live = {r for r in gram if r not in pending.void and not pending.rows[r].is_finished}
+        rows, void = pending.rows, pending.void
+        live = {r for r in gram if not rows[r].is_finished and r not in void}
         if not live:
             return
-        states = [seq.sampler for seq in pending.rows]
+        states = [seq.sampler for seq in rows]
+        # the checks first, on the host (advance: an allowed draw advances its grammar now, the finish
+        # step's accept confirms it); the device only where some draw was refused
+        refused = self.sampler.check(states, ids, gram, only=live, advance=True)
+        if not refused:
+            return
         with contextlib.ExitStack() as stack:
             stack.enter_context(self._on_device())  # the side stream and its event wait: the model's GPU
             if x.is_cuda:
@@ -607,8 +613,7 @@ class Engine:
                 side.wait_event(pending.ready)  # x is complete at the step's event
                 x.record_stream(side)  # made on the main stream, read on this one
                 stack.enter_context(torch.cuda.stream(side))
-            # (advance: an allowed draw advances its grammar now, the finish step's accept confirms it)
-            fixed = self.sampler.correct(x, states, ids, gram, only=live, advance=True)  # waits for its redraws
+            fixed = self.sampler.redraw(x, states, ids, gram, refused)  # waits for its redraws
         for r, t in fixed.items():
             ids[r] = t
         pending.corrected = sorted(fixed)

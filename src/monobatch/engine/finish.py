@@ -196,12 +196,15 @@ class FinishStep:
         if token in p.stop_token_ids or (token in self.eog_ids and not p.ignore_eos):
             return FinishReason.STOP
         grammar = seq.sampler.grammar
-        if grammar is not None and grammar.failed:
-            log.warning("request %s: its grammar failed mid-answer (%s); ended as abort", seq.request_id,
-                        (grammar.error or "").splitlines()[0][:200])
-            return FinishReason.ABORT  # never a "stop" that claims the text matches
-        if grammar is not None and (grammar.is_stopped or token in self.eog_ids):
-            return FinishReason.STOP  # the grammar has terminated (it accepted the end, or nothing can follow)
+        if grammar is not None:  # one llguidance call a row (is_stopped); failed is asked only of a stopped grammar
+            if grammar.is_stopped:
+                if grammar.failed:
+                    log.warning("request %s: its grammar failed mid-answer (%s); ended as abort", seq.request_id,
+                                (grammar.error or "").splitlines()[0][:200])
+                    return FinishReason.ABORT  # never a "stop" that claims the text matches
+                return FinishReason.STOP  # the grammar has terminated (it accepted the end, or nothing can follow)
+            if token in self.eog_ids:
+                return FinishReason.STOP
         if p.loop_window and self.is_looping(seq.output_ids, p.loop_window):
             return FinishReason.LOOP
         if self.ends_by_length(seq, len(seq.output_ids)):

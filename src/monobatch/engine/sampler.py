@@ -500,7 +500,7 @@ class RowSampler:
             states: the sampler states, their grammars at the position the picks are drawn
                 for (every earlier token accepted).
             picks: each state's draw to check, indexed like ``states``: the row's raw argmax, or
-                a forced position's redraw (:meth:`forced_draws`, accepted).
+                a forced position's early redraw (:meth:`forced_draws`, checked here like a raw argmax).
             rows: which states ``logits`` holds (default: all of them, in order).
             only: check just these state indices (default: every state in ``rows``).
             advance: advance each grammar past its pick where it is allowed (the check and the
@@ -513,6 +513,18 @@ class RowSampler:
             stream (which may be a side stream: nothing here uses a per-device workspace), plus a
             mask and a second read for rows whose candidates are all refused.
         """
+        refused = self.check(states, picks, rows, only, advance)
+        return self.redraw(logits, states, picks, rows, refused) if refused else {}
+
+    @staticmethod
+    def check(states: list[SamplerState], picks: list[int], rows: list[int] | None = None,
+              only: set[int] | None = None, advance: bool = False) -> list[int]:
+        """:meth:`correct`'s host half: check each pick against its grammar (``advance``: and
+        advance past it where allowed); no device work.
+
+        Returns:
+            The refused picks' positions in ``rows`` (the logits' rows), ascending.
+        """
         which = range(len(states)) if rows is None else rows
         refused = []
         for i, r in enumerate(which):
@@ -523,8 +535,13 @@ class RowSampler:
                 continue
             if not (g.advance_if_allowed(picks[r]) if advance else g.allows(picks[r])):
                 refused.append(i)
-        if not refused:
-            return {}
+        return refused
+
+    def redraw(self, logits: torch.Tensor, states: list[SamplerState], picks: list[int],
+               rows: list[int] | None, refused: list[int]) -> dict[int, int]:
+        """:meth:`correct`'s device half: the redraws of the ``refused`` positions (from
+        :meth:`check`), as state index -> token."""
+        which = range(len(states)) if rows is None else rows
         out: dict[int, int] = {}
         forced = [(i, ids) for i in refused if (ids := states[which[i]].grammar.forced_ids()) is not None]
         if forced:  # at a forced position: the best of the few tokens the grammar accepts there
@@ -558,11 +575,11 @@ class RowSampler:
         """
         k = min(REDRAW_CANDIDATES + 1, self.vocab_size)
         vals, ids = self._raw(logits, copy=False).topk(k, dim=-1)
-        flat = torch.cat([vals.double().flatten(), ids.double().flatten()]).tolist()  # the one sync
-        n = len(states) * k
+        if self.vocab_size > 1 << 24:  # ids exact in float32 below 2 ** 24 (two launches fewer than float64)
+            vals = vals.double()
+        both = torch.stack((vals, ids.to(vals.dtype))).tolist()  # the one sync: [values, ids] x rows x k
         out: list[int | None] = []
-        for j, (s, bad) in enumerate(zip(states, refused)):
-            v, t = flat[j * k:(j + 1) * k], flat[n + j * k:n + (j + 1) * k]
+        for s, bad, v, t in zip(states, refused, both[0], both[1]):
             floor = v[-1]
             best = None
             for _, tok in sorted((-x, int(i)) for x, i in zip(v, t) if x > floor):
@@ -575,14 +592,19 @@ class RowSampler:
     def forced_draws(self, logits: torch.Tensor, states: list[SamplerState], rows: list[int],
                      only: set[int]) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
         """The greedy draws of the rows whose grammar forces its next bytes, drawn among the few
-        tokens the grammar accepts there (:meth:`GrammarMatcher.forced_ids`) — for async
-        scheduling's unchecked draws, whose raw argmax is refused mostly at such positions.
+        tokens the grammar may accept there (:meth:`GrammarMatcher.forced_candidates`: the splits of
+        the forced bytes and the tokens extending them, unchecked) — for async scheduling's
+        unchecked draws, whose raw argmax is refused mostly at such positions.
 
-        Exact: the argmax over a row's accepted ids, in ascending id order, is the first maximum
-        over the tokens the grammar accepts, as :meth:`correct` and the synchronous draw find it;
-        a row that accepts one token draws it. Costs a few grammar checks per forced row and one
-        host-to-device copy; a gather and an argmax on the device only where a row accepts several
-        tokens. Nothing waits for the device.
+        Exact where the grammar accepts the pick, which the caller checks as it checks any
+        unchecked draw (:meth:`correct`): the candidates hold every token the grammar accepts
+        there, so an accepted first maximum over them (ascending ids) is the first maximum over
+        the accepted tokens, the draw :meth:`correct` and the synchronous loop make; a refused one
+        is redrawn by :meth:`correct` like a refused raw argmax. The candidates are not checked
+        here (2026-12-04): one llguidance call a row (its forced bytes), where checking each
+        candidate cost ~4 calls a forced row; on the bundled model's JSON no more picks were refused
+        for it. Costs one host-to-device copy; a gather and an argmax on the device only where a
+        row has several candidates. Nothing waits for the device.
 
         Args:
             logits: ``(M, V)`` float32 raw logits; row i belongs to ``states[rows[i]]``.
@@ -601,14 +623,14 @@ class RowSampler:
             if r not in only:
                 continue
             g = states[r].grammar
-            if g is None or (ids := g.forced_ids()) is None:
+            if g is None or (ids := g.forced_candidates()) is None:
                 continue
             local.append(i), picked.append(r), allowed.append(ids)
             single = single and len(ids) == 1
         if not picked:
             return None
         k = len(picked)
-        if single:  # each row's one accepted token: known on the host, uploaded with the row indices
+        if single:  # each row's one candidate: known on the host, uploaded with the row indices
             buf = ids_on(picked + [int(ids[0]) for ids in allowed], logits.device)
             return picked, buf[:k], buf[k:]
         at, ids = self._argmax_among(logits, local, allowed, picked)
