@@ -7,8 +7,14 @@ Each case is ``--layers`` launches (one per layer, each its own pool, as a model
 one CUDA graph and replayed, so launch overhead is the graph's; ``us`` is the time of one launch
 (replay time / layers). Each variant runs in a fresh process with its environment (the kernels'
 knobs are read at import: ``MONOBATCH_DECODE_BLOCK_N``, ``_MIN_PART``, ``_STAGES``, ``_WARPS``,
-``_SPLITS``; ``MONOBATCH_VARLEN_WARPS``, ``_STAGES``, ``MONOBATCH_DET_SPLIT``), and every result is
-checked against the torch reference (``err``: the largest absolute difference).
+``_SPLITS``; ``MONOBATCH_VARLEN_BLOCK_N``, ``_WARPS``, ``_STAGES``, ``MONOBATCH_DET_SPLIT``), and each
+kernel's output (an eager call before the capture) is compared with the torch reference in fp32
+(``err``: the largest absolute difference; ``ok``: within :data:`TOL`). A variant that fails or
+runs past 300 s prints an ``error`` line and the sweep goes on.
+
+Caveat: the 16 pools (8 MiB at 256 keys, 32 MiB at 1,024) stay in the H200's ~50 MB L2 across
+replays, where a model's step streams its weights between two attention launches; the times are
+the kernel's with warm keys, not its share of a step.
 
 Usage (repo root, a GPU)::
 
@@ -47,6 +53,8 @@ SWEEP = {
     "det128w1": "MONOBATCH_DET_SPLIT=128,32,1",
 }
 N_Q, N_KV, HD, BS = 32, 8, 64, 16
+#: Largest absolute difference from the fp32 reference accepted for bf16 inputs (``ok``).
+TOL = 1e-2
 
 
 def child(batch: list[int], ctxs: list[int], layers: int, reps: int) -> None:
@@ -77,7 +85,7 @@ def child(batch: list[int], ctxs: list[int], layers: int, reps: int) -> None:
             meta = varlen_attention.build_meta(chunks, tables.tolist(), varlen_attention.tokens_per_tile(N_Q, N_KV, True),
                                                dev, fixed_split=True)
             runs = {
-                "paged": lambda k, v: paged_decode.paged_decode_attention(q, k, v, tables, lens, BS, k_new, v_new, slots),
+                "paged": lambda k, v: paged_decode.paged_decode_triton(q, k, v, tables, lens, BS, k_new, v_new, slots),
                 "det_varlen": lambda k, v: varlen_attention.varlen_paged_attention(q, k, v, meta, BS),
             }
             for name, fn in runs.items():
@@ -106,7 +114,7 @@ def child(batch: list[int], ctxs: list[int], layers: int, reps: int) -> None:
                 times.sort()
                 print(json.dumps({"variant": os.environ.get("BENCH_VARIANT", "base"), "kernel": name, "batch": B,
                                   "ctx": ctx, "us": round(times[len(times) // 2], 3), "us_min": round(times[0], 3),
-                                  "err": err}), flush=True)
+                                  "err": err, "ok": err <= TOL}), flush=True)
 
 
 def main() -> None:
@@ -127,9 +135,14 @@ def main() -> None:
     for name, env_text in variants.items():
         env = dict(os.environ, BENCH_VARIANT=name)
         env.update(kv.split("=", 1) for kv in env_text.split())
-        proc = subprocess.run([sys.executable, __file__, "--child", "--batch", args.batch, "--ctx", args.ctx,
-                               "--layers", str(args.layers), "--reps", str(args.reps)], env=env,
-                              capture_output=True, text=True, timeout=300)
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--child", "--batch", args.batch, "--ctx", args.ctx,
+                                   "--layers", str(args.layers), "--reps", str(args.reps)], env=env,
+                                  capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired as e:
+            sys.stdout.write(e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or "")
+            print(json.dumps({"variant": name, "error": "timed out after 300 s"}), flush=True)
+            continue
         sys.stdout.write(proc.stdout)
         if proc.returncode:
             print(json.dumps({"variant": name, "error": proc.stderr[-600:]}), flush=True)

@@ -192,7 +192,10 @@ def test_unsupported_architecture(tmp_path):
 
 
 @pytest.mark.parametrize("name,value", [("MONOBATCH_DECODE_STAGES", "abc"), ("MONOBATCH_DECODE_STAGES", "0"),
-                                        ("MONOBATCH_DECODE_SPLITS", "3,2"), ("MONOBATCH_DECODE_SPLITS", "x")])
+                                        ("MONOBATCH_DECODE_SPLITS", "3,2"), ("MONOBATCH_DECODE_SPLITS", "x"),
+                                        ("MONOBATCH_DECODE_BLOCK_N", "48"), ("MONOBATCH_DECODE_MIN_PART", "96"),
+                                        ("MONOBATCH_DECODE_WARPS", "3"), ("MONOBATCH_VARLEN_WARPS", "64"),
+                                        ("MONOBATCH_VARLEN_BLOCK_N", "256"), ("MONOBATCH_VARLEN_STAGES", "-1")])
 def test_malformed_kernel_setting_is_one_line(monkeypatch, name, value):
     """A malformed kernel A/B variable (read at import, on any device) stops the command with one
     line naming it, before anything loads."""

@@ -60,7 +60,7 @@ def _compiled(split: bool, dtype: str, g: int, hd: int, pdl: bool):
             sig[name] = "i32"
             if name not in _UNSPECIALIZED:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    options = dict(num_warps=4, **({"launch_pdl": True} if pdl else {}))
+    options = dict(num_warps=va.NUM_WARPS, **({"launch_pdl": True} if pdl else {}))  # as launched
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm
 

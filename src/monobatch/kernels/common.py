@@ -1,4 +1,5 @@
-"""What the Triton kernels share: the optional Triton import and the per-device split counters.
+"""What the Triton kernels share: the optional Triton import, the per-device split counters and
+the kernels' A/B settings read from the environment (:func:`positive_setting`).
 
 Every kernel module (:mod:`~monobatch.kernels.pdl`, :mod:`~monobatch.kernels.fused`,
 :mod:`~monobatch.kernels.gemv`, :mod:`~monobatch.kernels.paged_decode`,
@@ -40,20 +41,30 @@ if _wanted():
     except ImportError:  # pragma: no cover - depends on the install
         triton = tl = None
 
-def positive_setting(name: str, default: str) -> int:
-    """The positive integer in environment variable ``name`` (``default`` when unset): a kernel's
-    tuning knob for A/B runs, read once at import.
+
+
+def positive_setting(name: str, default: int, *, minimum: int = 1, maximum: int | None = None,
+                     power_of_two: bool = False) -> int:
+    """The integer in environment variable ``name`` (``default`` when unset): a kernel's tuning
+    knob for A/B runs, read once at import, at least ``minimum``, at most ``maximum`` and, with
+    ``power_of_two``, a power of two (a tile size, a warp count).
 
     Raises:
-        SystemExit: the value is not a positive integer (a start-up error, one line).
+        SystemExit: the value is not such an integer (a start-up error, one line naming it).
     """
-    text = os.environ.get(name, default)
+    text = os.environ.get(name)
+    if text is None:
+        return default
     try:
-        if int(text) >= 1:
-            return int(text)
+        value = int(text)
     except ValueError:
-        pass
-    raise SystemExit(f"{name}={text!r}: expected a positive integer")
+        value = None
+    if value is None or value < minimum or (maximum is not None and value > maximum) \
+            or (power_of_two and value & (value - 1)):
+        what = ("a power of two" if power_of_two else "an integer") + f" >= {minimum}" \
+            + (f" and <= {maximum}" if maximum is not None else "")
+        raise SystemExit(f"{name}={text!r}: expected {what}")
+    return value
 
 
 #: Split counters kept per device (int32 slots); a launch needing more gets fresh zeroed ones.

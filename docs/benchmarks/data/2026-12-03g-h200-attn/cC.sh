@@ -1,4 +1,4 @@
-# call C: assemble the bundled model; packed (now CUDA's default) vs dequant on it; parity; llama.cpp beside monobatch on the llama-1b Q4 files
+# call C: assemble the bundled model; packed vs dequant on it; parity; llama.cpp beside monobatch on the llama-1b Q4 files
 # carry: .device-parts/0
 cat .device-parts/0/part /tmp/stage/01 > /tmp/model.gguf && ls -la /tmp/model.gguf
 export PYTHONPATH=/tmp/site:$PWD/src
