@@ -296,7 +296,7 @@ class GrammarMatcher:
             self._m.rollback(1)
         self._forced = self._stopped = self._cands = None
         # the check and the advance in one call first: llguidance's consume_token walks an unchecked
-        # token the slow way (5-60 µs on this project's CPU, 2026-12-04, against ~2 µs), to the same
+        # token the slow way (5-60 µs on this project's CPU, 2026-12-03, against ~2 µs), to the same
         # state; a refused token goes through consume_token, which leaves the error state as before
         return self._m.try_consume_tokens([t]) == 1 or bool(self._m.consume_token(t))
 

@@ -601,7 +601,7 @@ class RowSampler:
         there, so an accepted first maximum over them (ascending ids) is the first maximum over
         the accepted tokens, the draw :meth:`correct` and the synchronous loop make; a refused one
         is redrawn by :meth:`correct` like a refused raw argmax. The candidates are not checked
-        here (2026-12-04): one llguidance call a row (its forced bytes), where checking each
+        here (2026-12-03): one llguidance call a row (its forced bytes), where checking each
         candidate cost ~4 calls a forced row; on the bundled model's JSON no more picks were refused
         for it. Costs one host-to-device copy; a gather and an argmax on the device only where a
         row has several candidates. Nothing waits for the device.
