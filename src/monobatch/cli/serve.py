@@ -1,7 +1,8 @@
 """`monobatch serve`: the OpenAI-compatible HTTP server (vLLM's and llama-server's role).
 
 Listens at once (GET /health answers 503 while the model loads, then 200) and serves
-/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize and /metrics. Sampling flags set server-wide defaults, below each request's own fields.
+/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize and /metrics.
+Sampling flags set server-wide defaults, below each request's own fields.
 SIGINT/SIGTERM: in-flight requests get --shutdown-timeout seconds, then are aborted.
 """
 

@@ -42,7 +42,6 @@ if _wanted():
         triton = tl = None
 
 
-
 def positive_setting(name: str, default: int, *, minimum: int = 1, maximum: int | None = None,
                      power_of_two: bool = False) -> int:
     """The integer in environment variable ``name`` (``default`` when unset): a kernel's tuning
