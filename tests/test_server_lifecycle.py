@@ -114,6 +114,7 @@ def test_ctrl_c_shuts_down_then_exits_130_and_a_second_one_forces_it(sigints, ig
     (["--reasoning-format", "xml"], "reasoning-format"),
     (["--max-model-len", "64", "-c", "128"], "not both"),
     (["--api-key", "clé"], "ASCII"),
+    (["--logprobs", "2"], "unrecognized arguments: --logprobs"),  # a request's output option, not a default
 ])
 def test_bad_flags_fail_before_listening(args, needle):
     assert_one_line_error(monobatch("serve", "--port", "0", *args), needle)

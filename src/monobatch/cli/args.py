@@ -177,7 +177,8 @@ def _logit_bias(text: str) -> tuple[int, float]:
 
 def add_sampling_args(p: argparse.ArgumentParser, logprobs: bool = True) -> None:
     """Every sampling and stopping knob (llama.cpp names); ``--logprobs`` only where ``logprobs``
-    (``run``/``chat`` print text only: the flag is unknown there)."""
+    (``generate``'s json output; ``run``/``chat`` print text only and ``serve`` leaves logprobs to
+    each request: the flag is unknown there)."""
     g = p.add_argument_group("sampling (llama.cpp's names; unset flags take the defaults table)")
     g.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int,
                    help="tokens to generate (-1 or -2 = until EOS or the context end; default -1)")
@@ -206,7 +207,7 @@ def add_sampling_args(p: argparse.ArgumentParser, logprobs: bool = True) -> None
     g.add_argument("--loop-window", type=int,
                    help="end with finish_reason=loop once the last N tokens repeat with a period <= 32 (0 = off)")
     if logprobs:
-        g.add_argument("--logprobs", type=int, help="report the top-N alternatives of each token (json output)")
+        g.add_argument("--logprobs", type=int, help="report the top-N alternatives of each token (with --output-format json)")
 
 
 def add_constraint_args(p: argparse.ArgumentParser) -> None:

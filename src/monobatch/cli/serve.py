@@ -35,8 +35,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = a free port, printed at start)")
     s.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="names the API answers to in `model` (default: the model file's name)")
-    s.add_argument("--api-key", help=f"require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize "
-                                     f"(default: ${API_KEY_ENV} if set; /health and /metrics stay open)")
+    s.add_argument("--api-key", help=f"require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize and "
+                                     f"the API docs (/docs, /openapi.json) (default: ${API_KEY_ENV} if set; "
+                                     f"/health and /metrics stay open)")
     s.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN",
                    help="browser origins allowed to call the API through CORS, e.g. http://localhost:3000 "
                         "(* = any; default: none, no CORS headers)")
@@ -50,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--shutdown-timeout", type=float, default=defaults.SERVER_SHUTDOWN_TIMEOUT,
                    help=f"seconds in-flight requests get to finish on SIGINT/SIGTERM (default {defaults.SERVER_SHUTDOWN_TIMEOUT:g})")
     add_model_args(p)
-    add_sampling_args(p)
+    add_sampling_args(p, logprobs=False)  # logprobs is each request's output option, not a default
     p.set_defaults(func=run)
 
 
