@@ -393,8 +393,9 @@ def _spy_async(sched):
     def resolve(pending):
         out = real_resolve(pending)
         seen["corrected"] += len(pending.corrected)
-        # a forced redraw is accepted by construction, and the host read the final draws (the
-        # copy queued after the redraws: on CUDA a copy queued before them would read raw argmaxes)
+        # a forced redraw is drawn among unchecked candidates, so the check may refuse and correct
+        # it (counted); the host read the final draws (the copy queued after the redraws: on CUDA a
+        # copy queued before them would read raw argmaxes)
         seen["forced_then_corrected"] += len(set(pending.corrected) & set(pending.forced or ()))
         if pending.host is not None and pending.tokens is not None:
             host, device = pending.host.tolist(), pending.tokens.cpu().tolist()
@@ -424,8 +425,8 @@ def test_async_scheduling_with_greedy_constrained_rows_equals_sync(make_schedule
     """Async scheduling keeps greedy constrained rows in the overlap without masks: each draws its
     raw argmax on the device, checked against its grammar once the previous token is accepted;
     a refused draw is redrawn under the mask and the step already launched on it recomputes that
-    row; rows at forced grammar positions are redrawn among their allowed tokens before the next
-    step reads them (or, ``unforced``, left to the check). Same tokens as the synchronous loop,
+    row; rows at forced grammar positions are redrawn among the tokens that can spell the forced
+    bytes before the next step reads them (or, ``unforced``, left to the check). Same tokens as the synchronous loop,
     beside free rows; a row whose grammar ends mid-run drops out cleanly; refusals really happen
     (the bench's long schema forces them)."""
     from monobatch.engine import engine
@@ -447,7 +448,7 @@ def test_async_scheduling_with_greedy_constrained_rows_equals_sync(make_schedule
     seen = _spy_async(sched)
     overlapped = _run(sched, requests())
     assert seen["unchecked"] and not seen["deferred"], seen
-    assert not seen["forced_then_corrected"] and not seen["host_not_device"], seen
+    assert not seen["host_not_device"], seen
     if forced:
         assert seen["forced"] > 0, seen
     else:
@@ -455,6 +456,26 @@ def test_async_scheduling_with_greedy_constrained_rows_equals_sync(make_schedule
     for rid in sync:
         assert overlapped[rid] == sync[rid], rid
     assert sched.kv.usage().used_blocks == 0 and not sched.has_unfinished()
+
+
+def test_refused_forced_redraw_is_corrected_and_equals_sync(make_scheduler, loaded):
+    """A forced position's early redraw picks among unchecked candidates (ADR 0004, "Early forced
+    redraws over unchecked candidates"): here (SCHEMAS[9] after ``": [``) the pick is refused by
+    the step's check, corrected to the best accepted token and the step launched on it recomputes
+    that row; the tokens equal the synchronous loop's."""
+    from monobatch.engine.constraint import StructuredOutput
+
+    ask = loaded.tokenizer.encode_chat([{"role": "user", "content": "What is 2+2?"}])
+
+    def requests():
+        return [_request("r", ask, StructuredOutput.json_schema(SCHEMAS[9][0]), max_tokens=64)]
+
+    sync = _run(make_scheduler(async_scheduling=False, deterministic=True), requests())
+    sched = make_scheduler(async_scheduling=True, deterministic=True)
+    seen = _spy_async(sched)
+    overlapped = _run(sched, requests())
+    assert seen["forced_then_corrected"] > 0 and seen["void"] > 0, seen
+    assert overlapped == sync
 
 
 def test_async_scheduling_with_sampled_constrained_rows_equals_sync(make_scheduler, prompt, loaded):

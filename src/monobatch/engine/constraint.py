@@ -336,8 +336,9 @@ class GrammarMatcher:
         """Where the grammar forces the next bytes, the tokens it may accept there, unchecked: every
         split of the forced bytes and every token extending them (:meth:`TokenIndex.candidate_array`;
         a superset of :meth:`forced_ids`, shared and read-only; kept until the matcher moves). None
-        elsewhere, or where they number more than :data:`FORCED_MAX_TOKENS`. One llguidance call
-        (the forced bytes), no token checks: for async scheduling's early redraw
+        elsewhere, or where they number more than :data:`FORCED_MAX_TOKENS`. Two or three llguidance
+        calls (``is_stopped`` unless known, the forced bytes, ``is_stopped`` again), no token checks:
+        for async scheduling's early redraw
         (:meth:`RowSampler.forced_draws`), whose pick the check accepts only if it is the best
         accepted token (a superset's best that the grammar accepts is the best it accepts) and
         corrects otherwise."""
@@ -350,7 +351,7 @@ class GrammarMatcher:
                 if forced:
                     arr = self._index.candidate_array(forced)
                     cands = False if arr is None else arr
-                self._stopped = bool(m.is_stopped())  # (a lookup may hit a resource limit)
+                self._stopped = bool(m.is_stopped())  # (compute_ff_bytes may hit a resource limit)
             else:
                 self._stopped = True
             self._cands = cands

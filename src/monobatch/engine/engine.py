@@ -490,11 +490,13 @@ class Engine:
 
         An unchecked draw is the raw argmax; the grammar refuses it mostly where it forces the
         next bytes (a key, a quote, a separator), and a refusal voids the row in the step
-        launched on it (recomputed one step later). At those positions the grammar accepts a few
-        tokens, so the best of them is drawn now (:meth:`RowSampler.forced_draws`, exact: on the
-        host where a row accepts one token, else a gather on the device) and written into
-        ``tokens``: the next step computes those rows from the right ids, and :meth:`resolve`
-        checks the redraws (accepted) instead of the raw argmax. Runs on the host while the step's
+        launched on it (recomputed one step later). At those positions only a few tokens can spell
+        the forced bytes, so the best of them (unchecked candidates,
+        :meth:`GrammarMatcher.forced_candidates`) is drawn now (:meth:`RowSampler.forced_draws`: on
+        the host where a row has one candidate, else a gather on the device) and written into
+        ``tokens``: the next step computes those rows from these ids, and :meth:`resolve` checks
+        the redraws instead of the raw argmax (nearly always accepted; a refused one is corrected
+        and voided like a refused argmax). Runs on the host while the step's
         forward runs; no wait for the device.
 
         An unchecked step with grammar rows has its draws' host copy queued here, after the
@@ -590,8 +592,9 @@ class Engine:
         return self.finisher.apply(list(seqs), SampleOutput(list(toks), None, None))
 
     def _check_draws(self, pending: PendingStep, ids: list[int]) -> None:
-        """:meth:`RowSampler.correct` on an unchecked draw's grammar rows, in place in ``ids``.
-        On CUDA the redraw of a refused row runs on a side stream behind the step's own event, so
+        """:meth:`RowSampler.check` of an unchecked draw's grammar rows on the host, then, only where
+        one was refused, :meth:`RowSampler.redraw`, in place in ``ids`` (``RowSampler.correct``'s
+        two halves). On CUDA the redraw of a refused row runs on a side stream behind the step's own event, so
         it does not wait for the step launched after this one (async scheduling keeps the device
         busy through a refusal)."""
         gram, x = pending.check

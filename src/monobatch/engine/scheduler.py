@@ -26,8 +26,9 @@ refused one is redrawn from the tokens the grammar accepts (a side stream, so th
 launched on the refused id, leaves that row *void* — its KV position is not committed and the
 next step recomputes it from the corrected id. Refusals happen mostly where the grammar forces
 the next bytes (a key, a quote, a separator): once N's tokens are accepted, the rows of N+1 at
-such a position are redrawn among the few tokens the grammar accepts there before N+2 reads them
-(:meth:`Engine.draw_forced`), so they are not void. Other grammar rows (sampled, logit_bias) have
+such a position are redrawn among the few tokens that can spell the forced bytes before N+2 reads
+them (:meth:`Engine.draw_forced`), so they are nearly never void (a refused redraw is corrected
+and voided as above). Other grammar rows (sampled, logit_bias) have
 the draw of N+1 deferred: its forward is queued first, then N's tokens are read and accepted
 into the matchers, and the masks of N+1 are computed on the host while that forward runs
 (:meth:`Engine.draw_deferred`). Step N+1's KV commit
