@@ -96,6 +96,21 @@ def test_table_output():
     assert re.search(r"  weights \d+ MiB$", lines[0]) and " MB" not in res.stdout, lines[:2]
 
 
+def test_constrained_ab_alternates_the_arms_in_one_process():
+    """``--constrained ab`` (bundled model: the grammar needs a real tokenizer): per configuration a
+    plain row, then the constrained row with the median of its per-run-pair ratios."""
+    rows = json_lines(monobatch("bench", "-t", "1", "-p", "12", "-n", "4", "-r", "3", "--batch-size", "1,2",
+                                "--constrained", "ab", "--json"))
+    assert [(r["label"], r["constrained"]) for r in rows] == [
+        ("engine p12 b1", False), ("engine p12 b1 json", True), ("engine p12 b2", False), ("engine p12 b2 json", True)]
+    for plain, constrained in (rows[:2], rows[2:]):
+        rate = "decode_tok_s" if plain["batch_size"] == 1 else "tg_tok_s"
+        pairs = [c / p for p, c in zip(plain["samples"][rate], constrained["samples"][rate])]
+        assert constrained["samples"]["vs_plain"] == pytest.approx(pairs, rel=1e-3)
+        assert constrained["vs_plain"] == pytest.approx(sorted(pairs)[1], rel=1e-2)  # the median of 3
+        assert "vs_plain" not in plain and len(plain["samples"][rate]) == 3
+
+
 @pytest.mark.parametrize("args, needle", [
     (("-p", "250", "-n", "8"), "exceed the context (256 tokens)"),  # tiny's context is 256
     (("-p", "16,300",), "exceed the context"),

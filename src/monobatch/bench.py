@@ -412,7 +412,8 @@ class BenchRow:
                     f"({m['concurrent_s']:.2f} s), one by one {m['sequential_tok_s']:.1f} tok/s "
                     f"({m['sequential_s']:.2f} s): {m['speedup']:.2f}x")
         cells = [m.get(k) for k in ("ttft_ms", "prefill_tok_s", "decode_tok_s", "pp_tok_s", "tg_tok_s", "total_tok_s")]
-        return f"{self.label:<22}" + "".join(f"{'-' if v is None else f'{v:.1f}':>15}" for v in cells)
+        line = f"{self.label:<22}" + "".join(f"{'-' if v is None else f'{v:.1f}':>15}" for v in cells)
+        return line if "vs_plain" not in m else f"{line}   {m['vs_plain']:.3f}x plain"
 
 
 TABLE_HEADER = f"{'label':<22}" + "".join(f"{h:>15}" for h in ("TTFT ms", "prefill tok/s", "decode tok/s",
@@ -434,6 +435,10 @@ class BenchPlan:
     concurrency: int = 0
     seed: int = 0
     structured: StructuredOutput | None = None  # every request decodes under this constraint
+    #: With ``structured``: also measure each configuration without it, the two arms' timed runs
+    #: alternated in this process (``bench --constrained ab``), so their ratio is not a ratio of
+    #: two processes (which differ on the H200 by up to 1.6x for the same arm and tree).
+    plain_too: bool = False
 
     def check(self, scheduler: BatchScheduler) -> None:
         """Refuse what the loaded engine cannot run as asked.
@@ -487,8 +492,9 @@ def run_bench(scheduler: BatchScheduler, plan: BenchPlan, emit: Callable[[BenchR
         try:
             for length in plan.prompt_tokens:
                 for b in plan.batch_sizes:
-                    rows.append(measure(driver, setup, [prompt(length, i) for i in range(b)], plan))
-                    emit(rows[-1])
+                    for row in measure(driver, setup, [prompt(length, i) for i in range(b)], plan):
+                        rows.append(row)
+                        emit(row)
         finally:
             driver.close()
     if plan.concurrency:
@@ -499,29 +505,54 @@ def run_bench(scheduler: BatchScheduler, plan: BenchPlan, emit: Callable[[BenchR
     return rows
 
 
-def measure(driver: Driver, setup: Setup, prompts: list[list[int]], plan: BenchPlan) -> BenchRow:
+def measure(driver: Driver, setup: Setup, prompts: list[list[int]], plan: BenchPlan) -> list[BenchRow]:
     """One configuration: a warm-up run (allocator, kernels, KV growth, connections), then
-    ``plan.runs`` timed runs of ``prompts`` submitted together; medians."""
+    ``plan.runs`` timed runs of ``prompts`` submitted together; medians.
+
+    With ``plan.plain_too`` two arms, each warmed up, their timed runs alternated (plain,
+    constrained, plain, ...): a plain row, then the constrained row with ``vs_plain``, its rate
+    over the plain arm's (``decode_tok_s`` at B=1, ``tg_tok_s`` batched): the median of the
+    per-run-pair ratios (``samples["vs_plain"]``: pair i = the i-th run of each arm).
+
+    Returns:
+        One row, or two (plain first) with ``plan.plain_too``.
+    """
     length, b = len(prompts[0]), len(prompts)
-    preempted = driver.preemptions()
-    driver.run(prompts, plan.gen_tokens)
-    per_run: list[dict[str, float]] = []
+    arms = [plan.structured] if not plan.plain_too or plan.structured is None else [None, plan.structured]
+    preempted = {}
+    per_run: dict[int, list[dict[str, float]]] = {k: [] for k in range(len(arms))}
+    for k, structured in enumerate(arms):
+        driver.structured = structured
+        preempted[k] = driver.preemptions()
+        driver.run(prompts, plan.gen_tokens)
     for _ in range(plan.runs):
-        traces = driver.run(prompts, plan.gen_tokens)
-        for t in traces:
-            t.check(plan.gen_tokens)
-        per_run.append(b1_metrics(traces[0], length) if b == 1 else batched_metrics(traces, length))
-    samples = {k: [float(f"{r[k]:.6g}") for r in per_run] for k in per_run[0]}
-    samples["preemptions"] = driver.preemptions() - preempted
-    if b == 1:
-        ttft = statistics.median(samples["ttft_ms"])
-        metrics = {"ttft_ms": round(ttft, 2), "prefill_tok_s": round(length / (ttft / 1000), 1),
-                   "decode_tok_s": round(statistics.median(samples["decode_tok_s"]), 1)}
-    else:
-        metrics = {k: round(statistics.median(samples[k]), 1) for k in ("pp_tok_s", "tg_tok_s", "total_tok_s")}
-    json_ = " json" if plan.structured is not None else ""
-    return BenchRow(f"{driver.name} p{length} b{b}{json_}", driver.name, "b1" if b == 1 else "batched", length,
-                    plan.gen_tokens, b, plan.runs, setup, metrics, samples, plan.structured is not None)
+        for k, structured in enumerate(arms):
+            driver.structured = structured
+            traces = driver.run(prompts, plan.gen_tokens)
+            for t in traces:
+                t.check(plan.gen_tokens)
+            per_run[k].append(b1_metrics(traces[0], length) if b == 1 else batched_metrics(traces, length))
+    driver.structured = plan.structured
+    rows = []
+    for k, structured in enumerate(arms):
+        samples = {key: [float(f"{r[key]:.6g}") for r in per_run[k]] for key in per_run[k][0]}
+        # (with two arms each arm's count includes the other's runs in between: reported on both)
+        samples["preemptions"] = driver.preemptions() - preempted[k]
+        if b == 1:
+            ttft = statistics.median(samples["ttft_ms"])
+            metrics = {"ttft_ms": round(ttft, 2), "prefill_tok_s": round(length / (ttft / 1000), 1),
+                       "decode_tok_s": round(statistics.median(samples["decode_tok_s"]), 1)}
+        else:
+            metrics = {key: round(statistics.median(samples[key]), 1) for key in ("pp_tok_s", "tg_tok_s", "total_tok_s")}
+        if k == 1:
+            rate = "decode_tok_s" if b == 1 else "tg_tok_s"
+            pairs = [c[rate] / p[rate] for p, c in zip(per_run[0], per_run[1])]
+            samples["vs_plain"] = [round(r, 4) for r in pairs]
+            metrics["vs_plain"] = round(statistics.median(pairs), 3)
+        json_ = " json" if structured is not None else ""
+        rows.append(BenchRow(f"{driver.name} p{length} b{b}{json_}", driver.name, "b1" if b == 1 else "batched",
+                             length, plan.gen_tokens, b, plan.runs, setup, metrics, samples, structured is not None))
+    return rows
 
 
 def concurrent_vs_sequential(scheduler: BatchScheduler, setup: Setup, prompts: list[list[int]],

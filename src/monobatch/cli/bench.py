@@ -72,9 +72,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --dummy-weights: random packed weights of this GGUF type (Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, "
                         "Q6_K, Q8_0) instead of dense ones, run by the packed kernels")
     p.add_argument("--json", action="store_true", help="print one JSON object per line, one per configuration")
-    p.add_argument("--constrained", action="store_true",
+    p.add_argument("--constrained", nargs="?", const="only", choices=("only", "ab"),
                    help="decode every request under a JSON schema (structured output: an array of at least 4096 "
-                        "small objects, so the grammar cannot end before -n tokens); compare with a run without")
+                        "small objects, so the grammar cannot end before -n tokens); 'ab': also without it, the "
+                        "two arms' runs alternated in this process, the constrained rows with their ratio (vs_plain)")
     add_model_args(p)
     p.set_defaults(func=run, max_num_seqs=None)  # None: max(the default, the largest --batch-size)
 
@@ -108,7 +109,7 @@ def run(ns: argparse.Namespace) -> int:
     if ns.constrained:
         from monobatch.bench import bench_constraint
 
-        plan.structured = bench_constraint()
+        plan.structured, plan.plain_too = bench_constraint(), ns.constrained == "ab"
     loaded = dummy_model(ns.shape or "smollm2-135m", ns.device, ns.dtype, quant=ns.quant) if ns.dummy_weights else None
     scheduler = open_engine(ns, loaded)
     plan.check(scheduler)
