@@ -1023,6 +1023,36 @@ def test_a_long_forced_literal_costs_no_more_than_the_longest_token(loaded):
         constraint.FORCED_MAX_TOKENS = old
 
 
+def test_a_forced_position_asks_for_its_forced_bytes_once(loaded):
+    """The early redraw's candidates (forced_candidates) and a refused pick's checked set
+    (forced_ids) at one forced position share one llguidance forced-bytes call; the matcher asks
+    again once it moves. The checked set is within the candidates."""
+    from monobatch.engine.constraint import GrammarCompiler, StructuredOutput
+
+    class Counting:  # the llguidance matcher, its calls counted
+        def __init__(self, real) -> None:
+            self.real, self.calls = real, []
+
+        def __getattr__(self, name):
+            def call(*args):
+                self.calls.append(name)
+                return getattr(self.real, name)(*args)
+            return call
+
+    tok = loaded.tokenizer
+    m = GrammarCompiler(tok, tok.vocab_size).matcher(StructuredOutput.json_schema(SCHEMAS[0][0]))
+    for t in tok.encode('{"name":', add_special_tokens=False):  # then a forced ' "'
+        assert m.accept(t)
+    m._m = counted = Counting(m._m)
+    cands, ids = m.forced_candidates(), m.forced_ids()
+    assert cands is not None and ids is not None and set(ids.tolist()) <= set(cands.tolist())
+    assert ids.tolist() == _accepted(m, tok.vocab_size)
+    assert counted.calls.count("compute_ff_bytes") == 1, counted.calls
+    assert m.accept(int(ids[0]))
+    m.forced_candidates()
+    assert counted.calls.count("compute_ff_bytes") == 2, counted.calls
+
+
 def test_accepting_another_token_than_the_one_advanced_past_rolls_it_back(loaded):
     """GrammarMatcher.accept of a token other than the one advance_if_allowed consumed (a draw
     replaced after the check) rolls that one back first: the matcher ends where a matcher that

@@ -180,10 +180,8 @@ class TokenIndex:
         for b, t in pairs:
             if b:
                 self._by_bytes.setdefault(b, []).append(t)
-        # forced bytes -> candidates(): a grammar's forced bytes repeat (keys, separators)
-        self._candidates: dict[bytes, tuple[list[int], list[int] | None]] = {}
-        # forced bytes -> candidate_array(): the same, as one sorted read-only array (or None)
-        self._candidate_arrays: dict[bytes, np.ndarray | None] = {}
+        # forced bytes -> (candidates(), candidate_array()): a grammar's forced bytes repeat (keys, separators)
+        self._candidates: dict[bytes, tuple[tuple[list[int], list[int] | None], np.ndarray | None]] = {}
         # accepted id tuples -> one read-only array each (ids_array): the same sets recur every row and step
         self._arrays: dict[tuple[int, ...], np.ndarray] = {}
 
@@ -210,6 +208,16 @@ class TokenIndex:
         (at most :data:`CANDIDATE_CACHE` entries): both depend on the bytes alone, and a grammar's
         forced keys and separators come back every row and step (the lookups cost ~10 µs a forced
         position on this project's CPU, 2026-12-02)."""
+        return self._lookup(forced)[0]
+
+    def candidate_array(self, forced: bytes) -> np.ndarray | None:
+        """Every token a grammar whose next bytes are ``forced`` may accept there, unchecked: the
+        splits and extensions of :meth:`candidates`, as one ascending read-only ``[n]`` int64
+        array; None where they number more than :data:`FORCED_MAX_TOKENS` (or none). Remembered
+        with :meth:`candidates`' entry."""
+        return self._lookup(forced)[1]
+
+    def _lookup(self, forced: bytes) -> tuple[tuple[list[int], list[int] | None], np.ndarray | None]:
         # both look at the first longest + 1 bytes alone (no token is longer): a 64 KiB const
         # stays forced for thousands of positions, and must not make thousands of 64 KiB keys
         key = forced[:self._longest + 1]
@@ -217,27 +225,13 @@ class TokenIndex:
         if hit is None:
             if len(self._candidates) >= CANDIDATE_CACHE:
                 self._candidates.clear()
-            hit = self._candidates[key] = (self.splits(key), self.extensions(key, FORCED_MAX_TOKENS))
+            splits, ext = self.splits(key), self.extensions(key, FORCED_MAX_TOKENS)
+            ids = None if ext is None or len(splits) + len(ext) > FORCED_MAX_TOKENS else sorted(set(splits + ext))
+            arr = np.array(ids, dtype=np.int64) if ids else None
+            if arr is not None:
+                arr.flags.writeable = False
+            hit = self._candidates[key] = ((splits, ext), arr)
         return hit
-
-    def candidate_array(self, forced: bytes) -> np.ndarray | None:
-        """Every token a grammar whose next bytes are ``forced`` may accept there, unchecked: the
-        splits and extensions of :meth:`candidates`, as one ascending read-only ``[n]`` int64
-        array; None where they number more than :data:`FORCED_MAX_TOKENS` (or none). Remembered per
-        ``forced`` (at most :data:`CANDIDATE_CACHE` entries)."""
-        key = forced[:self._longest + 1]
-        try:
-            return self._candidate_arrays[key]
-        except KeyError:
-            pass
-        if len(self._candidate_arrays) >= CANDIDATE_CACHE:
-            self._candidate_arrays.clear()
-        splits, ext = self.candidates(key)
-        ids = None if ext is None or len(splits) + len(ext) > FORCED_MAX_TOKENS else sorted(set(splits + ext))
-        arr = self._candidate_arrays[key] = np.array(ids, dtype=np.int64) if ids else None
-        if arr is not None:
-            arr.flags.writeable = False
-        return arr
 
     def ids_array(self, ids: tuple[int, ...]) -> np.ndarray:
         """``ids`` as a read-only ``[n]`` int64 array, one per distinct tuple (at most
@@ -268,7 +262,7 @@ class GrammarMatcher:
     is over one set.
     """
 
-    __slots__ = ("_m", "_ahead", "_index", "_forced", "_splits", "_stopped", "_cands")
+    __slots__ = ("_m", "_ahead", "_index", "_forced", "_splits", "_stopped", "_cands", "_ff")
 
     def __init__(self, matcher: Any, index: TokenIndex) -> None:
         self._m = matcher
@@ -278,6 +272,7 @@ class GrammarMatcher:
         self._splits: list[int] = []  # splits() of this position, once _forced is known
         self._stopped: bool | None = None  # is_stopped of this position (None: not asked yet)
         self._cands: np.ndarray | bool | None = None  # forced_candidates of this position (False: none; None: unknown)
+        self._ff: bytes | None = None  # llguidance's forced bytes of this position (None: not asked yet)
 
     @property
     def raw(self) -> Any:
@@ -294,7 +289,7 @@ class GrammarMatcher:
             if ahead == t:
                 return True
             self._m.rollback(1)
-        self._forced = self._stopped = self._cands = None
+        self._forced = self._stopped = self._cands = self._ff = None
         # the check and the advance in one call first: llguidance's consume_token walks an unchecked
         # token the slow way (5-60 µs on this project's CPU, 2026-12-03, against ~2 µs), to the same
         # state; a refused token goes through consume_token, which leaves the error state as before
@@ -311,7 +306,7 @@ class GrammarMatcher:
         if self._m.try_consume_tokens([t]) != 1:
             self._stopped = None  # a refusal may be a resource limit: is_stopped (and failed) ask again
             return False
-        self._ahead, self._forced, self._stopped, self._cands = t, None, None, None
+        self._ahead, self._forced, self._stopped, self._cands, self._ff = t, None, None, None, None
         return True
 
     def allows(self, token_id: int) -> bool:
@@ -347,7 +342,7 @@ class GrammarMatcher:
             cands = False
             m = self._m
             if not (self._stopped if self._stopped is not None else m.is_stopped()):
-                forced = m.compute_ff_bytes()
+                forced = self._ff = m.compute_ff_bytes()
                 if forced:
                     arr = self._index.candidate_array(forced)
                     cands = False if arr is None else arr
@@ -374,7 +369,8 @@ class GrammarMatcher:
         if self._stopped if self._stopped is not None else m.is_stopped():
             self._stopped = True
             return False
-        forced = m.compute_ff_bytes()
+        # (asked once a position: forced_candidates may have, for the early redraw this one corrects)
+        forced = self._ff if self._ff is not None else m.compute_ff_bytes()
         if forced:
             ok = m.validate_tokens
             splits, ext = self._index.candidates(forced)

@@ -592,7 +592,7 @@ class Engine:
         return self.finisher.apply(list(seqs), SampleOutput(list(toks), None, None))
 
     def _check_draws(self, pending: PendingStep, ids: list[int]) -> None:
-        """:meth:`RowSampler.check` of an unchecked draw's grammar rows on the host, then, only where
+        """:meth:`RowSampler.check_picks` of an unchecked draw's grammar rows on the host, then, only where
         one was refused, :meth:`RowSampler.redraw`, in place in ``ids`` (``RowSampler.correct``'s
         two halves). On CUDA the redraw of a refused row runs on a side stream behind the step's own event, so
         it does not wait for the step launched after this one (async scheduling keeps the device
@@ -606,7 +606,7 @@ class Engine:
         states = [seq.sampler for seq in rows]
         # the checks first, on the host (advance: an allowed draw advances its grammar now, the finish
         # step's accept confirms it); the device only where some draw was refused
-        refused = self.sampler.check(states, ids, gram, only=live, advance=True)
+        refused = self.sampler.check_picks(states, ids, gram, only=live, advance=True)
         if not refused:
             return
         with contextlib.ExitStack() as stack:

@@ -401,7 +401,7 @@ class RowSampler:
         Raises:
             ValueError: shapes disagree, or a logit_bias id is outside the vocabulary.
         """
-        if self._check(logits, states) == 0:
+        if self._check_shapes(logits, states) == 0:
             return SampleOutput([], None, None)
         tok, plan, t = self._draw(logits, states, 0)
         if plan is None or all(n is None for n in plan.top_n):
@@ -431,7 +431,7 @@ class RowSampler:
         Raises:
             ValueError: ``unchecked`` with a state that is neither plain greedy nor greedy-checked.
         """
-        self._check(logits, states)
+        self._check_shapes(logits, states)
         if unchecked:
             if not all(s.argmax_draw for s in states):
                 raise ValueError("an unchecked draw needs greedy rows whose only stage is a grammar")
@@ -513,11 +513,11 @@ class RowSampler:
             stream (which may be a side stream: nothing here uses a per-device workspace), plus a
             mask and a second read for rows whose candidates are all refused.
         """
-        refused = self.check(states, picks, rows, only, advance)
+        refused = self.check_picks(states, picks, rows, only, advance)
         return self.redraw(logits, states, picks, rows, refused) if refused else {}
 
     @staticmethod
-    def check(states: list[SamplerState], picks: list[int], rows: list[int] | None = None,
+    def check_picks(states: list[SamplerState], picks: list[int], rows: list[int] | None = None,
               only: set[int] | None = None, advance: bool = False) -> list[int]:
         """:meth:`correct`'s host half: check each pick against its grammar (``advance``: and
         advance past it where allowed); no device work.
@@ -540,7 +540,7 @@ class RowSampler:
     def redraw(self, logits: torch.Tensor, states: list[SamplerState], picks: list[int],
                rows: list[int] | None, refused: list[int]) -> dict[int, int]:
         """:meth:`correct`'s device half: the redraws of the ``refused`` positions (from
-        :meth:`check`), as state index -> token."""
+        :meth:`check_picks`), as state index -> token."""
         which = range(len(states)) if rows is None else rows
         out: dict[int, int] = {}
         forced = [(i, ids) for i in refused if (ids := states[which[i]].grammar.forced_ids()) is not None]
@@ -682,7 +682,7 @@ class RowSampler:
             (R, V) float64: for greedy rows the logits after logit_bias and the penalties; for
             sampled rows after every filter and the temperature (``-inf`` = filtered out).
         """
-        self._check(logits, states)
+        self._check_shapes(logits, states)
         plan = _Plan(states, self.vocab_size)
         t = plan.upload(logits.device)
         x, groups = self._chain(logits, plan, t)
@@ -725,7 +725,7 @@ class RowSampler:
             out[at] = out[at] - st.gumbel_noise(keys, torch.arange(out.shape[1], device=out.device))
         return out
 
-    def _check(self, logits: torch.Tensor, states: list[SamplerState]) -> int:
+    def _check_shapes(self, logits: torch.Tensor, states: list[SamplerState]) -> int:
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} states")
         if logits.shape[1] < self.vocab_size:
