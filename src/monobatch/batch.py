@@ -67,6 +67,8 @@ class StepBatch:
             one query row at a time, so a token's result does not depend on the batch.
         position_bound: every position is below it (known on the host, so the model may read
             RoPE from its table without a device check); None when unknown.
+        decode_only: :attr:`is_decode_only`, when known at the batch's construction (None: found
+            from the chunks on each read).
     """
 
     token_ids: torch.Tensor
@@ -76,6 +78,7 @@ class StepBatch:
     chunks: tuple[Chunk, ...]
     row_tile: int = 0
     position_bound: int | None = None
+    decode_only: bool | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +88,8 @@ class StepBatch:
     @property
     def is_decode_only(self) -> bool:
         """True when every chunk is one token that wants logits (the CUDA-graph-capturable case)."""
+        if self.decode_only is not None:  # set by build: a step reads it several times
+            return self.decode_only
         return all(c.length == 1 and c.wants_logits for c in self.chunks)
 
     @classmethod
@@ -109,18 +114,15 @@ class StepBatch:
         seq_ids: list[int] = []
         rows: list[int] = []
         built: list[Chunk] = []
-        seen: set[int] = set()
+        decode_only = True
         for chunk in chunks:
-            seq_id, ids, pos, wants = chunk[:4]
+            seq_id, ids, pos, wants = chunk[0], chunk[1], chunk[2], chunk[3]
             every = len(chunk) > 4 and bool(chunk[4])
             n = len(ids)
             if not n:
                 raise ValueError(f"empty chunk for sequence {seq_id}")
             if pos < 0:
                 raise ValueError(f"negative position for sequence {seq_id}")
-            if seq_id in seen:
-                raise ValueError(f"sequence {seq_id} appears twice in one StepBatch")
-            seen.add(seq_id)
             start = len(tokens)
             if n == 1:  # a decode row (most of a large batch's chunks): no ranges or list copies
                 tokens.append(ids[0])
@@ -128,6 +130,7 @@ class StepBatch:
                 seq_ids.append(seq_id)
                 if wants or every:
                     rows.append(start)
+                decode_only = decode_only and wants
             else:
                 tokens.extend(ids)
                 positions.extend(range(pos, pos + n))
@@ -136,7 +139,12 @@ class StepBatch:
                     rows.extend(range(start, start + n))
                 elif wants:
                     rows.append(start + n - 1)
+                decode_only = False
             built.append(Chunk(seq_id, start, pos, n, wants, ids if type(ids) is tuple else tuple(ids), every))
+        if len({c.seq_id for c in built}) < len(built):  # one set for the batch, not a check a row
+            listed = [c.seq_id for c in built]
+            twice = next(s for s in listed if listed.count(s) > 1)
+            raise ValueError(f"sequence {twice} appears twice in one StepBatch")
         return cls(
             token_ids=torch.tensor(tokens, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
@@ -144,7 +152,8 @@ class StepBatch:
             logit_rows=torch.tensor(rows, dtype=torch.int64),
             chunks=tuple(built),
             row_tile=row_tile,
-            position_bound=max(c.end_pos for c in built) if built else 0,
+            position_bound=max(positions) + 1 if positions else 0,  # = the chunks' largest end_pos
+            decode_only=decode_only,
         ).to(device)
 
     def to(self, device: torch.device | str) -> "StepBatch":
@@ -163,4 +172,5 @@ class StepBatch:
         else:
             flat = flat.to(device)
         token_ids, positions, logit_rows = flat.split([T, T, self.logit_rows.shape[0]])
-        return StepBatch(token_ids, positions, self.seq_ids, logit_rows, self.chunks, self.row_tile, self.position_bound)
+        return StepBatch(token_ids, positions, self.seq_ids, logit_rows, self.chunks, self.row_tile, self.position_bound,
+                         self.decode_only)

@@ -234,8 +234,11 @@ class DecodeGraphs(_StaticGraphs):
         if self.copied is not None:
             self.copied.synchronize()  # the last step's copy from the host buffer is done
         host = self.host
-        host.token_ids[:size] = torch.as_tensor([c.token_ids[0] for c in batch.chunks] + [0] * (size - n))
-        host.positions[:size] = torch.as_tensor([c.pos for c in batch.chunks] + [0] * (size - n))
+        # the batch's own [n] tensors (on the host: Engine.build_batch), not its chunks again
+        host.token_ids[:n].copy_(batch.token_ids)
+        host.positions[:n].copy_(batch.positions)
+        host.token_ids[n:size] = 0
+        host.positions[n:size] = 0
         self.kv.prepare_decode(batch, host.step.rows(size), self.step.rows(size))
         if self.capture and size not in self.graphs:
             self.graphs[size] = self._graph(size)  # on padding values, overwritten by the copy below
