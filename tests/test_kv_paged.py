@@ -129,6 +129,19 @@ def test_fork_shares_blocks_and_copies_on_write():
         kv.fork(0, 1)
 
 
+def test_a_reserve_before_a_fork_does_not_skip_the_source_s_copy_on_write():
+    """reserve remembers how far a sequence can grow with nothing to allocate or copy; a fork
+    shares the source's partial block, so the source's next write still copies it first."""
+    kv = paged()
+    step(kv, [(0, list(range(6)), 0, True)])  # blocks: full + partial (2 tokens)
+    assert kv.reserve(0, 8)  # the partial block is the source's alone: nothing to do
+    kv.fork(0, 1)
+    forked = keys_of(kv, 1).clone()
+    step(kv, [(0, [50, 51], 6, True)])  # the source writes into the shared partial block
+    assert kv.block_table(0)[1] != kv.block_table(1)[1]
+    assert torch.equal(keys_of(kv, 1), forked)  # the fork is untouched
+
+
 def test_fork_never_shares_reserved_unwritten_blocks():
     """Blocks reserved past a sequence's tokens stay private: the fork and the source write their
     next tokens into different slots."""

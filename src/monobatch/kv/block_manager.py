@@ -88,6 +88,11 @@ class BlockManager:
         self._tokens: dict[int, list[int]] = {}  # cached token ids, to key full blocks
         self._keys: dict[int, list[bytes]] = {}  # chained prefix-cache keys of the full blocks
         self._stamp: dict[int, int] = {}  # seq -> the stamp of its tables' last change (see stamp)
+        # seq -> tokens it can hold with nothing to allocate or copy, as the last reserve found
+        # (every block past the one being written is its own and uncached); dropped by whatever
+        # may share one of its blocks or shorten its tables (fork, trim, adopt_prefix, free)
+        self._room: dict[int, int] = {}
+        self._local = [(g, grp.window) for g, grp in enumerate(self.groups) if grp.window]  # sliding-window groups
 
     # -- queries ----------------------------------------------------------------------------------
     def seq_len(self, seq_id: int) -> int:
@@ -139,6 +144,8 @@ class BlockManager:
     def reserve(self, seq_id: int, num_tokens: int) -> bool:
         """Allocate (and copy a shared tail block) so ``seq_id`` can hold ``num_tokens`` in every
         group. Returns False, allocating nothing, when the pool has too few free + evictable blocks."""
+        if num_tokens <= self._room.get(seq_id, 0):  # most decode steps (two calls a step: hot)
+            return True
         n = self._len.get(seq_id, 0)
         if num_tokens <= n:
             return True
@@ -154,6 +161,7 @@ class BlockManager:
                 if b is not None and (ref[b] > 1 or cached(b)):
                     break
             else:
+                self._room[seq_id] = min(len(t) for t in held) * bs
                 return True
         tables = held or [[] for _ in self.groups]
         copies = [self._needs_copy(t, n) for t in tables]
@@ -174,6 +182,7 @@ class BlockManager:
             while len(table) < want:
                 table.append(self.pool.allocate())
         self._stamp[seq_id] = next(_STAMPS)
+        self._room[seq_id] = min(len(t) for t in tables) * bs
         return True
 
     # -- the prefix cache ---------------------------------------------------------------------------
@@ -220,6 +229,7 @@ class BlockManager:
                                          for i in range(lo, n)])
         self._tables[seq_id], self._keys[seq_id] = tables, [key for key, _, _ in chain[:n]]
         self._stamp[seq_id] = next(_STAMPS)
+        self._room.pop(seq_id, None)
         self._len[seq_id], self._tokens[seq_id] = n * bs, list(token_ids[:n * bs])
         return n * bs
 
@@ -239,14 +249,14 @@ class BlockManager:
             for g, table in enumerate(tables):
                 self.pool.register(table[i], self._key(key, g), parent, ids)
             keys.append(key)
-        for grp, table in zip(self.groups, tables):
-            if grp.window:
-                for i in range(window_start(grp.window, end) // bs - 1, -1, -1):  # newest first
-                    if table[i] is None:
-                        break  # released before (released blocks are a prefix of the table)
-                    self.pool.release(table[i])
-                    table[i] = None
-                    self._stamp[seq_id] = next(_STAMPS)
+        for g, window in self._local:
+            table = tables[g]
+            for i in range(window_start(window, end) // bs - 1, -1, -1):  # newest first
+                if table[i] is None:
+                    break  # released before (released blocks are a prefix of the table)
+                self.pool.release(table[i])
+                table[i] = None
+                self._stamp[seq_id] = next(_STAMPS)
 
     # -- lifetime ------------------------------------------------------------------------------------
     def trim(self, seq_id: int, n: int) -> None:
@@ -269,6 +279,7 @@ class BlockManager:
                     self.pool.release(block)
             del table[keep:]
         self._stamp[seq_id] = next(_STAMPS)
+        self._room.pop(seq_id, None)
         self._len[seq_id] = n
         del self._tokens[seq_id][n:]
         del self._keys[seq_id][n // bs:]
@@ -291,6 +302,8 @@ class BlockManager:
                     self.pool.share(block)
         self._tables[dst], self._len[dst] = tables, n
         self._stamp[dst] = next(_STAMPS)
+        self._room.pop(src, None)  # its block being written may be shared now (copied on its next write)
+        self._room.pop(dst, None)
         self._tokens[dst], self._keys[dst] = list(self._tokens.get(src, [])), list(self._keys.get(src, []))
 
     def free(self, seq_id: int) -> None:
@@ -300,5 +313,5 @@ class BlockManager:
             for block in reversed(table):
                 if block is not None:
                     self.pool.release(block)
-        for state in (self._len, self._tokens, self._keys, self._stamp):
+        for state in (self._len, self._tokens, self._keys, self._stamp, self._room):
             state.pop(seq_id, None)

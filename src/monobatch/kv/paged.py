@@ -325,40 +325,41 @@ class PagedKv(KvStore):
             ValueError: a chunk that is not one token, or a gap / overflow of the context.
             InsufficientMemoryError: the pool has no free or evictable block left.
         """
-        bs, n, G = self.block_size, len(batch.chunks), len(self.groups)
+        bs, n = self.block_size, len(batch.chunks)
         size, scratch = host.slot_mapping.shape[1], self.scratch_block
         # numpy views of the host tensors: a row's table is written with one slice assignment
         # (a torch index_put a row and group cost several us of host time, issue 16)
         tables_np = host.block_tables.numpy()
-        slots = np.full((G, size), scratch * bs, dtype=np.int64)
-        lens = np.ones(size, dtype=np.int32)
         written = host.written if host.written is not None else {}
         blocks, seq_len, max_len = self.blocks, self.blocks.seq_len, self.max_seq_len
+        reserve, stamp_of = blocks.reserve, blocks.stamp
+        positions = [c.pos for c in batch.chunks]
         for i, c in enumerate(batch.chunks):
             seq_id, pos = c.seq_id, c.pos
             if c.length != 1:
                 raise ValueError("prepare_decode takes one token per sequence")
             if pos != seq_len(seq_id) or pos + 1 > max_len:
                 self.check_chunk(c)  # raises
-            if not blocks.reserve(seq_id, pos + 1):
+            if not reserve(seq_id, pos + 1):
                 self._pool_full()
-            lens[i] = pos + 1
-            tables = blocks.tables(seq_id)
-            k, off = pos // bs, pos % bs
-            for g, table in enumerate(tables):
-                slots[g, i] = table[k] * bs + off  # the block being written is never released
-            stamp = blocks.stamp(seq_id)
+            stamp = stamp_of(seq_id)
             if written.get(i) != stamp:  # the row holds another sequence's tables, or older ones
-                for g, table in enumerate(tables):
+                for g, table in enumerate(blocks.tables(seq_id)):
                     tables_np[i, g, :len(table)] = [scratch if b is None else b for b in table] \
                         if None in table else table
                 written[i] = stamp
         for i in [r for r in written if r >= n]:
             del written[i]  # padding rows: rewritten below
-        host.slot_mapping.copy_(torch.from_numpy(slots))
-        host.seq_lens.copy_(torch.from_numpy(lens))
         if n < size:
             tables_np[n:, :, 0] = scratch
+        # every row's slot and length from its (now current) table row at once; padding rows write
+        # to the scratch block and attend to one key
+        pos = np.zeros(size, dtype=np.int64)
+        pos[:n] = positions
+        blocks_at = tables_np[np.arange(size), :, pos // bs].T.astype(np.int64)  # (G, size); the block written is held
+        slots = blocks_at * bs + pos % bs
+        host.slot_mapping.copy_(torch.from_numpy(slots))
+        host.seq_lens.copy_(torch.from_numpy(pos + 1))
         self._step, self._meta_of = device, None
 
     def prepare_prefill(self, batch: StepBatch, host: PrefillStep, device: PrefillStep) -> None:
