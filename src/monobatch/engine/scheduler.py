@@ -336,30 +336,35 @@ class BatchScheduler:
         """Launch the decode step after ``pending`` before its draws are read back, when that
         step is certain to hold the same sequences (see the module docstring); else None."""
         rows = pending.rows
-        if len(rows) != len(self.running) or (self.waiting and len(self.running) < self.config.max_num_seqs):
+        if len(rows) != len(self.running) or (self.waiting and len(self.running) < self.config.max_num_seqs) \
+                or not self._overlappable(rows):
             return None
-        finisher = self.engine.finisher
+        # one pass over the rows for the other checks (B rows a step: hot)
+        ends_by_length, void, running = self.engine.finisher.ends_by_length, pending.void, SeqStatus.RUNNING
+        grammar = False
         for r, seq in enumerate(rows):
-            if r in pending.void:  # N drew nothing for it: its input is its last accepted id
-                if seq.status is not SeqStatus.RUNNING or seq.num_computed != seq.num_tokens - 1:
+            if seq.status is not running:
+                return None
+            grammar = grammar or seq.sampler.grammar is not None
+            if r in void:  # N drew nothing for it: its input is its last accepted id
+                if seq.num_computed != seq.num_tokens - 1:
                     return None
-            elif seq.status is not SeqStatus.RUNNING or seq.num_computed != seq.num_tokens \
-                    or finisher.ends_by_length(seq, len(seq.output_ids) + 1):
+            elif seq.num_computed != seq.num_tokens or ends_by_length(seq, len(seq.output_ids) + 1):
                 return None  # not a plain decode, or the pending step is its last by length
-        if not self._overlappable(rows):
-            return None
-        if not all(self.kv.reserve(seq.seq_id, seq.num_computed + 1) for seq in rows):
-            return None  # the pool is full: the normal path preempts
+        reserve = self.kv.reserve
+        for seq in rows:
+            if not reserve(seq.seq_id, seq.num_computed + 1):
+                return None  # the pool is full: the normal path preempts
         chunks = [(seq.seq_id, (0,), seq.num_computed, True) for seq in rows]  # ids: the device's draws
         # a void row's input is the id that replaced its refused draw
-        replace = {r: rows[r].output_ids[-1] for r in sorted(pending.void)}
+        replace = {r: rows[r].output_ids[-1] for r in sorted(void)}
         for seq in rows:  # (batch evidence at the commit: a row that turns void is no step of its sequence)
             seq.num_computed += 1
         batch = self.engine.build_batch(chunks)
         # grammar rows: greedy ones draw their raw argmax now, checked once N's tokens are accepted
         # (Engine.resolve); any other draws once they are (deferred)
-        unchecked = self._unchecked(rows)
-        defer = not unchecked and any(seq.sampler.grammar is not None for seq in rows)
+        unchecked = grammar and self._unchecked(rows)
+        defer = grammar and not unchecked
         try:
             return self.engine.launch(batch, rows, ahead=1, token_ids=pending.tokens, defer_draw=defer,
                                       unchecked=unchecked, replace=replace)
@@ -377,13 +382,13 @@ class BatchScheduler:
                 ahead.void.add(r)
                 if not ahead.rows[r].is_finished:
                     ahead.rows[r].num_computed -= 1
-            live = []
+            live, void, n = [], ahead.void, len(ahead.rows)
             for r, (c, seq) in enumerate(zip(ahead.batch.chunks, ahead.rows)):
-                if not seq.is_finished and r not in ahead.void:
+                if not seq.is_finished and r not in void:
                     live.append(Chunk(c.seq_id, c.start, c.pos, c.length, c.wants_logits, (seq.output_ids[-1],)))
                     # counted here, not at the launch: a void row (recomputed next step) or the row of
                     # a sequence that ended at ``pending`` is not one of its sequence's steps
-                    self._account(seq, len(ahead.rows))
+                    self._account(seq, n)
             self.kv.commit(StepBatch(ahead.batch.token_ids, ahead.batch.positions, ahead.batch.seq_ids,
                                      ahead.batch.logit_rows, tuple(live), ahead.batch.row_tile))
         return self._after_step(step_outputs)
