@@ -223,8 +223,7 @@ class FinishStep:
         now = time.perf_counter()
         outputs = []
         eog, stop_reason, reason_of = self.eog_ids, FinishReason.STOP, self._reason
-        for r, seq in enumerate(seqs):
-            token = sample.token_ids[r]
+        for r, (seq, token) in enumerate(zip(seqs, sample.token_ids)):
             seq.output_ids.append(token)
             seq.sampler.accept(token)
             seq.record_token_time(now)
@@ -239,8 +238,10 @@ class FinishStep:
                     reason = stop_reason
             else:  # no stop strings: the text as it comes (StopMatcher.feed would return it)
                 text = seq.detok.push(token)
-            out = RowOutput(seq.request_id, [token], text, num_prompt_tokens=len(seq.prompt_ids),
-                            num_output_tokens=len(seq.output_ids), num_cached_tokens=seq.num_cached_tokens)
+            # (request_id, token_ids, text, finish_reason, logprobs, num_prompt_tokens, num_output_tokens,
+            # num_cached_tokens): positional, half the keyword call's 0.6 us (a row a step, issue 16)
+            out = RowOutput(seq.request_id, [token], text, None, None, len(seq.prompt_ids), len(seq.output_ids),
+                            seq.num_cached_tokens)
             if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
                 out.prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
             if sample.logprobs is not None and seq.params.logprobs is not None:
