@@ -352,14 +352,14 @@ class PagedKv(KvStore):
             del written[i]  # padding rows: rewritten below
         if n < size:
             tables_np[n:, :, 0] = scratch
-        # every row's slot and length from its (now current) table row at once; padding rows write
-        # to the scratch block and attend to one key
-        pos = np.zeros(size, dtype=np.int64)
-        pos[:n] = positions
-        blocks_at = tables_np[np.arange(size), :, pos // bs].T.astype(np.int64)  # (G, size); the block written is held
-        slots = blocks_at * bs + pos % bs
-        host.slot_mapping.copy_(torch.from_numpy(slots))
-        host.seq_lens.copy_(torch.from_numpy(pos + 1))
+        # every row's slot and length from its (now current) table row at once, into numpy views of
+        # the host tensors; padding rows write to the scratch block and attend to one key
+        pos = np.array(positions, dtype=np.int64)
+        slots, lens = host.slot_mapping.numpy(), host.seq_lens.numpy()  # (G, size), (size,)
+        slots[:, :n] = tables_np[np.arange(n), :, pos // bs].T.astype(np.int64) * bs + pos % bs  # the block written is held
+        slots[:, n:] = scratch * bs
+        lens[:n] = pos + 1
+        lens[n:] = 1
         self._step, self._meta_of = device, None
 
     def prepare_prefill(self, batch: StepBatch, host: PrefillStep, device: PrefillStep) -> None:
