@@ -164,6 +164,8 @@ class DecodeGraphs(_StaticGraphs):
         self.token_ids, self.positions, self.step = self.inputs.token_ids, self.inputs.positions, self.inputs.step
         self.logit_rows = torch.arange(n, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}  # None: capture failed
+        self._rows: dict[int, tuple[DecodeStep, DecodeStep]] = {}  # size -> (host, device) views, see _views
+        self._batches: dict[int, StepBatch] = {}  # size -> _static_batch
         self.copied = torch.cuda.Event() if device.type == "cuda" else None  # host buffers free again
         self.replays = 0
 
@@ -175,11 +177,24 @@ class DecodeGraphs(_StaticGraphs):
         """The captured size a batch of ``n`` rows runs at."""
         return next(s for s in self.sizes if s >= n)
 
+    def _views(self, size: int) -> tuple[DecodeStep, DecodeStep]:
+        """The first ``size`` rows of the host and device :class:`DecodeStep` (views of the static
+        buffers, made once a size: three tensor slices cost ~6 us, twice a step)."""
+        views = self._rows.get(size)
+        if views is None:
+            views = self._rows[size] = (self.host.step.rows(size), self.step.rows(size))
+        return views
+
     def _static_batch(self, size: int) -> StepBatch:
-        """A StepBatch whose tensors are views of the static buffers (``size`` rows)."""
-        return StepBatch(token_ids=self.token_ids[:size], positions=self.positions[:size],
-                         seq_ids=torch.zeros(size, dtype=torch.int64), logit_rows=self.logit_rows[:size], chunks=(),
-                         position_bound=self.kv.max_seq_len)  # prepare_decode checks each row's position
+        """A StepBatch whose tensors are views of the static buffers (``size`` rows), made once a
+        size (~11 us of slices and a zeros tensor, a step)."""
+        batch = self._batches.get(size)
+        if batch is None:
+            batch = self._batches[size] = StepBatch(
+                token_ids=self.token_ids[:size], positions=self.positions[:size],
+                seq_ids=torch.zeros(size, dtype=torch.int64), logit_rows=self.logit_rows[:size], chunks=(),
+                position_bound=self.kv.max_seq_len)  # prepare_decode checks each row's position
+        return batch
 
     def capture_all(self) -> None:
         """Capture every size now (a server's start-up, as vLLM does): a lazy capture costs the
@@ -237,12 +252,14 @@ class DecodeGraphs(_StaticGraphs):
         # the batch's own [n] tensors (on the host: Engine.build_batch), not its chunks again
         host.token_ids[:n].copy_(batch.token_ids)
         host.positions[:n].copy_(batch.positions)
-        host.token_ids[n:size] = 0
-        host.positions[n:size] = 0
-        self.kv.prepare_decode(batch, host.step.rows(size), self.step.rows(size))
+        if n < size:  # padding rows
+            host.token_ids[n:size] = 0
+            host.positions[n:size] = 0
+        host_rows, device_rows = self._views(size)
+        self.kv.prepare_decode(batch, host_rows, device_rows)
         if self.capture and size not in self.graphs:
             self.graphs[size] = self._graph(size)  # on padding values, overwritten by the copy below
-            self.kv.bind_decode(self.step.rows(size))
+            self.kv.bind_decode(device_rows)
         self.inputs.copy_from(host, size)
         if self.copied is not None:
             self.copied.record()

@@ -348,8 +348,9 @@ class PagedKv(KvStore):
                     tables_np[i, g, :len(table)] = [scratch if b is None else b for b in table] \
                         if None in table else table
                 written[i] = stamp
-        for i in [r for r in written if r >= n]:
-            del written[i]  # padding rows: rewritten below
+        if len(written) > n:  # rows of an earlier, larger batch: padding now, rewritten below
+            for i in [r for r in written if r >= n]:
+                del written[i]
         if n < size:
             tables_np[n:, :, 0] = scratch
         # every row's slot and length from its (now current) table row at once, into numpy views of
