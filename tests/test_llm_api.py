@@ -76,6 +76,18 @@ def test_prompt_shape_errors_say_what_is_wrong(llm):
         llm.generate(["a", 1.5])
 
 
+def test_text_that_is_not_utf8_is_an_invalid_request(llm):
+    """A lone surrogate (a JSON escape, a terminal's undecodable byte) in a prompt or a message:
+    InvalidRequestError naming the field, not the tokenizer's TypeError; nothing left queued."""
+    with pytest.raises(InvalidRequestError, match="not valid UTF-8") as raised:
+        llm.generate(["fine", "hi \ud800"])
+    assert raised.value.param == "prompt"
+    with pytest.raises(InvalidRequestError, match="not valid UTF-8") as raised:
+        llm.chat([{"role": "user", "content": "hi \udfff"}])
+    assert raised.value.param == "messages"
+    assert not llm.scheduler.has_unfinished()
+
+
 def test_same_ids_as_the_cli(llm, bundled_path):
     prompt = "The three primary colours are"
     res = subprocess.run([sys.executable, "-m", "monobatch", "generate", "-p", prompt, "--temperature", "0", "-n", "12",

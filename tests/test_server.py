@@ -382,6 +382,28 @@ def test_a_lone_surrogate_in_a_refused_value_is_a_400(server, patch, param):
     assert_error(resp, 400, param)
 
 
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi \\ud800"}], "max_tokens": 2}', "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "system", "content": "\\udfff"}, {"role": "user", "content": "hi"}], '
+                             '"max_tokens": 2, "stream": true}', "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [{"type": '
+                             '"function", "function": {"name": "f", "description": "\\ud800", "parameters": {}}}]}',
+     "messages"),
+    ("/v1/completions", '{"prompt": "hi \\ud800", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"prompt": ["ok", "\\ud800"], "max_tokens": 2, "stream": true}', "prompt"),
+    ("/tokenize", '{"content": "\\ud800"}', "prompt"),
+    ("/tokenize", '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
+])
+def test_a_lone_surrogate_in_the_text_is_a_400(server, path, body, param):
+    """Text the tokenizer gets (a prompt, a message, a tool's description in the rendered chat)
+    with a lone surrogate escape, which JSON allows and UTF-8 cannot hold: an OpenAI-shaped 400
+    naming the field, before any SSE byte; never the tokenizer's TypeError as a 500."""
+    resp = httpx.post(server.base_url + path, content=body.encode(), headers={"content-type": "application/json"},
+                      timeout=60)
+    assert "not valid UTF-8" in assert_error(resp, 400, param)["message"]
+    assert server.post("/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_openai_range_edges_are_accepted(server, path):
     """The ends of OpenAI's ranges are valid: temperature 2, top_p 0 (the most likely token only),

@@ -35,3 +35,17 @@ class InvalidRequestError(MonobatchError, ValueError):
 
 class ContextLengthError(InvalidRequestError):
     """A prompt (or prompt + max_tokens) does not fit in the model's context (HTTP 400)."""
+
+
+def require_utf8(text: str, param: str, what: str = "the prompt") -> None:
+    """Refuse text that has no UTF-8 form: a lone surrogate, which JSON can carry (``"\\ud800"``)
+    and a terminal's undecodable bytes become (``surrogateescape``); the tokenizer takes only UTF-8.
+
+    Raises:
+        InvalidRequestError: ``text`` holds a code point UTF-8 cannot encode (names ``param``).
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"{what} is not valid UTF-8 text (an unpaired surrogate, U+{ord(exc.object[exc.start]):04X}, "
+                                  f"at character {exc.start})", param) from None

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from monobatch import defaults
-from monobatch.errors import InvalidRequestError
+from monobatch.errors import InvalidRequestError, require_utf8
 
 if TYPE_CHECKING:
     from monobatch.engine.constraint import StructuredOutput
@@ -84,10 +84,7 @@ def read_prompt(positional: str | None, flag: str | None, hint: str, file: str |
             raise InvalidRequestError(f"no prompt: {hint}", "prompt")
         text = sys.stdin.buffer.read().decode("utf-8", errors="surrogateescape")
         text = text.removesuffix("\n").removesuffix("\r")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidRequestError("the prompt is not valid UTF-8 text", "prompt") from None
+    require_utf8(text, "prompt")
     return text
 
 

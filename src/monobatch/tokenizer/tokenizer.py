@@ -38,7 +38,7 @@ from typing import Any, Sequence
 import tokenizers
 from tokenizers import pre_tokenizers
 
-from monobatch.errors import InvalidRequestError, ModelNotFoundError, UnsupportedModelError
+from monobatch.errors import InvalidRequestError, ModelNotFoundError, UnsupportedModelError, require_utf8
 from monobatch.tokenizer import gguf_vocab
 from monobatch.tokenizer.chat_template import ChatTemplate
 
@@ -236,7 +236,11 @@ class Tokenizer:
 
         Returns:
             The ids.
+
+        Raises:
+            InvalidRequestError: ``text`` is not valid UTF-8 (a lone surrogate; param ``prompt``).
         """
+        require_utf8(text, "prompt")
         # encode_batch releases the GIL (encode holds it for the whole call): the server tokenizes
         # on worker threads, and its event loop keeps serving other clients meanwhile
         ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
@@ -379,11 +383,13 @@ class Tokenizer:
             The prompt ids.
 
         Raises:
-            InvalidRequestError: as :meth:`apply_chat_template`; also a template that cuts
+            InvalidRequestError: as :meth:`apply_chat_template`; text that is not valid UTF-8
+                (a lone surrogate; param ``messages``); also a template that cuts
                 through or escapes special-token text of the data (the placeholders come back
                 broken), which cannot be tokenized safely.
         """
         rendered = self.apply_chat_template(messages, add_generation_prompt, **kwargs)  # errors show the real text
+        require_utf8(rendered, "messages", "the chat prompt (messages, tools)")
         if self._special_text is None:
             return self.encode(rendered)
         nonce = f"{secrets.randbits(64):020d}"
