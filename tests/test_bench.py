@@ -201,3 +201,33 @@ def test_concurrency_mode_checks_every_trace(monkeypatch):
     monkeypatch.setattr(bench, "EngineDriver", EndsEarly)
     with pytest.raises(MonobatchError, match="finish_reason=stop after 1 of 3"):
         bench.concurrent_vs_sequential(None, None, [[1, 2], [3, 4]], 3)
+
+
+def test_constrained_ab_warms_each_arm_then_alternates_abba():
+    """``measure`` with two arms: one warm-up each, then the timed runs in ABBA order (plain,
+    constrained, constrained, plain, ...), so a drift within the process favours neither arm;
+    each arm's row holds its own runs, pair i = the i-th run of each."""
+    from monobatch.bench import BenchPlan, measure
+
+    S = object()  # the constraint (the fake driver only records which arm ran)
+
+    class Recording:
+        name, structured = "engine", None
+
+        def __init__(self) -> None:
+            self.order: list = []
+
+        def preemptions(self) -> int:
+            return 0
+
+        def run(self, prompts, gen_tokens):
+            self.order.append(self.structured)
+            rate = 100.0 if self.structured is None else 80.0  # tokens every 10 or 12.5 ms
+            return [Trace(0.0, [0.001 + i / rate for i in range(gen_tokens)], "length") for _ in prompts]
+
+    driver = Recording()
+    plain, constrained = measure(driver, None, [[1, 2, 3]], BenchPlan(gen_tokens=4, runs=4, structured=S,
+                                                                     plain_too=True))
+    assert driver.order == [None, S] + [None, S, S, None, None, S, S, None]
+    assert driver.structured is S and not plain.constrained and constrained.constrained
+    assert constrained.samples["vs_plain"] == [0.8] * 4 and constrained.metrics["vs_plain"] == 0.8

@@ -323,3 +323,23 @@ def test_a_regex_too_large_to_compile_and_one_that_compiles(loaded):
                     "--regex", "[0-9]{3}-[0-9]{4}")
     assert res.returncode == 0, res.stderr
     assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", res.stdout.strip()), res.stdout
+
+
+@pytest.mark.parametrize("load, threads, tty, shown", [
+    (2.4, 2, True, True), (1.2, 2, True, False), (2.4, 1, True, False), (2.4, 2, False, False)])
+def test_a_busy_machine_gets_a_one_line_threads_note_on_a_terminal(monkeypatch, capsys, load, threads, tty, shown):
+    """The default threads on a machine whose load average is about its core count: one stderr
+    line pointing at -t 1 (a new user's first `make run` decoded 0.7 tok/s so, 25 with -t 1);
+    nothing on an idle machine, at one thread, or where stderr is not a terminal (scripts, tests)."""
+    from monobatch.cli import args
+
+    monkeypatch.setattr(args.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(args.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(args.sys.stderr, "isatty", lambda: tty)
+    args.busy_machine_hint("run", threads)
+    err = capsys.readouterr().err
+    if shown:
+        assert err.count("\n") == 1 and err.startswith("monobatch run: note: this machine is busy (load average 2.4 on 2")
+        assert "-t 1" in err
+    else:
+        assert err == ""

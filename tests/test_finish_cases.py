@@ -653,3 +653,15 @@ def test_ban_early_stops_masks_each_row_as_a_row_alone():
                     want[r, sorted(eog | (set(p.stop_token_ids) if early else set()))] = float("-inf")
             assert torch.equal(got, want)
             assert (got is logits) == torch.equal(want, logits)
+
+
+def test_row_output_fields_keep_the_order_the_finish_step_passes_them_in():
+    """FinishStep.apply builds RowOutput positionally (half the keyword call's cost, a row a
+    step): its first eight fields must stay in this order."""
+    from dataclasses import fields
+
+    from monobatch.engine.finish import RowOutput
+
+    assert [f.name for f in fields(RowOutput)][:8] == [
+        "request_id", "token_ids", "text", "finish_reason", "logprobs", "num_prompt_tokens", "num_output_tokens",
+        "num_cached_tokens"]

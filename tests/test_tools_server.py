@@ -383,3 +383,14 @@ def test_stop_string_inside_the_arguments_gives_no_call(client, model):
 def test_bad_tools_are_400s_naming_the_field(server, fields, param, stream):
     assert_400_naming(server, "/v1/chat/completions", {"messages": ASK, "max_tokens": 4, "stream": stream, **fields},
                       param)
+
+
+@pytest.mark.parametrize("choice", ["sometimes", 42, ["auto"]])
+def test_a_tool_choice_of_no_known_shape_says_which_shapes_are(server, choice):
+    """Not pydantic's line per union member ("Input should be 'none', 'auto' or 'required';
+    Input should be a valid dictionary"): the three words and the named-function object."""
+    r = server.post("/v1/chat/completions", {"messages": ASK, "max_tokens": 4, "tools": TOOLS, "tool_choice": choice})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tool_choice" and err["message"].startswith(
+        "tool_choice: must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}, got ")

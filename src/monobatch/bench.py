@@ -509,10 +509,11 @@ def measure(driver: Driver, setup: Setup, prompts: list[list[int]], plan: BenchP
     """One configuration: a warm-up run (allocator, kernels, KV growth, connections), then
     ``plan.runs`` timed runs of ``prompts`` submitted together; medians.
 
-    With ``plan.plain_too`` two arms, each warmed up, their timed runs alternated (plain,
-    constrained, plain, ...): a plain row, then the constrained row with ``vs_plain``, its rate
-    over the plain arm's (``decode_tok_s`` at B=1, ``tg_tok_s`` batched): the median of the
-    per-run-pair ratios (``samples["vs_plain"]``: pair i = the i-th run of each arm).
+    With ``plan.plain_too`` two arms, each warmed up, their timed runs alternated in ABBA order
+    (plain, constrained, constrained, plain, ...: a drift within the process, clocks or caches,
+    does not favour the arm that always runs second): a plain row, then the constrained row with
+    ``vs_plain``, its rate over the plain arm's (``decode_tok_s`` at B=1, ``tg_tok_s`` batched):
+    the median of the per-run-pair ratios (``samples["vs_plain"]``: pair i = the i-th run of each arm).
 
     Returns:
         One row, or two (plain first) with ``plan.plain_too``.
@@ -525,9 +526,9 @@ def measure(driver: Driver, setup: Setup, prompts: list[list[int]], plan: BenchP
         driver.structured = structured
         preempted[k] = driver.preemptions()
         driver.run(prompts, plan.gen_tokens)
-    for _ in range(plan.runs):
-        for k, structured in enumerate(arms):
-            driver.structured = structured
+    for i in range(plan.runs):
+        for k in (range(len(arms)) if i % 2 == 0 else reversed(range(len(arms)))):
+            driver.structured = arms[k]
             traces = driver.run(prompts, plan.gen_tokens)
             for t in traces:
                 t.check(plan.gen_tokens)

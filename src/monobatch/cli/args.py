@@ -323,10 +323,28 @@ def open_engine(ns: argparse.Namespace, loaded: "LoadedModel | None" = None) -> 
                             weights=ns.weights)
     engine = Engine(loaded, config)
     logging.getLogger("monobatch").info("%s", engine.describe())  # serve shows it at start (--log-level info)
+    if ns.threads <= 0 and engine.device.type == "cpu":
+        busy_machine_hint(getattr(ns, "command", None), torch.get_num_threads())
     if ns.ctx_size and ns.ctx_size > engine.max_model_len:
         prog = f"monobatch {ns.command}" if getattr(ns, "command", None) else "monobatch"
         print(f"{prog}: -c {ns.ctx_size} exceeds the model's context; using {engine.max_model_len}", file=sys.stderr)
     return BatchScheduler(engine)
+
+
+def busy_machine_hint(command: str | None, threads: int) -> None:
+    """Print one note on a terminal's stderr where the default threads meet a machine already busy
+    on about all its cores (the 1-minute load average at least the core count - 0.5): torch's
+    OpenMP threads then wait on each other for the CPU, and ``-t 1`` can decode several times
+    faster (README, "Threads"; ADR 0006). Only on a terminal: piped and captured stderr (scripts,
+    tests) stays as it was."""
+    try:
+        load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    except OSError:  # no load average on this platform
+        return
+    if threads > 1 and load >= cores - 0.5 and sys.stderr.isatty():
+        prog = f"monobatch {command}" if command else "monobatch"
+        print(f"{prog}: note: this machine is busy (load average {load:.1f} on {cores} cores): with {threads} "
+              "threads decode may wait for the CPU; -t 1 can be several times faster", file=sys.stderr)
 
 
 def check_writable(path: str, flag: str) -> None:

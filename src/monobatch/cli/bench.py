@@ -115,7 +115,9 @@ def run(ns: argparse.Namespace) -> int:
     plan.check(scheduler)
     if not ns.json:
         print(Setup.of(scheduler).header())
-        constrained = ", under the --constrained JSON schema" if plan.structured else ""
+        constrained = ("" if not plan.structured else ", each row also under the --constrained JSON schema (json), "
+                       "runs alternated; last column: its decode/TG rate over the plain row's" if plan.plain_too
+                       else ", under the --constrained JSON schema")
         print(f"prompt {'/'.join(map(str, plan.prompt_tokens))} + gen {plan.gen_tokens} tokens (synthesized text, "
               f"prefix cache bypassed, greedy, EOS ignored{constrained}); median of {plan.runs} runs after 1 warm-up")
         print(TABLE_HEADER, flush=True)

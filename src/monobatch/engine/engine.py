@@ -259,7 +259,7 @@ class Engine:
     def build_batch(self, chunks: list[tuple]) -> StepBatch:
         """:meth:`StepBatch.build` for this engine (its device and row tile). A decode step that
         a CUDA graph will run keeps its tensors on the host: the graph reads its own static
-        buffers, staged from the chunks (:class:`DecodeGraphs`), so no copy is spent on them."""
+        buffers, staged from this batch's host tensors (:class:`DecodeGraphs`), so no copy is spent on them."""
         batch = StepBatch.build(chunks, "cpu", self.row_tile)
         return batch if self._graph_for(batch) is not None else batch.to(self.device)
 

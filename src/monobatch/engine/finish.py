@@ -223,7 +223,7 @@ class FinishStep:
         now = time.perf_counter()
         outputs = []
         eog, stop_reason, reason_of = self.eog_ids, FinishReason.STOP, self._reason
-        for r, (seq, token) in enumerate(zip(seqs, sample.token_ids)):
+        for r, (seq, token) in enumerate(zip(seqs, sample.token_ids, strict=True)):
             seq.output_ids.append(token)
             seq.sampler.accept(token)
             seq.record_token_time(now)

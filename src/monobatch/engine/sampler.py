@@ -518,7 +518,7 @@ class RowSampler:
 
     @staticmethod
     def check_picks(states: list[SamplerState], picks: list[int], rows: list[int] | None = None,
-              only: set[int] | None = None, advance: bool = False) -> list[int]:
+                    only: set[int] | None = None, advance: bool = False) -> list[int]:
         """:meth:`correct`'s host half: check each pick against its grammar (``advance``: and
         advance past it where allowed); no device work.
 

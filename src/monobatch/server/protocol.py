@@ -339,6 +339,19 @@ ServiceTier = _one_of("service_tier", Literal["auto", "default"],
 #: ``modalities``: text only.
 TextModality = Annotated[list[Literal["text"]], Field(min_length=1, max_length=1), _only(
     "modalities", (["text"],), 'only ["text"] is supported (monobatch generates text, no audio)')]
+def _check_tool_choice(value: Any) -> Any:
+    """``tool_choice``: one of OpenAI's three words or an object (checked further by
+    :func:`monobatch.tool_calls.check_tools`); anything else a 400 that says so, not pydantic's
+    one line per union member."""
+    if value is None or isinstance(value, dict) or (type(value) is str and value in ("none", "auto", "required")):
+        return value
+    raise PydanticCustomError("unsupported_value", "{field}: must be 'none', 'auto', 'required' or {named}, got {got}",
+                              {"field": "tool_choice", "got": _shown(value),
+                               "named": '{"type": "function", "function": {"name": ...}}'})
+
+
+#: ``tool_choice``: OpenAI's words or a named function (schema: _tool_choice_schema).
+ToolChoice = Annotated[Literal["none", "auto", "required"] | dict[str, Any] | None, BeforeValidator(_check_tool_choice)]
 #: ``metadata``: labels of stored completions (schema from the type, checked by _check_metadata).
 Metadata = Annotated[dict[Annotated[str, Field(max_length=METADATA_KEY_CHARS)],
                           Annotated[str, Field(max_length=METADATA_VALUE_CHARS)]],
@@ -646,8 +659,7 @@ class ChatCompletionRequest(SamplingFields):
     # -- tool calling (OpenAI): checked by monobatch.tool_calls.check_tools --
     tools: list[dict[str, Any]] | None = Field(None, json_schema_extra=_items(
         "OpenAI's function tools (names unique).", TOOL_SCHEMA))
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = Field(
-        None, json_schema_extra=_tool_choice_schema)
+    tool_choice: ToolChoice = Field(None, json_schema_extra=_tool_choice_schema)
     parallel_tool_calls: bool | None = Field(None, description=(
         "OpenAI's: allow several calls in one reply (default true; at most 8 where the grammar enforces the calls; "
         "a named tool_choice gets exactly one)."))
