@@ -350,6 +350,8 @@ def test_regex_choice_and_grammar_fields(server, fields, check):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strang"}}}},
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "abc"}}},
+     "response_format.json_schema.schema"),  # one clear line, not pydantic's per union member
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}},
      "response_format.json_schema.name"),  # OpenAI requires the name
     ({"guided_regex": "[0-9"}, "guided_regex"),

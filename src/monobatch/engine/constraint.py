@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from monobatch.engine import regex_check
-from monobatch.errors import InvalidRequestError
+from monobatch.errors import InvalidRequestError, require_utf8
 
 if TYPE_CHECKING:  # torch is imported where a mask is applied: the CLI's parser imports this module
     import torch
@@ -82,6 +82,7 @@ class StructuredOutput:
         if len(self.value) > MAX_SPEC_CHARS:
             raise InvalidRequestError(f"{self.param}: the constraint has {len(self.value)} characters, more than "
                                       f"the limit of {MAX_SPEC_CHARS}", self.param)
+        require_utf8(self.value, self.param, f"{self.param}: the constraint")
 
     @classmethod
     def json_schema(cls, schema: Any, param: str = "json_schema") -> "StructuredOutput":

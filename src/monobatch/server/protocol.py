@@ -380,6 +380,15 @@ class StreamOptions(_NullIsAbsent):
     include_obfuscation: bool = Field(False, description="OpenAI's padding field: accepted, ignored.")
 
 
+def _check_schema(value: Any) -> Any:
+    """``response_format.json_schema.schema``: an object, a boolean or null; anything else one
+    clear 400 (not pydantic's line per union member)."""
+    if value is None or isinstance(value, (dict, bool)):
+        return value
+    raise PydanticCustomError("unsupported_value", "{field}: must be a JSON schema (an object or a boolean), "
+                              "got {got}", {"field": "response_format.json_schema.schema", "got": _shown(value)})
+
+
 class JsonSchemaFormat(_Body):
     """``response_format.json_schema`` (OpenAI): the schema the reply must match. ``name`` is
     required; ``schema`` is optional in OpenAI's API (its OpenAPI document and the ``openai``
@@ -390,7 +399,7 @@ class JsonSchemaFormat(_Body):
 
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
-    schema_: dict[str, Any] | bool | None = Field(None, alias="schema", description=(
+    schema_: Annotated[dict[str, Any] | bool | None, BeforeValidator(_check_schema)] = Field(None, alias="schema", description=(
         "A JSON schema of the reply. Absent or null: any JSON object (as type json_object)."))
     strict: bool | None = None
 
