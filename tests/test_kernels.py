@@ -75,6 +75,15 @@ def check(dtype=torch.float32, device="cpu", tol=1e-5):
     assert torch.equal(fused.rope(q, tc, ts), got[1])
     for a, b in zip(fused.rope_qk(packed, 9, 3, 64, tc, ts), got[5:]):
         assert torch.equal(a, b)
+    # rope_qk with store: k and v written straight into a pool at each row's slot, bit for bit
+    # what store_kv of the returned k and of v (packed's last 3 heads) writes; other slots untouched
+    from monobatch.kernels.paged_decode import store_kv
+    slots = torch.tensor([5, 0, 9, 2, 11, 7, 3], device=device)
+    pools = [torch.full((12, 3, 64), 7.0, dtype=dtype, device=device) for _ in range(4)]
+    store_kv(got[6], packed[:, 12 * 64:].reshape(7, 3, 64), pools[0], pools[1], slots)
+    q_only, none = fused.rope_qk(packed, 9, 3, 64, cos, sin, (pools[2], pools[3], slots))
+    assert none is None and torch.equal(q_only, got[5])
+    assert torch.equal(pools[2], pools[0]) and torch.equal(pools[3], pools[1])
     return "ok"
 
 

@@ -96,19 +96,28 @@ if triton is not None:
         _store_halves(Y + t * stride_yt + h * stride_yh, y1, y2, HALF, BLOCK)
 
     @triton.jit
-    def _rope_qk_kernel(QKV, COS, SIN, Q, K, stride_t, stride_ct, stride_qt, stride_kt,
-                        NQ: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
-                        PDL: tl.constexpr):
-        # program (t, h): head h of token t in the packed projection, h < NQ a q head, else a k head
+    def _rope_qk_kernel(QKV, COS, SIN, Q, K, K_CACHE, V_CACHE, SLOTS, stride_t, stride_ct, stride_qt, stride_kt,
+                        stride_cs, stride_ch, NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
+                        HALF: tl.constexpr, BLOCK: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
+        # program (t, h): head h of token t in the packed projection, h < NQ a q head, else a k
+        # head; STORE: a k head's program writes the rotated k and its v head straight into the
+        # KV pool at token t's slot (store_kv's copies, the same bits) instead of into K
         t = tl.program_id(0)
         h = tl.program_id(1)
         pdl.wait_prior(PDL)
         y1, y2 = _rotate(QKV + t * stride_t + h * HD, COS, SIN, t, stride_ct, HALF, BLOCK)
         if h < NQ:
-            out = Q + t * stride_qt + h * HD
+            _store_halves(Q + t * stride_qt + h * HD, y1, y2, HALF, BLOCK)
+        elif STORE:
+            slot = tl.load(SLOTS + t).to(tl.int64)
+            dst = slot * stride_cs + (h - NQ) * stride_ch
+            _store_halves(K_CACHE + dst, y1, y2, HALF, BLOCK)
+            offs = tl.arange(0, BLOCK * 2)
+            mask = offs < HD
+            v = tl.load(QKV + t * stride_t + (h + NKV) * HD + offs, mask=mask)
+            tl.store(V_CACHE + dst + offs, v, mask=mask)
         else:
-            out = K + t * stride_kt + (h - NQ) * HD
-        _store_halves(out, y1, y2, HALF, BLOCK)
+            _store_halves(K + t * stride_kt + (h - NQ) * HD, y1, y2, HALF, BLOCK)
 
     @triton.jit
     def silu_mul_math(g, u):
@@ -195,14 +204,21 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def rope_qk(qkv: torch.Tensor, n_q_heads: int, n_kv_heads: int, head_dim: int,
-            cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            cos: torch.Tensor, sin: torch.Tensor,
+            store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotary embedding of q and k in one launch, read from the packed projection ``qkv``
     ``[T, (H + 2K) * hd]`` (q heads, then k heads, then v heads; rows may be strided) with
     ``cos``/``sin`` ``[T, hd]``: one program per (token, q or k head).
 
+    Args:
+        store: ``(k_cache, v_cache, slot_mapping)`` (pools ``[slots, K, hd]`` with unit stride
+            along hd, slots ``[T]`` int): the rotated k and the v heads are written straight into
+            the pools at row t's slot (what :func:`monobatch.kernels.paged_decode.store_kv` of
+            the returned k and v would write, the same bits, one launch fewer) and k is not returned.
+
     Returns:
-        q ``[T, H, hd]`` and k ``[T, K, hd]``, each a new contiguous tensor (the layouts
-        :func:`rope` gives). Reference: :func:`monobatch.models.rope.apply_rope` on each.
+        q ``[T, H, hd]`` and k ``[T, K, hd]`` (None with ``store``), each a new contiguous tensor
+        (the layouts :func:`rope` gives). Reference: :func:`monobatch.models.rope.apply_rope` on each.
     """
     T = qkv.shape[0]
     hd = head_dim
@@ -211,11 +227,20 @@ def rope_qk(qkv: torch.Tensor, n_q_heads: int, n_kv_heads: int, head_dim: int,
         qkv = qkv.contiguous()
     cos, sin = _rows_contiguous(cos, sin)
     q = torch.empty((T, n_q_heads, hd), dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty((T, n_kv_heads, hd), dtype=qkv.dtype, device=qkv.device)
+    if store is None:
+        k = k_cache = v_cache = torch.empty((T, n_kv_heads, hd), dtype=qkv.dtype, device=qkv.device)
+        slots = q
+    else:
+        k = None
+        k_cache, v_cache, slots = store
+        assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and k_cache.dtype == qkv.dtype \
+            and tuple(k_cache.shape[1:]) == (n_kv_heads, hd) and tuple(slots.shape) == (T,), (k_cache.shape, slots.shape)
+    half = triton.next_power_of_2(hd // 2)
     if T:
-        _rope_qk_kernel[(T, n_q_heads + n_kv_heads)](qkv, cos, sin, q, k, qkv.stride(0), cos.stride(0),
-                                                      q.stride(0), k.stride(0), NQ=n_q_heads, HD=hd,
-                                                      HALF=hd // 2, BLOCK=triton.next_power_of_2(hd // 2),
+        _rope_qk_kernel[(T, n_q_heads + n_kv_heads)](qkv, cos, sin, q, k_cache if k is None else k, k_cache, v_cache, slots,
+                                                      qkv.stride(0), cos.stride(0), q.stride(0), k_cache.stride(0),
+                                                      k_cache.stride(0), k_cache.stride(1), NQ=n_q_heads, NKV=n_kv_heads,
+                                                      HD=hd, HALF=hd // 2, BLOCK=half, STORE=k is None,
                                                       **pdl.launch(qkv.device))
     return q, k
 

@@ -419,12 +419,31 @@ class PagedKv(KvStore):
         """Make :meth:`attend` read ``step`` as it stands (graph capture and warm-up)."""
         self._step, self._meta_of = step, None
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    def store_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The slots :meth:`attend` would :func:`store_kv` this step's keys at, on the varlen
+        paths (prefill and deterministic decode; a captured step's static slots); None on the
+        default decode path (its attention launch stores them) and off CUDA."""
+        if not (self.varlen and self.device.type == "cuda"):
+            return None
+        g = self._where[layer][0]
+        k_cache, v_cache = self._layer_cache[layer]
+        step = self._step
+        if isinstance(step, PrefillStep):
+            return k_cache, v_cache, step.write[g]
+        if isinstance(step, DecodeStep):
+            return (k_cache, v_cache, step.group(g)[0]) if self.batch_invariant else None
+        if isinstance(step, list) and step[g].batch is not None:
+            return k_cache, v_cache, step[g].write
+        return None
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+               batch: StepBatch) -> torch.Tensor:
         self.paged_attention_calls += 1
         g = self._where[layer][0]
         k_cache, v_cache = self._layer_cache[layer]  # (slots, n_kv, hd)
         if isinstance(self._step, PrefillStep):  # a prefill graph's static step (capturable)
-            store_kv(k, v, k_cache, v_cache, self._step.write[g])
+            if k is not None:  # else stored by the fused RoPE (store_slots)
+                store_kv(k, v, k_cache, v_cache, self._step.write[g])
             return varlen_paged_attention(q, k_cache, v_cache, self._step.meta(g, self.batch_invariant),
                                           self.block_size, window=self.windows[layer],
                                           out=torch.zeros_like(q))  # padding rows: 0
@@ -432,7 +451,8 @@ class PagedKv(KvStore):
             step, window = self._step, self.windows[layer]
             slot_mapping, block_tables = step.group(g)
             if self.batch_invariant and self.varlen:  # the kernel and tile prefill rows run
-                store_kv(k, v, k_cache, v_cache, slot_mapping)
+                if k is not None:
+                    store_kv(k, v, k_cache, v_cache, slot_mapping)
                 return varlen_paged_attention(q, k_cache, v_cache, self._decode_meta(step, g, q.shape[1]),
                                               self.block_size, window=window)
             return paged_decode_attention(q, k_cache, v_cache, block_tables, step.seq_lens, self.block_size,
@@ -445,7 +465,8 @@ class PagedKv(KvStore):
                 bt = tokens_per_tile(q.shape[1], self.num_kv_heads, det)
                 step.meta = build_meta([(c.start, c.length, c.pos) for c in batch.chunks], step.tables, bt,
                                        self.device, fixed_split=det)
-            store_kv(k, v, k_cache, v_cache, step.write)
+            if k is not None:
+                store_kv(k, v, k_cache, v_cache, step.write)
             return varlen_paged_attention(q, k_cache, v_cache, step.meta, self.block_size, window=window)
         if self.cpu_kernel:  # stores the step's K/V, attends the kernel's rows in place
             out = None if step.gather is None else torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -148,12 +148,22 @@ class KvStore(ABC):
                 ``max_seq_len``. InsufficientMemoryError: no room (allocation failed).
         """
 
+    def store_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Where this step's keys and values of ``layer`` go, for a projection that writes them
+        itself (the fused RoPE, :func:`monobatch.kernels.fused.rope_qk`): ``(k_cache, v_cache,
+        slot_mapping)`` (pools ``[slots, n_kv, hd]``, ``[T]`` int64 slots), or None where
+        :meth:`attend` stores them (the default; also where its attention kernel stores them in
+        its own launch). After a call that returned slots, :meth:`attend` may get k and v None."""
+        return None
+
     @abstractmethod
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+               batch: StepBatch) -> torch.Tensor:
         """Store this step's keys/values of ``layer`` and return attention outputs.
 
         Args:
-            q: ``[T, n_q, hd]``; k, v: ``[T, n_kv, hd]`` for the batch's T tokens (RoPE applied).
+            q: ``[T, n_q, hd]``; k, v: ``[T, n_kv, hd]`` for the batch's T tokens (RoPE applied),
+                or both None: already written at :meth:`store_slots`.
 
         Returns:
             ``[T, n_q, hd]``, each token attending causally to its own sequence only (one query

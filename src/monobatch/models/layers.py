@@ -44,8 +44,9 @@ PACKED = {
 }
 
 
-def rowwise(tile: int, fn, *xs: torch.Tensor):
-    """Apply a row-wise ``fn`` to ``xs`` (each ``[T, ...]``), in fixed tiles when ``tile`` > 0.
+def rowwise(tile: int, fn, *xs: torch.Tensor, **kw):
+    """Apply a row-wise ``fn`` to ``xs`` (each ``[T, ...]``; ``kw`` passed as they are), in fixed
+    tiles when ``tile`` > 0.
 
     Deterministic mode (``tile`` = N): the rows are zero-padded to a multiple of N and ``fn`` runs
     on ``[N, ...]`` tiles only, so every GEMM, reduction and vectorised activation has the same
@@ -57,11 +58,11 @@ def rowwise(tile: int, fn, *xs: torch.Tensor):
     """
     T = xs[0].shape[0]
     if tile <= 0 or T == 0:
-        return fn(*xs)
+        return fn(*xs, **kw)
     pad = -T % tile
     if pad:
         xs = tuple(torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) for x in xs)
-    tiles = [fn(*(x[i:i + tile] for x in xs)) for i in range(0, T + pad, tile)]
+    tiles = [fn(*(x[i:i + tile] for x in xs), **kw) for i in range(0, T + pad, tile)]
     if isinstance(tiles[0], tuple):
         return tuple(torch.cat(parts)[:T] for parts in zip(*tiles))
     return torch.cat(tiles)[:T]
@@ -227,19 +228,19 @@ class Attention(nn.Module):
         self.cpu_route = CpuRoute()  # add_norm_project's fused CPU call
 
     def add_norm_project(self, norm: RMSNorm, residual: torch.Tensor, delta: torch.Tensor | None,
-                         cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                         cos: torch.Tensor, sin: torch.Tensor, store: tuple | None = None) -> tuple[torch.Tensor, ...]:
         """The residual add, the block's input ``norm`` and :meth:`project`: residual and delta
         ``[T, D]`` (delta None: nothing to add) -> (residual + delta ``[T, D]``, q ``[T, H, hd]``,
-        k, v ``[T, K, hd]``). On CPU (float32, packed qkv, no q/k norm or scale) one C++ call
-        (:class:`CpuRoute`)."""
+        k, v ``[T, K, hd]``, or None for both where :meth:`project` stored them at ``store``). On
+        CPU (float32, packed qkv, no q/k norm or scale) one C++ call (:class:`CpuRoute`)."""
         call = self.cpu_route.call
         if call is None:
             call = self.cpu_route.decide(self._cpu_project, norm)
         if not call or not CpuRoute.usable(residual):
             if delta is None:
-                return (residual, *self.project(norm(residual), cos, sin))
+                return (residual, *self.project(norm(residual), cos, sin, store))
             residual, h = norm.add_forward(residual, delta)
-            return (residual, *self.project(h, cos, sin))
+            return (residual, *self.project(h, cos, sin, store))
         fn, w, eps, mat, n_heads, n_kv, hd = call
         return fn(residual, delta, w, eps, mat, cos, sin, n_heads, n_kv, hd)  # (residual, q, k, v)
 
@@ -250,15 +251,23 @@ class Attention(nn.Module):
             return False
         return cpu_ops.op("add_norm_qkv_rope"), norm.weight, norm.eps, mat, self.n_heads, self.n_kv, self.hd
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                store: tuple | None = None) -> tuple[torch.Tensor, ...]:
         """x ``[T, D]`` (normed), cos/sin ``[T, hd]`` -> q ``[T, H, hd]``, k and v ``[T, K, hd]``
         (norms and RoPE applied). On CUDA without q/k norm, q and k are rotated in one launch
         straight from the packed projection (:func:`fused.rope_qk`); on CPU (float32) in place in
-        it (:func:`cpu_ops.rope_qk_`); v is a view of it."""
+        it (:func:`cpu_ops.rope_qk_`); v is a view of it.
+
+        ``store``: the KV store's ``(k_cache, v_cache, slot_mapping)`` for this layer and step
+        (:meth:`monobatch.kv.store.KvStore.store_slots`): where the fused RoPE runs it writes k and v
+        there itself and returns None for both (pass them to ``attend`` as they are); elsewhere
+        ignored."""
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, (H + 2K) hd)
         if self.q_norm is None and self.q_scale == 1.0 and fused.enabled(qkv):
-            q, k = fused.rope_qk(qkv, self.n_heads, self.n_kv, self.hd, cos, sin)
+            q, k = fused.rope_qk(qkv, self.n_heads, self.n_kv, self.hd, cos, sin, store)
+            if k is None:
+                return q, None, None
             return q, k, qkv[:, self.q_size + self.kv_size:].view(T, self.n_kv, self.hd)
         if self.q_norm is None and self.q_scale == 1.0 and cpu_ops.enabled(qkv):  # q and k rotated in place
             cpu_ops.rope_qk_(qkv, cos, sin, self.n_heads + self.n_kv, self.hd)

@@ -72,16 +72,19 @@ class DecoderLayer(nn.Module):
             is row-wise (tiled in deterministic mode, see :func:`rowwise`).
         """
         tile = batch.row_tile
-        residual, q, k, v = rowwise(tile, self._add_project, residual, cos, sin, *(() if delta is None else (delta,)))
-        out = kv.attend(self.self_attn.layer, q, k, v, batch)  # (T, H, hd)
+        # where the KV store takes this step's keys through the fused RoPE (one launch fewer a layer)
+        store = None if tile else kv.store_slots(self.self_attn.layer)
+        residual, q, k, v = rowwise(tile, self._add_project, residual, cos, sin,
+                                    *(() if delta is None else (delta,)), store=store)
+        out = kv.attend(self.self_attn.layer, q, k, v, batch)  # (T, H, hd); k, v None: already stored
         return rowwise(tile, self._attn_add_mlp, residual, out)
 
     def _add_project(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     delta: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                     delta: torch.Tensor | None = None, store: tuple | None = None) -> tuple[torch.Tensor, ...]:
         """The previous MLP line's add (none at the first layer), input_layernorm and the q/k/v
         projection: residual and delta ``[T, D]`` -> (residual + delta ``[T, D]``, q ``[T, H, hd]``,
-        k, v ``[T, K, hd]``)."""
-        return self.self_attn.add_norm_project(self.input_layernorm, residual, delta, cos, sin)
+        k, v ``[T, K, hd]``, None where stored at ``store``: :meth:`Attention.project`)."""
+        return self.self_attn.add_norm_project(self.input_layernorm, residual, delta, cos, sin, store)
 
     def _attn_add_mlp(self, residual: torch.Tensor, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """o_proj, the attention line's add, post_attention_layernorm and the MLP: residual
