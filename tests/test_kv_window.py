@@ -180,6 +180,21 @@ def check_varlen(device: str = "cpu") -> str:
     return "ok"
 
 
+def check_decode_layout(paged, step) -> None:
+    """The deterministic decode layout (``PagedKv._decode_meta``) from the host-written positions
+    equals the one derived on the device (``seq_lens - 1``) in every field, in every layer group;
+    padding rows (length 1) sit at position 0."""
+    import dataclasses
+
+    assert torch.equal(step.positions, step.seq_lens - 1)
+    for g in range(len(paged.groups)):
+        got = paged._decode_meta(step, g, N_Q)
+        want = paged._decode_meta(dataclasses.replace(step, positions=None), g, N_Q)
+        for field in dataclasses.fields(want):
+            a, b = getattr(got, field.name), getattr(want, field.name)
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, field.name
+
+
 def test_static_decode_steps_read_the_window():
     """The CUDA-graph decode path (static DecodeStep tensors, one block table and slot per layer
     group; here its torch reference on CPU) equals the eager path once blocks were released; the
@@ -199,6 +214,7 @@ def test_static_decode_steps_read_the_window():
         want = run(dense, [step], g=g_dense)[0]
         batch = StepBatch.build([(s, ids, pos, True) for s, pos, ids in step])
         paged.prepare_decode(batch, inputs.step.rows(4), inputs.step.rows(4))  # 2 rows of padding
+        check_decode_layout(paged, inputs.step.rows(4))
         qkv = [[torch.randn(2, n, HD, generator=g_paged) for n in (N_Q, N_KV, N_KV)] for _ in WINDOWS]
         pad = [[torch.cat([t, t.new_zeros(2, *t.shape[1:])]) for t in layer] for layer in qkv]
         got = torch.stack([paged.attend(layer, *pad[layer], batch)[:2] for layer in range(len(WINDOWS))])

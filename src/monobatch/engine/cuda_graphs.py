@@ -45,7 +45,7 @@ class DecodeInputs:
     windows; :class:`~monobatch.kv.paged.DecodeStep`), as typed views of one uint8 buffer::
 
         int64: token_ids [rows] | positions [rows] | slot_mapping [groups, rows]
-        int32: seq_lens [rows] | (padding to 16 bytes) | block_tables [rows, groups, blocks]
+        int32: seq_lens [rows] | step positions [rows] | (padding to 16 bytes) | block_tables [rows, groups, blocks]
 
     so the first ``size`` rows of everything lie in the first :meth:`nbytes` ``(size)`` bytes.
 
@@ -56,16 +56,18 @@ class DecodeInputs:
 
     def __init__(self, rows: int, blocks: int, device: torch.device | str, pin: bool = False, groups: int = 1) -> None:
         words_end = (2 + groups) * rows * 8
-        self._head = -(-(words_end + rows * 4) // 16) * 16  # bytes before the block tables (16-aligned)
+        self._head = -(-(words_end + rows * 8) // 16) * 16  # bytes before the block tables (16-aligned)
         self._row_bytes = groups * blocks * 4
         self.buf = torch.zeros(self._head + rows * self._row_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
         words = self.buf[:words_end].view(torch.int64)
         self.token_ids, self.positions = words[:rows], words[rows:2 * rows]
         slot_mapping = words[2 * rows:].view(groups, rows)
         seq_lens = self.buf[words_end:words_end + rows * 4].view(torch.int32)
+        step_positions = self.buf[words_end + rows * 4:words_end + rows * 8].view(torch.int32)  # DecodeStep.positions
         block_tables = self.buf[self._head:].view(torch.int32).view(rows, groups, blocks)
         # a host buffer tracks which sequence's tables each row holds (rewritten only on a change)
-        self.step = DecodeStep(slot_mapping, block_tables, seq_lens, {} if self.buf.device.type == "cpu" else None)
+        self.step = DecodeStep(slot_mapping, block_tables, seq_lens, step_positions,
+                               {} if self.buf.device.type == "cpu" else None)
         seq_lens.fill_(1)
 
     def nbytes(self, size: int) -> int:
@@ -224,6 +226,7 @@ class DecodeGraphs(_StaticGraphs):
         step.slot_mapping.fill_(self.kv.scratch_block * self.kv.block_size)
         step.block_tables.fill_(self.kv.scratch_block)
         step.seq_lens.fill_(1)
+        step.positions.zero_()
         return self._capture_forward(batch, lambda: self.kv.bind_decode(step))
 
     @torch.inference_mode()

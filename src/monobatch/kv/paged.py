@@ -94,6 +94,9 @@ class DecodeStep:
         block_tables: ``[B, G, nb]`` int32, each row's block ids per group (``nb`` = blocks of a
             full context; a local group's released blocks are the scratch block).
         seq_lens: ``[B]`` int32, keys each row attends to (its new token included).
+        positions: ``[B]`` int32, the position of each row's new token (``seq_lens - 1``; 0 on
+            padding rows): the deterministic varlen layout's chunk positions, written on the host
+            with the lengths, so no launch derives them on the device; None: derived there.
         written: for a host buffer that :meth:`PagedKv.prepare_decode` fills step after step: row
             -> the :meth:`BlockManager.stamp` of the tables its ``block_tables`` row holds, so a
             row whose sequence's tables did not change since is not rewritten (most rows of most
@@ -103,11 +106,13 @@ class DecodeStep:
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
+    positions: torch.Tensor | None = None
     written: dict[int, int] | None = None
 
     def rows(self, n: int) -> "DecodeStep":
         """The first ``n`` rows (views: same memory, so a graph captured on them sees new values)."""
-        return DecodeStep(self.slot_mapping[:, :n], self.block_tables[:n], self.seq_lens[:n], self.written)
+        return DecodeStep(self.slot_mapping[:, :n], self.block_tables[:n], self.seq_lens[:n],
+                          None if self.positions is None else self.positions[:n], self.written)
 
     def group(self, g: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Group ``g``'s ``(slot_mapping [B], block_tables [B, nb])`` (views)."""
@@ -197,6 +202,7 @@ class PagedKv(KvStore):
         self._cpu_attention = cpu_ops.op("attention") if self.cpu_kernel else None  # the C++ function, bound once
         self._meta_of: DecodeStep | None = None  # the static decode step _meta was built for
         self._meta: dict[int, VarlenMeta] = {}  # per layer group
+        self._decode_consts: dict[int, tuple[torch.Tensor, ...]] = {}  # B -> _decode_meta's row numbers, ones, zeros
         self.scratch_block = num_blocks  # never allocated: see DecodeStep
         self.max_blocks_per_seq = -(-max_seq_len // block_size)
         self.paged_attention_calls = 0  # attend() calls, one per layer per step (`monobatch parity` reads it)
@@ -361,6 +367,10 @@ class PagedKv(KvStore):
         slots[:, n:] = scratch * bs
         lens[:n] = pos + 1
         lens[n:] = 1
+        if host.positions is not None:  # the deterministic varlen layout's (_decode_meta)
+            qpos = host.positions.numpy()
+            qpos[:n] = pos
+            qpos[n:] = 0
         self._step, self._meta_of = device, None
 
     def prepare_prefill(self, batch: StepBatch, host: PrefillStep, device: PrefillStep) -> None:
@@ -487,17 +497,24 @@ class PagedKv(KvStore):
 
     def _decode_meta(self, step: DecodeStep, group: int, num_q_heads: int) -> VarlenMeta:
         """The varlen layout of a static decode step for layer group ``group`` (row b = chunk b =
-        tile b, one token at position ``seq_lens[b] - 1``, in the deterministic tile), built on
-        the device at the step's first layer of the group (a graph captures it once per replay)
-        and reused by its other layers; :meth:`prepare_decode` and :meth:`bind_decode` drop them."""
+        tile b, one token at position ``seq_lens[b] - 1``, in the deterministic tile), made at the
+        step's first layer of the group and reused by its other layers; :meth:`prepare_decode`
+        and :meth:`bind_decode` drop them. The chunk positions are the step's ``positions``
+        (written on the host; where a step has none, ``seq_lens - 1`` on the device, which a
+        graph then recomputes every replay); the row numbers, ones and zeros are constants of B,
+        made once (outside any capture: the warm-up runs first), so a captured deterministic
+        decode step launches nothing for its layout."""
         if self._meta_of is not step:
             self._meta, self._meta_of = {}, step
         if group not in self._meta:
             B = step.seq_lens.shape[0]
-            rows = torch.arange(B, dtype=torch.int32, device=self.device)
+            if B not in self._decode_consts:
+                rows = torch.arange(B, dtype=torch.int32, device=self.device)
+                self._decode_consts[B] = rows, torch.ones_like(rows), torch.zeros_like(rows)
+            rows, ones, zeros = self._decode_consts[B]
+            pos = step.seq_lens - 1 if step.positions is None else step.positions
             bt = tokens_per_tile(num_q_heads, self.num_kv_heads, True)
-            self._meta[group] = VarlenMeta(step.group(group)[1], rows, torch.ones_like(rows), step.seq_lens - 1, rows,
-                                           torch.zeros_like(rows), bt, fixed_split=True)
+            self._meta[group] = VarlenMeta(step.group(group)[1], rows, ones, pos, rows, zeros, bt, fixed_split=True)
         return self._meta[group]
 
     def commit(self, batch: StepBatch) -> None:
