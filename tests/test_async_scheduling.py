@@ -145,34 +145,3 @@ def test_a_failed_resolve_leaves_nothing_behind(make_scheduler, loaded, monkeypa
         finals.update({o.request_id: o.finish_reason.value for o in sched.step() if o.finished})
     assert finals == {"a": "abort", "b": "abort", "z": "length"}
     assert not sched.has_unfinished() and sched.kv.usage().used_blocks == 0
-
-
-def test_per_row_set_answers_follow_the_rows_list(make_scheduler):
-    """The scheduler's and the engine's answers about a step's rows (``_row_kinds``: overlappable,
-    has a grammar, unchecked; ``Engine._samplers``: the sampler states, the grammar rows) are kept
-    for one rows list object, which async scheduling reuses step after step: any other list is
-    asked afresh, whatever its length or contents."""
-    from types import SimpleNamespace as NS
-
-    def row(grammar=None, greedy=True, finished=False):
-        s = NS(grammar=grammar, history_free=grammar is None, grammar_only=grammar is not None, argmax_draw=greedy)
-        return NS(sampler=s, is_finished=finished)
-
-    sched = make_scheduler(async_scheduling=True)
-    plain, constrained, sampled = [row(), row()], [row(), row("g")], [row(), row("g", greedy=False)]
-    assert sched._row_kinds(plain) == (True, False, False)
-    assert sched._row_kinds(constrained) == (True, True, True)
-    assert sched._row_kinds(sampled) == (True, True, False)
-    assert sched._row_kinds(plain) == (True, False, False)
-    assert sched._row_kinds([plain[0], sampled[1]]) == (True, True, False)  # same length, other rows
-    engine = sched.engine
-    assert engine._samplers(constrained) == ([r.sampler for r in constrained], [1])
-    assert engine._samplers(constrained) == ([r.sampler for r in constrained], [1])  # kept
-    assert engine._samplers(plain) == ([r.sampler for r in plain], [])
-    assert engine._samplers([constrained[1], plain[0]]) == ([constrained[1].sampler, plain[0].sampler], [0])
-    # the grammar rows still to check: None when every one is (no set), else the set
-    rows = [row("g"), row(), row("g"), row("g", finished=True)]
-    assert engine._live_grammar_rows([0, 2], rows, set()) is None
-    assert engine._live_grammar_rows([0, 2, 3], rows, set()) == {0, 2}
-    assert engine._live_grammar_rows([0, 2], rows, {2}) == {0}
-    assert engine._live_grammar_rows([2], rows, {2}) == set()

@@ -39,9 +39,6 @@ from monobatch.loader.weights import trim_heap
 FORCED_DRAWS = os.environ.get("MONOBATCH_FORCED_DRAWS", "1") != "0"
 
 
-_NO_CONTEXT = contextlib.nullcontext()  # reusable: it holds no state
-
-
 def _to_host(ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """Queue the copy of ``[k]`` int64 device ids to the host: ``(host tensor, its CUDA event)``;
     on CUDA the host tensor is page-locked and valid once the event is done (nothing waits here),
@@ -221,7 +218,6 @@ class Engine:
         self.vocab_size = min(args.vocab_size, self.tokenizer.vocab_size)
         self.sampler = RowSampler(self.vocab_size)
         self._side: torch.cuda.Stream | None = None  # see _side_stream
-        self._rows_memo: tuple[list[Sequence], list[SamplerState], list[int]] | None = None  # see _samplers
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)  # structured outputs
         self.finisher = FinishStep(self.tokenizer.eog_ids, self.max_model_len)
         self.graphs = DecodeGraphs(self.model, self.kv, self.config.max_num_seqs) if self._graphs_usable() else None
@@ -419,18 +415,13 @@ class Engine:
                 self.kv.commit(batch)
             return logits
 
-    def _on_device(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def _on_device(self):
         """Make the model's GPU the current CUDA device (Triton kernels, streams and graph
         capture use the current device, which need not be the tensors'), with the
-        batch-invariant GEMMs on in deterministic mode (:func:`invariant_gemm.mode`). Outside it
-        just the device's context (``invariant_gemm.mode(False)`` changes nothing: a step enters
-        this 3-5 times, 2026-12-04)."""
-        device = torch.cuda.device(self.device) if self.device.type == "cuda" else _NO_CONTEXT
-        return self._invariant_on(device) if self.invariant else device
-
-    @contextlib.contextmanager
-    def _invariant_on(self, device: contextlib.AbstractContextManager):
-        with device, invariant_gemm.mode(True):
+        batch-invariant GEMMs on in deterministic mode (:func:`invariant_gemm.mode`)."""
+        with (torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()), \
+                invariant_gemm.mode(self.invariant):
             yield
 
     @property
@@ -526,11 +517,11 @@ class Engine:
         """:meth:`draw_forced`'s redraws, written into ``pending.tokens`` (``pending.forced``: their
         rows). Runs in :meth:`_on_device`."""
         gram, x = pending.check
-        rows = pending.rows
-        live = self._live_grammar_rows(gram, rows, pending.void)
-        if live is not None and not live:
+        void, rows = pending.void, pending.rows
+        live = {r for r in gram if not rows[r].is_finished and r not in void}
+        if not live:
             return
-        got = self.sampler.forced_draws(x, self._samplers(rows)[0], gram, live)
+        got = self.sampler.forced_draws(x, [seq.sampler for seq in rows], gram, live)
         if got is None:
             return
         picked, at, ids = got
@@ -547,9 +538,9 @@ class Engine:
         with self._on_device():
             masked = self.finisher.ban_early_stops(logits, rows, ahead)
             check = None
-            states, gram = self._samplers(rows)
             if unchecked:  # an argmax is exact whatever the batch: one draw, in any mode
-                tokens = self.sampler.draw(masked, states, ahead, unchecked=True)
+                tokens = self.sampler.draw(masked, [s.sampler for s in rows], ahead, unchecked=True)
+                gram = [r for r, seq in enumerate(rows) if seq.sampler.grammar is not None]
                 if gram:  # grammar rows have no engine-side mask: their raw logits are the model's
                     if len(gram) < len(rows):  # page-locked, no wait for the step in flight (a new tensor)
                         x = logits.index_select(0, ids_on(gram, logits.device)).to(torch.float32)
@@ -562,29 +553,8 @@ class Engine:
                 tokens = torch.cat([self.sampler.draw(masked[r:r + 1], [seq.sampler], ahead)
                                     for r, seq in enumerate(rows)])
             else:
-                tokens = self.sampler.draw(masked, states, ahead)
+                tokens = self.sampler.draw(masked, [s.sampler for s in rows], ahead)
             return PendingStep(batch, rows, tokens, *_to_host(tokens), check=check)
-
-    def _samplers(self, rows: list[Sequence]) -> tuple[list[SamplerState], list[int]]:
-        """The rows' sampler states, and the indices of the rows with a grammar, ascending. Kept
-        for the last ``rows`` list asked about (the same list object: async scheduling launches
-        step after step on one list, never changed once made, and a row's sampler state and
-        grammar are fixed for its sequence's life), so a decode of the same rows walks them once,
-        not each step (issue 15: the grammar rows' host work, 32 rows a step)."""
-        memo = self._rows_memo
-        if memo is None or memo[0] is not rows:
-            states = [seq.sampler for seq in rows]
-            memo = self._rows_memo = (rows, states, [r for r, s in enumerate(states) if s.grammar is not None])
-        return memo[1], memo[2]
-
-    @staticmethod
-    def _live_grammar_rows(gram: list[int], rows: list[Sequence], void: set[int]) -> set[int] | None:
-        """The grammar rows of a launched step still to check or redraw (not void, their sequence
-        not finished): None when that is every row of ``gram`` (the common case, no set to build
-        or test), else their set (maybe empty)."""
-        if not void and not any(rows[r].is_finished for r in gram):
-            return None
-        return {r for r in gram if r not in void and not rows[r].is_finished}
 
     def _per_row_draws(self, rows: list[Sequence]) -> bool:
         """Deterministic mode samples one row per sampler call, so no reduction over a row (a
@@ -629,11 +599,11 @@ class Engine:
         busy through a refusal)."""
         gram, x = pending.check
         pending.check = None
-        rows = pending.rows
-        live = self._live_grammar_rows(gram, rows, pending.void)
-        if live is not None and not live:
+        rows, void = pending.rows, pending.void
+        live = {r for r in gram if not rows[r].is_finished and r not in void}
+        if not live:
             return
-        states = self._samplers(rows)[0]
+        states = [seq.sampler for seq in rows]
         # the checks first, on the host (advance: an allowed draw advances its grammar now, the finish
         # step's accept confirms it); the device only where some draw was refused
         refused = self.sampler.check_picks(states, ids, gram, only=live, advance=True)

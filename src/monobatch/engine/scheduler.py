@@ -101,7 +101,6 @@ class BatchScheduler:
         self._stats = SchedulerStats()
         self._finish_observers: list[Callable[[FinishedRequest], None]] = []
         self._pending: PendingStep | None = None  # a launched decode step not read back yet
-        self._kinds_memo: tuple[list[Sequence], bool, bool, bool] | None = None  # see _row_kinds
 
     def add_finish_observer(self, fn: Callable[[FinishedRequest], None]) -> None:
         """Call ``fn(FinishedRequest)`` for every sequence that ends from now on (any
@@ -304,8 +303,8 @@ class BatchScheduler:
             return outputs
         batch, rows, prompt_rows = planned
         try:
-            if self.engine.async_scheduling and not prompt_rows and batch.is_decode_only and self._row_kinds(rows)[0]:
-                pending = self.engine.launch(batch, rows, unchecked=self._row_kinds(rows)[2])
+            if self.engine.async_scheduling and not prompt_rows and batch.is_decode_only and self._overlappable(rows):
+                pending = self.engine.launch(batch, rows, unchecked=self._unchecked(rows))
                 self.engine.draw_forced(pending)
                 self._pending = pending
                 return outputs
@@ -337,16 +336,16 @@ class BatchScheduler:
         """Launch the decode step after ``pending`` before its draws are read back, when that
         step is certain to hold the same sequences (see the module docstring); else None."""
         rows = pending.rows
-        if len(rows) != len(self.running) or (self.waiting and len(self.running) < self.config.max_num_seqs):
-            return None
-        overlappable, grammar, unchecked = self._row_kinds(rows)
-        if not overlappable:
+        if len(rows) != len(self.running) or (self.waiting and len(self.running) < self.config.max_num_seqs) \
+                or not self._overlappable(rows):
             return None
         # one pass over the rows for the other checks (B rows a step: hot)
         ends_by_length, void, running = self.engine.finisher.ends_by_length, pending.void, SeqStatus.RUNNING
+        grammar = False
         for r, seq in enumerate(rows):
             if seq.status is not running:
                 return None
+            grammar = grammar or seq.sampler.grammar is not None
             if r in void:  # N drew nothing for it: its input is its last accepted id
                 if seq.num_computed != seq.num_tokens - 1:
                     return None
@@ -364,6 +363,7 @@ class BatchScheduler:
         batch = self.engine.build_batch(chunks)
         # grammar rows: greedy ones draw their raw argmax now, checked once N's tokens are accepted
         # (Engine.resolve); any other draws once they are (deferred)
+        unchecked = grammar and self._unchecked(rows)
         defer = grammar and not unchecked
         try:
             return self.engine.launch(batch, rows, ahead=1, token_ids=pending.tokens, defer_draw=defer,
@@ -392,18 +392,6 @@ class BatchScheduler:
             self.kv.commit(StepBatch(ahead.batch.token_ids, ahead.batch.positions, ahead.batch.seq_ids,
                                      ahead.batch.logit_rows, tuple(live), ahead.batch.row_tile))
         return self._after_step(step_outputs)
-
-    def _row_kinds(self, rows: list[Sequence]) -> tuple[bool, bool, bool]:
-        """``(_overlappable(rows), whether a row has a grammar, _unchecked(rows))``, kept for the
-        last ``rows`` list asked about (the same list object: async scheduling launches step after
-        step on one list, never changed once made, and all three depend only on the rows' sampler
-        states, fixed for a sequence's life), so a decode of the same rows does not walk them for
-        these every step."""
-        memo = self._kinds_memo
-        if memo is None or memo[0] is not rows:
-            memo = self._kinds_memo = (rows, self._overlappable(rows),
-                                       any(seq.sampler.grammar is not None for seq in rows), self._unchecked(rows))
-        return memo[1:]
 
     @staticmethod
     def _overlappable(rows: list[Sequence]) -> bool:
