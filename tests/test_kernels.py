@@ -84,6 +84,12 @@ def check(dtype=torch.float32, device="cpu", tol=1e-5):
     q_only, none = fused.rope_qk(packed, 9, 3, 64, cos, sin, (pools[2], pools[3], slots))
     assert none is None and torch.equal(q_only, got[5])
     assert torch.equal(pools[2], pools[0]) and torch.equal(pools[3], pools[1])
+    # ... from a strided projection too (v read through the row stride), and a misfit is refused
+    pools[2].fill_(7.0), pools[3].fill_(7.0)
+    fused.rope_qk(torch.cat([packed, packed], -1)[:, :packed.shape[1]], 9, 3, 64, cos, sin, (pools[2], pools[3], slots))
+    assert torch.equal(pools[2], pools[0]) and torch.equal(pools[3], pools[1])
+    with pytest.raises(ValueError, match="do not fit"):
+        fused.rope_qk(packed, 9, 3, 64, cos, sin, (pools[2], pools[3][:, :2], slots))
     return "ok"
 
 

@@ -189,10 +189,14 @@ def check_decode_layout(paged, step) -> None:
     assert torch.equal(step.positions, step.seq_lens - 1)
     for g in range(len(paged.groups)):
         got = paged._decode_meta(step, g, N_Q)
+        assert got.pos.data_ptr() == step.positions.data_ptr()  # read where the host wrote it
         want = paged._decode_meta(dataclasses.replace(step, positions=None), g, N_Q)
         for field in dataclasses.fields(want):
             a, b = getattr(got, field.name), getattr(want, field.name)
             assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, field.name
+        # the row numbers, ones and zeros of a batch size are made once, not per step
+        assert [t.data_ptr() for t in (got.q_start, got.q_len, got.tile_off)] == \
+            [t.data_ptr() for t in (want.q_start, want.q_len, want.tile_off)]
 
 
 def test_static_decode_steps_read_the_window():
@@ -332,6 +336,7 @@ def test_decode_inputs_rewrite_changed_rows_only_and_equal_a_fresh_write():
         rows = order[:4] if step % 5 == 4 else order  # sometimes fewer rows (padding)
         batch = StepBatch.build([(s, [step + s], lens[s], True) for s in rows])
         paged.prepare_decode(batch, kept.step.rows(6), kept.step.rows(6))
+        assert torch.equal(kept.step.positions, kept.step.seq_lens - 1)  # rows left by a shrunk batch: 0
         stamps_seen |= {paged.blocks.stamp(s) for s in rows}
         fresh = DecodeInputs(6, nb, "cpu", groups=G)
         paged.prepare_decode(batch, fresh.step.rows(6), fresh.step.rows(6))

@@ -51,7 +51,8 @@ class DecodeInputs:
 
     Attributes:
         token_ids, positions: ``[rows]`` int64.
-        step: the :class:`DecodeStep` views (slot mapping, block tables, lengths).
+        step: the :class:`DecodeStep` views (slot mapping, block tables, lengths, the int32
+            positions of the deterministic layout).
     """
 
     def __init__(self, rows: int, blocks: int, device: torch.device | str, pin: bool = False, groups: int = 1) -> None:

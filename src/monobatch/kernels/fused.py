@@ -219,6 +219,10 @@ def rope_qk(qkv: torch.Tensor, n_q_heads: int, n_kv_heads: int, head_dim: int,
     Returns:
         q ``[T, H, hd]`` and k ``[T, K, hd]`` (None with ``store``), each a new contiguous tensor
         (the layouts :func:`rope` gives). Reference: :func:`monobatch.models.rope.apply_rope` on each.
+
+    Raises:
+        ValueError: ``store``'s pools are not ``[slots, K, hd]`` of qkv's dtype with one layout
+            and unit stride along hd, or its slots are not ``[T]`` contiguous.
     """
     T = qkv.shape[0]
     hd = head_dim
@@ -227,21 +231,24 @@ def rope_qk(qkv: torch.Tensor, n_q_heads: int, n_kv_heads: int, head_dim: int,
         qkv = qkv.contiguous()
     cos, sin = _rows_contiguous(cos, sin)
     q = torch.empty((T, n_q_heads, hd), dtype=qkv.dtype, device=qkv.device)
-    if store is None:
-        k = k_cache = v_cache = torch.empty((T, n_kv_heads, hd), dtype=qkv.dtype, device=qkv.device)
-        slots = q
-    else:
-        k = None
+    if store is None:  # k heads go to a new k [T, K, hd]; the kernel's pool and slot arguments are unused
+        k = torch.empty((T, n_kv_heads, hd), dtype=qkv.dtype, device=qkv.device)
+        k_out, k_cache, v_cache, slots = k, k, k, q  # (placeholders of the right kind for the launch)
+    else:  # k heads and v heads go to the pools at each row's slot; no k is returned
         k_cache, v_cache, slots = store
-        assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and k_cache.dtype == qkv.dtype \
-            and tuple(k_cache.shape[1:]) == (n_kv_heads, hd) and tuple(slots.shape) == (T,), (k_cache.shape, slots.shape)
-    half = triton.next_power_of_2(hd // 2)
+        if not (k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+                and k_cache.dtype == v_cache.dtype == qkv.dtype and tuple(k_cache.shape[1:]) == (n_kv_heads, hd)
+                and tuple(slots.shape) == (T,) and slots.is_contiguous()):
+            raise ValueError(f"rope_qk store: pools {tuple(k_cache.shape)} / {tuple(v_cache.shape)} "
+                             f"({k_cache.dtype}, {v_cache.dtype}) and slots {tuple(slots.shape)} do not fit "
+                             f"q/k of {n_kv_heads} x {hd} ({qkv.dtype}) for {T} rows")
+        k, k_out = None, k_cache
     if T:
-        _rope_qk_kernel[(T, n_q_heads + n_kv_heads)](qkv, cos, sin, q, k_cache if k is None else k, k_cache, v_cache, slots,
-                                                      qkv.stride(0), cos.stride(0), q.stride(0), k_cache.stride(0),
+        _rope_qk_kernel[(T, n_q_heads + n_kv_heads)](qkv, cos, sin, q, k_out, k_cache, v_cache, slots,
+                                                      qkv.stride(0), cos.stride(0), q.stride(0), k_out.stride(0),
                                                       k_cache.stride(0), k_cache.stride(1), NQ=n_q_heads, NKV=n_kv_heads,
-                                                      HD=hd, HALF=hd // 2, BLOCK=half, STORE=k is None,
-                                                      **pdl.launch(qkv.device))
+                                                      HD=hd, HALF=hd // 2, BLOCK=triton.next_power_of_2(hd // 2),
+                                                      STORE=k is None, **pdl.launch(qkv.device))
     return q, k
 
 

@@ -430,9 +430,11 @@ class PagedKv(KvStore):
         self._step, self._meta_of = step, None
 
     def store_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The slots :meth:`attend` would :func:`store_kv` this step's keys at, on the varlen
-        paths (prefill and deterministic decode; a captured step's static slots); None on the
-        default decode path (its attention launch stores them) and off CUDA."""
+        """The slots :meth:`attend` would :func:`store_kv` this step's keys at wherever it runs the
+        varlen kernel on CUDA: a captured prompt step's static slots, a deterministic static
+        decode step's, and every eager step's (default mode under ``--enforce-eager`` too);
+        None for a default-mode static decode step (its attention launch stores them) and off
+        CUDA. The branches follow :meth:`attend`'s."""
         if not (self.varlen and self.device.type == "cuda"):
             return None
         g = self._where[layer][0]
