@@ -88,8 +88,7 @@ def main() -> int:
                         for cfg in SWEEP:
                             if not cfg[5] and M > 4:
                                 continue
-                            us = time_us(lambda: quant_gemm.gemv(x, part.qs, part.scale, part.minimum, part.layout,
-                                                                 config=cfg))
+                            us = time_us(lambda: quant_gemm.gemv(x, part, config=cfg))
                             best = min(best or (us, cfg), (us, cfg))
                             print(json.dumps({"sweep": True, "shape": shape, "layer": name, "M": M, "type": t.name,
                                               "cfg": cfg, "us": round(us, 2)}), flush=True)

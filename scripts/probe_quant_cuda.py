@@ -96,7 +96,7 @@ def check_case(shape: str, layer: str, qtype: T, dev: torch.device, gen: torch.G
     """The check's lines for one (shape, layer, type), and how many failed."""
     N, K, gated = model_shapes(shape)[layer]
     part = random_weight(qtype, N, K, dev, gen).parts[0]
-    args = (part.qs, part.scale, part.minimum, part.layout)
+    args = (part,)
     w = Q.dequantize(*args)
     lines, fails = [], 0
     for M in CHECK_MS:
@@ -137,7 +137,7 @@ def warm(task: tuple) -> tuple[list[str], int]:
     N, K, gated = model_shapes(shape)[layer]
     if qtype in BENCH_TYPES:
         part = random_weight(qtype, N, K, dev, gen).parts[0]
-        args = (part.qs, part.scale, part.minimum, part.layout)
+        args = (part,)
         for M in BENCH_MS:
             x = torch.randn(M, 2 * K if gated else K, device=dev, generator=gen)
             x = x.to(torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -203,7 +203,7 @@ def bench(shapes: list[str], sweep_shapes: list[str], dev: torch.device, gen: to
                     fn = (lambda: dense_gemv.gated_linear(x, dense)) if gated else (lambda: dense_gemv.linear(x, dense))
                     row["dense_us"] = round(time_us(fn), 2)
                 for t, part in parts.items():
-                    args = (part.qs, part.scale, part.minimum, part.layout)
+                    args = (part,)
                     for name, cfg in bench_configs(shape, N, K, M, part.layout, sweep_shapes).items():
                         fn = lambda: Q.gemv(x, *args, config=cfg, gated=gated)  # noqa: E731
                         us = time_us(fn) if timing else (fn(), 0.0)[1]

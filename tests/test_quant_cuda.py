@@ -82,15 +82,49 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_device_repack_is_formats_repack(qtype):
-    """The torch repack (the loader's on CUDA) gives formats.repack's bytes, scales and mins, bit for bit."""
+    """The torch repack (the loader's on CUDA) gives formats.repack's bytes, and compact scales and
+    mins that expand (quant_gemm.group_scales) to its float32 ones bit for bit, in the bytes
+    resident_bytes(compact=True) counts."""
+    from monobatch.kernels.quant_gemm import group_scales
+    from monobatch.quant.formats import DEVICE_LAYOUTS, resident_bytes
+    from monobatch.quant.packed import PackedPart
     n, k = 24, 512
     data = random_blocks(qtype, n, k, seed=5)
     want = repack(qtype, data, k)
     got = device_repack.repack(qtype, torch.from_numpy(data), k)
-    assert got.layout == want.layout
+    assert got.layout == DEVICE_LAYOUTS[qtype] and got.layout.base == want.layout
     assert np.array_equal(got.qs.numpy().view(np.uint8), want.qs.view(np.uint8))
-    assert np.array_equal(got.scale.numpy().view(np.uint32), want.scale.view(np.uint32))
-    assert np.array_equal(got.minimum.numpy().view(np.uint32), want.minimum.view(np.uint32))
+    scale, minimum = group_scales(got)
+    assert np.array_equal(scale.numpy().view(np.uint32), want.scale.view(np.uint32))
+    assert np.array_equal(minimum.numpy().view(np.uint32), want.minimum.view(np.uint32))
+    part = PackedPart(got.layout, got.qs, got.scale, got.minimum, got.sup)
+    assert part.nbytes == resident_bytes(qtype, n * k, compact=True) < resident_bytes(qtype, n * k)
+    direct = part.direct()  # what .to("cpu") makes of a CUDA part: the CPU kernels' layout
+    assert direct.layout == want.layout and direct.sup is None
+    assert torch.equal(direct.scale, scale) and torch.equal(direct.minimum, minimum)
+
+
+def test_compact_part_slices():
+    """Tensor parallel's cuts of a compact part: K cuts of a factored part fall on super-blocks
+    (a 128-column cut is refused), row ranges and column halves keep every weight's bits."""
+    from monobatch.distributed.sharding import packed_cols_ok, take_cols, take_rows
+    from monobatch.kernels.quant_gemm import dequantize as torch_dequantize
+    from monobatch.quant.packed import PackedPart, PackedWeight
+    n, k = 8, 512
+    data = random_blocks(T.Q4_K, n, k, seed=3)
+    want = repack(T.Q4_K, data, k)
+    got = device_repack.repack(T.Q4_K, torch.from_numpy(data), k)
+    part = PackedPart(got.layout, got.qs, got.scale, got.minimum, got.sup)
+    assert part.to(torch.device("cpu")) is part  # already there
+    w = PackedWeight([part], k, ("Q4_K",))
+    assert not packed_cols_ok(w, 0, 128) and packed_cols_ok(w, 0, 256)
+    left, right = take_cols(w, 0, 256), take_cols(w, 256, 512)
+    assert torch.equal(torch.cat([torch_dequantize(left.parts[0]), torch_dequantize(right.parts[0])], 1),
+                       torch_dequantize(part))
+    rows = take_rows(w, [(6, 8), (0, 2)], copy_=True)
+    assert torch.equal(torch_dequantize(rows.parts[0]), torch_dequantize(part)[[6, 7, 0, 1]])
+    assert np.array_equal(torch_dequantize(part).numpy(), dequantize(data, T.Q4_K).reshape(n, k))
+    assert want.layout == part.layout.base
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -99,10 +133,10 @@ def test_torch_dequantize_is_gguf(qtype):
     from monobatch.kernels import quant_gemm
     n, k = 16, 512
     rep, ref = _parts(qtype, n, k, seed=6)
-    got = quant_gemm.dequantize(rep.qs, rep.scale, rep.minimum, rep.layout)
+    got = quant_gemm.dequantize(rep)
     assert got.dtype == torch.float32 and torch.equal(got.double(), ref)
     ids = torch.tensor([3, 0, 3, 15])
-    assert torch.equal(quant_gemm.dequantize(rep.qs[ids], rep.scale[ids], rep.minimum[ids], rep.layout,
+    assert torch.equal(quant_gemm.dequantize(rep.select(ids),
                                              torch.bfloat16), ref[ids].float().bfloat16())
 
 
@@ -118,7 +152,7 @@ def check_kernels(device: str = "cpu") -> str:
     n, k = 40, 256
     for i, qtype in enumerate(TYPES):
         rep, w = _parts(qtype, n, k, seed=i, device=device)
-        args = (rep.qs, rep.scale, rep.minimum, rep.layout)
+        args = (rep,)
         bias = torch.randn(n, generator=g).to(device, dtype)
         for M in ((1, 5, 20) if device == "cpu" else (1, 2, 3, 5, 16, 20, 70)):  # (each new M_PAD/tile: a compile)
             x = torch.randn(M, k, generator=g).to(device, dtype)
@@ -152,7 +186,7 @@ def check_kernels(device: str = "cpu") -> str:
                         want = Q.gemv(silu_mul(gu), *args, bias, config=cfg)
                     assert torch.equal(got, want), (qtype.name, M, cfg)
         ids = torch.tensor([7, 0, 39, 7], device=device)  # the embedding lookup: one launch, dequantize's bits
-        want = Q.dequantize(rep.qs[ids], rep.scale[ids], rep.minimum[ids], rep.layout)
+        want = Q.dequantize(rep.select(ids))
         assert torch.equal(Q.take(ids, *args), want) and torch.equal(want.double(), w[ids])
         low = torch.float16 if device == "cpu" else torch.bfloat16  # (the interpreter's bf16 rounding is not faithful)
         assert torch.equal(Q.take(ids, *args, low), want.to(low))
@@ -185,7 +219,7 @@ def check_fma_gemv() -> str:
         k = 768 if qtype == T.Q6_K else 320
         step = 512 if qtype == T.Q6_K else 256
         rep, w = _parts(qtype, n, k, seed=20 + i)
-        args = (rep.qs, rep.scale, rep.minimum, rep.layout)
+        args = (rep,)
         bias = torch.randn(n, generator=g)
         for M in range(1, Q.FMA_MAX_M + 1):
             x = torch.randn(M, k, generator=g)
@@ -207,7 +241,7 @@ def check_fma_gemv() -> str:
         for M in range(2, Q.FMA_MAX_M + 1):
             x = torch.randn(M, 512, generator=g)
             cfg = (16, 256 if rep.layout.q4 else 128, 2, 4, 2, False)
-            got = Q.gemv(x, rep.qs, rep.scale, rep.minimum, rep.layout, config=cfg)
+            got = Q.gemv(x, rep, config=cfg)
             assert _rel(got, x.double() @ w.T) <= REL_TOL, (qtype.name, M)
     return "ok"
 
@@ -227,7 +261,7 @@ def check_dequant_matmul(device: str = "cpu") -> str:
     n, k = 40, 256
     for i, qtype in enumerate(LAYOUT_TYPES):
         rep, _ = _parts(qtype, n, k, seed=40 + i, device=device)
-        args = (rep.qs, rep.scale, rep.minimum, rep.layout)
+        args = (rep,)
         w = Q.dequantize(*args).to(dt)
         bias = torch.randn(n, generator=g).to(device, dt)
         for M in (Q.DEQUANT_MIN_M, Q.DEQUANT_MIN_M + 13):
@@ -279,7 +313,7 @@ def check_invariance(device: str = "cpu") -> str:
     types = TYPES if device != "cpu" else [T.Q4_K, T.Q6_K]  # the interpreter: the Q4 and the Q8 kernel paths
     for i, qtype in enumerate(types):
         rep, _ = _parts(qtype, n, k, seed=10 + i, device=device)
-        args = (rep.qs, rep.scale, rep.minimum, rep.layout)
+        args = (rep,)
         x = torch.randn(max(INVARIANT_MS), k, generator=g).to(device, dtype)
         with invariant_gemm.mode(True):
             full = Q.matmul(x, *args)
@@ -384,7 +418,7 @@ def test_model_shapes_cuda(qtype, N, K):
         pytest.skip(f"{qtype.name} rows are whole {GGML_QUANT_SIZES[qtype][0]}-weight blocks; K = {K}")
     from monobatch.kernels import quant_gemm as Q
     rep, w = _parts(qtype, N, K, seed=N % 97, device="cuda")
-    args = (rep.qs, rep.scale, rep.minimum, rep.layout)
+    args = (rep,)
     g = torch.Generator(device="cuda").manual_seed(3)
     for M in (1, 3, 16, 17, 256):
         x = torch.randn(M, K, generator=g, device="cuda", dtype=torch.bfloat16)
@@ -416,7 +450,7 @@ def test_fma_gemv_cuda(qtype, N, K, gated):
     from monobatch.kernels import quant_gemm as Q
     from monobatch.kernels.fused import silu_mul
     rep, _ = _parts(qtype, N, K, seed=N % 89, device="cuda")
-    args = (rep.qs, rep.scale, rep.minimum, rep.layout)
+    args = (rep,)
     w = Q.dequantize(*args)
     g = torch.Generator(device="cuda").manual_seed(5)
     for M in range(1, Q.FMA_MAX_M + 1):
@@ -436,7 +470,7 @@ def test_graph_replay_cuda(cfg):
     _cuda()
     from monobatch.kernels import quant_gemm as Q
     rep, _ = _parts(T.Q4_K, 2048, 2048, device="cuda")
-    args = (rep.qs, rep.scale, rep.minimum, rep.layout)
+    args = (rep,)
     g = torch.Generator(device="cuda").manual_seed(4)
     for M in (1, 4, 16, 48):
         if M > Q.MAX_M or (not cfg[5] and M > Q.FMA_MAX_M):

@@ -65,24 +65,29 @@ def take_rows(w: Weight, ranges: list[tuple[int, int]], copy_: bool) -> Weight:
             a, b = max(lo, start), min(hi, start + part.rows)
             if a < b:
                 s = slice(a - start, b - start)
-                pieces.append(PackedPart(part.layout, part.qs[s], part.scale[s], part.minimum[s]))
+                pieces.append(part.select(s))
             start += part.rows
     merged: list[PackedPart] = []
     for p in pieces:  # neighbours of one layout become one part (one kernel call)
         if merged and merged[-1].layout == p.layout:
-            m = merged[-1]
-            merged[-1] = PackedPart(p.layout, torch.cat([m.qs, p.qs]), torch.cat([m.scale, p.scale]),
-                                    torch.cat([m.minimum, p.minimum]))
+            merged[-1] = _map_fields(lambda a, b: torch.cat([a, b]), merged[-1], p)
         else:
             merged.append(p)
     if copy_:
-        merged = [PackedPart(p.layout, p.qs.clone(), p.scale.clone(), p.minimum.clone()) for p in merged]
+        merged = [_map_fields(torch.clone, p) for p in merged]
     return PackedWeight(merged, w.k, w.types)
 
 
+def _map_fields(fn, *parts: PackedPart) -> PackedPart:
+    """A part of the first's layout whose every tensor field is ``fn`` of the parts' (None stays None)."""
+    return PackedPart(parts[0].layout, *(None if getattr(parts[0], f) is None else fn(*(getattr(p, f) for p in parts))
+                                         for f in ("qs", "scale", "minimum", "sup")))
+
+
 def packed_cols_ok(w: PackedWeight, lo: int, hi: int) -> bool:
-    """Whether input columns ``[lo, hi)`` of packed ``w`` fall on every part's group boundaries."""
-    return all(lo % p.layout.group == 0 and (hi % p.layout.group == 0 or hi == w.k) for p in w.parts)
+    """Whether input columns ``[lo, hi)`` of packed ``w`` fall on every part's group boundaries (super-block
+    boundaries, 256 columns, where a layout holds factored scales)."""
+    return all(lo % p.layout.super_block == 0 and (hi % p.layout.super_block == 0 or hi == w.k) for p in w.parts)
 
 
 def take_cols(w: Weight, lo: int, hi: int) -> Weight:
@@ -94,8 +99,9 @@ def take_cols(w: Weight, lo: int, hi: int) -> Weight:
     for p in w.parts:
         g = p.layout.group
         q = p.qs[:, lo // 2:hi // 2] if p.layout.q4 else p.qs[:, lo:hi]  # q4: 16 bytes per 32-column group
-        parts.append(PackedPart(p.layout, q.contiguous(), p.scale[:, lo // g:-(-hi // g)].contiguous(),
-                                p.minimum[:, lo // g:-(-hi // g)].contiguous()))
+        groups = lambda t: None if t is None else t[:, lo // g:-(-hi // g)].contiguous()  # noqa: E731
+        sup = None if p.sup is None else p.sup[:, lo // 256:-(-hi // 256)].contiguous()
+        parts.append(PackedPart(p.layout, q.contiguous(), groups(p.scale), groups(p.minimum), sup))
     return PackedWeight(parts, hi - lo, w.types)
 
 

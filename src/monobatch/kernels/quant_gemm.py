@@ -70,7 +70,7 @@ import torch
 
 from monobatch.kernels import fused, invariant_gemm, pdl
 from monobatch.kernels.common import COUNTERS, counters, tl, triton
-from monobatch.quant.formats import Layout
+from monobatch.quant.formats import DIRECT, FACTORED, NEG8, Layout
 
 if triton is not None:
     from monobatch.kernels.common import grouped_tile, split_k_store
@@ -157,12 +157,36 @@ if triton is not None:
         return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit
-    def _w_tile(q_rows, s_rows, m_rows, nmask, b, b_hi, BN: tl.constexpr, BW: tl.constexpr, Q4: tl.constexpr,
-                GROUP: tl.constexpr):
-        # The dequantized fp32 tile [BN, BW] of bytes b .. b + BW of rows q_rows/s_rows/m_rows [BN]
-        # (pointers to each row's start; b and b_hi multiples of a group's bytes): (low, high)
+    def _group_scales(s_rows, m_rows, d_rows, g, gmask, SCALES: tl.constexpr, MINS: tl.constexpr,
+                      SUB: tl.constexpr):
+        # Groups g [NG] of rows s_rows/m_rows/d_rows [BN] (pointers to each row's scales, mins and
+        # super-blocks' (d, dmin) pairs; gmask [BN, NG]) -> (scale, min) float32 [BN, NG], the
+        # layout's codes (formats.py): DIRECT a float load; FACTORED the integer factor times its
+        # super-block's float16 d (SUB groups a super-block), -(dmin * m) for a min: products
+        # exact in float32, the bits of formats.repack's float32 values. ZERO: the scale returned
+        # in the min's place, unused (the callers add no min); NEG8: -8 * scale.
+        s = tl.load(s_rows[:, None] + g[None, :], mask=gmask, other=0).to(tl.float32)
+        if SCALES == 1:
+            s = tl.load(d_rows[:, None] + (g // SUB * 2)[None, :], mask=gmask, other=0.0).to(tl.float32) * s
+        if MINS == 0:
+            m = tl.load(m_rows[:, None] + g[None, :], mask=gmask, other=0.0).to(tl.float32)
+        elif MINS == 1:
+            dmin = tl.load(d_rows[:, None] + (g // SUB * 2 + 1)[None, :], mask=gmask, other=0.0).to(tl.float32)
+            m = -(dmin * tl.load(m_rows[:, None] + g[None, :], mask=gmask, other=0).to(tl.float32))
+        elif MINS == 3:
+            m = -8.0 * s
+        else:
+            m = s
+        return s, m
+
+    @triton.jit
+    def _w_tile(q_rows, s_rows, m_rows, d_rows, nmask, b, b_hi, BN: tl.constexpr, BW: tl.constexpr,
+                Q4: tl.constexpr, GROUP: tl.constexpr, SCALES: tl.constexpr, MINS: tl.constexpr):
+        # The dequantized fp32 tile [BN, BW] of bytes b .. b + BW of rows q_rows/s_rows/m_rows/d_rows
+        # [BN] (pointers to each row's start; b and b_hi multiples of a group's bytes): (low, high)
         # nibbles' weights for Q4, (w, w) for Q8. Loaded as [BN, groups, bytes of a group], so a
-        # group's bytes are one vector load and its scale and min one load each.
+        # group's bytes are one vector load and its scale and min one load each (_group_scales).
+        # A ZERO min adds nothing: q * s + (-0.0) is q * s, bit for bit.
         if Q4:
             GB: tl.constexpr = 16
         else:
@@ -172,15 +196,23 @@ if triton is not None:
         gmask = nmask[:, None] & (g < b_hi // GB)[None, :]
         off = (g * GB)[None, :, None] + tl.arange(0, GB)[None, None, :]
         raw = tl.load(q_rows[:, None, None] + off, mask=gmask[:, :, None], other=0)
-        s = tl.load(s_rows[:, None] + g[None, :], mask=gmask, other=0.0)[:, :, None]
-        m = tl.load(m_rows[:, None] + g[None, :], mask=gmask, other=0.0)[:, :, None]
+        s, m = _group_scales(s_rows, m_rows, d_rows, g, gmask, SCALES, MINS, 256 // GROUP)
+        s = s[:, :, None]
+        m = m[:, :, None]
         if Q4:
             u = raw.to(tl.int32)
-            lo = _small_int_to_float(u & 15) * s + m
-            hi = _small_int_to_float(u >> 4) * s + m
+            if MINS == 2:
+                lo = _small_int_to_float(u & 15) * s
+                hi = _small_int_to_float(u >> 4) * s
+            else:
+                lo = _small_int_to_float(u & 15) * s + m
+                hi = _small_int_to_float(u >> 4) * s + m
             return tl.reshape(lo, (BN, BW)), tl.reshape(hi, (BN, BW))
         else:  # int8 q: q + 128 in 0 .. 255, converted, minus 128 (exact)
-            w = (_small_int_to_float(raw.to(tl.int32) + 128) - 128.0) * s + m
+            if MINS == 2:
+                w = (_small_int_to_float(raw.to(tl.int32) + 128) - 128.0) * s
+            else:
+                w = (_small_int_to_float(raw.to(tl.int32) + 128) - 128.0) * s + m
             return tl.reshape(w, (BN, BW)), tl.reshape(w, (BN, BW))
 
     @triton.jit
@@ -211,10 +243,10 @@ if triton is not None:
         return acc
 
     @triton.jit(do_not_specialize=["M", "splits"])
-    def _gemv_kernel(X, QS, S, MN, B, Y, WS, CNT, M, N, K, NB, b_per, splits, stride_xm, stride_qn, stride_sn,
-                     stride_ym, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BW: tl.constexpr,
-                     STAGES: tl.constexpr, IEEE: tl.constexpr, Q4: tl.constexpr, GROUP: tl.constexpr,
-                     GATED: tl.constexpr, PDL: tl.constexpr):
+    def _gemv_kernel(X, QS, S, MN, SUP, B, Y, WS, CNT, M, N, K, NB, b_per, splits, stride_xm, stride_qn, stride_sn,
+                     stride_dn, stride_ym, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BW: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr, Q4: tl.constexpr, GROUP: tl.constexpr,
+                     SCALES: tl.constexpr, MINS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
         # The DOT variant. NB: bytes of a row (K / 2 for Q4, K for Q8); BW: bytes a K step
         # (BLOCK_K / 2 or BLOCK_K); b_per: bytes a K slice. Positions p are bytes.
         pid_n = tl.program_id(0)
@@ -230,17 +262,18 @@ if triton is not None:
         q_rows = QS + rows * stride_qn
         s_rows = S + rows * stride_sn
         m_rows = MN + rows * stride_sn
+        d_rows = SUP + rows * stride_dn
         acc = tl.zeros((BLOCK_N, M_PAD), tl.float32)
         # The first W tile is loaded before the PDL wait (no kernel writes weights), x after it.
         p = b_lo + offs_b
         pmask = p < b_hi
-        lo, hi = _w_tile(q_rows, s_rows, m_rows, nmask, b_lo, b_hi, BLOCK_N, BW, Q4, GROUP)
+        lo, hi = _w_tile(q_rows, s_rows, m_rows, d_rows, nmask, b_lo, b_hi, BLOCK_N, BW, Q4, GROUP, SCALES, MINS)
         pdl.wait_prior(PDL)
         acc = _gemv_step(acc, lo, hi, X, _cols(p, Q4), pmask, mmask, offs_m, K, stride_xm, IEEE, Q4, GATED)
         for b in tl.range(b_lo + BW, b_hi, BW, num_stages=STAGES):
             p = b + offs_b
             pmask = p < b_hi
-            lo, hi = _w_tile(q_rows, s_rows, m_rows, nmask, b, b_hi, BLOCK_N, BW, Q4, GROUP)
+            lo, hi = _w_tile(q_rows, s_rows, m_rows, d_rows, nmask, b, b_hi, BLOCK_N, BW, Q4, GROUP, SCALES, MINS)
             acc = _gemv_step(acc, lo, hi, X, _cols(p, Q4), pmask, mmask, offs_m, K, stride_xm, IEEE, Q4, GATED)
         split_k_store(acc, WS, CNT, B, Y, M, N, pid_n, pid_k, splits, offs_m, offs_n, mmask, nmask, stride_ym, HAS_BIAS)
 
@@ -296,22 +329,19 @@ if triton is not None:
         return tl.sum(tl.reshape(p, (BN, NG, GW)), axis=2), tl.sum(tl.reshape(sxw, (NG, GW)), axis=1)
 
     @triton.jit
-    def _fma_load(w_rows, s_rows, m_rows, nmask, g0, g_hi, j, offs_g, GW: tl.constexpr, NG: tl.constexpr,
-                  Q4: tl.constexpr, EVEN: tl.constexpr):
+    def _fma_load(w_rows, s_rows, m_rows, d_rows, nmask, g0, g_hi, j, offs_g, GW: tl.constexpr, NG: tl.constexpr,
+                  Q4: tl.constexpr, EVEN: tl.constexpr, SCALES: tl.constexpr, MINS: tl.constexpr, SUB: tl.constexpr):
         # A K step's words [BN, NG * GW] (16-byte loads; exponent bits or-ed in, of w and of its
-        # shift) and its groups' scales and mins [BN, NG]; jmask [NG * GW]: the words inside the slice
+        # shift) and its groups' scales and mins [BN, NG] (_group_scales); jmask [NG * GW]: the
+        # words inside the slice
         g = g0 + offs_g
-        if EVEN:  # N a multiple of BLOCK_N, K of the step: no masks
+        if EVEN:  # N a multiple of BLOCK_N, K of the step: no masks on the words
             jmask = j < NG * GW
             w = tl.load(w_rows[:, None] + (g0 * GW + j)[None, :])
-            s = tl.load(s_rows[:, None] + g[None, :])
-            m = tl.load(m_rows[:, None] + g[None, :])
         else:
             jmask = g0 * GW + j < g_hi * GW
             w = tl.load(w_rows[:, None] + (g0 * GW + j)[None, :], mask=nmask[:, None] & jmask[None, :], other=0)
-            gm = nmask[:, None] & (g < g_hi)[None, :]
-            s = tl.load(s_rows[:, None] + g[None, :], mask=gm, other=0.0)
-            m = tl.load(m_rows[:, None] + g[None, :], mask=gm, other=0.0)
+        s, m = _group_scales(s_rows, m_rows, d_rows, g, nmask[:, None] & (g < g_hi)[None, :], SCALES, MINS, SUB)
         if Q4:
             t = w >> 12
         else:  # int8 q -> q + 128 in each byte (bias 2^23 + 128 * 2^offset in _nib)
@@ -320,21 +350,31 @@ if triton is not None:
         return w | 0x4B000000, t | 0x4B000000, s, m, jmask
 
     @triton.jit
+    def _fma_acc(acc, s, m, d, sx, MINS: tl.constexpr):
+        # acc [BN, NG] += s * sum_j q_j x_j + m * sum_j x_j (a ZERO min: s * sum_j q_j x_j, the same
+        # bits: adding m * sx = +-0 to a product changes no nonzero value, and acc starts at +0)
+        if MINS == 2:
+            return acc + s * d
+        else:
+            return acc + (s * d + m * sx[None, :])
+
+    @triton.jit
     def _fma_step(acc0, acc1, acc2, acc3, WM, TM, s, m, X, stride_xm, j, g0, jmask, K, ROWS: tl.constexpr,
-                  BN: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, Q4: tl.constexpr, GATED: tl.constexpr):
+                  BN: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, Q4: tl.constexpr, GATED: tl.constexpr,
+                  MINS: tl.constexpr):
         # every row (ROWS <= 4, unrolled): acc [BN, NG] += s * sum_j q_j x_j + m * sum_j x_j a group
         tl.static_assert(ROWS <= 4, "the FMA GEMV has four row accumulators")
         d, sx = _fma_row(WM, TM, X, 0, stride_xm, j, g0, jmask, K, BN, NG, GW, Q4, GATED)
-        acc0 += s * d + m * sx[None, :]
+        acc0 = _fma_acc(acc0, s, m, d, sx, MINS)
         if ROWS > 1:
             d, sx = _fma_row(WM, TM, X, 1, stride_xm, j, g0, jmask, K, BN, NG, GW, Q4, GATED)
-            acc1 += s * d + m * sx[None, :]
+            acc1 = _fma_acc(acc1, s, m, d, sx, MINS)
         if ROWS > 2:
             d, sx = _fma_row(WM, TM, X, 2, stride_xm, j, g0, jmask, K, BN, NG, GW, Q4, GATED)
-            acc2 += s * d + m * sx[None, :]
+            acc2 = _fma_acc(acc2, s, m, d, sx, MINS)
         if ROWS > 3:
             d, sx = _fma_row(WM, TM, X, 3, stride_xm, j, g0, jmask, K, BN, NG, GW, Q4, GATED)
-            acc3 += s * d + m * sx[None, :]
+            acc3 = _fma_acc(acc3, s, m, d, sx, MINS)
         return acc0, acc1, acc2, acc3
 
     @triton.jit
@@ -343,10 +383,11 @@ if triton is not None:
         return tl.where(offs_m[None, :] == row, tl.sum(part, axis=1)[:, None], acc)
 
     @triton.jit(do_not_specialize=["M", "splits"])
-    def _gemv_fma_kernel(X, QW, S, MN, B, Y, WS, CNT, M, N, K, NG_ROW, g_per, splits, stride_xm, stride_wn,
-                         stride_sn, stride_ym, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, M_PAD: tl.constexpr,
-                         BLOCK_N: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, STAGES: tl.constexpr,
-                         Q4: tl.constexpr, GATED: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
+    def _gemv_fma_kernel(X, QW, S, MN, SUP, B, Y, WS, CNT, M, N, K, NG_ROW, g_per, splits, stride_xm, stride_wn,
+                         stride_sn, stride_dn, stride_ym, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
+                         M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr,
+                         STAGES: tl.constexpr, Q4: tl.constexpr, GATED: tl.constexpr, EVEN: tl.constexpr,
+                         SCALES: tl.constexpr, MINS: tl.constexpr, SUB: tl.constexpr, PDL: tl.constexpr):
         # The FMA variant (CUDA cores, M = ROWS <= 4). QW: the packed bytes as int32 words, GW a
         # group (4 for Q4 and Q8/16, 8 for Q8/32); positions are groups: NG_ROW a row, NG a K step,
         # g_per a K slice.
@@ -364,17 +405,20 @@ if triton is not None:
         w_rows = QW + rows * stride_wn
         s_rows = S + rows * stride_sn
         m_rows = MN + rows * stride_sn
+        d_rows = SUP + rows * stride_dn
         acc0 = tl.zeros((BLOCK_N, NG), tl.float32)
         acc1, acc2, acc3 = acc0, acc0, acc0
         # The first step's words are loaded before the PDL wait (no kernel writes weights), x after it.
-        WM, TM, s, m, jmask = _fma_load(w_rows, s_rows, m_rows, nmask, g_lo, g_hi, j, offs_g, GW, NG, Q4, EVEN)
+        WM, TM, s, m, jmask = _fma_load(w_rows, s_rows, m_rows, d_rows, nmask, g_lo, g_hi, j, offs_g, GW, NG, Q4,
+                                        EVEN, SCALES, MINS, SUB)
         pdl.wait_prior(PDL)
         acc0, acc1, acc2, acc3 = _fma_step(acc0, acc1, acc2, acc3, WM, TM, s, m, X, stride_xm, j, g_lo, jmask, K,
-                                           ROWS, BLOCK_N, NG, GW, Q4, GATED)
+                                           ROWS, BLOCK_N, NG, GW, Q4, GATED, MINS)
         for g0 in tl.range(g_lo + NG, g_hi, NG, num_stages=STAGES):
-            WM, TM, s, m, jmask = _fma_load(w_rows, s_rows, m_rows, nmask, g0, g_hi, j, offs_g, GW, NG, Q4, EVEN)
+            WM, TM, s, m, jmask = _fma_load(w_rows, s_rows, m_rows, d_rows, nmask, g0, g_hi, j, offs_g, GW, NG, Q4,
+                                            EVEN, SCALES, MINS, SUB)
             acc0, acc1, acc2, acc3 = _fma_step(acc0, acc1, acc2, acc3, WM, TM, s, m, X, stride_xm, j, g0, jmask, K,
-                                               ROWS, BLOCK_N, NG, GW, Q4, GATED)
+                                               ROWS, BLOCK_N, NG, GW, Q4, GATED, MINS)
         acc = tl.zeros((BLOCK_N, M_PAD), tl.float32)  # reduce over the groups once; column r <- row r
         acc = _put_row(acc, acc0, offs_m, 0)
         if ROWS > 1:
@@ -386,9 +430,10 @@ if triton is not None:
         split_k_store(acc, WS, CNT, B, Y, M, N, pid_n, pid_k, splits, offs_m, offs_n, mmask, nmask, stride_ym, HAS_BIAS)
 
     @triton.jit
-    def _gemm_kernel(X, QS, S, MN, B, Y, M, N, NB, stride_xm, stride_qn, stride_sn, stride_ym,
+    def _gemm_kernel(X, QS, S, MN, SUP, B, Y, M, N, NB, stride_xm, stride_qn, stride_sn, stride_dn, stride_ym,
                      HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
-                     GROUP_M: tl.constexpr, IEEE: tl.constexpr, Q4: tl.constexpr, GROUP: tl.constexpr):
+                     GROUP_M: tl.constexpr, IEEE: tl.constexpr, Q4: tl.constexpr, GROUP: tl.constexpr,
+                     SCALES: tl.constexpr, MINS: tl.constexpr):
         pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
         offs_m = pid_m * BM + tl.arange(0, BM)
         offs_n = pid_n * BN + tl.arange(0, BN)
@@ -399,12 +444,13 @@ if triton is not None:
         q_rows = QS + rows * stride_qn
         s_rows = S + rows * stride_sn
         m_rows = MN + rows * stride_sn
+        d_rows = SUP + rows * stride_dn
         x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm
         acc = tl.zeros([BM, BN], tl.float32)
         for b in range(0, NB, BW):  # ascending K, one accumulator: the order every row sees
             p = b + offs_b
             pmask = p < NB
-            lo, hi = _w_tile(q_rows, s_rows, m_rows, nmask, b, NB, BN, BW, Q4, GROUP)
+            lo, hi = _w_tile(q_rows, s_rows, m_rows, d_rows, nmask, b, NB, BN, BW, Q4, GROUP, SCALES, MINS)
             col = _cols(p, Q4)
             xmask = mmask[:, None] & pmask[None, :]
             xa = tl.load(x_rows + col[None, :], mask=xmask, other=0.0)
@@ -427,15 +473,16 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _take_kernel(IDS, QS, S, MN, Y, T, NB, stride_qn, stride_sn, stride_yt, BT: tl.constexpr, BW: tl.constexpr,
-                     Q4: tl.constexpr, GROUP: tl.constexpr):
+    def _take_kernel(IDS, QS, S, MN, SUP, Y, T, NB, stride_qn, stride_sn, stride_dn, stride_yt, BT: tl.constexpr,
+                     BW: tl.constexpr, Q4: tl.constexpr, GROUP: tl.constexpr, SCALES: tl.constexpr,
+                     MINS: tl.constexpr):
         # rows IDS[t] of the packed weight, dequantized, into Y [T, K]: program (t block, byte block)
         offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
         tmask = offs_t < T
         rows = tl.load(IDS + offs_t, mask=tmask, other=0).to(tl.int64)
         b = tl.program_id(1) * BW
-        lo, hi = _w_tile(QS + rows * stride_qn, S + rows * stride_sn, MN + rows * stride_sn, tmask, b, NB, BT, BW, Q4,
-                         GROUP)
+        lo, hi = _w_tile(QS + rows * stride_qn, S + rows * stride_sn, MN + rows * stride_sn, SUP + rows * stride_dn,
+                         tmask, b, NB, BT, BW, Q4, GROUP, SCALES, MINS)
         p = b + tl.arange(0, BW)
         col = _cols(p, Q4)
         y = Y + offs_t.to(tl.int64)[:, None] * stride_yt + col[None, :]
@@ -445,12 +492,30 @@ if triton is not None:
             tl.store(y + 16, hi.to(Y.dtype.element_ty), mask=ymask)
 
 
-def take(ids: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, layout: Layout,
-         dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows ``ids`` (int64 ``[T]``, on the weight's device) dequantized: ``[T, K]`` in ``dtype``, one
-    launch (the embedding lookup of a packed table). Float32 rows are bitwise :func:`dequantize`'s
-    (``q * scale`` is exact, so a fused multiply-add rounds as the separate add does). ``out``: write
-    there instead (``[T, K]`` in ``dtype``, unit stride along K; a row slice of a larger weight).
+def _scale_args(w) -> tuple:
+    """A packed part's scale tensors as kernel arguments: ``(scale, min, sup, stride_sn, stride_dn)``
+    (the scale tensor in the place of an absent min or sup: a pointer the kernel never reads)."""
+    minimum = w.scale if w.minimum is None else w.minimum
+    sup = w.scale if w.sup is None else w.sup
+    return w.scale, minimum, sup, w.scale.stride(0), 0 if w.sup is None else w.sup.stride(0)
+
+
+def _codes(w) -> dict:
+    """The layout's compile-time constants: Q4, GROUP, SCALES, MINS."""
+    return dict(Q4=w.layout.q4, GROUP=w.layout.group, SCALES=w.layout.scales, MINS=w.layout.mins)
+
+
+def take(ids: torch.Tensor, w, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``ids`` (int64 ``[T]``, on the weight's device) of the packed part ``w`` dequantized:
+    ``[T, K]`` in ``dtype``, one launch (the embedding lookup of a packed table). Float32 rows are
+    bitwise :func:`dequantize`'s (``q * scale`` is exact, so a fused multiply-add rounds as the
+    separate add does). ``out``: write there instead (``[T, K]`` in ``dtype``, unit stride along K;
+    a row slice of a larger weight).
+
+    Args:
+        w: a packed part: an object with ``qs``, ``scale``, ``minimum``, ``sup`` and ``layout``
+            (:class:`~monobatch.quant.packed.PackedPart`, or a
+            :class:`~monobatch.quant.formats.Repacked` of tensors), on ``ids``' device.
 
     Raises:
         RuntimeError: no Triton. ValueError: ``out`` of another shape, dtype or stride.
@@ -458,8 +523,9 @@ def take(ids: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torc
     if triton is None:
         raise RuntimeError("Triton is not installed")
     T = ids.shape[0]
+    qs = w.qs
     nb = qs.shape[1]
-    K = nb * (2 if layout.q4 else 1)
+    K = nb * (2 if w.layout.q4 else 1)
     if out is not None and (out.shape != (T, K) or out.dtype != dtype or out.stride(1) != 1):
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be [{T}, {K}] {dtype} with unit stride along K")
     y = torch.empty((T, K), dtype=dtype, device=qs.device) if out is None else out
@@ -467,20 +533,26 @@ def take(ids: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torc
         return y
     bt, bw = 4, 512
     ids = ids if ids.is_contiguous() else ids.contiguous()
-    _take_kernel[(triton.cdiv(T, bt), triton.cdiv(nb, bw))](ids, qs, scale, minimum, y, T, nb, qs.stride(0),
-                                                          scale.stride(0), y.stride(0), BT=bt, BW=bw, Q4=layout.q4,
-                                                          GROUP=layout.group, num_warps=4)
+    scale, minimum, sup, stride_sn, stride_dn = _scale_args(w)
+    _take_kernel[(triton.cdiv(T, bt), triton.cdiv(nb, bw))](ids, qs, scale, minimum, sup, y, T, nb, qs.stride(0),
+                                                          stride_sn, stride_dn, y.stride(0), BT=bt, BW=bw,
+                                                          **_codes(w), num_warps=4)
     return y
 
 
-def _check(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, layout: Layout,
-           gated: bool = False) -> tuple[int, int]:
+def _check(x: torch.Tensor, w, gated: bool = False) -> tuple[int, int]:
     if triton is None:
         raise RuntimeError("Triton is not installed")
+    qs, scale, layout = w.qs, w.scale, w.layout
     N, K = qs.shape[0], qs.shape[1] * (2 if layout.q4 else 1)
-    if x.shape[-1] != (2 if gated else 1) * K or K % 32 or scale.shape != (N, K // layout.group) or qs.stride(1) != 1 or scale.stride(1) != 1:
+    fits = x.shape[-1] == (2 if gated else 1) * K and K % 32 == 0 and scale.shape == (N, K // layout.group) \
+        and qs.stride(1) == 1 and scale.stride(1) == 1 and (w.minimum is None or w.minimum.stride() == scale.stride())
+    if fits and layout.super_block == 256:
+        fits = K % 256 == 0 and w.sup is not None and w.sup.shape == (N, K // 256, 2) and w.sup.stride()[1:] == (2, 1)
+    if not fits:
         raise ValueError(f"x {tuple(x.shape)} and a packed {layout.name} weight qs {tuple(qs.shape)} / "
-                         f"scale {tuple(scale.shape)} do not fit (K a multiple of 32, unit stride along K)")
+                         f"scale {tuple(scale.shape)} do not fit (K a multiple of 32, of 256 where factored; "
+                         "unit stride along K)")
     return N, K
 
 
@@ -492,9 +564,8 @@ def _out(x: torch.Tensor, N: int, out_dtype: torch.dtype | None, out: torch.Tens
     return out
 
 
-def gemv(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, layout: Layout,
-         bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
-         config: tuple | None = None, gated: bool = False) -> torch.Tensor:
+def gemv(x: torch.Tensor, w, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+         out: torch.Tensor | None = None, config: tuple | None = None, gated: bool = False) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for a few rows, W packed (the module docstring's layouts).
 
     Args:
@@ -502,8 +573,7 @@ def gemv(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.
             With ``gated``: ``[M, 2K]`` packed ``[gate | up]`` rows, and the product's input is
             SwiGLU's ``silu(gate) * up`` with the bits of :func:`monobatch.kernels.fused.silu_mul`,
             computed as it is loaded (the down projection without its own SiLU launch).
-        qs, scale, minimum: one :class:`~monobatch.quant.packed.PackedPart`'s tensors, x's device.
-        layout: their :class:`~monobatch.quant.formats.Layout`.
+        w: the packed part (as :func:`take`'s), x's device.
         bias: ``[N]`` or None (added in fp32).
         out_dtype: result dtype (None: x's; float32 for logits).
         out: write here instead (``[M, N]``, unit stride along N; a column slice of a wider
@@ -518,7 +588,8 @@ def gemv(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.
     Raises:
         RuntimeError: no Triton. ValueError: shapes that do not fit, M > MAX_M, an FMA config with M > FMA_MAX_M.
     """
-    N, K = _check(x, qs, scale, layout, gated)
+    N, K = _check(x, w, gated)
+    layout, qs = w.layout, w.qs
     M = x.shape[0]
     if M > MAX_M:
         raise ValueError(f"gemv takes M <= {MAX_M} rows")
@@ -539,28 +610,28 @@ def gemv(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.
     cnt = counters(x.device, tiles) if splits > 1 else COUNTERS.get(x.device)
     cnt = ws.new_empty(1, dtype=torch.int32) if cnt is None else cnt  # unused without split-K
     b = y if bias is None else bias.contiguous()
+    scale, minimum, sup, stride_sn, stride_dn = _scale_args(w)
     if not dot:
         gw = 4 if layout.q4 else layout.group // 4  # int32 words a group
         ng = max(1, bw // (4 * gw))  # groups a K step
         even = N % block_n == 0 and K % block_k == 0
         _gemv_fma_kernel[(tiles, splits)](
-            x, qs.view(torch.int32), scale, minimum, b, y, ws, cnt, M, N, K, K // per_byte // (4 * gw),
-            k_per // per_byte // (4 * gw), splits, x.stride(0), qs.stride(0) // 4, scale.stride(0), y.stride(0),
+            x, qs.view(torch.int32), scale, minimum, sup, b, y, ws, cnt, M, N, K, K // per_byte // (4 * gw),
+            k_per // per_byte // (4 * gw), splits, x.stride(0), qs.stride(0) // 4, stride_sn, stride_dn, y.stride(0),
             HAS_BIAS=bias is not None, ROWS=M, M_PAD=_pow2(M), BLOCK_N=block_n, NG=ng, GW=gw, STAGES=stages,
-            Q4=layout.q4, GATED=gated, EVEN=even, num_warps=warps, num_stages=stages, **pdl.launch(x.device))
+            Q4=layout.q4, GATED=gated, EVEN=even, SCALES=layout.scales, MINS=layout.mins, SUB=256 // layout.group,
+            num_warps=warps, num_stages=stages, **pdl.launch(x.device))
         return y
     _gemv_kernel[(tiles, splits)](
-        x, qs, scale, minimum, b, y, ws, cnt, M, N, K, K // per_byte, k_per // per_byte, splits,
-        x.stride(0), qs.stride(0), scale.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-        M_PAD=16, BLOCK_N=block_n, BW=bw, STAGES=stages,
-        IEEE=x.dtype == torch.float32, Q4=layout.q4, GROUP=layout.group, GATED=gated,
+        x, qs, scale, minimum, sup, b, y, ws, cnt, M, N, K, K // per_byte, k_per // per_byte, splits,
+        x.stride(0), qs.stride(0), stride_sn, stride_dn, y.stride(0), HAS_BIAS=bias is not None,
+        M_PAD=16, BLOCK_N=block_n, BW=bw, STAGES=stages, IEEE=x.dtype == torch.float32, **_codes(w), GATED=gated,
         num_warps=warps, num_stages=stages, **pdl.launch(x.device))
     return y
 
 
-def gemm(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, layout: Layout,
-         bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
-         config: tuple | None = None) -> torch.Tensor:
+def gemm(x: torch.Tensor, w, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+         out: torch.Tensor | None = None, config: tuple | None = None) -> torch.Tensor:
     """``x @ W^T (+ bias)`` by the tiled dequantizing GEMM, any M (arguments as :func:`gemv`).
 
     Args:
@@ -574,7 +645,8 @@ def gemm(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.
     Raises:
         RuntimeError: no Triton. ValueError: shapes that do not fit.
     """
-    N, K = _check(x, qs, scale, layout)
+    N, K = _check(x, w)
+    layout, qs = w.layout, w.qs
     M = x.shape[0]
     y = _out(x, N, out_dtype, out)
     if M == 0 or N == 0:
@@ -587,11 +659,11 @@ def gemm(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.
         raise ValueError(f"BK {bk}: a multiple of 32, and at least 64 for a Q4 layout")
     x = x if x.stride(1) == 1 else x.contiguous()
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-    _gemm_kernel[grid](x, qs, scale, minimum, y if bias is None else bias.contiguous(), y, M, N,
-                       K // (2 if layout.q4 else 1), x.stride(0),
-                       qs.stride(0), scale.stride(0), y.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn, BW=bw,
-                       GROUP_M=8, IEEE=x.dtype == torch.float32, Q4=layout.q4, GROUP=layout.group,
-                       num_warps=warps, num_stages=stages)
+    scale, minimum, sup, stride_sn, stride_dn = _scale_args(w)
+    _gemm_kernel[grid](x, qs, scale, minimum, sup, y if bias is None else bias.contiguous(), y, M, N,
+                       K // (2 if layout.q4 else 1), x.stride(0), qs.stride(0), stride_sn, stride_dn, y.stride(0),
+                       HAS_BIAS=bias is not None, BM=bm, BN=bn, BW=bw, GROUP_M=8, IEEE=x.dtype == torch.float32,
+                       **_codes(w), num_warps=warps, num_stages=stages)
     return y
 
 
@@ -625,11 +697,10 @@ def dequant_rows(x: torch.Tensor) -> bool:
     return x.shape[0] >= DEQUANT_MIN_M and x.dtype in (torch.bfloat16, torch.float16) and not invariant_gemm.active()
 
 
-def dequant_matmul(x: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Layout]],
-                   bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                   gated: bool = False) -> torch.Tensor:
-    """``x @ W^T (+ bias)`` with W ``[N, K]`` the row blocks ``parts`` (``(qs, scale, minimum,
-    layout)`` each, in row order) dequantized into one temporary in x's dtype (one :func:`take`
+def dequant_matmul(x: torch.Tensor, parts: list, bias: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None, gated: bool = False) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` with W ``[N, K]`` the row blocks ``parts`` (packed parts as
+    :func:`take`'s, in row order) dequantized into one temporary in x's dtype (one :func:`take`
     launch a part, each into its rows: the weights ``--weights dequant`` loads, bit for bit) and
     multiplied by :func:`monobatch.kernels.gemv.linear` in one call: the dequant path's product of
     the fused weight. x ``[M, K]`` (``[M, 2K]`` with ``gated``: ``silu_mul``'s product first).
@@ -642,53 +713,77 @@ def dequant_matmul(x: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor
         RuntimeError: no Triton.
     """
     from monobatch.kernels.gemv import linear
-    K = parts[0][0].shape[1] * (2 if parts[0][3].q4 else 1)
-    w = torch.empty(sum(p[0].shape[0] for p in parts), K, dtype=x.dtype, device=x.device)
+    K = parts[0].qs.shape[1] * (2 if parts[0].layout.q4 else 1)
+    w = torch.empty(sum(p.qs.shape[0] for p in parts), K, dtype=x.dtype, device=x.device)
     lo = 0
-    for qs, scale, minimum, layout in parts:
-        key = (qs.device, qs.shape[0])
+    for part in parts:
+        rows = part.qs.shape[0]
+        key = (part.qs.device, rows)
         ids = _ROWS.get(key)
         if ids is None:
-            ids = _ROWS[key] = torch.arange(qs.shape[0], device=qs.device)
-        take(ids, qs, scale, minimum, layout, x.dtype, out=w[lo:lo + qs.shape[0]])
-        lo += qs.shape[0]
+            ids = _ROWS[key] = torch.arange(rows, device=part.qs.device)
+        take(ids, part, x.dtype, out=w[lo:lo + rows])
+        lo += rows
     return linear(fused.silu_mul(x) if gated else x, w, bias, out_dtype)
 
 
-def matmul(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, layout: Layout,
-           bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+def matmul(x: torch.Tensor, w, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
            out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
-    """One packed part's product on CUDA (:meth:`monobatch.quant.packed.PackedWeight.matmul`'s
+    """One packed part ``w``'s product on CUDA (:meth:`monobatch.quant.packed.PackedWeight.matmul`'s
     kernels): x ``[M, K]`` (``[M, 2K]`` gate/up rows with ``gated``, the product's input then
     ``silu(gate) * up``) -> ``[M, N]``. Batch-invariant mode: :func:`gemm` with
     :data:`INVARIANT_TILE` for every M; else :func:`gemv` up to :data:`MAX_M` rows,
     :func:`dequant_matmul` where :func:`dequant_rows`, :func:`gemm` otherwise (gated: after
     :func:`monobatch.kernels.fused.silu_mul`, whose bits the gated GEMV reproduces)."""
     if x.shape[0] <= MAX_M and not invariant_gemm.active():
-        return gemv(x, qs, scale, minimum, layout, bias, out_dtype, out, gated=gated)
+        return gemv(x, w, bias, out_dtype, out, gated=gated)
     if dequant_rows(x):
-        y = dequant_matmul(x, [(qs, scale, minimum, layout)], bias, out.dtype if out is not None else out_dtype, gated)
+        y = dequant_matmul(x, [w], bias, out.dtype if out is not None else out_dtype, gated)
         return y if out is None else out.copy_(y)
     if gated:
         x = fused.silu_mul(x)
-    return gemm(x, qs, scale, minimum, layout, bias, out_dtype, out)
+    return gemm(x, w, bias, out_dtype, out)
 
 
-def dequantize(qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, layout: Layout,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Packed rows -> ``[R, K]`` in ``dtype`` with torch ops on any device (CUDA's embedding
-    lookups, ``PackedWeight.dequantize`` there). ``q * scale`` is exact in float32 (an fp16 times
-    an integer of at most 8 bits), so the float32 result is bitwise ``gguf.quants.dequantize``'s
-    (Q4_0's signed zeros aside, formats.py). Capturable in a CUDA graph.
+def group_scales(w) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed part's per-group scales and mins as float32 ``[R, K/G]`` each, whatever its layout's
+    codes (:mod:`monobatch.quant.formats`): the values :func:`monobatch.quant.formats.repack`
+    stores, bit for bit (``d * sc`` and ``-(dmin * m)`` are exact in float32; a ZERO min is -0.0,
+    NEG8 ``-8 * scale``). Torch ops, any device."""
+    layout = w.layout
+    scale = w.scale.to(torch.float32)
+    if FACTORED in (layout.scales, layout.mins):
+        sup = w.sup.to(torch.float32).repeat_interleave(256 // layout.group, dim=1)  # [R, K/G, 2]
+    if layout.scales == FACTORED:
+        scale = sup[..., 0] * scale
+    if layout.mins == DIRECT:
+        minimum = w.minimum.to(torch.float32)
+    elif layout.mins == FACTORED:
+        minimum = -(sup[..., 1] * w.minimum.to(torch.float32))
+    elif layout.mins == NEG8:
+        minimum = -8 * scale
+    else:
+        minimum = torch.full_like(scale, -0.0)
+    return scale, minimum
+
+
+def dequantize(w, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A packed part's rows -> ``[R, K]`` in ``dtype`` with torch ops on any device (CUDA's
+    embedding lookups, ``PackedWeight.dequantize`` there). ``q * scale`` is exact in float32 (an
+    fp16 times an integer of at most 8 bits), so the float32 result is bitwise
+    ``gguf.quants.dequantize``'s (Q4_0's signed zeros aside, formats.py). Capturable in a CUDA graph.
 
     Args:
-        qs: uint8 ``[R, K/2]`` (Q4) or int8 ``[R, K]`` (Q8); scale, minimum: float32 ``[R, K/G]``.
+        w: a packed part (as :func:`take`'s): ``qs`` uint8 ``[R, K/2]`` (Q4) or int8 ``[R, K]``
+            (Q8), its scales as its layout holds them (:func:`group_scales`).
     """
+    qs, layout = w.qs, w.layout
     R, G = qs.shape[0], layout.group
     if layout.q4:
         b = qs.reshape(R, -1, 16)
         q = torch.cat([b & 15, b >> 4], dim=-1)  # [R, K/32, 32] in column order
     else:
         q = qs.reshape(R, -1, G)
-    w = q.to(torch.float32) * scale.unsqueeze(-1) + minimum.unsqueeze(-1)
-    return w.reshape(R, -1).to(dtype)
+    scale, minimum = group_scales(w)
+    out = q.to(torch.float32) * scale.unsqueeze(-1) + minimum.unsqueeze(-1)
+    return out.reshape(R, -1).to(dtype)

@@ -23,6 +23,13 @@ once, as gguf-py's ``d * q - dm`` does: the dequantized layouts are bitwise gguf
 an equal value). Resident bytes per weight with float32 scales: Q4 0.75, Q8 1.25 (G 32) or 1.5
 (G 16); with the float16 scales of :func:`narrow_scales`: 0.625, 1.125 and 1.25. The 5- and 6-bit
 types are widened to a byte per weight (a 5/6-bit kernel is future work, ADR 0006).
+
+On CUDA the scales are held compact (:data:`DEVICE_LAYOUTS`, made by
+:mod:`monobatch.quant.device_repack`): as the file has them — float16 ``d`` (and Q4_1's ``m``) a
+group, the K-quants' 6- or 8-bit ``sc`` (and ``m``) a group with a float16 ``d`` (and ``dmin``)
+per 256 weights — and no min at all where it is -0.0 or Q4_0's ``-8 d``. The kernels form
+``d * sc`` and ``-(dmin * m)`` in float32 registers, products exact as above, so every
+dequantized weight keeps its bits, in ~23 % (Q4) to ~29 % (Q6_K) fewer resident bytes.
 """
 
 from __future__ import annotations
@@ -35,17 +42,47 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import Q4_K as _GGUF_Q4_K
 
 
+#: How a part's per-group scales are held (:class:`Layout`'s ``scales``): a float tensor
+#: (float32, or float16 where exact) ``[N, K/G]``, or the file's factors: small integers ``[N, K/G]``
+#: (uint8 ``sc`` of Q4_K/Q5_K, int8 ``sc`` of Q6_K) times a float16 ``d`` per 256 weights.
+DIRECT, FACTORED = 0, 1
+#: How its mins are held (``mins``): DIRECT, FACTORED (uint8 ``m`` times a float16 ``dmin`` per 256
+#: weights, negated: ``-(dmin * m)``), ZERO (every min is -0.0, nothing stored) or NEG8 (Q4_0's
+#: ``-8 * scale``, nothing stored).
+ZERO, NEG8 = 2, 3
+
+
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """A resident layout: 4-bit nibbles (``q4``) or int8, and the group size G (16 or 32)."""
+    """A resident layout: 4-bit nibbles (``q4``) or int8, the group size G (16 or 32), and how the
+    groups' scales and mins are held (``scales``: DIRECT or FACTORED; ``mins``: DIRECT,
+    FACTORED, ZERO or NEG8; the CPU's layouts are DIRECT, the compact ones of :data:`DEVICE_LAYOUTS`
+    are what CUDA holds)."""
 
     q4: bool
     group: int
+    scales: int = DIRECT
+    mins: int = DIRECT
 
     @property
     def name(self) -> str:
-        """``Q4/32``, ``Q8/32`` or ``Q8/16``."""
-        return f"{'Q4' if self.q4 else 'Q8'}/{self.group}"
+        """``Q4/32``, ``Q8/32`` or ``Q8/16``, with the compact scale codes after a colon
+        (``Q4/32:k`` factored, ``:f`` direct with a min of ZERO or NEG8: ``Q8/32:f0``, ``Q4/32:f8``)."""
+        base = f"{'Q4' if self.q4 else 'Q8'}/{self.group}"
+        if (self.scales, self.mins) == (DIRECT, DIRECT):
+            return base
+        code = "k" if self.scales == FACTORED else "f"
+        return f"{base}:{code}" + {ZERO: "0", NEG8: "8"}.get(self.mins, "")
+
+    @property
+    def base(self) -> "Layout":
+        """This layout with DIRECT scales and mins (the CPU kernels' form of the same bytes)."""
+        return Layout(self.q4, self.group)
+
+    @property
+    def super_block(self) -> int:
+        """Columns a factored ``d`` covers (256, the K-quants' super-block); G where nothing is factored."""
+        return 256 if FACTORED in (self.scales, self.mins) else self.group
 
 
 Q4 = Layout(True, 32)
@@ -55,6 +92,15 @@ Q8_16 = Layout(False, 16)
 #: The GGUF types held packed, and the layout each becomes. Others are dequantized at load.
 PACKED_TYPES: dict[T, Layout] = {T.Q4_0: Q4, T.Q4_1: Q4, T.Q4_K: Q4, T.Q8_0: Q8, T.Q5_0: Q8,
                                  T.Q5_K: Q8, T.Q6_K: Q8_16}
+#: The compact layouts CUDA holds (:mod:`monobatch.quant.device_repack`): the same ``qs`` as
+#: :data:`PACKED_TYPES`, the scales and mins as the file has them (float16 ``d`` and ``m``; the
+#: K-quants' integer ``sc`` and ``m`` with a float16 ``d`` and ``dmin`` per 256 weights), and no min
+#: where it is always -0.0 or Q4_0's ``-8 d``. Bytes a weight: Q4_0 0.5625, Q4_1 0.625, Q4_K 0.578,
+#: Q8_0 and Q5_0 1.0625, Q5_K 1.078, Q6_K 1.078 (DIRECT float32: 0.75, 1.25, 1.5).
+DEVICE_LAYOUTS: dict[T, Layout] = {
+    T.Q4_0: Layout(True, 32, DIRECT, NEG8), T.Q4_1: Layout(True, 32), T.Q4_K: Layout(True, 32, FACTORED, FACTORED),
+    T.Q8_0: Layout(False, 32, DIRECT, ZERO), T.Q5_0: Layout(False, 32, DIRECT, ZERO),
+    T.Q5_K: Layout(False, 32, FACTORED, FACTORED), T.Q6_K: Layout(False, 16, FACTORED, ZERO)}
 
 
 @dataclass(slots=True)
@@ -63,13 +109,22 @@ class Repacked:
 
     Attributes:
         qs: uint8 ``[N, K/2]`` (Q4) or int8 ``[N, K]`` (Q8).
-        scale, minimum: float32 ``[N, K/G]`` (both float16 after :func:`narrow_scales`, where exact).
+        scale, minimum: float32 ``[N, K/G]`` (both float16 after :func:`narrow_scales`, where exact);
+            in a compact layout (:data:`DEVICE_LAYOUTS`, torch tensors) as the layout's codes say:
+            float16, or uint8/int8 factors; ``minimum`` None where ZERO or NEG8.
+        sup: float16 ``[N, K/256, 2]``, each super-block's ``(d, dmin)``, where a code is FACTORED; else None.
     """
 
     layout: Layout
     qs: np.ndarray
     scale: np.ndarray
-    minimum: np.ndarray
+    minimum: np.ndarray | None
+    sup: np.ndarray | None = None
+
+    def select(self, idx) -> "Repacked":
+        """Rows ``idx`` (a slice, or an index array or tensor) of every field, as this class."""
+        return type(self)(self.layout, self.qs[idx], self.scale[idx],
+                          None if self.minimum is None else self.minimum[idx], None if self.sup is None else self.sup[idx])
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -143,11 +198,19 @@ def narrow_scales(rep: Repacked) -> Repacked:
     return rep
 
 
-def resident_bytes(qtype: T, n_weights: int) -> int:
-    """Bytes ``n_weights`` of ``qtype`` take once repacked (q plus float32 scale and min a group;
-    at most: :func:`narrow_scales` may halve the scales' and mins' bytes)."""
-    layout = PACKED_TYPES[qtype]
-    return n_weights // (2 if layout.q4 else 1) + n_weights // layout.group * 8
+def resident_bytes(qtype: T, n_weights: int, compact: bool = False) -> int:
+    """Bytes ``n_weights`` of ``qtype`` take once repacked: q plus float32 scale and min a group
+    (at most: :func:`narrow_scales` may halve the scales' and mins' bytes), or with ``compact``
+    the layout of :data:`DEVICE_LAYOUTS` (exactly)."""
+    layout = (DEVICE_LAYOUTS if compact else PACKED_TYPES)[qtype]
+    q = n_weights // (2 if layout.q4 else 1)
+    if not compact:
+        return q + n_weights // layout.group * 8
+    groups = n_weights // layout.group
+    scale = groups * (1 if layout.scales == FACTORED else 2)
+    minimum = {DIRECT: 2 * groups, FACTORED: groups}.get(layout.mins, 0)
+    sup = n_weights // 256 * 4 if layout.super_block == 256 else 0
+    return q + scale + minimum + sup
 
 
 def repack(qtype: T, data: np.ndarray, k: int) -> Repacked:

@@ -71,14 +71,11 @@ def packed_supported(device: torch.device) -> bool:
 
 
 @dataclass(slots=True)
-class PackedPart:
-    """``rows`` consecutive output rows in one layout (torch tensors of :class:`Repacked`'s shapes;
-    scale and minimum float32, or both float16 on CPU: :func:`monobatch.quant.formats.narrow_scales`)."""
-
-    layout: Layout
-    qs: torch.Tensor
-    scale: torch.Tensor
-    minimum: torch.Tensor
+class PackedPart(Repacked):
+    """``rows`` consecutive output rows in one layout: :class:`~monobatch.quant.formats.Repacked`'s
+    fields as torch tensors. On CPU DIRECT scale and minimum, float32 or both float16
+    (:func:`monobatch.quant.formats.narrow_scales`); on CUDA the compact layouts of
+    :data:`~monobatch.quant.formats.DEVICE_LAYOUTS` too (the CPU kernels read DIRECT ones only)."""
 
     @property
     def rows(self) -> int:
@@ -88,7 +85,7 @@ class PackedPart:
     @property
     def nbytes(self) -> int:
         """Resident bytes."""
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.scale, self.minimum))
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.scale, self.minimum, self.sup) if t is not None)
 
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
         """x float32 ``[M, K]`` -> float32 ``[M, rows]`` with the packed kernel."""
@@ -100,19 +97,29 @@ class PackedPart:
         return quant_cpu.module().PackedMat(self.qs, self.scale, self.minimum, self.layout.group, self.layout.q4)
 
     def to(self, device: torch.device) -> "PackedPart":
-        """This part's tensors on ``device`` (the same object where they are already there); off
-        the CPU, float16 scales and mins become float32 (what the CUDA kernels read)."""
+        """This part's tensors on ``device`` (the same object where they are already there). A
+        compact layout moved to the CPU becomes DIRECT float32 scales and mins
+        (:func:`monobatch.kernels.quant_gemm.group_scales`: the same values), which the CPU kernels read."""
         device = torch.device(device)
         if self.qs.device == device:
             return self
-        wide = device.type != "cpu"
-        return PackedPart(self.layout, self.qs.to(device),
-                          *(t.to(device, torch.float32 if wide else t.dtype) for t in (self.scale, self.minimum)))
+        if device.type == "cpu" and self.layout != self.layout.base:
+            return self.direct().to(device)
+        return PackedPart(self.layout, *(None if t is None else t.to(device)
+                                         for t in (self.qs, self.scale, self.minimum, self.sup)))
+
+    def direct(self) -> "PackedPart":
+        """This part with DIRECT float32 scales and mins (:func:`monobatch.kernels.quant_gemm.group_scales`:
+        the same values; the same ``qs``), on its device; itself where it is DIRECT already."""
+        if self.layout == self.layout.base:
+            return self
+        scale, minimum = quant_gemm.group_scales(self)
+        return PackedPart(self.layout.base, self.qs, scale, minimum)
 
     def dequantize(self, lo: int, hi: int, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``lo:hi`` as float32 ``[hi - lo, K]`` (CPU: into ``out`` when given, contiguous)."""
         if self.qs.device.type != "cpu":
-            return quant_gemm.dequantize(self.qs[lo:hi], self.scale[lo:hi], self.minimum[lo:hi], self.layout)
+            return quant_gemm.dequantize(self.select(slice(lo, hi)))
         out = torch.empty(hi - lo, k, dtype=torch.float32) if out is None else out
         return quant_cpu.dequant(self.qs[lo:hi], self.scale[lo:hi], self.minimum[lo:hi], self.layout.group,
                                  self.layout.q4, out)
@@ -121,9 +128,9 @@ class PackedPart:
         """Rows ``ids`` (int64 ``[T]``) as ``[T, K]`` (an embedding lookup): float32 on CPU; on CUDA in
         ``dtype``, one Triton launch (:func:`monobatch.kernels.quant_gemm.take`)."""
         if self.qs.device.type == "cuda" and triton is not None:
-            return quant_gemm.take(ids, self.qs, self.scale, self.minimum, self.layout, dtype)
+            return quant_gemm.take(ids, self, dtype)
         if self.qs.device.type != "cpu":
-            return quant_gemm.dequantize(self.qs[ids], self.scale[ids], self.minimum[ids], self.layout)
+            return quant_gemm.dequantize(self.select(ids))
         out = torch.empty(ids.shape[0], k, dtype=torch.float32)
         return quant_cpu.dequant(self.qs[ids], self.scale[ids], self.minimum[ids], self.layout.group,
                                  self.layout.q4, out)
@@ -159,7 +166,8 @@ class PackedWeight:
                 return arrays[0] if len(arrays) == 1 else torch.cat(arrays)
             return torch.from_numpy(arrays[0] if len(arrays) == 1 else np.concatenate(arrays))
 
-        parts = [PackedPart(layout, *(stack([getattr(r, f) for r in reps]) for f in ("qs", "scale", "minimum")))
+        parts = [PackedPart(layout, *(None if getattr(reps[0], f) is None else stack([getattr(r, f) for r in reps])
+                                      for f in ("qs", "scale", "minimum", "sup")))
                  for layout, reps in merged]
         return cls(parts, k, tuple(dict.fromkeys(t for _, t in pieces)))
 
@@ -224,18 +232,15 @@ class PackedWeight:
         lead, K = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, K)
         if quant_gemm.dequant_rows(x2):  # prompts, batches: one dequantized temporary, one cuBLAS product
-            y = quant_gemm.dequant_matmul(x2, [(p.qs, p.scale, p.minimum, p.layout) for p in self.parts], bias,
-                                          out_dtype, gated)
+            y = quant_gemm.dequant_matmul(x2, self.parts, bias, out_dtype, gated)
         elif len(self.parts) == 1:
-            p = self.parts[0]
-            y = quant_gemm.matmul(x2, p.qs, p.scale, p.minimum, p.layout, bias, out_dtype, gated=gated)
+            y = quant_gemm.matmul(x2, self.parts[0], bias, out_dtype, gated=gated)
         else:
             y = torch.empty(x2.shape[0], self.shape[0], dtype=out_dtype or x.dtype, device=x.device)
             lo = 0
             for p in self.parts:
                 hi = lo + p.rows
-                quant_gemm.matmul(x2, p.qs, p.scale, p.minimum, p.layout, None if bias is None else bias[lo:hi],
-                                  out=y[:, lo:hi], gated=gated)
+                quant_gemm.matmul(x2, p, None if bias is None else bias[lo:hi], out=y[:, lo:hi], gated=gated)
                 lo = hi
         return y.view(*lead, y.shape[-1])
 

@@ -3,10 +3,9 @@
 A packed type's kernels read only its resident layout (:mod:`monobatch.quant.formats`), so
 random packed parts of the layout the type repacks into run the same kernels over the same bytes
 as a real file of that type: ``qs`` uniform over the type's integer range, ``scale`` positive
-(an fp16 value, as a file's) so that the weights' standard deviation is about 0.02 (as
-:mod:`monobatch.loader.dummy`'s dense weights), ``min`` centring them (Q4_0's ``-8 d``; the
-unsigned K-quants' ``-dmin m`` drawn near the centre). Q4_0 and Q4_K share a layout, hence their
-speed here; what differs between them in a real file is only the values.
+(an fp16 value, or an fp16 ``d`` times an integer ``sc``, as a file's) so that the weights'
+standard deviation is about 0.02 (as :mod:`monobatch.loader.dummy`'s dense weights), ``min``
+centring them (Q4_0's ``-8 d``; the unsigned K-quants' ``-dmin m`` with ``m`` near the centre).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from torch import nn
 
 from monobatch.models.layers import Linear, hold_packed
-from monobatch.quant.formats import PACKED_TYPES
+from monobatch.quant.formats import DEVICE_LAYOUTS, FACTORED, DIRECT, PACKED_TYPES
 from monobatch.quant.packed import PackedPart, PackedWeight
 
 #: GGUF type -> (lowest q, highest q) in its resident layout (formats.py's table).
@@ -27,8 +26,12 @@ Q_RANGE = {T.Q4_0: (0, 15), T.Q4_1: (0, 15), T.Q4_K: (0, 15), T.Q8_0: (-128, 127
 
 def random_weight(qtype: T, n: int, k: int, device: torch.device, gen: torch.Generator,
                   std: float = 0.02) -> PackedWeight:
-    """A random ``[n, k]`` PackedWeight of ``qtype``'s layout on ``device`` (k a multiple of the type's block)."""
-    layout = PACKED_TYPES[qtype]
+    """A random ``[n, k]`` PackedWeight of ``qtype`` on ``device`` (k a multiple of the type's block):
+    on CUDA in the compact layout the loader makes there (:data:`~monobatch.quant.formats.DEVICE_LAYOUTS`:
+    float16 scales, or the K-quants' integer factors under a float16 ``d`` and ``dmin`` per 256
+    weights), elsewhere in the DIRECT float32 layout of :data:`~monobatch.quant.formats.PACKED_TYPES`
+    with the same values."""
+    layout = DEVICE_LAYOUTS[qtype]
     lo, hi = Q_RANGE[qtype]
     groups = k // layout.group
     width = k // 2 if layout.q4 else k
@@ -37,11 +40,23 @@ def random_weight(qtype: T, n: int, k: int, device: torch.device, gen: torch.Gen
     else:
         qs = torch.randint(lo, hi + 1, (n, width), generator=gen, device=device, dtype=torch.int8)
     step = std / ((hi - lo + 1) / 12**0.5)  # uniform q: std (hi - lo + 1) / sqrt(12)
-    scale = (torch.rand(n, groups, generator=gen, device=device) * 0.5 + 0.75) * step
-    scale = scale.half().float()
-    centre = -(lo + hi) / 2 if lo >= 0 else 0.0
-    minimum = scale * centre if qtype != T.Q4_0 else -8 * scale
-    return PackedWeight([PackedPart(layout, qs, scale, minimum.contiguous())], k, (qtype.name,))
+    centre = (lo + hi) / 2 if lo >= 0 else 0.0  # the min centres unsigned q: -centre * scale
+    sup = minimum = None
+    if layout.scales == FACTORED:  # sc in 32..63 under d, m = centre * sc / 16 under dmin = 16 d
+        d = ((torch.rand(n, k // 256, 1, generator=gen, device=device) * 0.5 + 0.75) * step / 48).half()
+        sup = torch.cat([d, (d.float() * 16).half()], dim=-1)
+        sc = torch.randint(32, 64, (n, groups), generator=gen, device=device, dtype=torch.uint8)
+        scale = sc.to(torch.int8) if qtype == T.Q6_K else sc
+        if layout.mins == FACTORED:
+            minimum = (sc.float() * centre / 16).round().to(torch.uint8)
+    else:
+        scale = ((torch.rand(n, groups, generator=gen, device=device) * 0.5 + 0.75) * step).half()
+        if layout.mins == DIRECT:
+            minimum = (scale.float() * -centre).half()
+    part = PackedPart(layout, qs, scale, minimum, sup)
+    if device.type != "cuda":
+        part = part.direct()
+    return PackedWeight([part], k, (qtype.name,))
 
 
 def pack_randomly(model: nn.Module, qtype_name: str, gen: torch.Generator) -> None:
