@@ -240,7 +240,8 @@ def load_gguf_model(reader: GGUFReader, device: torch.device, dtype: torch.dtype
     elt = torch.tensor([], dtype=dtype).element_size()
     used = [(t, hf_name(t.name, args.model_type)) for t in reader.tensors]
     used = [(t, name, param_target(name, args)[0] in packed) for t, name in used if name is not None]
-    need = sum(resident_bytes(GGMLQuantizationType(int(t.tensor_type)), int(t.n_elements)) if p
+    compact = device.type != "cpu"  # CUDA's repack keeps the file's scales (formats.DEVICE_LAYOUTS)
+    need = sum(resident_bytes(GGMLQuantizationType(int(t.tensor_type)), int(t.n_elements), compact) if p
                else int(t.n_elements) * elt for t, _, p in used)
     check_memory(args, dtype, device, need, "packed weights" if packed else None)
     rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
