@@ -105,11 +105,12 @@ def test_device_repack_is_formats_repack(qtype):
 
 
 def test_compact_part_slices():
-    """Tensor parallel's cuts of a compact part: K cuts of a factored part fall on super-blocks
-    (a 128-column cut is refused), row ranges and column halves keep every weight's bits."""
+    """Tensor parallel's cuts of a compact part: row ranges and column cuts keep every weight's
+    bits — a cut on its 256-column super-blocks stays compact, one inside a super-block (on a group)
+    is sliced in the DIRECT layout, one off the groups is refused; the CPU kernels read a compact part."""
     from monobatch.distributed.sharding import packed_cols_ok, take_cols, take_rows
     from monobatch.kernels.quant_gemm import dequantize as torch_dequantize
-    from monobatch.quant.packed import PackedPart, PackedWeight
+    from monobatch.quant.packed import PackedPart, PackedWeight, packed_supported
     n, k = 8, 512
     data = random_blocks(T.Q4_K, n, k, seed=3)
     want = repack(T.Q4_K, data, k)
@@ -117,10 +118,17 @@ def test_compact_part_slices():
     part = PackedPart(got.layout, got.qs, got.scale, got.minimum, got.sup)
     assert part.to(torch.device("cpu")) is part  # already there
     w = PackedWeight([part], k, ("Q4_K",))
-    assert not packed_cols_ok(w, 0, 128) and packed_cols_ok(w, 0, 256)
-    left, right = take_cols(w, 0, 256), take_cols(w, 256, 512)
+    assert packed_cols_ok(w, 0, 128) and not packed_cols_ok(w, 0, 80)
+    left, right = take_cols(w, 0, 256), take_cols(w, 256, 512)  # on super-blocks: stays compact
+    assert left.parts[0].layout == right.parts[0].layout == part.layout
     assert torch.equal(torch.cat([torch_dequantize(left.parts[0]), torch_dequantize(right.parts[0])], 1),
                        torch_dequantize(part))
+    left, right = take_cols(w, 0, 160), take_cols(w, 160, 512)  # inside one: sliced DIRECT
+    assert left.parts[0].layout == right.parts[0].layout == part.layout.base
+    assert torch.equal(torch.cat([torch_dequantize(left.parts[0]), torch_dequantize(right.parts[0])], 1),
+                       torch_dequantize(part))
+    x = torch.randn(3, k)  # the CPU kernels read a compact part through its DIRECT form
+    assert torch.equal(w.matmul(x), w.parts[0].direct().gemm(x)) if packed_supported(torch.device("cpu")) else True
     rows = take_rows(w, [(6, 8), (0, 2)], copy_=True)
     assert torch.equal(torch_dequantize(rows.parts[0]), torch_dequantize(part)[[6, 7, 0, 1]])
     assert np.array_equal(torch_dequantize(part).numpy(), dequantize(data, T.Q4_K).reshape(n, k))
@@ -286,6 +294,51 @@ def check_dequant_matmul(device: str = "cpu") -> str:
     assert torch.equal(fused.cuda_matmul(gu, gated=True, out_dtype=torch.float32),
                        dense.linear(silu_mul(gu), whole, None, torch.float32))
     return "ok"
+
+
+def check_compact_is_direct(device: str = "cpu") -> str:
+    """Every type's compact part (the loader's on CUDA) gives the bits of the same part with DIRECT
+    float32 scales and mins (``PackedPart.direct``, what CUDA held before): the FMA and DOT GEMVs
+    (split-K, bias, the gated input), the tiled GEMM (invariant tile too), ``take`` and the
+    dequantizing product. On the GPU this checks what the interpreter cannot: that the compiled
+    kernels round a factored scale and a missing min as the float32 layout's kernels do."""
+    from monobatch.kernels import invariant_gemm, quant_gemm as Q
+    from monobatch.quant.packed import PackedPart
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(3)
+    n, k = 40, 512
+    for i, qtype in enumerate(TYPES):
+        rep, _ = _parts(qtype, n, k, seed=50 + i, device=device)
+        part = PackedPart(rep.layout, rep.qs, rep.scale, rep.minimum, rep.sup)
+        direct = PackedPart(rep.layout.base, rep.qs, *Q.group_scales(part))  # float32, as part.direct() (Q4_1's float16: itself)
+        assert direct.scale.dtype == torch.float32 and (part.direct().layout == direct.layout)
+        bias = torch.randn(n, generator=g).to(device, dtype)
+        for M in (1, 2, 3, 20):
+            x = torch.randn(M, k, generator=g).to(device, dtype)
+            gu = torch.randn(M, 2 * k, generator=g).to(device, dtype)
+            calls = [lambda w: Q.gemm(x, w, bias), lambda w: Q.matmul(x, w, out_dtype=torch.float32)]
+            if M <= Q.MAX_M:
+                calls += [lambda w: Q.gemv(x, w, bias), lambda w: Q.gemv(gu, w, config=(16, 128, 2, 4, 2, True), gated=True)]
+            if M <= Q.FMA_MAX_M:
+                calls += [lambda w: Q.gemv(x, w, bias, config=(32, 256, 2, 4, 2, False), out_dtype=torch.float32),
+                          lambda w: Q.gemv(gu, w, config=(16, 256, 1, 4, 1, False), gated=True)]
+            for j, call in enumerate(calls):
+                assert torch.equal(call(part), call(direct)), (qtype.name, M, j)
+            with invariant_gemm.mode(True):
+                assert torch.equal(Q.matmul(x, part), Q.matmul(x, direct)), (qtype.name, M)
+        ids = torch.tensor([5, 0, 39, 5], device=device)
+        assert torch.equal(Q.take(ids, part, dtype), Q.take(ids, direct, dtype))
+        assert torch.equal(Q.dequantize(part), Q.dequantize(direct))
+    return "ok"
+
+
+def test_compact_is_direct_in_interpreter():
+    run_in_triton_interpreter("test_quant_cuda", "check_compact_is_direct")
+
+
+def test_compact_is_direct_cuda():
+    _cuda()
+    assert check_compact_is_direct("cuda") == "ok"
 
 
 def test_dequant_matmul_cuda():
@@ -566,7 +619,23 @@ def _sm90(fn, constexprs: dict, signature: dict, **options) -> str:
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
-_PTRS = {"X": "*bf16", "S": "*fp32", "MN": "*fp32", "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT": "*i32"}
+_PTRS = {"X": "*bf16", "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT": "*i32"}
+#: The scale layouts the kernels meet on CUDA: each type's compact one (formats.DEVICE_LAYOUTS), and a
+#: DIRECT float32 part (one moved from the CPU: PackedPart.to).
+SCALE_CASES = ["f32", "Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_K", "Q6_K"]
+
+
+def _scale_case(case: str):
+    """``(layout, signature of S/MN/SUP, constexprs SCALES/MINS)`` of a SCALE_CASES entry: what
+    quant_gemm._scale_args passes for such a part (an absent min or sup: the scale's pointer)."""
+    from monobatch.quant.formats import DEVICE_LAYOUTS, DIRECT, FACTORED, Layout
+    if case == "f32":
+        return Layout(True, 32), {"S": "*fp32", "MN": "*fp32", "SUP": "*fp32"}, dict(SCALES=DIRECT, MINS=DIRECT)
+    layout = DEVICE_LAYOUTS[T[case]]
+    s = "*fp16" if layout.scales == DIRECT else ("*i8" if case == "Q6_K" else "*u8")
+    mn = {DIRECT: "*fp16", FACTORED: "*u8"}.get(layout.mins, s)
+    sup = "*fp16" if layout.super_block == 256 else s
+    return layout, {"S": s, "MN": mn, "SUP": sup}, dict(SCALES=layout.scales, MINS=layout.mins)
 
 
 def _ptxas_usage(ptx: str) -> tuple[int, int]:
@@ -594,32 +663,35 @@ def _check_pdl(ptx: str) -> None:
     assert "griddepcontrol.launch_dependents" in after
 
 
-@pytest.mark.parametrize("q4", [True, False], ids=["Q4", "Q8"])
+@pytest.mark.parametrize("case", SCALE_CASES)
 @pytest.mark.parametrize("variant", ["dot_bias", "gemm", "gemm_invariant", "take"])
-def test_kernels_compile_for_sm90(q4, variant):
+def test_kernels_compile_for_sm90(case, variant):
     """Every kernel variant compiles for sm_90 with bf16 activations (what the H200 runs; the
-    interpreter does not compile); the GEMV with PDL touches nothing before ``griddepcontrol.wait``
-    but its first weight tile (loads only: kernels/pdl.py's rule). The FMA GEMV: below."""
+    interpreter does not compile) on every scale layout of CUDA; the GEMV with PDL touches nothing
+    before ``griddepcontrol.wait`` but its first weight tile (loads only: kernels/pdl.py's rule).
+    The FMA GEMV: below."""
     import os
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the interpreter compiles nothing")
     from monobatch.kernels import quant_gemm as Q
     if Q.triton is None:
         pytest.skip("Triton not installed")
-    sig = {**_PTRS, "QS": "*u8" if q4 else "*i8"}
-    group = 32 if q4 else 16
+    layout, scale_sig, codes = _scale_case(case)
+    q4, group = layout.q4, layout.group
+    sig = {**_PTRS, **scale_sig, "QS": "*u8" if q4 else "*i8"}
     if variant == "take":
-        _sm90(Q._take_kernel, dict(BT=4, BW=512, Q4=q4, GROUP=group), {**sig, "IDS": "*i64"}, num_warps=4)
+        _sm90(Q._take_kernel, dict(BT=4, BW=512, Q4=q4, GROUP=group, **codes), {**sig, "IDS": "*i64"}, num_warps=4)
         return
     if variant.startswith("gemm"):
         bm, bn, bk, warps, stages = Q.INVARIANT_TILE if variant == "gemm_invariant" else Q.gemm_config(2048, 4096)
-        c = dict(HAS_BIAS=False, BM=bm, BN=bn, BW=bk // 2 if q4 else bk, GROUP_M=8, IEEE=False, Q4=q4, GROUP=group)
+        c = dict(HAS_BIAS=False, BM=bm, BN=bn, BW=bk // 2 if q4 else bk, GROUP_M=8, IEEE=False, Q4=q4, GROUP=group,
+                 **codes)
         ptx = _sm90(Q._gemm_kernel, c, sig, num_warps=warps, num_stages=stages)
         assert "mma" in ptx
         return
-    bn, bk, _, warps, stages, _ = Q.gemv_config(4096, 4096, 16, Q.Layout(q4, group))
+    bn, bk, _, warps, stages, _ = Q.gemv_config(4096, 4096, 16, layout)
     c = dict(HAS_BIAS=True, M_PAD=16, BLOCK_N=bn, BW=bk // 2 if q4 else bk, STAGES=stages, IEEE=False, Q4=q4,
-             GROUP=group, GATED=False)
+             GROUP=group, GATED=False, **codes)
     try:
         from triton.language.extra.cuda import gdc_wait  # noqa: F401  (Triton >= 3.4)
     except ImportError:
@@ -629,13 +701,13 @@ def test_kernels_compile_for_sm90(q4, variant):
     assert "griddepcontrol" not in _sm90(Q._gemv_kernel, {**c, "PDL": False}, sig, num_warps=warps)
 
 
-@pytest.mark.parametrize("layout", [(True, 32), (False, 32), (False, 16)], ids=["Q4", "Q8", "Q8_16"])
+@pytest.mark.parametrize("case", SCALE_CASES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
-def test_fma_gemv_compiles_for_sm90(layout, rows):
+def test_fma_gemv_compiles_for_sm90(case, rows):
     """The FMA GEMV at its default config for llama-1b's gate/up (rows 2: the gated input, bias)
-    compiles for sm_90 with no register spills, its packed bytes in 16-byte loads (``cp.async`` of
-    16 bytes into a pipeline's buffers, ``ld.global.v4`` for the tile before the loop), no
-    int-to-float conversion, and PDL's rule."""
+    compiles for sm_90 on every scale layout of CUDA with no register spills, its packed bytes in
+    16-byte loads (``cp.async`` of 16 bytes into a pipeline's buffers, ``ld.global.v4`` for the
+    tile before the loop), no int-to-float conversion (the factored scales' bytes too), and PDL's rule."""
     import os
     import re
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -646,12 +718,13 @@ def test_fma_gemv_compiles_for_sm90(layout, rows):
         pytest.skip("Triton not installed")
     if sm90_compile_problem():
         pytest.skip(sm90_compile_problem())
-    q4, group = layout
-    bn, bk, _, warps, stages, _ = Q.gemv_config(16384, 2048, rows, Q.Layout(q4, group), "fma")
+    layout, scale_sig, codes = _scale_case(case)
+    q4, group = layout.q4, layout.group
+    bn, bk, _, warps, stages, _ = Q.gemv_config(16384, 2048, rows, layout, "fma")
     gw = 4 if q4 else group // 4  # int32 words a group
     c = dict(HAS_BIAS=rows == 2, ROWS=rows, M_PAD=Q._pow2(rows), BLOCK_N=bn, NG=bk // (2 if q4 else 1) // (4 * gw),
-             GW=gw, STAGES=stages, Q4=q4, GATED=rows == 2, EVEN=True, PDL=True)
-    sig = {**_PTRS, "QW": "*i32"}
+             GW=gw, STAGES=stages, Q4=q4, GATED=rows == 2, EVEN=True, PDL=True, SUB=256 // group, **codes)
+    sig = {**_PTRS, **scale_sig, "QW": "*i32"}
     ptx = _sm90(Q._gemv_fma_kernel, c, sig, num_warps=warps, num_stages=stages, launch_pdl=True)
     _check_pdl(ptx)
     assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)  # the first tile's bytes

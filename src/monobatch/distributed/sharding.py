@@ -85,18 +85,24 @@ def _map_fields(fn, *parts: PackedPart) -> PackedPart:
 
 
 def packed_cols_ok(w: PackedWeight, lo: int, hi: int) -> bool:
-    """Whether input columns ``[lo, hi)`` of packed ``w`` fall on every part's group boundaries (super-block
-    boundaries, 256 columns, where a layout holds factored scales)."""
-    return all(lo % p.layout.super_block == 0 and (hi % p.layout.super_block == 0 or hi == w.k) for p in w.parts)
+    """Whether input columns ``[lo, hi)`` of packed ``w`` fall on every part's group boundaries."""
+    return all(_cut_on(lo, hi, w.k, p.layout.group) for p in w.parts)
+
+
+def _cut_on(lo: int, hi: int, k: int, unit: int) -> bool:
+    return lo % unit == 0 and (hi % unit == 0 or hi == k)
 
 
 def take_cols(w: Weight, lo: int, hi: int) -> Weight:
     """Input columns ``[lo, hi)`` of ``w`` ``[N, K]``: ``[N, hi - lo]``, contiguous (a copy).
-    A packed weight must be cut on its groups (:func:`packed_cols_ok`)."""
+    A packed weight must be cut on its groups (:func:`packed_cols_ok`); a part with factored scales
+    cut inside a 256-column super-block is sliced in its DIRECT layout (``PackedPart.direct``)."""
     if isinstance(w, torch.Tensor):
         return w[:, lo:hi].contiguous()
     parts = []
     for p in w.parts:
+        if not _cut_on(lo, hi, w.k, p.layout.super_block):
+            p = p.direct()
         g = p.layout.group
         q = p.qs[:, lo // 2:hi // 2] if p.layout.q4 else p.qs[:, lo:hi]  # q4: 16 bytes per 32-column group
         groups = lambda t: None if t is None else t[:, lo // g:-(-hi // g)].contiguous()  # noqa: E731

@@ -2,12 +2,18 @@
 
 ``y = x W^T (+ b)`` where W ``[N, K]`` is held packed (ADR 0006): **Q4** ``qs`` uint8 ``[N, K/2]``
 (in each 32-column group byte j = column j low nibble | column j+16 high nibble), or **Q8** ``qs``
-int8 ``[N, K]``; ``scale`` and ``minimum`` float32 ``[N, K/G]`` (G 32, or 16 for Q6_K), and
-``w = q * scale + min``. The GEMV and the tiled GEMM never materialise the weight: each program
+int8 ``[N, K]``; per group of G columns (32, or 16 for Q6_K) a scale and a min, ``w = q * scale +
+min``, held as the layout's codes say (:mod:`monobatch.quant.formats`): float32 or float16
+``[N, K/G]`` (DIRECT); the K-quants' integer factors ``[N, K/G]`` under a float16 ``(d, dmin)``
+pair per 256 columns, ``sup`` ``[N, K/256, 2]`` (FACTORED); no min tensor where it is -0.0 (ZERO)
+or ``-8 scale`` (NEG8). Every kernel forms a group's float32 scale and min in registers
+(``_group_scales``; exact products, so the bits of the float32 layout). The functions take a
+packed part ``w``: any object with ``qs``, ``scale``, ``minimum``, ``sup`` and ``layout``
+(:class:`~monobatch.quant.packed.PackedPart`). The GEMV and the tiled GEMM never materialise the weight: each program
 loads a tile of the packed bytes and its groups' scales, dequantizes it in registers and
 multiplies it at once (from :data:`DEQUANT_MIN_M` rows a temporary is made instead, below). Every GGUF
 type the CPU path packs (Q4_0, Q4_1, Q4_K -> Q4/32; Q8_0, Q5_0, Q5_K -> Q8/32; Q6_K -> Q8/16) runs
-through these kernels; the layout's (Q4, G) are compile-time constants.
+through these kernels; the layout's (Q4, G, scale and min codes) are compile-time constants.
 
 A Q4 tile is used in its byte order, not its column order: byte p of a row holds columns
 ``c = (p // 16) * 32 + p % 16`` (low nibble) and ``c + 16`` (high nibble), so the kernels load the
@@ -157,22 +163,40 @@ if triton is not None:
         return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit
+    def _byte(v):
+        # uint8 or int8 v -> float32, exactly, by _small_int_to_float (no int-to-float instruction)
+        if v.dtype == tl.int8:
+            return _small_int_to_float(v.to(tl.int32) + 128) - 128.0
+        else:
+            return _small_int_to_float(v.to(tl.int32))
+
+    @triton.jit
+    def _load(ptr, mask, other, MASKED: tl.constexpr):
+        if MASKED:
+            return tl.load(ptr, mask=mask, other=other)
+        else:
+            return tl.load(ptr)
+
+    @triton.jit
     def _group_scales(s_rows, m_rows, d_rows, g, gmask, SCALES: tl.constexpr, MINS: tl.constexpr,
-                      SUB: tl.constexpr):
+                      SUB: tl.constexpr, MASKED: tl.constexpr = True):
         # Groups g [NG] of rows s_rows/m_rows/d_rows [BN] (pointers to each row's scales, mins and
         # super-blocks' (d, dmin) pairs; gmask [BN, NG]) -> (scale, min) float32 [BN, NG], the
         # layout's codes (formats.py): DIRECT a float load; FACTORED the integer factor times its
         # super-block's float16 d (SUB groups a super-block), -(dmin * m) for a min: products
         # exact in float32, the bits of formats.repack's float32 values. ZERO: the scale returned
-        # in the min's place, unused (the callers add no min); NEG8: -8 * scale.
-        s = tl.load(s_rows[:, None] + g[None, :], mask=gmask, other=0).to(tl.float32)
+        # in the min's place, unused (the callers add no min); NEG8: -8 * scale. MASKED False:
+        # every load in bounds (gmask unused).
+        s = _load(s_rows[:, None] + g[None, :], gmask, 0, MASKED)
         if SCALES == 1:
-            s = tl.load(d_rows[:, None] + (g // SUB * 2)[None, :], mask=gmask, other=0.0).to(tl.float32) * s
+            s = _load(d_rows[:, None] + (g // SUB * 2)[None, :], gmask, 0.0, MASKED).to(tl.float32) * _byte(s)
+        else:
+            s = s.to(tl.float32)
         if MINS == 0:
-            m = tl.load(m_rows[:, None] + g[None, :], mask=gmask, other=0.0).to(tl.float32)
+            m = _load(m_rows[:, None] + g[None, :], gmask, 0.0, MASKED).to(tl.float32)
         elif MINS == 1:
-            dmin = tl.load(d_rows[:, None] + (g // SUB * 2 + 1)[None, :], mask=gmask, other=0.0).to(tl.float32)
-            m = -(dmin * tl.load(m_rows[:, None] + g[None, :], mask=gmask, other=0).to(tl.float32))
+            dmin = _load(d_rows[:, None] + (g // SUB * 2 + 1)[None, :], gmask, 0.0, MASKED).to(tl.float32)
+            m = -(dmin * _byte(_load(m_rows[:, None] + g[None, :], gmask, 0, MASKED)))
         elif MINS == 3:
             m = -8.0 * s
         else:
@@ -341,7 +365,8 @@ if triton is not None:
         else:
             jmask = g0 * GW + j < g_hi * GW
             w = tl.load(w_rows[:, None] + (g0 * GW + j)[None, :], mask=nmask[:, None] & jmask[None, :], other=0)
-        s, m = _group_scales(s_rows, m_rows, d_rows, g, nmask[:, None] & (g < g_hi)[None, :], SCALES, MINS, SUB)
+        s, m = _group_scales(s_rows, m_rows, d_rows, g, nmask[:, None] & (g < g_hi)[None, :], SCALES, MINS, SUB,
+                             not EVEN)
         if Q4:
             t = w >> 12
         else:  # int8 q -> q + 128 in each byte (bias 2^23 + 128 * 2^offset in _nib)
@@ -351,10 +376,12 @@ if triton is not None:
 
     @triton.jit
     def _fma_acc(acc, s, m, d, sx, MINS: tl.constexpr):
-        # acc [BN, NG] += s * sum_j q_j x_j + m * sum_j x_j (a ZERO min: s * sum_j q_j x_j, the same
-        # bits: adding m * sx = +-0 to a product changes no nonzero value, and acc starts at +0)
+        # acc [BN, NG] += s * sum_j q_j x_j + m * sum_j x_j, two roundings (the product and its min
+        # contracted into one FMA, then the add). A ZERO min: acc + (s * d + 0.0), the same two
+        # roundings and bits (fma(s, d, +-0) is s * d rounded, a zero's sign cannot change acc,
+        # which starts at +0); not acc + s * d, which contracts into one FMA that rounds once.
         if MINS == 2:
-            return acc + s * d
+            return acc + (s * d + 0.0)
         else:
             return acc + (s * d + m * sx[None, :])
 

@@ -87,14 +87,23 @@ class PackedPart(Repacked):
         """Resident bytes."""
         return sum(t.numel() * t.element_size() for t in (self.qs, self.scale, self.minimum, self.sup) if t is not None)
 
+    @property
+    def compact(self) -> bool:
+        """Whether the scales are held in a compact layout (any code but DIRECT), which the CPU
+        kernels do not read: their calls go through :meth:`direct` then."""
+        return bool(self.layout.scales or self.layout.mins)
+
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
-        """x float32 ``[M, K]`` -> float32 ``[M, rows]`` with the packed kernel."""
+        """x float32 ``[M, K]`` -> float32 ``[M, rows]`` with the packed kernel (CPU)."""
+        if self.compact:
+            return self.direct().gemm(x)
         return quant_cpu.gemm(x, self.qs, self.scale, self.minimum, self.layout.group, self.layout.q4)
 
     def mat(self):
         """This part bound as the extension's ``PackedMat`` (CPU): one argument of the fused
         decode-layer ops (:mod:`monobatch.kernels.cpu_ops`) instead of five."""
-        return quant_cpu.module().PackedMat(self.qs, self.scale, self.minimum, self.layout.group, self.layout.q4)
+        p = self.direct()
+        return quant_cpu.module().PackedMat(p.qs, p.scale, p.minimum, p.layout.group, p.layout.q4)
 
     def to(self, device: torch.device) -> "PackedPart":
         """This part's tensors on ``device`` (the same object where they are already there). A
@@ -111,7 +120,7 @@ class PackedPart(Repacked):
     def direct(self) -> "PackedPart":
         """This part with DIRECT float32 scales and mins (:func:`monobatch.kernels.quant_gemm.group_scales`:
         the same values; the same ``qs``), on its device; itself where it is DIRECT already."""
-        if self.layout == self.layout.base:
+        if not self.compact:
             return self
         scale, minimum = quant_gemm.group_scales(self)
         return PackedPart(self.layout.base, self.qs, scale, minimum)
@@ -121,8 +130,8 @@ class PackedPart(Repacked):
         if self.qs.device.type != "cpu":
             return quant_gemm.dequantize(self.select(slice(lo, hi)))
         out = torch.empty(hi - lo, k, dtype=torch.float32) if out is None else out
-        return quant_cpu.dequant(self.qs[lo:hi], self.scale[lo:hi], self.minimum[lo:hi], self.layout.group,
-                                 self.layout.q4, out)
+        p = self.select(slice(lo, hi)).direct()
+        return quant_cpu.dequant(p.qs, p.scale, p.minimum, p.layout.group, p.layout.q4, out)
 
     def take(self, ids: torch.Tensor, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``ids`` (int64 ``[T]``) as ``[T, K]`` (an embedding lookup): float32 on CPU; on CUDA in
@@ -132,8 +141,8 @@ class PackedPart(Repacked):
         if self.qs.device.type != "cpu":
             return quant_gemm.dequantize(self.select(ids))
         out = torch.empty(ids.shape[0], k, dtype=torch.float32)
-        return quant_cpu.dequant(self.qs[ids], self.scale[ids], self.minimum[ids], self.layout.group,
-                                 self.layout.q4, out)
+        p = self.select(ids).direct()
+        return quant_cpu.dequant(p.qs, p.scale, p.minimum, p.layout.group, p.layout.q4, out)
 
 
 class PackedWeight:

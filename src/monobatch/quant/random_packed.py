@@ -44,7 +44,8 @@ def random_weight(qtype: T, n: int, k: int, device: torch.device, gen: torch.Gen
     sup = minimum = None
     if layout.scales == FACTORED:  # sc in 32..63 under d, m = centre * sc / 16 under dmin = 16 d
         d = ((torch.rand(n, k // 256, 1, generator=gen, device=device) * 0.5 + 0.75) * step / 48).half()
-        sup = torch.cat([d, (d.float() * 16).half()], dim=-1)
+        dmin = (d.float() * 16).half() if layout.mins == FACTORED else torch.zeros_like(d)  # Q6_K: none (as loaded)
+        sup = torch.cat([d, dmin], dim=-1)
         sc = torch.randint(32, 64, (n, groups), generator=gen, device=device, dtype=torch.uint8)
         scale = sc.to(torch.int8) if qtype == T.Q6_K else sc
         if layout.mins == FACTORED:
