@@ -178,24 +178,34 @@ if triton is not None:
             return tl.load(ptr)
 
     @triton.jit
-    def _group_scales(s_rows, m_rows, d_rows, g, gmask, SCALES: tl.constexpr, MINS: tl.constexpr,
-                      SUB: tl.constexpr, MASKED: tl.constexpr = True):
-        # Groups g [NG] of rows s_rows/m_rows/d_rows [BN] (pointers to each row's scales, mins and
-        # super-blocks' (d, dmin) pairs; gmask [BN, NG]) -> (scale, min) float32 [BN, NG], the
-        # layout's codes (formats.py): DIRECT a float load; FACTORED the integer factor times its
+    def _group_scales(s_rows, m_rows, d_rows, g0, rmask, gmask, NG: tl.constexpr, SCALES: tl.constexpr,
+                      MINS: tl.constexpr, SUB: tl.constexpr, MASKED: tl.constexpr = True):
+        # Groups g0 .. g0 + NG - 1 (g0 a multiple of NG) of rows s_rows/m_rows/d_rows [BN]
+        # (pointers to each row's scales, mins and super-blocks' (d, dmin) pairs; rmask [BN] the
+        # rows in bounds, gmask [BN, NG] the groups) -> (scale, min) float32 [BN, NG], the layout's
+        # codes (formats.py): DIRECT a float load; FACTORED the integer factor times its
         # super-block's float16 d (SUB groups a super-block), -(dmin * m) for a min: products
         # exact in float32, the bits of formats.repack's float32 values. ZERO: the scale returned
         # in the min's place, unused (the callers add no min); NEG8: -8 * scale. MASKED False:
-        # every load in bounds (gmask unused).
+        # every load in bounds (the masks unused). Where NG divides SUB the groups share one
+        # super-block, whose (d, dmin) is loaded once a row ([BN, 1]: fewer registers than a
+        # [BN, NG] gather; Q6_K's FMA GEMV at M = 1 206 -> 96).
+        g = g0 + tl.arange(0, NG)
         s = _load(s_rows[:, None] + g[None, :], gmask, 0, MASKED)
+        if SUB % NG == 0:
+            dp = d_rows[:, None] + (g0 // SUB * 2)
+            dm = rmask[:, None]
+        else:
+            dp = d_rows[:, None] + (g // SUB * 2)[None, :]
+            dm = gmask
         if SCALES == 1:
-            s = _load(d_rows[:, None] + (g // SUB * 2)[None, :], gmask, 0.0, MASKED).to(tl.float32) * _byte(s)
+            s = _load(dp, dm, 0.0, MASKED).to(tl.float32) * _byte(s)
         else:
             s = s.to(tl.float32)
         if MINS == 0:
             m = _load(m_rows[:, None] + g[None, :], gmask, 0.0, MASKED).to(tl.float32)
         elif MINS == 1:
-            dmin = _load(d_rows[:, None] + (g // SUB * 2 + 1)[None, :], gmask, 0.0, MASKED).to(tl.float32)
+            dmin = _load(dp + 1, dm, 0.0, MASKED).to(tl.float32)
             m = -(dmin * _byte(_load(m_rows[:, None] + g[None, :], gmask, 0, MASKED)))
         elif MINS == 3:
             m = -8.0 * s
@@ -220,7 +230,7 @@ if triton is not None:
         gmask = nmask[:, None] & (g < b_hi // GB)[None, :]
         off = (g * GB)[None, :, None] + tl.arange(0, GB)[None, None, :]
         raw = tl.load(q_rows[:, None, None] + off, mask=gmask[:, :, None], other=0)
-        s, m = _group_scales(s_rows, m_rows, d_rows, g, gmask, SCALES, MINS, 256 // GROUP)
+        s, m = _group_scales(s_rows, m_rows, d_rows, b // GB, nmask, gmask, NG, SCALES, MINS, 256 // GROUP)
         s = s[:, :, None]
         m = m[:, :, None]
         if Q4:
@@ -365,8 +375,8 @@ if triton is not None:
         else:
             jmask = g0 * GW + j < g_hi * GW
             w = tl.load(w_rows[:, None] + (g0 * GW + j)[None, :], mask=nmask[:, None] & jmask[None, :], other=0)
-        s, m = _group_scales(s_rows, m_rows, d_rows, g, nmask[:, None] & (g < g_hi)[None, :], SCALES, MINS, SUB,
-                             not EVEN)
+        s, m = _group_scales(s_rows, m_rows, d_rows, g0, nmask, nmask[:, None] & (g < g_hi)[None, :], NG, SCALES,
+                             MINS, SUB, not EVEN)
         if Q4:
             t = w >> 12
         else:  # int8 q -> q + 128 in each byte (bias 2^23 + 128 * 2^offset in _nib)
