@@ -2,7 +2,7 @@
 # Issue 17's CUDA half on the H200 (device tool, repo root; at most ~8 minutes on a fresh machine,
 # Triton compiles included; no llama.cpp): the packed-weight CUDA tests, `monobatch bench` on
 # random packed weights (--dummy-weights --quant) beside dense ones (llama-1b Q4_0 B=1 (Q4_K: the
-# same nibbles, with factored scales since 2026-12-05: formats.DEVICE_LAYOUTS),
+# same nibbles, with factored scales since 2026-12-04: formats.DEVICE_LAYOUTS),
 # llama-8b Q4_K B=1 with a 2,048-token prompt for TTFT, llama-1b Q4_0 batched B=64,
 # --deterministic), then the kernels timed alone beside dense bf16 with a GEMV config sweep
 # (scripts/bench_packed_cuda.py, in the time left). With the bundled GGUF at /tmp/model.gguf
