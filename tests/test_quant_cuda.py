@@ -757,3 +757,19 @@ def test_random_packed_dummy_weights():
         dummy_model("tiny", "cpu", quant="Q4_K")
     with pytest.raises(InvalidRequestError):
         dummy_model("tiny", "cpu", quant="IQ2_XS")
+
+
+def test_kv_pool_leaves_the_dequant_temporary(monkeypatch):
+    """The KV pool's sizing on CUDA leaves room for the widest packed weight dequantized into the
+    model's dtype (the temporary of a prompt step's packed product, kept in a captured graph's
+    pool): dequant_scratch_bytes counts it for weights on CUDA, nothing for CPU ones."""
+    from monobatch.loader.dummy import dummy_model
+    from monobatch.quant.packed import PackedWeight, dequant_scratch_bytes, packed_supported
+    if not packed_supported(torch.device("cpu")):
+        pytest.skip("packed CPU kernels did not build")
+    model = dummy_model("tiny", "cpu", quant="Q4_0").model
+    assert dequant_scratch_bytes(model) == 0  # on the CPU: no such temporary
+    monkeypatch.setattr(PackedWeight, "device", property(lambda self: torch.device("cuda")))
+    widest = max(w.shape[0] * w.shape[1] for m in model.modules() for w in vars(m).values()
+                 if isinstance(w, PackedWeight))
+    assert dequant_scratch_bytes(model) == widest * model.dtype.itemsize > 0

@@ -33,6 +33,7 @@ from monobatch.kv.paged import PagedKv
 from monobatch.kv.store import KvStore
 from monobatch.loader import LoadedModel
 from monobatch.loader.weights import trim_heap
+from monobatch.quant.packed import dequant_scratch_bytes
 
 #: Redraw unchecked draws at forced grammar positions before the next step reads them
 #: (:meth:`Engine.draw_forced`); ``MONOBATCH_FORCED_DRAWS=0`` turns it off for A/B runs.
@@ -307,7 +308,8 @@ class Engine:
             free, _ = torch.cuda.mem_get_info(self.device)
             # memory torch's caching allocator holds but does not use (a freed engine's pool) is free too
             free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-            memory = int(free * defaults.KV_CACHE_GPU_FRACTION)
+            free -= dequant_scratch_bytes(self.model)  # packed weights: a prompt step's dequantized temporary
+            memory = int(max(free, 0) * defaults.KV_CACHE_GPU_FRACTION)
         elif memory is None:
             memory = max(defaults.KV_CACHE_MEMORY_CPU, context_blocks * block_bytes)
         num_blocks = memory // block_bytes

@@ -283,6 +283,15 @@ def packed_weights(model: torch.nn.Module) -> list[PackedWeight]:
     return [v for m in model.modules() for v in vars(m).values() if isinstance(v, PackedWeight)]
 
 
+def dequant_scratch_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the widest CUDA packed weight dequantized into the model's dtype: the temporary a
+    prompt or batch step's packed product makes (:func:`monobatch.kernels.quant_gemm.dequant_matmul`;
+    one at a time, reused, but inside a captured CUDA graph kept in the graph's pool), which the
+    KV pool's sizing leaves free. 0 without packed weights on CUDA."""
+    elt = torch.empty(0, dtype=getattr(model, "dtype", torch.bfloat16)).element_size()
+    return max((w.shape[0] * w.shape[1] for w in packed_weights(model) if w.device.type == "cuda"), default=0) * elt
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     """Resident bytes of a model's weights: its parameters plus its packed weights."""
     return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(w.nbytes for w in packed_weights(model))
