@@ -416,11 +416,17 @@ def test_openai_range_edges_are_accepted(server, path):
         assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("content,ctype", [(b"{not json", "application/json"), (b"", "application/json"),
-                                           (b'{"prompt": "hi"}', "text/plain"), (b"[1, 2]", "application/json")])
-def test_e3_bad_bodies_are_400(server, content, ctype):
-    """E3: a non-JSON body, an empty body, a wrong Content-Type, a non-object: 400."""
-    assert_error(server.post("/v1/completions", content=content, headers={"content-type": ctype}), 400)
+@pytest.mark.parametrize("content,ctype,says", [
+    (b"{not json", "application/json", "not valid JSON"), (b"", "application/json", "empty"),
+    (b'{"prompt": "hi"}', "text/plain", "Content-Type 'text/plain'"),
+    (b'{"prompt": "hi"}', "application/x-www-form-urlencoded", "-H 'Content-Type: application/json'"),
+    (b"[1, 2]", "application/json", "must be a JSON object")])
+def test_e3_bad_bodies_are_400(server, content, ctype, says):
+    """E3: a non-JSON body, an empty body, a wrong Content-Type (curl's ``-d`` without a header
+    sends a form: the message says which header to send), a non-object: 400."""
+    r = server.post("/v1/completions", content=content, headers={"content-type": ctype})
+    assert_error(r, 400)
+    assert says in r.json()["error"]["message"], r.text
     assert server.get("/health").status_code == 200
 
 

@@ -118,8 +118,9 @@ def run(ns: argparse.Namespace) -> int:
         constrained = ("" if not plan.structured else ", each row also under the --constrained JSON schema (json), "
                        "runs alternated; last column: its decode/TG rate over the plain row's" if plan.plain_too
                        else ", under the --constrained JSON schema")
+        runs = f"median of {plan.runs} runs" if plan.runs > 1 else "1 run"
         print(f"prompt {'/'.join(map(str, plan.prompt_tokens))} + gen {plan.gen_tokens} tokens (synthesized text, "
-              f"prefix cache bypassed, greedy, EOS ignored{constrained}); median of {plan.runs} runs after 1 warm-up")
+              f"prefix cache bypassed, greedy, EOS ignored{constrained}); {runs} after 1 warm-up")
         print(TABLE_HEADER, flush=True)
 
     def emit(row) -> None:

@@ -86,12 +86,14 @@ def _path(loc: list) -> str:
     return out
 
 
-def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+def validation_message(errors: list[dict], content_type: str | None = None) -> tuple[str, str | None]:
     """pydantic's errors as one line and the field at fault: the top-level field, or the list
     element at fault (``messages[0]``) when the error is inside one.
 
     A union field fails once per member (``prompt``: not a string, not a list, ...): those are
-    joined under the field's name.
+    joined under the field's name. ``content_type``: the request's header, named in the message
+    when a body that is not an object came with another type than JSON (curl's ``-d`` without
+    ``-H 'Content-Type: application/json'`` sends a form, which is not read as JSON).
     """
     first = errors[0]
     raw = [p for p in first.get("loc", ()) if p != "body"]
@@ -101,7 +103,12 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     if kind == "missing" and not loc:
         return "the request body is empty: expected a JSON object", None
     if kind == "model_attributes_type" or (kind == "model_type" and not loc):
-        return "the request body must be a JSON object (Content-Type: application/json)", None
+        media = (content_type or "").split(";")[0].strip().lower()
+        if media != "application/json":
+            sent = f"Content-Type {media!r}" if media else "no Content-Type"
+            return (f"the request came with {sent}: send the JSON body with the header Content-Type: "
+                    "application/json (curl: -H 'Content-Type: application/json')"), None
+        return "the request body must be a JSON object", None
     ctx = first.get("ctx") or {}
     if "field" in ctx:  # our own PydanticCustomErrors carry the field and a finished message
         return first["msg"], ctx["field"]
@@ -136,7 +143,7 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = validation_message(list(exc.errors()))
+        message, param = validation_message(list(exc.errors()), request.headers.get("content-type"))
         return answer(request, 400, message, param)
 
     @app.exception_handler(ValidationError)
