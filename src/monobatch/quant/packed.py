@@ -112,7 +112,7 @@ class PackedPart(Repacked):
         device = torch.device(device)
         if self.qs.device == device:
             return self
-        if device.type == "cpu" and self.layout != self.layout.base:
+        if device.type == "cpu" and self.compact:
             return self.direct().to(device)
         return PackedPart(self.layout, *(None if t is None else t.to(device)
                                          for t in (self.qs, self.scale, self.minimum, self.sup)))
