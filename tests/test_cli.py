@@ -79,6 +79,20 @@ def test_an_abbreviated_flag_is_an_unknown_flag(command, args, flag):
     assert len(res.stderr.splitlines()) == 1 and res.stdout == "", res.stderr
 
 
+@pytest.mark.parametrize("command,args,hint", [
+    ("generate", ["--max-token", "3", "-p", "hi"], "; did you mean --max-tokens?"),
+    ("serve", ["--prot", "8080"], "; did you mean --port?"),
+    ("bench", ["--frobnicate"], ""),
+])
+def test_a_mistyped_flag_gets_a_suggestion(command, args, hint):
+    """An unknown flag a letter away from one of the command's is refused with that flag named
+    (difflib's closest, ratio >= 0.8), still one line and exit 2; a flag near none gets no hint."""
+    res = monobatch(command, *args, timeout=60)
+    assert res.returncode == 2, res
+    assert res.stderr.endswith(f"{args[0]}{hint} (see --help)\n"), res.stderr
+    assert len(res.stderr.splitlines()) == 1
+
+
 def test_every_parser_refuses_abbreviations():
     """Every parser and subparser of the command (a new one too) has prefix matching off."""
     import argparse

@@ -6,6 +6,8 @@ stderr, exit code 1 (argparse's flag errors: one line, exit code 2). No tracebac
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import sys
 
 from monobatch import __version__
@@ -49,6 +51,20 @@ def as_flag(error: MonobatchError, argv: list[str]) -> str:
     return flag + message[len(param):]
 
 
+def _did_you_mean(parser: argparse.ArgumentParser, command: str | None, extras: list[str]) -> str:
+    """``"; did you mean --max-tokens?"`` for the first unknown flag close to one of the command's
+    (difflib's ratio, at least 0.8: a letter missing or swapped), else ``""``."""
+    sub = next((a.choices.get(command) for a in parser._actions
+                if isinstance(a, argparse._SubParsersAction) and command), None)
+    known = list((sub or parser)._option_string_actions)
+    for arg in extras:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1, cutoff=0.8)
+            if close:
+                return f"; did you mean {close[0]}?"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script and ``python -m monobatch``; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
@@ -60,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     if extras:  # argparse would name only `monobatch`; name the command the flag was given to
         prog = f"monobatch {ns.command}" if getattr(ns, "command", None) else "monobatch"
-        print(f"{prog}: error: unrecognized arguments: {' '.join(extras)} (see --help)", file=sys.stderr)
+        hint = _did_you_mean(parser, getattr(ns, "command", None), extras)
+        print(f"{prog}: error: unrecognized arguments: {' '.join(extras)}{hint} (see --help)", file=sys.stderr)
         return 2
     if not getattr(ns, "func", None):
         parser.print_help(sys.stderr)
