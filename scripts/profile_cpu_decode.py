@@ -8,7 +8,8 @@ torch.profiler's operator table or cProfile's top host functions over the decode
 
 The extension's functions are wrapped before the model loads (callers that bind a function once,
 :class:`monobatch.models.layers.CpuRoute`, bind the wrapper), so the same script times the unfused
-and the fused layers alike; the wrapper's own cost (~1 us a call) lands in ``kernel_ms``.
+and the fused layers alike; the wrapper's own cost (~1 us a call) lands in ``kernel_ms``. A decode
+step through the whole-model layer chain (``DecoderModel.chained``) is one ``LayerChain.run``.
 
     PYTHONPATH=src .venv/bin/python scripts/profile_cpu_decode.py -t 1                 # the bundled model
     PYTHONPATH=src .venv/bin/python scripts/profile_cpu_decode.py -t 1 --kv-storage dense --torch-profile
@@ -112,14 +113,19 @@ def main() -> None:
 class Timed:
     """The extension module with each function wrapped: wall time and calls summed by name."""
 
-    def __init__(self, mod, spent: dict[str, float], calls: dict[str, int]) -> None:
-        self._mod, self._spent, self._calls = mod, spent, calls
+    def __init__(self, mod, spent: dict[str, float], calls: dict[str, int], prefix: str = "") -> None:
+        self._mod, self._spent, self._calls, self._prefix = mod, spent, calls, prefix
+
+    def __len__(self) -> int:
+        return len(self._mod)
 
     def __getattr__(self, name: str):
         fn = getattr(self._mod, name)
-        if not callable(fn) or isinstance(fn, type):
+        if isinstance(fn, type):  # a class; LayerChain's instances' methods timed as "LayerChain.<method>"
+            return fn if name != "LayerChain" else lambda: Timed(fn(), self._spent, self._calls, f"{name}.")
+        if not callable(fn):
             return fn
-        spent, calls = self._spent, self._calls
+        spent, calls, name = self._spent, self._calls, self._prefix + name
 
         def timed(*args):
             t = time.perf_counter()

@@ -200,3 +200,33 @@ def test_cpu_route_is_decided_once_and_not_copied():
     s, h = norm.add_forward(r, attn.o_proj(a.flatten(1)))
     assert mlp.cpu_route.call and torch.equal(got[0], s) and torch.equal(got[1], mlp(h))
     assert copy.deepcopy(attn).cpu_route.call is None and isinstance(copy.deepcopy(mlp).cpu_route, CpuRoute)
+
+
+def test_layer_chain_is_the_layers_loop_bitwise(loaded):
+    """A CPU decode step of the bundled model through its C++ layer chain (every layer's fused
+    calls in one call: DecoderModel.chained) gives the per-layer loop's logits bit for bit, for one
+    row and for several, and counts one attention call a layer; a prompt step (keys gathered for
+    torch's attention) and a deterministic step (row tiles) keep the loop."""
+    from monobatch.batch import StepBatch
+    from monobatch.engine.engine import Engine, EngineConfig
+
+    n_layers = len(loaded.model.layers)
+    prompts = [loaded.tokenizer.encode(t) for t in ("The capital of France is", "One, two, three,", "def add(a, b):")]
+    for deterministic in (False, True):
+        engine = Engine(loaded, EngineConfig(kv_storage="paged", deterministic=deterministic))
+        kv, model = engine.kv, engine.model  # deterministic mode's model: the layers in tensor-parallel pieces
+        for s, ids in enumerate(prompts):
+            engine.forward(StepBatch.build([(s, ids, 0, True)], engine.device, engine.row_tile))
+        for rows in ([0], [0, 1, 2]):
+            batch = StepBatch.build([(s, [17 + s], len(prompts[s]), True) for s in rows], engine.device, engine.row_tile)
+            kv.prepare(batch)
+            before = kv.paged_attention_calls
+            chained = model(batch, kv)
+            assert kv.paged_attention_calls - before == n_layers
+            assert (kv.layer_chain is not None and kv.layer_chain[1] is not None) != deterministic
+            held, kv.layer_chain = kv.layer_chain, (model, None)  # no chain: the loop over the layers
+            looped = model(batch, kv)
+            kv.layer_chain = held
+            assert torch.equal(chained, looped)
+            kv.commit(batch)
+            prompts = [p + [17 + s] if s in rows else p for s, p in enumerate(prompts)]

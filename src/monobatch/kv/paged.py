@@ -448,6 +448,20 @@ class PagedKv(KvStore):
             return k_cache, v_cache, step[g].write
         return None
 
+    def chain_layer(self, layer: int) -> tuple[int, torch.Tensor, torch.Tensor, int] | None:
+        if not self.cpu_kernel:
+            return None
+        return (self._where[layer][0], *self._layer_cache[layer], self.windows[layer])
+
+    def chain_inputs(self, batch: StepBatch, layers: int) -> tuple[list, list, list] | None:
+        step = self._step
+        # attend()'s CPU-kernel branch with no gather (every chunk's rows in the kernel) in every group
+        if not self.cpu_kernel or not isinstance(step, list) or step[0].batch is not batch \
+                or any(s.gather is not None or s.rows is None for s in step):
+            return None
+        self.paged_attention_calls += layers
+        return [s.write for s in step], [s.rows for s in step], [s.flat_tables for s in step]
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                batch: StepBatch) -> torch.Tensor:
         self.paged_attention_calls += 1

@@ -156,6 +156,24 @@ class KvStore(ABC):
         its own launch). After a call that returned slots, :meth:`attend` may get k and v None."""
         return None
 
+    #: A model's fused CPU layer chain bound to this store's caches, as ``(model, chain or None)``
+    #: (:meth:`monobatch.models.layers.DecoderModel.layer_chain` builds it at its first step).
+    layer_chain: tuple | None = None
+
+    def chain_layer(self, layer: int) -> tuple[int, torch.Tensor, torch.Tensor, int] | None:
+        """What the C++ attention (:func:`monobatch.kernels.cpu_ops.attention`) needs of ``layer``
+        for a whole-model layer chain (:class:`monobatch.models.layers.DecoderModel.layer_chain`):
+        ``(its layer group, k_cache, v_cache [slots, n_kv, hd], its window)``; None where this
+        store does not attend through that kernel (the default)."""
+        return None
+
+    def chain_inputs(self, batch: StepBatch, layers: int) -> tuple[list, list, list] | None:
+        """The prepared step's inputs of the C++ attention, one entry a layer group: ``(write
+        [T] int64, rows [R, 3] int64, tables int32)``, where :meth:`attend` would run every layer's
+        attention of ``batch`` in that kernel alone; else None (the default). A non-None answer
+        counts the ``layers`` attention calls the chain makes (:attr:`paged_attention_calls`)."""
+        return None
+
     @abstractmethod
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                batch: StepBatch) -> torch.Tensor:

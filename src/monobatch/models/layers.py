@@ -22,7 +22,7 @@ bitwise those of ``x = x + sublayer(norm(x))``.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,9 @@ from monobatch.kernels import cpu_ops, fused, gemv
 from monobatch.models.args import ModelArgs
 from monobatch.models.rope import RotaryEmbedding, apply_rope, rope_inv_freq
 from monobatch.quant.packed import GEMV_ROWS, PackedWeight
+
+if TYPE_CHECKING:
+    from monobatch.kv.store import KvStore
 
 #: HF tensor suffix -> (packed parameter, index of its slice). Read by the loaders.
 PACKED = {
@@ -63,7 +66,7 @@ def rowwise(tile: int, fn, *xs: torch.Tensor, **kw):
     if pad:
         xs = tuple(torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) for x in xs)
     tiles = [fn(*(x[i:i + tile] for x in xs), **kw) for i in range(0, T + pad, tile)]
-    if isinstance(tiles[0], tuple):
+    if isinstance(tiles[0], (tuple, list)):  # a list: a C++ route's outputs
         return tuple(torch.cat(parts)[:T] for parts in zip(*tiles))
     return torch.cat(tiles)[:T]
 
@@ -135,6 +138,11 @@ class CpuRoute:
         ops are available, else False."""
         self.call = build(*args) if cpu_ops.available() else False
         return self.call
+
+    def resolve(self, build, *args) -> tuple | bool:
+        """``self.call``, decided first (:meth:`decide`) where it is not yet."""
+        call = self.call
+        return self.decide(build, *args) if call is None else call
 
 
 def packed_mat(lin: nn.Module):
@@ -233,9 +241,7 @@ class Attention(nn.Module):
         ``[T, D]`` (delta None: nothing to add) -> (residual + delta ``[T, D]``, q ``[T, H, hd]``,
         k, v ``[T, K, hd]``, or None for both where :meth:`project` stored them at ``store``). On
         CPU (float32, packed qkv, no q/k norm or scale) one C++ call (:class:`CpuRoute`)."""
-        call = self.cpu_route.call
-        if call is None:
-            call = self.cpu_route.decide(self._cpu_project, norm)
+        call = self.cpu_route.resolve(self._cpu_project, norm)
         if not call or not CpuRoute.usable(residual):
             if delta is None:
                 return (residual, *self.project(norm(residual), cos, sin, store))
@@ -308,9 +314,7 @@ class GatedMLP(nn.Module):
         """The attention line's end and this MLP: ``(s, mlp(norm(s)))`` with ``s = residual +
         o_proj(attn_out)``; residual ``[T, D]``, attn_out ``[T, H, hd]`` (or ``[T, H*hd]``) ->
         ``[T, D]`` each. On CPU (float32, packed weights, SwiGLU) one C++ call (:class:`CpuRoute`)."""
-        call = self.cpu_route.call
-        if call is None:
-            call = self.cpu_route.decide(self._cpu_forward, o_proj, norm)
+        call = self.cpu_route.resolve(self._cpu_forward, o_proj, norm)
         if not call or not CpuRoute.usable(attn_out):
             residual, h = norm.add_forward(residual, o_proj(attn_out.flatten(1)))
             return residual, self(h)
@@ -396,6 +400,45 @@ class DecoderModel(nn.Module):
         for rope in self.ropes:
             rope.to(device)
         return self
+
+    def chained(self, batch: StepBatch, kv: KvStore, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every layer over the embeddings ``x`` ``[T, D]`` in one C++ call: ``(residual, delta)``
+        ``[T, D]`` each, what the family's loop over its layers returns, bit for bit (the
+        :meth:`layer_chain` makes the layers' own fused calls in their order). Where it applies:
+        float32 on CPU, at most :data:`GEMV_ROWS` rows, no row tiles (deterministic mode keeps the
+        loop), every layer on its fused CPU routes and the KV store attending every row of the step
+        in its C++ kernel (:meth:`KvStore.chain_inputs`: decode steps). Else None: run the loop.
+
+        Why: a decode step of a small model on CPU spends ~3 Python calls a layer between
+        kernels (~2 ms of a ~9 ms step of the bundled model at ``-t 2``; issue 17)."""
+        if batch.row_tile or not CpuRoute.usable(x):
+            return None
+        chain = self.layer_chain(kv)
+        inputs = None if chain is None else kv.chain_inputs(batch, len(self.layers))
+        if inputs is None:
+            return None
+        residual, delta = chain.run(x, cos, sin, *inputs, kv.block_size)
+        return residual, delta
+
+    def layer_chain(self, kv: KvStore):
+        """The C++ ``LayerChain`` (``csrc/cpu_ops.cpp``) of this model's layers on ``kv``'s caches:
+        each layer's ``chain_args(kv)`` bound once, at the first call for this store (kept on it,
+        :attr:`KvStore.layer_chain`). None where the fused CPU ops are off or some layer has no
+        chain (a family without ``chain_args``, a route that does not apply, a store that does
+        not attend through the C++ kernel)."""
+        held = kv.layer_chain
+        if held is not None and held[0] is self:
+            return held[1]
+        chain = None
+        if cpu_ops.available() and len(self.layers):
+            parts = [layer.chain_args(kv) if hasattr(layer, "chain_args") else None for layer in self.layers]
+            if all(p is not None for p in parts):
+                chain = cpu_ops.op("LayerChain")()
+                for p in parts:
+                    chain.add(*p)
+        kv.layer_chain = (self, chain)
+        return chain
 
     def build_rope_tables(self, length: int, dtype: torch.dtype, grow: bool = False) -> None:
         """Precompute cos/sin of positions ``0 .. length-1`` for every RoPE (:meth:`RotaryEmbedding.build_table`;

@@ -79,6 +79,19 @@ class DecoderLayer(nn.Module):
         out = kv.attend(self.self_attn.layer, q, k, v, batch)  # (T, H, hd); k, v None: already stored
         return rowwise(tile, self._attn_add_mlp, residual, out)
 
+    def chain_args(self, kv: KvStore) -> tuple | None:
+        """This block's arguments of the C++ ``LayerChain.add`` (:meth:`DecoderModel.layer_chain`):
+        its two fused CPU routes' fixed arguments around ``kv``'s attention inputs of the layer
+        (:meth:`KvStore.chain_layer`) — the calls :meth:`forward` makes, bound once. None where
+        a route or the store's C++ attention does not apply."""
+        attn, mlp = self.self_attn, self.mlp
+        project = attn.cpu_route.resolve(attn._cpu_project, self.input_layernorm)
+        ffn = mlp.cpu_route.resolve(mlp._cpu_forward, attn.o_proj, self.post_attention_layernorm)
+        where = kv.chain_layer(attn.layer)
+        if not project or not ffn or where is None:
+            return None
+        return (*project[1:], *where, *ffn[1:])
+
     def _add_project(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      delta: torch.Tensor | None = None, store: tuple | None = None) -> tuple[torch.Tensor, ...]:
         """The previous MLP line's add (none at the first layer), input_layernorm and the q/k/v
@@ -119,6 +132,9 @@ class Model(DecoderModel):
         """
         x = self.embed(batch.token_ids)  # (T, D)
         cos, sin = self.rope.cos_sin(batch.positions, x.dtype, batch.position_bound)  # (T, hd) each
+        chained = self.chained(batch, kv, x, cos, sin)  # CPU decode steps: the loop below in one C++ call
+        if chained is not None:
+            return self.logits(batch, *chained)
         residual, delta = x, None
         for layer in self.layers:
             residual, delta = layer(residual, delta, cos, sin, batch, kv)  # (T, D) each

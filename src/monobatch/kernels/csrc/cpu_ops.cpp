@@ -368,6 +368,62 @@ std::vector<torch::Tensor> o_add_norm_mlp(const torch::Tensor& x, const torch::T
   return {sh[0], down_w.gemm(silu_mul(gate_up_w.gemm(sh[1])))};
 }
 
+// LayerChain: a model's decode layers, each add_norm_qkv_rope -> attention -> o_add_norm_mlp as
+// the Python layer calls them (DecoderLayer.forward: the residual add folded into each norm), run
+// one after another in one call. The layers' fixed arguments (weights, norms, shapes, the layer's
+// KV cache and window) are bound once (add); a call passes the step's residual stream, RoPE rows
+// and the attention's per-group inputs. The calls, their order and their arguments are the
+// per-layer route's, so the bits are too; what goes is ~3 Python calls a layer (issue 17: a B=1
+// step's host time, ~2 ms of a ~9 ms CPU decode step of the bundled model).
+struct ChainLayer {
+  torch::Tensor attn_norm;
+  double attn_eps;
+  mb_quant::PackedMat qkv;
+  int64_t n_heads, n_kv, hd, group;
+  torch::Tensor k_cache, v_cache;
+  int64_t window;
+  mb_quant::PackedMat o;
+  torch::Tensor mlp_norm;
+  double mlp_eps;
+  mb_quant::PackedMat gate_up, down;
+};
+
+struct LayerChain {
+  std::vector<ChainLayer> layers;
+
+  void add(torch::Tensor attn_norm, double attn_eps, mb_quant::PackedMat qkv, int64_t n_heads, int64_t n_kv,
+           int64_t hd, int64_t group, torch::Tensor k_cache, torch::Tensor v_cache, int64_t window,
+           mb_quant::PackedMat o, torch::Tensor mlp_norm, double mlp_eps, mb_quant::PackedMat gate_up,
+           mb_quant::PackedMat down) {
+    TORCH_CHECK(group >= 0 && window >= 0, "bad layer group or window");
+    layers.push_back({std::move(attn_norm), attn_eps, std::move(qkv), n_heads, n_kv, hd, group, std::move(k_cache),
+                      std::move(v_cache), window, std::move(o), std::move(mlp_norm), mlp_eps, std::move(gate_up),
+                      std::move(down)});
+  }
+
+  // x: [T, D] the embeddings (the first layer's residual, nothing to add); cos, sin: [T, hd];
+  // write, rows, tables: per layer group, attention's arguments of the same names. -> (s, y):
+  // the last layer's residual stream and MLP output, [T, D] each (the final norm adds them).
+  std::vector<torch::Tensor> run(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                 const std::vector<torch::Tensor>& write, const std::vector<torch::Tensor>& rows,
+                                 const std::vector<torch::Tensor>& tables, int64_t block_size) {
+    TORCH_CHECK(!layers.empty(), "an empty layer chain");
+    TORCH_CHECK(write.size() == rows.size() && rows.size() == tables.size(), "one write, rows, tables a group");
+    torch::Tensor s = x;
+    c10::optional<torch::Tensor> d;
+    for (ChainLayer& L : layers) {
+      TORCH_CHECK(L.group < static_cast<int64_t>(write.size()), "layer group out of range");
+      auto p = add_norm_qkv_rope(s, d, L.attn_norm, L.attn_eps, L.qkv, cos, sin, L.n_heads, L.n_kv, L.hd);
+      auto a = attention(p[1], p[2], p[3], L.k_cache, L.v_cache, write[L.group], rows[L.group], tables[L.group],
+                         block_size, L.window, c10::nullopt);
+      auto sy = o_add_norm_mlp(p[0], a, L.o, L.mlp_norm, L.mlp_eps, L.gate_up, L.down);
+      s = sy[0];
+      d = sy[1];
+    }
+    return {s, *d};
+  }
+};
+
 void register_ops(pybind11::module& m) {
   m.def("set_min_thread_work", [](int64_t n) { min_thread_work = std::max<int64_t>(1, n); },
         "least work (multiply-adds) per thread of a parallel op");
@@ -379,6 +435,11 @@ void register_ops(pybind11::module& m) {
   m.def("add_norm_qkv_rope", &add_norm_qkv_rope, "(x + d or x, RoPE(rms_norm(.) @ Wqkv^T)) (float32)");
   m.def("o_add_norm_mlp", &o_add_norm_mlp, "(x + a @ Wo^T, SwiGLU MLP of its RMSNorm) (float32)");
   m.def("attention", &attention, "store new K/V, then causal attention over a block-table cache (float32)");
+  pybind11::class_<LayerChain>(m, "LayerChain", "a model's decode layers run in one call (the fused routes in order)")
+      .def(pybind11::init<>())
+      .def("add", &LayerChain::add, "bind one more layer's fixed arguments")
+      .def("run", &LayerChain::run, "the layers over a step's rows -> (residual, MLP output)")
+      .def("__len__", [](const LayerChain& c) { return c.layers.size(); });
 }
 
 }  // namespace mb_cpu_ops
