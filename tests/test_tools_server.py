@@ -369,10 +369,10 @@ def test_stop_string_inside_the_arguments_gives_no_call(client, model):
 
 @pytest.mark.parametrize("fields,param", [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools"),
-    ({"tools": [{"type": "retrieval"}]}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),

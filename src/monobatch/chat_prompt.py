@@ -177,9 +177,12 @@ def prepare_chat(tok: "Tokenizer", messages: list, *, tools: Any = None, tool_ch
     Raises:
         InvalidRequestError: bad messages or tools (``tool`` messages that answer no call, calls
             left unanswered: :func:`check_tool_results`), a template's ``raise_exception``,
-            reserved kwargs.
+            ``template_kwargs`` not a dict or setting a reserved variable.
     """
     check_tool_results(messages)
+    if template_kwargs is not None and not isinstance(template_kwargs, dict):
+        raise InvalidRequestError("chat_template_kwargs must be an object of template variables, not "
+                                  f"{type(template_kwargs).__name__}", "chat_template_kwargs")
     kwargs = dict(template_kwargs or {})
     clash = sorted(RESERVED_TEMPLATE_VARS & kwargs.keys())
     if clash:

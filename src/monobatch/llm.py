@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import numbers
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
 
@@ -123,6 +124,12 @@ class LLM:
                  deterministic: bool = False, enforce_eager: bool = False, async_scheduling: bool | None = None,
                  chat_template: str | None = None, weights: str | None = None, tensor_parallel_size: int = 1,
                  progress: bool = True, loaded: LoadedModel | None = None) -> None:
+        for name, value, kinds in (("model", model, (str, os.PathLike)), ("device", device, (str,)),
+                                   ("dtype", dtype, (str,)), ("chat_template", chat_template, (str,)),
+                                   ("weights", weights, (str,)), ("enforce_eager", enforce_eager, (bool,))):
+            if not (isinstance(value, kinds) or (value is None and name in ("model", "chat_template", "weights"))):
+                raise InvalidRequestError(f"{name} must be {' or '.join(k.__name__ for k in kinds)}, not {value!r}",
+                                          name)
         config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk,
                               max_num_batched_tokens=max_num_batched_tokens, kv_storage=kv_storage,
                               kv_cache_memory=kv_cache_memory, deterministic=deterministic,
@@ -215,9 +222,7 @@ class LLM:
         """
         from monobatch.chat_prompt import prepare_chat
 
-        if not isinstance(messages, list) or not messages:
-            raise InvalidRequestError("messages must be a non-empty list of conversations or of messages", "messages")
-        conversations = [messages] if isinstance(messages[0], dict) else messages
+        conversations = _conversations(messages)
         chats = [prepare_chat(self.tokenizer, c, tools=tools, tool_choice=tool_choice,
                               parallel_tool_calls=parallel_tool_calls, add_generation_prompt=add_generation_prompt,
                               template_kwargs=chat_template_kwargs) for c in conversations]
@@ -251,10 +256,21 @@ class LLM:
         if sampling_params is None:
             return [self.default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
+            sampling_params.validate()  # again: a field may have been assigned since construction
             return [sampling_params] * n
+        if not isinstance(sampling_params, (list, tuple)):
+            raise InvalidRequestError(
+                "sampling_params must be a SamplingParams, a list of them (one per prompt) or None, not "
+                + _kind(sampling_params), "sampling_params")
+        for i, sp in enumerate(sampling_params):
+            if not isinstance(sp, SamplingParams):
+                raise InvalidRequestError(f"sampling_params[{i}] must be a SamplingParams, not {_kind(sp)}",
+                                          "sampling_params")
         params = list(sampling_params)
         if len(params) != n:
             raise InvalidRequestError(f"{len(params)} sampling_params for {n} prompts", "sampling_params")
+        for sp in params:  # checked again: a field may have been assigned since construction
+            sp.validate()
         return params
 
     def _run(self, encoded: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
@@ -310,6 +326,33 @@ class LLM:
                 self.scheduler.step()
         except Exception:  # the engine is failing again: leave the aborts queued, report the first error
             pass
+
+
+def _conversations(messages: Any) -> list[list]:
+    """:meth:`LLM.chat`'s ``messages`` as a list of conversations: one conversation (a list whose
+    first item is a message object) or a list of them, each a non-empty list, as the server's
+    ``messages`` (its items are checked where the server checks them, naming ``messages[i]``).
+
+    Raises:
+        InvalidRequestError: another shape, naming the element at fault."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list of messages (one conversation) "
+                                  "or of conversations", "messages")
+    if isinstance(messages[0], dict):
+        return [messages]
+    for i, conversation in enumerate(messages):
+        if not isinstance(conversation, list) or not conversation:
+            what = "an empty list" if isinstance(conversation, list) else type(conversation).__name__
+            raise InvalidRequestError(f"messages[{i}] must be a message object (one conversation) or a non-empty "
+                                      f"list of them (a list of conversations), not {what}", f"messages[{i}]")
+    return messages
+
+
+def _kind(value: object) -> str:
+    """How an error names a wrong-typed argument: its type, with the fix for a dict of fields."""
+    if isinstance(value, dict):
+        return "dict (build one with SamplingParams(**fields))"
+    return "the class itself (call it: SamplingParams())" if value is SamplingParams else type(value).__name__
 
 
 def _is_token_id(value: Any) -> bool:

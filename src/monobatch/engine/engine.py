@@ -134,6 +134,15 @@ class EngineConfig:
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "prefill_chunk", "max_num_batched_tokens", "kv_cache_memory",
+                     "block_size", "tensor_parallel_size"):
+            setattr(self, name, _whole(name, getattr(self, name)))
+        for name in ("deterministic", "cuda_graphs", "async_scheduling"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (value is None and name == "async_scheduling"):
+                raise InvalidRequestError(f"{name} must be True or False, not {value!r}", name)
+        if not isinstance(self.kv_storage, str):
+            raise InvalidRequestError(f"kv_storage must be 'paged' or 'dense', not {self.kv_storage!r}", "kv_storage")
         if self.tensor_parallel_size < 1:
             raise InvalidRequestError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}",
                                       "tensor_parallel_size")
@@ -162,6 +171,21 @@ class EngineConfig:
         """Tokens one step may compute on a device of ``device_type``."""
         return self.max_num_batched_tokens or max(self.prefill_chunk, self.max_num_seqs,
                                                   defaults.STEP_TOKEN_BUDGET.get(device_type, 0))
+
+
+def _whole(name: str, value: object) -> int | None:
+    """An integer setting of :class:`EngineConfig` as an int: an int, or a float with no
+    fraction (``1.5e9`` bytes); None stays None (the range checks come after).
+
+    Raises:
+        InvalidRequestError: a bool, a string (the CLI's ``512M`` is ``512 * 2**20`` here), a
+            fraction or anything else, naming the field."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise InvalidRequestError(f"{name} must be a whole number{' of bytes' if name == 'kv_cache_memory' else ''}, "
+                              f"not {value!r}", name)
 
 
 def _size(nbytes: int) -> str:

@@ -114,6 +114,16 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field and put it in its normal form (a stop string as a tuple, ``-1``
+        sentinels as None, a temperature under :data:`MIN_TEMPERATURE` as greedy). Run at
+        construction, and again by :class:`monobatch.LLM` when a request is submitted: fields
+        may be assigned after construction, as vLLM's SamplingParams allows. Idempotent.
+
+        Raises:
+            InvalidRequestError: a field of the wrong type or out of its range, naming it."""
         self._check_types()
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)  # OpenAI: a string or a list
         self.stop_token_ids = tuple(self.stop_token_ids)

@@ -25,7 +25,7 @@ from monobatch import __version__
 from monobatch.engine.scheduler import BatchScheduler
 from monobatch.server import chat, completions
 from monobatch.server.chat import chat_prompt_ids, message_chars
-from monobatch.server.errors import error_body, install_handlers, log_error_response
+from monobatch.server.errors import APIError, error_body, install_handlers, log_error_response
 from monobatch.server.generation import check_prompt_chars, created, off_loop
 from monobatch.server.openapi import PROTECTED_PREFIXES, install_openapi, route_responses
 from monobatch.server.protocol import (MODEL_MARKER, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -139,7 +139,10 @@ def create_app(settings: ServerSettings, load: Callable[[], BatchScheduler]) -> 
         yield
         state.shutdown()
 
-    app = FastAPI(title="monobatch", version=__version__, lifespan=lifespan, description=_DESCRIPTION)
+    # redirect_slashes off: a path with a trailing slash is not a route (an OpenAI-shaped 404), never
+    # a 307 with an empty body (clients do not follow a redirect of a POST's body)
+    app = FastAPI(title="monobatch", version=__version__, lifespan=lifespan, description=_DESCRIPTION,
+                  redirect_slashes=False)
     app.state.monobatch = state
     app.add_middleware(Gate, settings=settings)
     if settings.allowed_origins:  # outermost: a preflight (no key) is answered before the Gate
@@ -168,12 +171,20 @@ def create_app(settings: ServerSettings, load: Callable[[], BatchScheduler]) -> 
     @app.get("/v1/models/{model_id:path}", summary="One served model", **doc("model"))
     async def get_model(model_id: str = Path(json_schema_extra={"x-monobatch": MODEL_MARKER})) -> dict:
         state.require_client()
+        if not model_id:  # `/v1/models/`: no id (check_model reads an empty request field as the default)
+            raise APIError(404, "GET /v1/models/: no model id; GET /v1/models lists the served models",
+                           param="model", code="model_not_found")
         return _model_card(state, state.check_model(model_id))
 
     @app.get("/health", summary="200 once the model is loaded and the engine runs (open)", **doc("health"))
     async def health() -> Response:
         state.require_client()
         return JSONResponse({"status": "ok"})
+
+    @app.head("/health", include_in_schema=False)  # load balancers that probe with HEAD: GET's status, no body
+    async def health_head() -> Response:
+        state.require_client()
+        return Response(status_code=200)
 
     @app.get("/metrics", summary="Prometheus metrics (open)", response_class=PlainTextResponse, **doc("metrics"))
     async def metrics() -> Response:

@@ -86,17 +86,29 @@ def _path(loc: list) -> str:
     return out
 
 
-def validation_message(errors: list[dict], content_type: str | None = None) -> tuple[str, str | None]:
-    """pydantic's errors as one line and the field at fault: the top-level field, or the list
-    element at fault (``messages[0]``) when the error is inside one.
+#: pydantic's names of a union's members in an error's ``loc`` (``stop.str``, ``stop.list[str]``)
+_MEMBER_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "bytes", "none"})
 
-    A union field fails once per member (``prompt``: not a string, not a list, ...): those are
-    joined under the field's name. ``content_type``: the request's header, named in the message
-    when a body that is not an object came with another type than JSON (curl's ``-d`` without
-    ``-H 'Content-Type: application/json'`` sends a form, which is not read as JSON).
+
+def _field_loc(loc: tuple | list) -> list:
+    """An error's ``loc`` as the request's path: without FastAPI's ``body`` and pydantic's union
+    member names (``('stop', 'list[str]', 0)`` -> ``['stop', 0]``)."""
+    return [p for p in loc if p != "body" and not (isinstance(p, str) and (p in _MEMBER_NAMES or "[" in p))]
+
+
+def validation_message(errors: list[dict], content_type: str | None = None) -> tuple[str, str | None]:
+    """pydantic's errors as one line and the field at fault, named by its whole path as OpenAI's
+    ``param`` does (``response_format.json_schema.name``, ``messages[0].content``).
+
+    A union field fails once per member (``prompt``: not a string, not a list, ...): those of
+    different kinds are joined under the field's name; where one member's error lies deeper (a
+    list whose element is wrong: ``stop: [null]``), that one is given. ``content_type``: the
+    request's header, named in the message when a body that is not an object came with another
+    type than JSON (curl's ``-d`` without ``-H 'Content-Type: application/json'`` sends a form,
+    which is not read as JSON).
     """
     first = errors[0]
-    raw = [p for p in first.get("loc", ()) if p != "body"]
+    raw = _field_loc(first.get("loc", ()))
     kind, loc = first.get("type"), [str(p) for p in raw]
     if kind == "json_invalid":
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
@@ -114,12 +126,29 @@ def validation_message(errors: list[dict], content_type: str | None = None) -> t
         return first["msg"], ctx["field"]
     if kind == "extra_forbidden":
         return f"{_path(raw)}: unknown field (not supported by monobatch)", loc[0] if loc else None
-    param = loc[0] if loc else None
-    same = [e for e in errors if [str(p) for p in e.get("loc", ()) if p != "body"][:1] == loc[:1]]
-    if len(same) > 1 and len({e["type"] for e in same}) > 1:  # a union: every member failed
-        return f"{param}: invalid value ({'; '.join(dict.fromkeys(e['msg'] for e in same))})", param
-    index = next((k for k, p in enumerate(raw) if isinstance(p, int)), None)
-    return f"{_path(raw)}: {first['msg']}", param if index is None else _path(raw[:index + 1])
+    same = [e for e in errors if [str(p) for p in _field_loc(e.get("loc", ()))][:1] == loc[:1]]
+    deepest = max(same, key=lambda e: len(_field_loc(e.get("loc", ()))))
+    if len(_field_loc(deepest.get("loc", ()))) > len(raw):  # a union member that got further: its error
+        first, raw = deepest, _field_loc(deepest.get("loc", ()))
+    elif len(same) > 1 and len({e["type"] for e in same}) > 1:  # a union: every member failed at the field
+        return f"{_path(raw)}: invalid value ({'; '.join(dict.fromkeys(e['msg'] for e in same))})", _path(raw)
+    return f"{_path(raw)}: {first['msg']}", _path(raw) or None
+
+
+#: FastAPI's 400 detail where decoding the JSON body raised something else than a JSONDecodeError
+_FASTAPI_PARSE_ERROR = "There was an error parsing the body"
+
+
+def body_parse_message(body: bytes) -> str:
+    """Why a request body that FastAPI could not parse is not JSON, in the words of the other
+    body errors: bytes that are not UTF-8 (``json.loads`` raises UnicodeDecodeError) or nesting
+    deeper than the parser's recursion limit (RecursionError)."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return (f"the request body is not valid UTF-8 (byte 0x{body[e.start]:02x} at offset {e.start}): "
+                "send JSON text encoded as UTF-8")
+    return "the request body is not valid JSON: nested too deeply (arrays or objects thousands of levels deep)"
 
 
 def install_handlers(app: FastAPI) -> None:
@@ -154,6 +183,8 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == _FASTAPI_PARSE_ERROR:  # json.loads raised other than JSONDecodeError
+            return answer(request, 400, body_parse_message(await request.body()))
         message = f"{request.method} {request.url.path}: {exc.detail}"
         return answer(request, exc.status_code, message, None, None, getattr(exc, "headers", None))
 

@@ -72,8 +72,10 @@ def check_tools(tools: Any = None, tool_choice: Any = None, parallel_tool_calls:
         The :class:`ToolSpec`; with no tools its choice is "none".
 
     Raises:
-        InvalidRequestError: param "tools" (not a list of objects, a type other than "function",
-            a missing/empty/duplicate name, a non-string description, parameters not an object),
+        InvalidRequestError: param "tools" (not a list), or the path of the tool's field at fault,
+            as OpenAI names it (``tools[1].function.name``: an element not an object, a type other
+            than "function", a missing/empty/duplicate name, a non-string description, parameters
+            not an object),
             "tool_choice" (an unknown string or shape, a name no tool has, "required" or a name
             without tools) or "parallel_tool_calls" (not a bool).
     """
@@ -83,21 +85,22 @@ def check_tools(tools: Any = None, tool_choice: Any = None, parallel_tool_calls:
     for i, tool in enumerate(tools or ()):
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
-            raise InvalidRequestError(f"{where} must be an object", "tools")
+            raise InvalidRequestError(f"{where} must be an object", where)
         if tool.get("type", "function") != "function":
-            raise InvalidRequestError(f"{where}.type must be 'function', got {tool.get('type')!r}", "tools")
+            raise InvalidRequestError(f"{where}.type must be 'function', got {tool.get('type')!r}", f"{where}.type")
         fn = tool.get("function")
         if not isinstance(fn, dict):
-            raise InvalidRequestError(f"{where}.function must be an object", "tools")
+            raise InvalidRequestError(f"{where}.function must be an object", f"{where}.function")
         name, desc, params = fn.get("name"), fn.get("description"), fn.get("parameters")
         if not isinstance(name, str) or not name.strip():
-            raise InvalidRequestError(f"{where}.function.name must be a non-empty string", "tools")
+            raise InvalidRequestError(f"{where}.function.name must be a non-empty string", f"{where}.function.name")
         if name in names:
-            raise InvalidRequestError(f"{where}.function.name: duplicate tool name {name!r}", "tools")
+            raise InvalidRequestError(f"{where}.function.name: duplicate tool name {name!r}", f"{where}.function.name")
         if desc is not None and not isinstance(desc, str):
-            raise InvalidRequestError(f"{where}.function.description must be a string", "tools")
+            raise InvalidRequestError(f"{where}.function.description must be a string", f"{where}.function.description")
         if params is not None and not isinstance(params, dict):
-            raise InvalidRequestError(f"{where}.function.parameters must be a JSON schema object", "tools")
+            raise InvalidRequestError(f"{where}.function.parameters must be a JSON schema object",
+                                      f"{where}.function.parameters")
         names.add(name)
         entry = {"name": name} | ({"description": desc} if desc is not None else {})
         entry["parameters"] = copy.deepcopy(params if params is not None else NO_ARGUMENTS)
