@@ -684,6 +684,22 @@ def test_a_schema_over_the_size_limit_says_so():
         assert info.value.param == "response_format" and f"the limit of {MAX_SPEC_CHARS}" in str(info.value)
 
 
+@pytest.mark.parametrize("schema", [{"const": 12345678901234567891}, {"enum": [1, 9007199254740993]},
+                                    {"type": "integer", "minimum": -(2**60)},
+                                    {"type": "object", "properties": {"n": {"maximum": 10**29}}}])
+def test_an_integer_the_grammar_would_round_is_refused(schema):
+    """llguidance reads a schema's numbers as float64: an integer past 2**53 in a constraint would
+    be rounded (the reply would break the schema with finish_reason stop), so it is a 400 naming the
+    field; in annotations (description, default, examples) it is only text and is accepted."""
+    from monobatch.engine.constraint import StructuredOutput
+    from monobatch.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match=r"cannot be constrained exactly .*2\*\*53") as info:
+        StructuredOutput.json_schema(schema, "response_format")
+    assert info.value.param == "response_format"
+    StructuredOutput.json_schema({"type": "integer", "maximum": 2**53, "default": 2**60, "examples": [10**30]})
+
+
 def test_a_schema_nested_too_deep_is_an_invalid_request():
     from monobatch.engine.constraint import StructuredOutput
     from monobatch.errors import InvalidRequestError

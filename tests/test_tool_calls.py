@@ -92,6 +92,10 @@ def test_check_tools_normalizes():
     ([{"type": "function", "function": {"name": "x", "parameters": "{}"}}], None, "tools[0].function.parameters", "parameters"),
     ([{"type": "function", "function": {"name": "x", "parameters": []}}], None, "tools[0].function.parameters", "parameters"),
     ([{"type": "function", "function": {"name": "x", "description": 3}}], None, "tools[0].function.description", "description"),
+    ([WEATHER, {"type": "function", "function": {"name": 'a b"}'}}], None, "tools[1].function.name", "OpenAI's rule"),
+    ([{"type": "function", "function": {"name": "x" * 65}}], None, "tools[0].function.name", "1 to 64 characters"),
+    ([{"type": "function", "function": {"name": "x", "parameters": {"type": "object", "properties": {
+        "n": {"const": 2**60}}}}}], None, "tools[0].function.parameters", "2**53"),
     (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice", "nope"),
     (TOOLS, "sometimes", "tool_choice", "sometimes"),
     (TOOLS, "get_weather", "tool_choice", "get_weather"),  # a bare name is not OpenAI's named form
@@ -289,6 +293,8 @@ ASKED, LATER = {"role": "user", "content": "Weather?"}, {"role": "user", "conten
     ([ASKED, {"role": "assistant", "tool_calls": [{"id": 3, "function": {"name": "get_weather"}}]}],
      "messages[1].tool_calls[0].id", "must be a string"),
     ([ASKED, calling("c1"), answer("c1"), answer("c1")], "messages[3].tool_call_id", "answered already"),
+    ([ASKED, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "bogus", "function": {
+        "name": "get_weather", "arguments": "{}"}}]}, answer("c1")], "messages[1].tool_calls[0].type", "'bogus'"),
     ([ASKED, calling("c1", "c2"), answer("c2"), answer("c1"), answer("c2")], "messages[4].tool_call_id",
      "'c2': the call was answered already (each call of messages[1] gets one tool message)"),
     ([ASKED, calling("c1", "c1"), answer("c1")], "messages[1].tool_calls[1].id", "duplicate id 'c1'"),

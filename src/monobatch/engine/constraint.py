@@ -100,6 +100,7 @@ class StructuredOutput:
             schema = {} if schema else {"not": {}}
         if not isinstance(schema, dict):
             raise InvalidRequestError(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param)
+        check_exact_numbers(schema, param)
         try:
             text = json.dumps(schema, ensure_ascii=False)
         except (RecursionError, ValueError, TypeError) as exc:  # nested too deep, a cycle, a non-JSON value
@@ -155,6 +156,34 @@ class StructuredOutput:
             return matcher.grammar_from_lark(llguidance.gbnf_to_lark.any_to_lark(self.value))
         except Exception as exc:
             raise InvalidRequestError(f"{self.param}: the grammar does not parse: {exc}", self.param) from None
+
+
+#: The largest integer a JSON schema's constraint may hold: llguidance reads a schema's numbers as
+#: float64, exact up to 2**53 (a larger ``const`` or bound would be rounded: the output would break
+#: the schema while the reply says ``stop``).
+MAX_EXACT_INT = 2**53
+#: Schema keywords whose values are documentation, not constraints (numbers there are never read).
+_ANNOTATIONS = frozenset({"description", "title", "default", "examples", "$comment"})
+
+
+def check_exact_numbers(schema: Any, param: str, _depth: int = 0) -> None:
+    """Refuse a JSON schema holding an integer beyond ±:data:`MAX_EXACT_INT` outside annotations
+    (``const``, ``enum``, ``minimum``, ...): the grammar engine would round it.
+
+    Raises:
+        InvalidRequestError: naming ``param`` and the number."""
+    if _depth > 256:  # json.dumps refuses deeper schemas after this (RecursionError)
+        return
+    if isinstance(schema, dict):
+        for key, value in schema.items():
+            if key not in _ANNOTATIONS:
+                check_exact_numbers(value, param, _depth + 1)
+    elif isinstance(schema, list):
+        for value in schema:
+            check_exact_numbers(value, param, _depth + 1)
+    elif isinstance(schema, int) and not isinstance(schema, bool) and abs(schema) > MAX_EXACT_INT:
+        raise InvalidRequestError(f"{param}: the integer {schema} cannot be constrained exactly (integers in a "
+                                  f"schema's constraints must be within ±2**53 = ±{MAX_EXACT_INT})", param)
 
 
 #: Forced positions whose candidate tokens (splits of the forced bytes, and tokens that extend

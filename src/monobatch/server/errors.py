@@ -114,7 +114,7 @@ def validation_message(errors: list[dict], content_type: str | None = None) -> t
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
     if kind == "missing" and not loc:
         return "the request body is empty: expected a JSON object", None
-    if kind == "model_attributes_type" or (kind == "model_type" and not loc):
+    if kind in ("model_attributes_type", "model_type") and not loc:  # the body itself; a field's: below
         media = (content_type or "").split(";")[0].strip().lower()
         if media != "application/json":
             sent = f"Content-Type {media!r}" if media else "no Content-Type"
@@ -132,7 +132,18 @@ def validation_message(errors: list[dict], content_type: str | None = None) -> t
         first, raw = deepest, _field_loc(deepest.get("loc", ()))
     elif len(same) > 1 and len({e["type"] for e in same}) > 1:  # a union: every member failed at the field
         return f"{_path(raw)}: invalid value ({'; '.join(dict.fromkeys(e['msg'] for e in same))})", _path(raw)
+    if first.get("type") in ("model_type", "model_attributes_type", "dict_type"):  # not the class's name
+        return f"{_path(raw)}: must be a JSON object, got {_json_kind(first.get('input'))}", _path(raw)
     return f"{_path(raw)}: {first['msg']}", _path(raw) or None
+
+
+def _json_kind(value: object) -> str:
+    """A JSON value's kind as a message names it (``a string``, ``a number``, ``null``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {str: "a string", int: "a number", float: "a number", list: "an array"}.get(type(value), type(value).__name__)
 
 
 #: FastAPI's 400 detail where decoding the JSON body raised something else than a JSONDecodeError

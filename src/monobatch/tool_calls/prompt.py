@@ -96,7 +96,8 @@ def history_calls(calls: Any, i: int) -> list[tuple[str, str, Any]]:
 
     Raises:
         InvalidRequestError: ``tool_calls`` not a list (param ``messages[i].tool_calls``), a call
-            without ``function.name`` (param ``messages[i].tool_calls[k]``), one whose ``id`` is
+            without ``function.name`` (param ``messages[i].tool_calls[k]``), a ``type`` other than
+            ``function`` (param ``messages[i].tool_calls[k].type``), one whose ``id`` is
             missing, not a string or the id of an earlier call of the same message (param
             ``messages[i].tool_calls[k].id``: a tool message answers a call by its id), or whose
             ``function.arguments`` is missing or not a string (param
@@ -126,6 +127,9 @@ def _history_call(tc: Any, i: int, k: int) -> tuple[str, str, Any]:
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise InvalidRequestError(f"messages[{i}].tool_calls[{k}]: each call needs function.name (a string)",
                                   f"messages[{i}].tool_calls[{k}]")
+    if tc.get("type", "function") != "function":  # OpenAI's only call type (absent: vLLM's clients omit it)
+        raise InvalidRequestError(f"messages[{i}].tool_calls[{k}].type must be 'function', got {tc.get('type')!r}",
+                                  f"messages[{i}].tool_calls[{k}].type")
     if not isinstance(tc.get("id"), str):
         what = "is missing" if tc.get("id") is None else "must be a string"
         raise InvalidRequestError(f"messages[{i}].tool_calls[{k}].id {what}: a tool message answers a call by "

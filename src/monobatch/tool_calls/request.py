@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import copy
 import enum
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from monobatch.errors import InvalidRequestError
+
+#: OpenAI's tool (function) names: ``^[a-zA-Z0-9_-]{1,64}$``
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 #: The string values of ``tool_choice`` (a function name is the fourth form).
 CHOICES = ("none", "auto", "required")
@@ -94,6 +98,9 @@ def check_tools(tools: Any = None, tool_choice: Any = None, parallel_tool_calls:
         name, desc, params = fn.get("name"), fn.get("description"), fn.get("parameters")
         if not isinstance(name, str) or not name.strip():
             raise InvalidRequestError(f"{where}.function.name must be a non-empty string", f"{where}.function.name")
+        if not _TOOL_NAME.fullmatch(name):
+            raise InvalidRequestError(f"{where}.function.name {name!r}: a tool name is 1 to 64 characters among "
+                                      "a-z, A-Z, 0-9, '_' and '-' (OpenAI's rule)", f"{where}.function.name")
         if name in names:
             raise InvalidRequestError(f"{where}.function.name: duplicate tool name {name!r}", f"{where}.function.name")
         if desc is not None and not isinstance(desc, str):
@@ -101,6 +108,10 @@ def check_tools(tools: Any = None, tool_choice: Any = None, parallel_tool_calls:
         if params is not None and not isinstance(params, dict):
             raise InvalidRequestError(f"{where}.function.parameters must be a JSON schema object",
                                       f"{where}.function.parameters")
+        if params is not None:
+            from monobatch.engine.constraint import check_exact_numbers
+
+            check_exact_numbers(params, f"{where}.function.parameters")
         names.add(name)
         entry = {"name": name} | ({"description": desc} if desc is not None else {})
         entry["parameters"] = copy.deepcopy(params if params is not None else NO_ARGUMENTS)
