@@ -394,3 +394,19 @@ def test_a_tool_choice_of_no_known_shape_says_which_shapes_are(server, choice):
     err = r.json()["error"]
     assert err["param"] == "tool_choice" and err["message"].startswith(
         "tool_choice: must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}, got ")
+
+
+@pytest.mark.parametrize("choice", [None, "required", "none"])
+def test_tokenize_with_tools_gives_the_chat_requests_ids(server, choice):
+    """vLLM's /tokenize takes the tools too: its ids are those of a chat request with the same
+    messages, tools and tool_choice (the generic format's system prompt lists the tools); tools
+    without messages are a 400 naming the field."""
+    fields = {"tools": TOOLS} | ({"tool_choice": choice} if choice else {})
+    tokenized = server.post("/tokenize", {"messages": ASK, **fields})
+    assert tokenized.status_code == 200, tokenized.text
+    chat = server.post("/v1/chat/completions", {"messages": ASK, "max_tokens": 1, "return_token_ids": True, **fields})
+    assert chat.status_code == 200, chat.text
+    assert tokenized.json()["tokens"] == chat.json()["prompt_token_ids"]
+    if choice is None:  # the tools are in the prompt (the bundled template knows none: the generic format's)
+        assert len(tokenized.json()["tokens"]) > len(server.post("/tokenize", {"messages": ASK}).json()["tokens"])
+    assert_400_naming(server, "/tokenize", {"prompt": "hi", "tools": TOOLS}, "tools")

@@ -198,7 +198,7 @@ def create_app(settings: ServerSettings, load: Callable[[], BatchScheduler]) -> 
         if body.messages is not None:  # the ids a chat request would get
             check_prompt_chars(message_chars(body.messages), state.max_prompt_chars, state.max_model_len, "messages")
             ids = await off_loop(chat_prompt_ids, tok, body.messages, body.add_generation_prompt,
-                                 body.chat_template_kwargs)
+                                 body.chat_template_kwargs, body.tools, body.tool_choice, body.parallel_tool_calls)
         else:
             text, param = (body.prompt, "prompt") if body.prompt is not None else (body.content, "content")
             check_prompt_chars(len(text), state.max_prompt_chars, state.max_model_len, param)

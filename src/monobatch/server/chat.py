@@ -36,16 +36,17 @@ def message_chars(messages: list) -> int:
 
 
 def chat_prompt_ids(tok: Tokenizer, messages: list, add_generation_prompt: bool,
-                    template_kwargs: dict[str, Any] | None) -> list[int]:
-    """The prompt ids of a conversation without tools (``/tokenize`` with ``messages``): the ids a
-    chat request gets (:func:`monobatch.chat_prompt.prepare_chat`). Blocking: run it with
-    :func:`off_loop`.
+                    template_kwargs: dict[str, Any] | None, tools: Any = None, tool_choice: Any = None,
+                    parallel_tool_calls: Any = None) -> list[int]:
+    """The prompt ids of a conversation (``/tokenize`` with ``messages``, and its ``tools``): the
+    ids a chat request with the same fields gets (:func:`monobatch.chat_prompt.prepare_chat`).
+    Blocking: run it with :func:`off_loop`.
 
     Raises:
-        InvalidRequestError: bad messages, a template's ``raise_exception``, reserved kwargs.
+        InvalidRequestError: bad messages or tools, a template's ``raise_exception``, reserved kwargs.
     """
-    return prepare_chat(tok, messages, add_generation_prompt=add_generation_prompt,
-                        template_kwargs=template_kwargs).prompt_ids
+    return prepare_chat(tok, messages, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
+                        add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs).prompt_ids
 
 
 @dataclass(slots=True)

@@ -710,8 +710,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(_NullIsAbsent):
-    """``POST /tokenize``: vLLM's (``prompt`` or ``messages``, ``add_special_tokens``,
-    ``return_token_strs``) and llama.cpp's (``content``, ``add_special``, ``with_pieces``) shapes.
+    """``POST /tokenize``: vLLM's (``prompt`` or ``messages`` with optional ``tools``,
+    ``add_special_tokens``, ``return_token_strs``) and llama.cpp's (``content``, ``add_special``, ``with_pieces``) shapes.
 
     Each special-tokens field keeps its own server's default: ``add_special_tokens`` (vLLM)
     defaults to true, ``add_special`` (llama.cpp) to false; whichever the client sent decides,
@@ -740,6 +740,10 @@ class TokenizeRequest(_NullIsAbsent):
                                                        "different add_special_tokens.")
     add_generation_prompt: bool = Field(True, description="With messages.")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="With messages.")
+    tools: list[dict[str, Any]] | None = Field(None, json_schema_extra=_items(
+        "With messages (vLLM's): the tools a chat request would render into the prompt.", TOOL_SCHEMA))
+    tool_choice: ToolChoice = Field(None, json_schema_extra=_tool_choice_schema)
+    parallel_tool_calls: bool | None = Field(None, description="With messages and tools, as a chat request's.")
     return_token_strs: bool = Field(False, description="Add token_strs.")
     with_pieces: bool = Field(False, description="tokens becomes [{id, piece}].")
 
@@ -752,6 +756,11 @@ class TokenizeRequest(_NullIsAbsent):
         if None not in (self.add_special, self.add_special_tokens) and self.add_special != self.add_special_tokens:
             raise PydanticCustomError("alias", "add_special: conflicts with add_special_tokens (give one)",
                                       {"field": "add_special"})
+        if self.messages is None:
+            for name in ("tools", "tool_choice", "parallel_tool_calls"):
+                if getattr(self, name) is not None:
+                    raise PydanticCustomError("chat_only", "{field}: only with messages (the ids of a chat request)",
+                                              {"field": name})
         if self.messages is not None and False in (self.add_special, self.add_special_tokens):
             name = "add_special" if self.add_special is False else "add_special_tokens"
             raise PydanticCustomError("chat_special", "{field}: with messages the chat template decides the special "
