@@ -64,7 +64,7 @@ def test_prompt_opens_reasoning():
     (CompletionRequest, {"prompt": "x", "best_of": 3}, "best_of", "not supported"),
     (CompletionRequest, {"prompt": "x", "frob": 1}, "frob", "unknown field"),
     (CompletionRequest, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream is true"),
-    (CompletionRequest, {"prompt": "x", "logit_bias": {"1": "a"}}, "logit_bias", "logit_bias.1"),
+    (CompletionRequest, {"prompt": "x", "logit_bias": {"1": "a"}}, "logit_bias.1", "logit_bias.1"),
     (CompletionRequest, {}, "prompt", "prompt: Field required"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "functions": []}, "functions",
      "not supported"),
