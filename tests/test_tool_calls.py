@@ -1024,3 +1024,19 @@ def test_chat_reply_flush_needs_the_finish_reason(tools):
             ("get_weather", '{"city": "Pa')] and [c.arguments for c in out.tool_calls] == ['{"city": "Pa']
         out, reply = split_reply("<think>hm</think>" + cut, "stop", tools=sp, fmt=H)
         assert (out.reasoning, out.content, reply.tool_calls, reply.cut_call) == ("hm", cut, [], True)
+
+
+def test_an_agents_tool_set_fits_and_an_oversized_one_is_refused_before_its_grammar():
+    """A tool-call grammar may be larger than one schema (MAX_TOOLS_SPEC_CHARS, not the 64 KiB of
+    MAX_SPEC_CHARS): 300 tools constrain "auto" for a template that knows no tools; a tool list
+    whose JSON is over the limit is refused by check_tools, before any grammar is built."""
+    from monobatch.engine.constraint import MAX_SPEC_CHARS, MAX_TOOLS_SPEC_CHARS
+
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}}}}} for i in range(300)]
+    so = tool_constraint(check_tools(tools, "auto"), ToolFormat.GENERIC)
+    assert MAX_SPEC_CHARS < len(so.value) <= MAX_TOOLS_SPEC_CHARS and so.param == "tools"
+    huge = tools * (MAX_TOOLS_SPEC_CHARS // len(json.dumps(tools)) + 1)
+    with pytest.raises(InvalidRequestError, match="fewer tools") as err:
+        check_tools(huge, "auto")
+    assert err.value.param == "tools"

@@ -37,7 +37,7 @@ def tool_constraint(spec: ToolSpec | None, fmt: ToolFormat, tokenizer: "Tokenize
     Returns:
         The :class:`~monobatch.engine.constraint.StructuredOutput` (param "tools"), or None.
     """
-    from monobatch.engine.constraint import StructuredOutput
+    from monobatch.engine.constraint import MAX_TOOLS_SPEC_CHARS, StructuredOutput
 
     if not grammar_enforced(spec, fmt):
         return None
@@ -53,7 +53,8 @@ def tool_constraint(spec: ToolSpec | None, fmt: ToolFormat, tokenizer: "Tokenize
         schema = _obj({"tool_calls": items})
         if spec.choice == "auto":
             schema = {"anyOf": [schema, _obj({"response": {"type": "string"}})]}
-        return StructuredOutput("json_schema", json.dumps({"$defs": defs, **schema}, ensure_ascii=False), "tools")
+        return StructuredOutput("json_schema", json.dumps({"$defs": defs, **schema}, ensure_ascii=False), "tools",
+                                MAX_TOOLS_SPEC_CHARS)
     args = "args: %json " + json.dumps({"$defs": defs, **call, "x-guidance": _LARK_JSON}, ensure_ascii=False)
 
     def lit(text: str) -> str:
@@ -69,7 +70,7 @@ def tool_constraint(spec: ToolSpec | None, fmt: ToolFormat, tokenizer: "Tokenize
         start = f'start: {lit(MISTRAL_OPEN)} "[" args{more} "]"'
     else:
         start = f"start: args{more}"
-    return StructuredOutput("lark", f"{start}\n{args}\n", "tools")
+    return StructuredOutput("lark", f"{start}\n{args}\n", "tools", MAX_TOOLS_SPEC_CHARS)
 
 
 def _obj(properties: dict) -> dict:

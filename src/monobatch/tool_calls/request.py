@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,6 +86,15 @@ def check_tools(tools: Any = None, tool_choice: Any = None, parallel_tool_calls:
     """
     if tools is not None and not isinstance(tools, list):
         raise InvalidRequestError("tools must be a list of tool objects", "tools")
+    from monobatch.engine.constraint import MAX_TOOLS_SPEC_CHARS
+
+    try:
+        size = len(json.dumps(tools, ensure_ascii=False, default=str)) if tools else 0
+    except (RecursionError, ValueError):  # nested past the recursion limit
+        raise InvalidRequestError("tools: nested too deeply", "tools") from None
+    if size > MAX_TOOLS_SPEC_CHARS:  # before any grammar is built from them (a tool-call grammar's limit)
+        raise InvalidRequestError(f"tools: {len(tools)} tools of {size} characters of JSON, more than the limit of "
+                                  f"{MAX_TOOLS_SPEC_CHARS}: send fewer tools or shorter schemas", "tools")
     norm, names = [], set()
     for i, tool in enumerate(tools or ()):
         where = f"tools[{i}]"
