@@ -1149,3 +1149,17 @@ def test_a_penalty_past_float32_keeps_the_grammar_in_charge(server, penalty):
     choice = got.json()["choices"][0]
     assert choice["finish_reason"] in ("length", "stop") and choice["message"]["content"].startswith("{")
     assert all(math.isfinite(t["logprob"]) or t["logprob"] == float("-inf") for t in choice["logprobs"]["content"])
+
+
+def test_a_gbnf_unicode_escape_the_converter_misreads_says_what_to_write(loaded):
+    """llguidance's GBNF converter drops a \\u escape's leading zeros (\\u0041 -> \\u41): the 400
+    says to write \\xNN or the character; \\x escapes work."""
+    from monobatch.engine.constraint import GrammarCompiler, StructuredOutput
+    from monobatch.errors import InvalidRequestError
+
+    compiler = GrammarCompiler(loaded.tokenizer, loaded.tokenizer.vocab_size)
+    for grammar in ('root ::= "\\u00e9"', "root ::= [\\u0041-\\u005a]+"):
+        with pytest.raises(InvalidRequestError, match=r"write \\xNN, or the character itself") as info:
+            compiler.compile(StructuredOutput.grammar(grammar, "grammar"))
+        assert info.value.param == "grammar"
+    compiler.compile(StructuredOutput.grammar('root ::= "\\x41" [\\x61-\\x7a]', "grammar"))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import bisect
 import concurrent.futures
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -580,6 +581,10 @@ def _refused(spec: StructuredOutput, cause: str) -> InvalidRequestError:
     """The error of a spec llguidance refused: ``'<param>: <cause>'``; a regex's in
     :func:`regex_check.does_not_compile`'s words (one that parses but is too large for the lexer,
     e.g. ``a{1000000}``, says so)."""
+    if spec.kind == "grammar" and re.search(r"\\[uU]", spec.value):
+        # llguidance's GBNF converter (0.x, gbnf_to_lark) drops an escape's leading zeros (\u0041 -> \u41)
+        cause += (" (\\u and \\U escapes are not read right by the grammar converter: write \\xNN, or the "
+                  "character itself)")
     if spec.kind != "regex":
         return InvalidRequestError(f"{spec.param}: {cause}", spec.param)
     return regex_check.does_not_compile(spec.value, spec.param,
