@@ -116,9 +116,6 @@ class Timed:
     def __init__(self, mod, spent: dict[str, float], calls: dict[str, int], prefix: str = "") -> None:
         self._mod, self._spent, self._calls, self._prefix = mod, spent, calls, prefix
 
-    def __len__(self) -> int:
-        return len(self._mod)
-
     def __getattr__(self, name: str):
         fn = getattr(self._mod, name)
         if isinstance(fn, type):  # a class; LayerChain's instances' methods timed as "LayerChain.<method>"

@@ -205,8 +205,8 @@ def test_cpu_route_is_decided_once_and_not_copied():
 def test_layer_chain_is_the_layers_loop_bitwise(loaded):
     """A CPU decode step of the bundled model through its C++ layer chain (every layer's fused
     calls in one call: DecoderModel.chained) gives the per-layer loop's logits bit for bit, for one
-    row and for several, and counts one attention call a layer; a prompt step (keys gathered for
-    torch's attention) and a deterministic step (row tiles) keep the loop."""
+    row and for several, and counts one attention call a layer; a deterministic step (row tiles)
+    keeps the loop. Which path ran is seen from the store: the chain never calls ``attend``."""
     from monobatch.batch import StepBatch
     from monobatch.engine.engine import Engine, EngineConfig
 
@@ -217,16 +217,35 @@ def test_layer_chain_is_the_layers_loop_bitwise(loaded):
         kv, model = engine.kv, engine.model  # deterministic mode's model: the layers in tensor-parallel pieces
         for s, ids in enumerate(prompts):
             engine.forward(StepBatch.build([(s, ids, 0, True)], engine.device, engine.row_tile))
+        attend, attended = kv.attend, []
+
+        def counted(*args, **kw):
+            attended.append(1)
+            return attend(*args, **kw)
+
+        kv.attend = counted
         for rows in ([0], [0, 1, 2]):
             batch = StepBatch.build([(s, [17 + s], len(prompts[s]), True) for s in rows], engine.device, engine.row_tile)
             kv.prepare(batch)
-            before = kv.paged_attention_calls
+            before, attended[:] = kv.paged_attention_calls, []
             chained = model(batch, kv)
             assert kv.paged_attention_calls - before == n_layers
-            assert (kv.layer_chain is not None and kv.layer_chain[1] is not None) != deterministic
-            held, kv.layer_chain = kv.layer_chain, (model, None)  # no chain: the loop over the layers
+            assert len(attended) == (n_layers if deterministic else 0)  # the chain attends in C++
+            held, kv.layer_chain = kv.layer_chain, (model, model._placement, None)  # no chain: the loop
+            attended[:] = []
             looped = model(batch, kv)
+            assert len(attended) == n_layers
             kv.layer_chain = held
             assert torch.equal(chained, looped)
             kv.commit(batch)
             prompts = [p + [17 + s] if s in rows else p for s, p in enumerate(prompts)]
+
+
+def test_rowwise_joins_a_list_of_outputs_as_a_tuple():
+    """A row tile's function may return a list (a C++ route's outputs): its parts are joined as a
+    tuple's are, padding rows cut (deterministic CPU steps through a fused route)."""
+    from monobatch.models.layers import rowwise
+
+    x = torch.arange(10.0).view(5, 2)
+    out = rowwise(2, lambda a: [a * 2, a + 1], x)
+    assert isinstance(out, tuple) and torch.equal(out[0], x * 2) and torch.equal(out[1], x + 1)

@@ -686,7 +686,10 @@ def test_a_schema_over_the_size_limit_says_so():
 
 @pytest.mark.parametrize("schema", [{"const": 12345678901234567891}, {"enum": [1, 9007199254740993]},
                                     {"type": "integer", "minimum": -(2**60)},
-                                    {"type": "object", "properties": {"n": {"maximum": 10**29}}}])
+                                    {"type": "object", "properties": {"n": {"maximum": 10**29}}},
+                                    {"type": "object", "properties": {"title": {"const": 2**53 + 1}}},  # a name, not
+                                    {"$defs": {"default": {"enum": [-(2**60)]}}},                     # an annotation
+                                    {"anyOf": [{"allOf": [{"not": {"const": 2**54}}]}] * 2}])
 def test_an_integer_the_grammar_would_round_is_refused(schema):
     """llguidance reads a schema's numbers as float64: an integer past 2**53 in a constraint would
     be rounded (the reply would break the schema with finish_reason stop), so it is a 400 naming the
@@ -1151,15 +1154,22 @@ def test_a_penalty_past_float32_keeps_the_grammar_in_charge(server, penalty):
     assert all(math.isfinite(t["logprob"]) or t["logprob"] == float("-inf") for t in choice["logprobs"]["content"])
 
 
-def test_a_gbnf_unicode_escape_the_converter_misreads_says_what_to_write(loaded):
-    """llguidance's GBNF converter drops a \\u escape's leading zeros (\\u0041 -> \\u41): the 400
-    says to write \\xNN or the character; \\x escapes work."""
-    from monobatch.engine.constraint import GrammarCompiler, StructuredOutput
-    from monobatch.errors import InvalidRequestError
+def test_gbnf_unicode_escapes_mean_their_characters(loaded):
+    """llguidance's GBNF converter drops a \\u escape's leading zeros (\\u00e9ab became \\ue9ab,
+    another character, with no error): they reach it as \\xNN or the character itself, so the
+    grammar allows what the escape means; an escaped backslash before a u is left alone."""
+    import llguidance
 
+    from monobatch.engine.constraint import GrammarCompiler, StructuredOutput, _gbnf_escapes
+
+    assert _gbnf_escapes('root ::= "\\u00e9ab" [\\u0041-\\u005a] "\\U0001F600"') == \
+        'root ::= "\\xe9ab" [\\x41-\\x5a] "\U0001F600"'
+    assert _gbnf_escapes('root ::= "\\\\u0041"') == 'root ::= "\\\\u0041"'  # a backslash, then the letters
+    assert _gbnf_escapes('start: "\\u00e9"') == 'start: "\\u00e9"'  # Lark is not converted
     compiler = GrammarCompiler(loaded.tokenizer, loaded.tokenizer.vocab_size)
-    for grammar in ('root ::= "\\u00e9"', "root ::= [\\u0041-\\u005a]+"):
-        with pytest.raises(InvalidRequestError, match=r"write \\xNN, or the character itself") as info:
-            compiler.compile(StructuredOutput.grammar(grammar, "grammar"))
-        assert info.value.param == "grammar"
-    compiler.compile(StructuredOutput.grammar('root ::= "\\x41" [\\x61-\\x7a]', "grammar"))
+    for grammar, text, other in (('root ::= "\\u00e9ab"', "éab", "\ue9ab"), ("root ::= [\\u0041-\\u005a]+", "QZ", "a")):
+        spec = StructuredOutput.grammar(grammar, "grammar")
+        compiler.compile(spec)
+        m = llguidance.LLMatcher(compiler._ll_tokenizer(), spec.grammar_text())
+        assert m.validate_tokens(loaded.tokenizer.encode(text, add_special_tokens=False)) > 0
+        assert m.validate_tokens(loaded.tokenizer.encode(other, add_special_tokens=False)) == 0

@@ -49,3 +49,13 @@ def require_utf8(text: str, param: str, what: str = "the prompt") -> None:
     except UnicodeEncodeError as exc:
         raise InvalidRequestError(f"{what} is not valid UTF-8 text (an unpaired surrogate, U+{ord(exc.object[exc.start]):04X}, "
                                   f"at character {exc.start})", param) from None
+
+
+def json_kind(value: object) -> str:
+    """A decoded JSON value's kind as a message names it: ``an object``, ``an array``, ``a string``,
+    ``a number``, ``a boolean``, ``null`` (another Python type: its name)."""
+    if value is None:
+        return "null"
+    kinds = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number"}
+    return kinds.get(type(value), type(value).__name__)

@@ -127,7 +127,7 @@ class LLM:
         for name, value, kinds in (("model", model, (str, os.PathLike)), ("device", device, (str,)),
                                    ("dtype", dtype, (str,)), ("chat_template", chat_template, (str,)),
                                    ("weights", weights, (str,)), ("enforce_eager", enforce_eager, (bool,))):
-            if not (isinstance(value, kinds) or (value is None and name in ("model", "chat_template", "weights"))):
+            if not (isinstance(value, kinds) or (value is None and name != "enforce_eager")):  # None: the default
                 raise InvalidRequestError(f"{name} must be {' or '.join(k.__name__ for k in kinds)}, not {value!r}",
                                           name)
         config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk,

@@ -58,6 +58,8 @@ MAX_TOOLS_SPEC_CHARS = 1024 * 1024
 COMPILE_TIMEOUT_S = 5.0
 #: Compiled grammars kept (least recently used dropped first).
 CACHE_SIZE = 256
+#: Characters of spec text the cache may hold in all (tool-call grammars reach 1 MiB each).
+CACHE_CHARS = 16 * 1024 * 1024
 #: JSON output shape: no free whitespace (a small model would pad forever), Python's separators.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -161,7 +163,7 @@ class StructuredOutput:
         if self.kind == "lark":
             return matcher.grammar_from_lark(self.value)
         try:  # GBNF (llama.cpp's grammars/README.md); llguidance converts it to Lark
-            return matcher.grammar_from_lark(llguidance.gbnf_to_lark.any_to_lark(self.value))
+            return matcher.grammar_from_lark(llguidance.gbnf_to_lark.any_to_lark(_gbnf_escapes(self.value)))
         except Exception as exc:
             raise InvalidRequestError(f"{self.param}: the grammar does not parse: {exc}", self.param) from None
 
@@ -172,26 +174,31 @@ class StructuredOutput:
 MAX_EXACT_INT = 2**53
 #: Schema keywords whose values are documentation, not constraints (numbers there are never read).
 _ANNOTATIONS = frozenset({"description", "title", "default", "examples", "$comment"})
+#: Schema keywords whose values map names (of properties, definitions) to schemas.
+_NAME_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
-def check_exact_numbers(schema: Any, param: str, _depth: int = 0) -> None:
+def check_exact_numbers(schema: Any, param: str) -> None:
     """Refuse a JSON schema holding an integer beyond ±:data:`MAX_EXACT_INT` outside annotations
-    (``const``, ``enum``, ``minimum``, ...): the grammar engine would round it.
+    (``const``, ``enum``, ``minimum``, ...): the grammar engine would round it. An annotation is a
+    keyword of a schema; a property named ``title`` is a schema like any other.
 
     Raises:
         InvalidRequestError: naming ``param`` and the number."""
-    if _depth > 256:  # json.dumps refuses deeper schemas after this (RecursionError)
-        return
-    if isinstance(schema, dict):
-        for key, value in schema.items():
-            if key not in _ANNOTATIONS:
-                check_exact_numbers(value, param, _depth + 1)
-    elif isinstance(schema, list):
-        for value in schema:
-            check_exact_numbers(value, param, _depth + 1)
-    elif isinstance(schema, int) and not isinstance(schema, bool) and abs(schema) > MAX_EXACT_INT:
-        raise InvalidRequestError(f"{param}: the integer {schema} cannot be constrained exactly (integers in a "
-                                  f"schema's constraints must be within ±2**53 = ±{MAX_EXACT_INT})", param)
+    todo: list[tuple[Any, bool]] = [(schema, False)]  # (value, is it a map of names to schemas)
+    while todo:  # a stack, not recursion: a schema may be nested past Python's recursion limit
+        value, names = todo.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if names:
+                    todo.append((item, False))
+                elif key not in _ANNOTATIONS:
+                    todo.append((item, key in _NAME_MAPS))
+        elif isinstance(value, list):
+            todo.extend((item, False) for item in value)
+        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_EXACT_INT:
+            raise InvalidRequestError(f"{param}: the integer {value} cannot be constrained exactly (integers in a "
+                                      f"schema's constraints must be within ±2**53 = ±{MAX_EXACT_INT})", param)
 
 
 #: Forced positions whose candidate tokens (splits of the forced bytes, and tokens that extend
@@ -476,6 +483,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._build_lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._cache_chars = 0  # len of the cached specs' values (CACHE_CHARS)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
 
     def _ll_tokenizer(self) -> Any:
@@ -549,8 +557,10 @@ class GrammarCompiler:
             raise _refused(spec, _first_line(str(exc))) from None
         with self._lock:
             self._cache[key] = matcher
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            self._cache_chars += len(spec.value)
+            while len(self._cache) > 1 and (len(self._cache) > CACHE_SIZE or self._cache_chars > CACHE_CHARS):
+                (_, value), _ = self._cache.popitem(last=False)
+                self._cache_chars -= len(value)
 
     def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
         """A fresh matcher at the start of ``spec``'s grammar (compiling it if it is not cached).
@@ -577,14 +587,34 @@ class GrammarCompiler:
             return self._index
 
 
+#: A GBNF escape: ``\\`` (kept whole, so the ``u`` after an escaped backslash is a letter), ``\uXXXX``
+#: or ``\UXXXXXXXX``.
+_GBNF_ESCAPE = re.compile(r"\\\\|\\u([0-9a-fA-F]{4})|\\U([0-9a-fA-F]{8})")
+
+
+def _gbnf_escapes(text: str) -> str:
+    r"""GBNF ``\uXXXX`` / ``\UXXXXXXXX`` escapes as llguidance's converter reads them right: it
+    drops their leading zeros (0.x ``gbnf_to_lark``: ``\u00e9ab`` became ``\ue9ab``, another
+    character, silently). A code point up to U+00FF becomes ``\xNN`` (which it keeps whole), a
+    larger one the character itself (never GBNF syntax). Lark text (no ``::=``) is left as it is."""
+    if "::=" not in text or "\\" not in text:
+        return text
+
+    def one(m: re.Match) -> str:
+        hexa = m.group(1) or m.group(2)
+        if hexa is None:
+            return m.group(0)
+        cp = int(hexa, 16)
+        return f"\\x{cp:02x}" if cp <= 0xFF else (chr(cp) if cp <= 0x10FFFF and not 0xD800 <= cp <= 0xDFFF
+                                                  else m.group(0))
+
+    return _GBNF_ESCAPE.sub(one, text)
+
+
 def _refused(spec: StructuredOutput, cause: str) -> InvalidRequestError:
     """The error of a spec llguidance refused: ``'<param>: <cause>'``; a regex's in
     :func:`regex_check.does_not_compile`'s words (one that parses but is too large for the lexer,
     e.g. ``a{1000000}``, says so)."""
-    if spec.kind == "grammar" and re.search(r"\\[uU]", spec.value):
-        # llguidance's GBNF converter (0.x, gbnf_to_lark) drops an escape's leading zeros (\u0041 -> \u41)
-        cause += (" (\\u and \\U escapes are not read right by the grammar converter: write \\xNN, or the "
-                  "character itself)")
     if spec.kind != "regex":
         return InvalidRequestError(f"{spec.param}: {cause}", spec.param)
     return regex_check.does_not_compile(spec.value, spec.param,

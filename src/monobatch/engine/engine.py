@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import numbers
 import os
 from dataclasses import dataclass
 
@@ -136,11 +137,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "prefill_chunk", "max_num_batched_tokens", "kv_cache_memory",
                      "block_size", "tensor_parallel_size"):
-            setattr(self, name, _whole(name, getattr(self, name)))
+            setattr(self, name, _whole(name, getattr(self, name), name in _OPTIONAL_INTS))
         for name in ("deterministic", "cuda_graphs", "async_scheduling"):
             value = getattr(self, name)
-            if not isinstance(value, bool) and not (value is None and name == "async_scheduling"):
+            if value is None and name == "async_scheduling":
+                continue
+            if type(value).__name__ not in ("bool", "bool_"):  # a Python or numpy bool
                 raise InvalidRequestError(f"{name} must be True or False, not {value!r}", name)
+            setattr(self, name, bool(value))
         if not isinstance(self.kv_storage, str):
             raise InvalidRequestError(f"kv_storage must be 'paged' or 'dense', not {self.kv_storage!r}", "kv_storage")
         if self.tensor_parallel_size < 1:
@@ -173,16 +177,23 @@ class EngineConfig:
                                                   defaults.STEP_TOKEN_BUDGET.get(device_type, 0))
 
 
-def _whole(name: str, value: object) -> int | None:
-    """An integer setting of :class:`EngineConfig` as an int: an int, or a float with no
-    fraction (``1.5e9`` bytes); None stays None (the range checks come after).
+#: :class:`EngineConfig`'s integer fields that may be None.
+_OPTIONAL_INTS = frozenset({"max_model_len", "max_num_batched_tokens", "kv_cache_memory"})
+
+
+def _whole(name: str, value: object, optional: bool) -> int | None:
+    """An integer setting of :class:`EngineConfig` as an int: an integer (numpy's too), or a float
+    with no fraction (``1.5e9`` bytes); None stays None where ``optional`` (the range checks come
+    after).
 
     Raises:
         InvalidRequestError: a bool, a string (the CLI's ``512M`` is ``512 * 2**20`` here), a
-            fraction or anything else, naming the field."""
-    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
-        return value
-    if isinstance(value, float) and value.is_integer():
+            fraction, None for a field that needs a value, or anything else, naming the field."""
+    if value is None and optional:
+        return None
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value).__name__ != "bool_":
+        return int(value)
+    if isinstance(value, numbers.Real) and float(value).is_integer() and not isinstance(value, bool):
         return int(value)
     raise InvalidRequestError(f"{name} must be a whole number{' of bytes' if name == 'kv_cache_memory' else ''}, "
                               f"not {value!r}", name)

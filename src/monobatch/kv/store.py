@@ -156,8 +156,9 @@ class KvStore(ABC):
         its own launch). After a call that returned slots, :meth:`attend` may get k and v None."""
         return None
 
-    #: A model's fused CPU layer chain bound to this store's caches, as ``(model, chain or None)``
-    #: (:meth:`monobatch.models.layers.DecoderModel.layer_chain` builds it at its first step).
+    #: A model's fused CPU layer chain bound to this store's caches, as ``(model, its placement,
+    #: chain or None)`` (:meth:`monobatch.models.layers.DecoderModel.layer_chain` builds it at its
+    #: first step, and again after the model's weights moved).
     layer_chain: tuple | None = None
 
     def chain_layer(self, layer: int) -> tuple[int, torch.Tensor, torch.Tensor, int] | None:

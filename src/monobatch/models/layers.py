@@ -368,6 +368,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size)
         self.ropes: tuple[RotaryEmbedding, ...] = ()
+        self._placement = 0  # counts to_device calls: a layer chain bound before a move is stale
 
     @property
     def device(self) -> torch.device:
@@ -391,6 +392,7 @@ class DecoderModel(nn.Module):
         """Move and cast the weights (packed ones are moved as they are); the RoPE tables stay
         float32 until :meth:`build_rope_tables`."""
         self.to(device=device, dtype=dtype)
+        self._placement += 1  # the weights moved: every layer chain bound to the old ones is rebuilt
         for m in self.modules():
             if isinstance(getattr(m, "cpu_route", None), CpuRoute):
                 m.cpu_route = CpuRoute()  # decided again at the next call, on the moved weights
@@ -428,8 +430,8 @@ class DecoderModel(nn.Module):
         chain (a family without ``chain_args``, a route that does not apply, a store that does
         not attend through the C++ kernel)."""
         held = kv.layer_chain
-        if held is not None and held[0] is self:
-            return held[1]
+        if held is not None and held[0] is self and held[1] == self._placement:
+            return held[2]
         chain = None
         if cpu_ops.available() and len(self.layers):
             parts = [layer.chain_args(kv) if hasattr(layer, "chain_args") else None for layer in self.layers]
@@ -437,7 +439,7 @@ class DecoderModel(nn.Module):
                 chain = cpu_ops.op("LayerChain")()
                 for p in parts:
                     chain.add(*p)
-        kv.layer_chain = (self, chain)
+        kv.layer_chain = (self, self._placement, chain)
         return chain
 
     def build_rope_tables(self, length: int, dtype: torch.dtype, grow: bool = False) -> None:

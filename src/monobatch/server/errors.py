@@ -6,6 +6,7 @@ or an engine failure is a 500. Handlers are registered on the app by :func:`inst
 
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -14,7 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from monobatch.errors import ContextLengthError, MonobatchError
+from monobatch.errors import ContextLengthError, MonobatchError, json_kind
 
 log = logging.getLogger("monobatch.server")
 
@@ -125,25 +126,19 @@ def validation_message(errors: list[dict], content_type: str | None = None) -> t
     if "field" in ctx:  # our own PydanticCustomErrors carry the field and a finished message
         return first["msg"], ctx["field"]
     if kind == "extra_forbidden":
-        return f"{_path(raw)}: unknown field (not supported by monobatch)", loc[0] if loc else None
+        return f"{_path(raw)}: unknown field (not supported by monobatch)", _path(raw) or None
     same = [e for e in errors if [str(p) for p in _field_loc(e.get("loc", ()))][:1] == loc[:1]]
-    deepest = max(same, key=lambda e: len(_field_loc(e.get("loc", ()))))
+    # the member that got furthest: the longest path, then the latest list index (a token-id list
+    # [1, "a"] fails the string list at [0] and the id list at [1]: its error is the id list's)
+    deepest = max(same, key=lambda e: (len(_field_loc(e.get("loc", ()))),
+                                       [p for p in _field_loc(e.get("loc", ())) if isinstance(p, int)]))
     if len(_field_loc(deepest.get("loc", ()))) > len(raw):  # a union member that got further: its error
         first, raw = deepest, _field_loc(deepest.get("loc", ()))
     elif len(same) > 1 and len({e["type"] for e in same}) > 1:  # a union: every member failed at the field
         return f"{_path(raw)}: invalid value ({'; '.join(dict.fromkeys(e['msg'] for e in same))})", _path(raw)
     if first.get("type") in ("model_type", "model_attributes_type", "dict_type"):  # not the class's name
-        return f"{_path(raw)}: must be a JSON object, got {_json_kind(first.get('input'))}", _path(raw)
+        return f"{_path(raw)}: must be a JSON object, got {json_kind(first.get('input'))}", _path(raw)
     return f"{_path(raw)}: {first['msg']}", _path(raw) or None
-
-
-def _json_kind(value: object) -> str:
-    """A JSON value's kind as a message names it (``a string``, ``a number``, ``null``)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    return {str: "a string", int: "a number", float: "a number", list: "an array"}.get(type(value), type(value).__name__)
 
 
 #: FastAPI's 400 detail where decoding the JSON body raised something else than a JSONDecodeError
@@ -155,11 +150,15 @@ def body_parse_message(body: bytes) -> str:
     body errors: bytes that are not UTF-8 (``json.loads`` raises UnicodeDecodeError) or nesting
     deeper than the parser's recursion limit (RecursionError)."""
     try:
-        body.decode("utf-8")
+        json.loads(body.decode("utf-8"))
     except UnicodeDecodeError as e:
         return (f"the request body is not valid UTF-8 (byte 0x{body[e.start]:02x} at offset {e.start}): "
                 "send JSON text encoded as UTF-8")
-    return "the request body is not valid JSON: nested too deeply (arrays or objects thousands of levels deep)"
+    except RecursionError:
+        return "the request body is not valid JSON: nested too deeply (arrays or objects thousands of levels deep)"
+    except ValueError as e:
+        return f"the request body is not valid JSON: {e}"
+    return "the request body could not be parsed as JSON"
 
 
 def install_handlers(app: FastAPI) -> None:

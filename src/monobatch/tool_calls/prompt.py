@@ -9,7 +9,7 @@ import re
 from collections import Counter
 from typing import Any
 
-from monobatch.errors import InvalidRequestError
+from monobatch.errors import InvalidRequestError, json_kind
 from monobatch.tokenizer.chat_template import normalize_messages
 from monobatch.tool_calls.parser import JSON_ERRORS
 from monobatch.tool_calls.request import ToolFormat, ToolSpec
@@ -117,8 +117,6 @@ def history_calls(calls: Any, i: int) -> list[tuple[str, str, Any]]:
     return out
 
 
-#: JSON's names for the Python types a decoded JSON value has (for "expected a string, got ...").
-_JSON_TYPES = {dict: "an object", list: "an array", bool: "a boolean", int: "a number", float: "a number"}
 
 
 def _history_call(tc: Any, i: int, k: int) -> tuple[str, str, Any]:
@@ -127,7 +125,7 @@ def _history_call(tc: Any, i: int, k: int) -> tuple[str, str, Any]:
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise InvalidRequestError(f"messages[{i}].tool_calls[{k}]: each call needs function.name (a string)",
                                   f"messages[{i}].tool_calls[{k}]")
-    if tc.get("type", "function") != "function":  # OpenAI's only call type (absent: vLLM's clients omit it)
+    if tc.get("type") not in (None, "function"):  # OpenAI's only call type (absent or null: vLLM's clients omit it)
         raise InvalidRequestError(f"messages[{i}].tool_calls[{k}].type must be 'function', got {tc.get('type')!r}",
                                   f"messages[{i}].tool_calls[{k}].type")
     if not isinstance(tc.get("id"), str):
@@ -137,7 +135,7 @@ def _history_call(tc: Any, i: int, k: int) -> tuple[str, str, Any]:
     args = fn.get("arguments")
     if not isinstance(args, str):
         what = "is missing" if args is None else \
-            f"must be a string (JSON text), got {_JSON_TYPES.get(type(args), type(args).__name__)}"
+            f"must be a string (JSON text), got {json_kind(args)}"
         raise InvalidRequestError(f"messages[{i}].tool_calls[{k}].function.arguments {what}: a call's arguments "
                                   "are the JSON text of an object, as a reply's tool_calls carry them",
                                   f"messages[{i}].tool_calls[{k}].function.arguments")

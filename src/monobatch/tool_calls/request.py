@@ -90,8 +90,10 @@ def check_tools(tools: Any = None, tool_choice: Any = None, parallel_tool_calls:
 
     try:
         size = len(json.dumps(tools, ensure_ascii=False, default=str)) if tools else 0
-    except (RecursionError, ValueError):  # nested past the recursion limit
+    except RecursionError:  # nested past the recursion limit
         raise InvalidRequestError("tools: nested too deeply", "tools") from None
+    except ValueError as exc:  # a circular reference (the Python API's objects)
+        raise InvalidRequestError(f"tools: not JSON ({exc})", "tools") from None
     if size > MAX_TOOLS_SPEC_CHARS:  # before any grammar is built from them (a tool-call grammar's limit)
         raise InvalidRequestError(f"tools: {len(tools)} tools of {size} characters of JSON, more than the limit of "
                                   f"{MAX_TOOLS_SPEC_CHARS}: send fewer tools or shorter schemas", "tools")

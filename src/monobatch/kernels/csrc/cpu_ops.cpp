@@ -438,7 +438,10 @@ void register_ops(pybind11::module& m) {
   pybind11::class_<LayerChain>(m, "LayerChain", "a model's decode layers run in one call (the fused routes in order)")
       .def(pybind11::init<>())
       .def("add", &LayerChain::add, "bind one more layer's fixed arguments")
-      .def("run", &LayerChain::run, "the layers over a step's rows -> (residual, MLP output)")
+      // the GIL is released for the step (only tensors are touched): the server's event loop and
+      // tokenizer threads run meanwhile, as they did between the per-layer calls
+      .def("run", &LayerChain::run, "the layers over a step's rows -> (residual, MLP output)",
+           pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("__len__", [](const LayerChain& c) { return c.layers.size(); });
 }
 
