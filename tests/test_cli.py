@@ -83,6 +83,7 @@ def test_an_abbreviated_flag_is_an_unknown_flag(command, args, flag):
     ("generate", ["--max-token", "3", "-p", "hi"], "; did you mean --max-tokens?"),
     ("serve", ["--prot", "8080"], "; did you mean --port?"),
     ("bench", ["--frobnicate"], ""),
+    ("run", ["--logprobs"], "; --logprobs is a flag of monobatch generate"),  # another command's flag
 ])
 def test_a_mistyped_flag_gets_a_suggestion(command, args, hint):
     """An unknown flag a letter away from one of the command's is refused with that flag named

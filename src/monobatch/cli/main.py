@@ -53,15 +53,21 @@ def as_flag(error: MonobatchError, argv: list[str]) -> str:
 
 def _did_you_mean(parser: argparse.ArgumentParser, command: str | None, extras: list[str]) -> str:
     """``"; did you mean --max-tokens?"`` for the first unknown flag close to one of the command's
-    (difflib's ratio, at least 0.8: a letter missing or swapped), else ``""``."""
-    sub = next((a.choices.get(command) for a in parser._actions
-                if isinstance(a, argparse._SubParsersAction) and command), None)
+    (difflib's ratio, at least 0.8: a letter missing or swapped); else, for a flag another command
+    has, ``"; --logprobs is a flag of monobatch generate"`` (its value, given after it, was read
+    as this command's argument); else ``""``."""
+    subs = next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
+    sub = subs.get(command) if command else None
     known = list((sub or parser)._option_string_actions)
-    for arg in extras:
-        if arg.startswith("--"):
-            close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1, cutoff=0.8)
-            if close:
-                return f"; did you mean {close[0]}?"
+    flags = [arg.split("=", 1)[0] for arg in extras if arg.startswith("--")]
+    for flag in flags:
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.8)
+        if close:
+            return f"; did you mean {close[0]}?"
+    for flag in flags:
+        owners = [name for name, p in subs.items() if name != command and flag in p._option_string_actions]
+        if owners:
+            return f"; {flag} is a flag of {' and '.join(f'monobatch {o}' for o in owners[:2])}"
     return ""
 
 
