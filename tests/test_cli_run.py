@@ -226,6 +226,32 @@ def test_a_clients_api_key_is_checked_as_serve_checks_it(command, key, from_env,
     assert rc == 1
 
 
+@pytest.mark.parametrize("command", ["run", "chat", "bench-serve"])
+@pytest.mark.parametrize("url,why", [
+    ("http://[::1", "(Invalid port: ':1')"),
+    ("http://127.0.0.1:abc", "(Invalid port: 'abc')"),
+    ("http://ex_ample..com", "(the host name 'ex_ample..com' has an empty or overlong label)"),
+    ("http://xn--a.com:8080", "(Codepoint U+0080 at position 1 of '\\x80' not allowed)"),
+    ("http://:8080", "(no host)"),
+    ("http://127.0.0.1:70000", "(port 70000 is not in 1..65535)"),
+    ("http://127.0.0.1:0", "(port 0 is not in 1..65535)"),
+])
+def test_a_server_url_no_request_could_use_is_one_line(command, url, why, monkeypatch, capsys):
+    """A malformed --server-base / --base-url (once httpx's InvalidURL or the resolver's
+    UnicodeError as a traceback) or a port outside 1..65535 (once "connection refused") is refused
+    before any request, one line naming the flag and the URL."""
+    from monobatch.cli.main import main
+
+    flag = "--base-url" if command == "bench-serve" else "--server-base"
+    argv = [command, flag, url, *(["hi"] if command == "run" else [])]
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert_one_line_error(subprocess.CompletedProcess(argv, rc, out, err),
+                          f"monobatch {command}: error: {flag}: not a usable http(s) URL: {url!r} {why}")
+    assert rc == 1
+
+
 def test_unreachable_server_is_one_line():
     assert_one_line_error(monobatch("run", "--server-base", f"http://127.0.0.1:{free_port()}", "hi", timeout=120),
                           "cannot connect", "Connection refused")
