@@ -159,6 +159,57 @@ def test_non_utf8_prompt_is_refused():
     assert_one_line_error(res, "not valid UTF-8")
 
 
+BAD = os.fsdecode(b"a\xffb")  # how Python hands a command line's bytes that are not UTF-8: "a\udcffb"
+NO_MODEL = ("-m", "/nonexistent/model.gguf")  # without the check: a fast failure, not a generation
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["run", "--server-base", "http://127.0.0.1:9", "-p", "hi", "--system", BAD], "--system"),
+    (["run", "--server-base", "http://127.0.0.1:9", "-p", "hi", "--stop", "ok", "--stop", BAD], "--stop"),
+    (["chat", "--server-base", "http://127.0.0.1:9", "--json-schema", BAD], "--json-schema"),
+    (["generate", "-p", "hi", *NO_MODEL, "--dry-multiplier", "1", "--dry-sequence-breaker", BAD],
+     "--dry-sequence-breaker"),
+    (["generate", "-p", "hi", *NO_MODEL, "--stop", BAD], "--stop"),
+    (["generate", "-p", "hi", "-m", BAD], "-m/--model"),
+    (["serve", "--port", "-1", "--served-model-name", "ok", BAD], "--served-model-name"),
+    (["serve", BAD], "MODEL"),
+    (["bench-serve", "--label", BAD], "--label"),
+    (["parity", "--configs", BAD], "--configs"),
+])
+def test_a_text_flag_that_is_not_utf8_is_a_flag_error(argv, flag, capsys):
+    """Any text flag (or list of them) holding bytes that are not UTF-8 is refused by the parser,
+    before anything runs, as one line naming the flag, exit 2 (it once crashed in the tokenizer or
+    the HTTP body, or was taken silently, as --stop was)."""
+    from monobatch.cli.main import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert exited.value.code == 2 and out == ""
+    assert err == f"monobatch {argv[0]}: error: {flag}: not valid UTF-8 text: byte 0xFF at character 1 (see --help)\n"
+
+
+@pytest.mark.parametrize("argv", [["generate", "-p", BAD], ["generate", BAD], ["run", BAD], ["run", "-p", BAD],
+                                  ["parity", "-p", BAD]])
+def test_a_prompt_argument_that_is_not_utf8_keeps_the_prompts_message(argv, capsys):
+    """The prompt is checked as the prompt, wherever it comes from (stdin, -f, -p, the argument):
+    the prompt's own message (exit 1; parity's error code, 2)."""
+    from monobatch.cli.main import main
+
+    rc = main(argv)
+    assert rc == (2 if argv[0] == "parity" else 1)
+    assert capsys.readouterr().err == (f"monobatch {argv[0]}: error: the prompt is not valid UTF-8 text (an unpaired "
+                                       "surrogate, U+DCFF, at character 1)\n")
+
+
+def test_a_text_flag_that_is_not_utf8_on_a_real_command_line():
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    res = subprocess.run([sys.executable, "-m", "monobatch", "generate", "-p", "hi", "--stop", b"a\xffb"],
+                         capture_output=True, timeout=120, env=env)
+    assert res.returncode == 2 and res.stdout == b""
+    assert res.stderr == b"monobatch generate: error: --stop: not valid UTF-8 text: byte 0xFF at character 1 (see --help)\n"
+
+
 def test_logprobs_needs_json_output():
     assert_one_line_error(monobatch("generate", "-p", "hi", "--logprobs", "2"), "--output-format json")
 

@@ -343,6 +343,34 @@ def test_piped_chat_ending_inside_a_message_exits_1(server):
         assert_one_line_error(res, "monobatch chat: error: the input ended inside a message; it was not sent")
 
 
+def test_a_message_that_is_not_utf8_is_refused_and_the_session_goes_on(capsys):
+    """A line holding bytes that are not UTF-8 (read as lone surrogates) is not sent: one line on
+    stderr, the turn counts as failed (a piped chat exits 1, as `run` does for such a prompt), and
+    the next message is sent as usual."""
+    session, convo = ScriptedSession("A1"), chat.Conversation([])
+    assert chat.repl(session, convo, lines("hello \udcff world", "U1"), stats=False) is True
+    assert session.sent == [[user("U1")]] and convo.failures == 1
+    assert capsys.readouterr().err == ("monobatch chat: error: the message is not valid UTF-8 text (an unpaired "
+                                       "surrogate, U+DCFF, at character 6); it was not sent\n")
+
+
+@pytest.mark.parametrize("io_encoding", [None, "utf-8:strict"])
+def test_piped_chat_with_bytes_that_are_not_utf8(server, io_encoding):
+    """Real stdin bytes (0xFF): whatever the locale's error handler (a strict one raised in
+    input()), the line is refused in one line, the next one is answered, and the exit status is 1."""
+    import subprocess
+
+    env = cli_env(**({"PYTHONIOENCODING": io_encoding} if io_encoding else {}))
+    res = subprocess.run([sys.executable, "-m", "monobatch", "chat", "--server-base", server.base_url, "--api-key",
+                          KEY, "--temperature", "0", "-n", "6"], input=b"hello \xff world\nHi!\n",
+                         capture_output=True, timeout=120, env=env)
+    err = res.stderr.decode()
+    assert res.returncode == 1, err
+    assert err == ("monobatch chat: error: the message is not valid UTF-8 text (an unpaired surrogate, U+DCFF, at "
+                   "character 6); it was not sent\n"), err
+    assert res.stdout.decode() == server_reply(server, [user("Hi!")], 6) + "\n"
+
+
 def test_repl_commands(capsys):
     session = ScriptedSession("A1", "A2")
     convo = chat.Conversation([])

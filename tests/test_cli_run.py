@@ -200,6 +200,58 @@ def test_bad_input_is_one_line(args, needles, capsys):
     assert_one_line_error(subprocess.CompletedProcess(args, rc, out, err), *needles)
 
 
+@pytest.mark.parametrize("command", ["run", "chat", "bench-serve"])
+@pytest.mark.parametrize("key,from_env,needle", [
+    ("clé", False, "--api-key must be printable ASCII without spaces"),
+    ("two words", False, "--api-key must be printable ASCII without spaces"),
+    ("", False, "--api-key must not be empty"),
+    ("clé", True, "$MONOBATCH_API_KEY must be printable ASCII without spaces"),
+])
+def test_a_clients_api_key_is_checked_as_serve_checks_it(command, key, from_env, needle, monkeypatch, capsys):
+    """A key no Authorization header can carry (it once raised httpx's "'ascii' codec can't
+    encode" traceback) is refused before connecting by serve's own check, naming where the key
+    came from; an empty $MONOBATCH_API_KEY is no key, as for serve."""
+    from monobatch.cli.main import main
+
+    url = f"http://127.0.0.1:{free_port()}"
+    argv = [command, "--base-url" if command == "bench-serve" else "--server-base", url]
+    argv += [] if from_env else ["--api-key", key]
+    argv += ["hi"] if command == "run" else []
+    if from_env:
+        monkeypatch.setenv("MONOBATCH_API_KEY", key)
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert_one_line_error(subprocess.CompletedProcess(argv, rc, out, err), f"monobatch {command}: error: {needle}")
+    assert rc == 1
+
+
+@pytest.mark.parametrize("command", ["run", "chat", "bench-serve"])
+@pytest.mark.parametrize("url,why", [
+    ("http://[::1", "(Invalid port: ':1')"),
+    ("http://127.0.0.1:abc", "(Invalid port: 'abc')"),
+    ("http://ex_ample..com", "(the host name 'ex_ample..com' has an empty or overlong label)"),
+    ("http://xn--a.com:8080", "(Codepoint U+0080 at position 1 of '\\x80' not allowed)"),
+    ("http://:8080", "(no host)"),
+    ("http://127.0.0.1:70000", "(port 70000 is not in 1..65535)"),
+    ("http://127.0.0.1:0", "(port 0 is not in 1..65535)"),
+])
+def test_a_server_url_no_request_could_use_is_one_line(command, url, why, monkeypatch, capsys):
+    """A malformed --server-base / --base-url (once httpx's InvalidURL or the resolver's
+    UnicodeError as a traceback) or a port outside 1..65535 (once "connection refused") is refused
+    before any request, one line naming the flag and the URL."""
+    from monobatch.cli.main import main
+
+    flag = "--base-url" if command == "bench-serve" else "--server-base"
+    argv = [command, flag, url, *(["hi"] if command == "run" else [])]
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert_one_line_error(subprocess.CompletedProcess(argv, rc, out, err),
+                          f"monobatch {command}: error: {flag}: not a usable http(s) URL: {url!r} {why}")
+    assert rc == 1
+
+
 def test_unreachable_server_is_one_line():
     assert_one_line_error(monobatch("run", "--server-base", f"http://127.0.0.1:{free_port()}", "hi", timeout=120),
                           "cannot connect", "Connection refused")

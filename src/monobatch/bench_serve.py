@@ -62,8 +62,8 @@ from typing import Any
 import httpx
 
 from monobatch.cli.http_client import (CONNECT_TIMEOUT, ChatClient, ClientError, aiter_sse, auth_headers, base_root,
-                                       refusal, transport_errors)
-from monobatch.errors import MonobatchError
+                                       check_base_url, refusal, transport_errors)
+from monobatch.errors import MonobatchError, require_api_key
 from monobatch.synth import synth_text
 
 #: Percentiles reported for every latency (besides mean and median).
@@ -392,7 +392,8 @@ async def _run(cfg: ServeBenchConfig, model: str, prompts: list[str],
 
 
 def validate(cfg: ServeBenchConfig) -> None:
-    """Refuse settings that cannot run. Raises BenchServeError."""
+    """Refuse settings that cannot run. Raises BenchServeError (InvalidRequestError: an API key
+    that is empty or not printable ASCII without spaces, a base URL no request could use)."""
     if cfg.num_prompts < 1:
         raise BenchServeError("--num-prompts must be >= 1")
     if cfg.input_len < 1:
@@ -411,6 +412,8 @@ def validate(cfg: ServeBenchConfig) -> None:
         raise BenchServeError("--timeout must be > 0")
     if cfg.endpoint not in ("completions", "chat"):
         raise BenchServeError("--endpoint must be completions or chat")
+    require_api_key(cfg.api_key)  # what serve takes; anything else an HTTP header cannot carry
+    check_base_url(cfg.base_url, "--base-url")
 
 
 def bench_serve(cfg: ServeBenchConfig, log=None) -> dict[str, Any]:

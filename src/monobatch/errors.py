@@ -37,6 +37,37 @@ class ContextLengthError(InvalidRequestError):
     """A prompt (or prompt + max_tokens) does not fit in the model's context (HTTP 400)."""
 
 
+def require_api_key(key: str | None, source: str = "--api-key") -> None:
+    """Refuse an API key that ``Authorization: Bearer KEY`` cannot carry as given: empty, or not
+    printable ASCII without spaces (a header is bytes: such a key could never match, and an HTTP
+    client cannot even send it). The one check of a server's key and of a client's; None (no key)
+    passes.
+
+    Args:
+        source: where the key came from, named in the message (``--api-key``, ``$MONOBATCH_API_KEY``).
+
+    Raises:
+        InvalidRequestError: the key cannot be used (param ``api_key``).
+    """
+    if key is None:
+        return
+    if key == "":
+        raise InvalidRequestError(f"{source} must not be empty", "api_key")
+    if not (key.isascii() and key.isprintable() and " " not in key):
+        raise InvalidRequestError(f"{source} must be printable ASCII without spaces", "api_key")
+
+
+def first_non_utf8(text: str) -> int | None:
+    """The index of the first code point in ``text`` that UTF-8 cannot encode (a lone surrogate:
+    JSON's ``"\\ud800"``, or a byte that is not UTF-8 read with ``surrogateescape``, U+DC80..U+DCFF),
+    or None when ``text`` is valid UTF-8 text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
 def require_utf8(text: str, param: str, what: str = "the prompt") -> None:
     """Refuse text that has no UTF-8 form: a lone surrogate, which JSON can carry (``"\\ud800"``)
     and a terminal's undecodable bytes become (``surrogateescape``); the tokenizer takes only UTF-8.
@@ -44,11 +75,10 @@ def require_utf8(text: str, param: str, what: str = "the prompt") -> None:
     Raises:
         InvalidRequestError: ``text`` holds a code point UTF-8 cannot encode (names ``param``).
     """
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidRequestError(f"{what} is not valid UTF-8 text (an unpaired surrogate, U+{ord(exc.object[exc.start]):04X}, "
-                                  f"at character {exc.start})", param) from None
+    at = first_non_utf8(text)
+    if at is not None:
+        raise InvalidRequestError(f"{what} is not valid UTF-8 text (an unpaired surrogate, U+{ord(text[at]):04X}, "
+                                  f"at character {at})", param)
 
 
 def json_kind(value: object) -> str:

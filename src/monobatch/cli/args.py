@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from monobatch import defaults
-from monobatch.errors import InvalidRequestError, require_utf8
+from monobatch.errors import InvalidRequestError, first_non_utf8, require_utf8
 
 if TYPE_CHECKING:
     from monobatch.engine.constraint import StructuredOutput
@@ -39,6 +39,42 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         """Print ``prog: error: message (see --help)`` and exit 2."""
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        """argparse's, then every text argument (a string, or a list of them) that is not valid
+        UTF-8 — bytes a terminal passed that Python keeps as lone surrogates, which no file,
+        tokenizer or HTTP body can carry — is a flag error: ``--stop: not valid UTF-8 text: byte
+        0xFF at character 1``, exit 2. The prompt's arguments (:data:`PROMPT_DESTS`) are left to
+        :func:`read_prompt`, which checks the prompt however it is given."""
+        ns, extras = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            if action.dest in PROMPT_DESTS:
+                continue
+            value = getattr(ns, action.dest, None)
+            for text in value if isinstance(value, (list, tuple)) else (value,):
+                fault = not_utf8(text) if isinstance(text, str) else None
+                if fault:
+                    name = "/".join(action.option_strings) or action.metavar or action.dest
+                    self.error(f"{name}: not valid UTF-8 text: {fault}")
+        return ns, extras
+
+
+#: The arguments that hold ``generate``'s, ``run``'s and ``parity``'s prompt: their text is
+#: checked as the prompt (:func:`read_prompt`; ``parity``'s ``check_flags``), with the prompt's own
+#: message, not by the parser's check of text flags.
+PROMPT_DESTS = frozenset({"prompt", "prompt_flag", "positional_prompt"})
+
+
+def not_utf8(text: str) -> str | None:
+    """Where ``text`` stops being UTF-8 (``byte 0xFF at character 1`` for a byte Python read as a
+    lone surrogate, ``an unpaired surrogate, U+D800, at character 1`` otherwise; 0-based, as the
+    prompt's message counts), or None when it is valid UTF-8 text."""
+    at = first_non_utf8(text)
+    if at is None:
+        return None
+    code = ord(text[at])
+    what = f"byte 0x{code - 0xDC00:02X}" if 0xDC80 <= code <= 0xDCFF else f"an unpaired surrogate, U+{code:04X},"
+    return f"{what} at character {at}"
 
 
 class _NoLayerOffload(argparse.Action):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 
 
 def _rate(text: str) -> float:
@@ -62,15 +61,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds a request's stream may stay silent before it counts as failed (default 600)")
     p.add_argument("--label", help="a label for the result (its `label` field in --json)")
     p.add_argument("--json", action="store_true", help="print one JSON object (one line) instead of the table")
-    p.set_defaults(func=run, api_key_env=API_KEY_ENV)
+    p.set_defaults(func=run)
 
 
 def run(ns: argparse.Namespace) -> int:
     """Run the benchmark, print the table or JSON. Returns the exit code."""
     from monobatch.bench_serve import BenchServeError, ServeBenchConfig, bench_serve, table
+    from monobatch.cli.serve import api_key_of
 
     cfg = ServeBenchConfig(
-        base_url=ns.base_url, api_key=ns.api_key or os.environ.get(ns.api_key_env) or None, model=ns.model,
+        base_url=ns.base_url, api_key=api_key_of(ns.api_key), model=ns.model,
         endpoint=ns.endpoint, num_prompts=ns.num_prompts, input_len=ns.input_len, output_len=ns.output_len,
         request_rate=ns.request_rate, burstiness=ns.burstiness, max_concurrency=ns.max_concurrency,
         seed=ns.seed, num_warmups=ns.num_warmups, timeout=ns.timeout, label=ns.label)

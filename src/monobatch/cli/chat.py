@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import sys
 from typing import Callable
 
 from monobatch.cli.http_client import ClientError
 from monobatch.cli.session import Reply, Session, add_session_args, check_flags, open_session, opening_messages
+from monobatch.errors import InvalidRequestError, require_utf8
 
 PROMPT = "> "
 CONTINUATION = "... "
@@ -214,6 +216,12 @@ def repl(session: Session, conversation: Conversation, read_line: Callable[[str]
             return True
         if not text.strip():
             continue
+        try:
+            require_utf8(text, "prompt", "the message")
+        except InvalidRequestError as exc:  # refused as run refuses such a prompt: not sent, the turn failed
+            print(f"monobatch chat: error: {exc}; it was not sent", file=sys.stderr, flush=True)
+            conversation.failures += 1
+            continue
         if text.startswith("/") and "\n" not in text:
             if not command(session, conversation, text.strip(), stats):
                 return False
@@ -234,6 +242,8 @@ def run(ns: argparse.Namespace) -> int:
     """Chat until /exit or EOF; returns the exit code."""
     fields = check_flags(ns)
     interactive = sys.stdin is not None and sys.stdin.isatty()
+    if isinstance(sys.stdin, io.TextIOWrapper):  # bytes that are not UTF-8 reach repl() as lone surrogates,
+        sys.stdin.reconfigure(errors="surrogateescape")  # whatever the locale (a strict one would raise in input())
     if interactive:
         importlib.import_module("readline")  # line editing and history for input()
     with open_session(ns, fields) as session:

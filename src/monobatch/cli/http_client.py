@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator
 
 from monobatch.cli.serve import API_KEY_ENV
-from monobatch.errors import MonobatchError
+from monobatch.errors import InvalidRequestError, MonobatchError
 
 if TYPE_CHECKING:  # httpx is imported where a request is made: every command imports this module
     # (through the CLI's command modules), `generate` and `bench` send no request, and httpx with
@@ -180,6 +180,55 @@ class ChatClient:
         return transport_errors(self.base_url, self._read_timeout, self._url_flag)
 
 
+def check_base_url(base_url: str, flag: str) -> None:
+    """Refuse a server URL no request could use, before any is sent: not ``http://`` or
+    ``https://``, malformed (``http://[::1``), no host, a host name no resolver takes
+    (``http://ex_ample..com``: an empty label), a port outside 1..65535.
+
+    Args:
+        flag: the flag that gave it (``--server-base``, ``--base-url``), named in the message.
+
+    Raises:
+        InvalidRequestError: one line naming ``flag`` and the URL.
+    """
+    import httpx
+
+    param = flag.lstrip("-").replace("-", "_")
+    if not base_url.startswith(("http://", "https://")):
+        raise InvalidRequestError(f"{flag} must be an http:// or https:// URL, got {base_url!r}", param)
+    try:
+        url = httpx.URL(base_url)
+        url.host  # noqa: B018 - decodes an IDNA name as httpx does when it sends (xn--a: UnicodeError)
+    except (httpx.InvalidURL, UnicodeError) as exc:  # a malformed port or IPv6 address, a bad IDNA name
+        why: str | None = str(exc)
+    else:
+        host, why = url.raw_host.decode("ascii"), None  # IDNA-encoded, as the connection resolves it
+        if not host:
+            why = "no host"
+        elif not _resolvable(host):
+            why = f"the host name {host!r} has an empty or overlong label"
+        elif url.port is not None and not 1 <= url.port <= 65535:
+            why = f"port {url.port} is not in 1..65535"
+    if why is not None:
+        raise InvalidRequestError(unusable_url(flag, base_url, why), param)
+
+
+def _resolvable(host: str) -> bool:
+    """Whether the resolver takes ``host`` (socket's encoding of a name: no empty label, none over
+    63 characters; ``ex_ample..com`` raised UnicodeError deep in the connection)."""
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        return False
+    return True
+
+
+def unusable_url(flag: str, base_url: str, why: str) -> str:
+    """The one line for a server URL that cannot be used: ``--server-base: not a usable http(s) URL:
+    'http://[::1' (Invalid port: ':1')``."""
+    return f"{flag}: not a usable http(s) URL: {base_url!r} ({why})"
+
+
 def base_root(base_url: str) -> str:
     """``base_url`` without a trailing ``/`` or ``/v1``."""
     base = base_url.rstrip("/")
@@ -215,7 +264,7 @@ def transport_errors(base_url: str, read_timeout: float = READ_TIMEOUT,
     except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
         raise ClientError(f"the connection to {base_url} broke: {exc or type(exc).__name__}") from None
     except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:
-        raise ClientError(f"{url_flag}: not a usable http(s) URL: {base_url!r} ({exc})") from None
+        raise ClientError(unusable_url(url_flag, base_url, str(exc))) from None
     except httpx.HTTPError as exc:
         raise ClientError(f"HTTP error talking to {base_url}: {exc or type(exc).__name__}") from None
 

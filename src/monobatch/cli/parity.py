@@ -24,7 +24,7 @@ import sys
 import traceback
 
 from monobatch.cli.args import add_model_args, check_writable, engine_settings
-from monobatch.errors import InvalidRequestError, MonobatchError
+from monobatch.errors import InvalidRequestError, MonobatchError, require_utf8
 
 #: Config names (kept here too so building the parser imports nothing heavy).
 CONFIG_NAMES = ("greedy", "seeded", "json")
@@ -75,6 +75,8 @@ def check_flags(ns: argparse.Namespace) -> tuple[str, ...]:
                                   "batch_prefill_chunk")
     if ns.prompt is not None and not ns.prompt.strip():
         raise InvalidRequestError("--prompt is empty", "prompt")
+    if ns.prompt is not None:
+        require_utf8(ns.prompt, "prompt")  # the prompt's own message, as generate's and run's
     engine_settings(ns)
     from monobatch.loader import resolve_model_path  # torch: only once the plain values are good (seconds)
     from monobatch.tokenizer.chat_template import load_chat_template

@@ -16,11 +16,27 @@ import sys
 from monobatch import defaults
 from monobatch.chat_output import REASONING_FORMATS
 from monobatch.cli.args import add_model_args, add_sampling_args, engine_settings, sampling_flags
-from monobatch.errors import InvalidRequestError, MonobatchError
+from monobatch.errors import InvalidRequestError, MonobatchError, require_api_key
 
 #: Environment variable read when --api-key is not given (keeps the key out of `ps`).
 API_KEY_ENV = "MONOBATCH_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def api_key_of(flag: str | None) -> str | None:
+    """The API key of ``serve`` and of the clients (``run``/``chat --server-base``, ``bench-serve``):
+    ``--api-key``, else ``$MONOBATCH_API_KEY`` (unset or empty: no key), checked by
+    :func:`monobatch.errors.require_api_key` naming where it came from.
+
+    Raises:
+        InvalidRequestError: a key no ``Authorization`` header can carry.
+    """
+    if flag is not None:
+        require_api_key(flag, "--api-key")
+        return flag
+    key = os.environ.get(API_KEY_ENV) or None
+    require_api_key(key, f"${API_KEY_ENV}")
+    return key
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -78,7 +94,7 @@ def check_flags(ns: argparse.Namespace) -> None:
         raise InvalidRequestError(f"--port must be in 0..65535, got {ns.port}", "port")
     if ns.shutdown_timeout < 0:
         raise InvalidRequestError("--shutdown-timeout must be >= 0", "shutdown_timeout")
-    ns.api_key = ns.api_key if ns.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    ns.api_key = api_key_of(ns.api_key)
     engine_settings(ns)
     from monobatch.loader import resolve_model_path  # these import torch (seconds): after the plain checks
     from monobatch.server.runner import settings_from_args

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from contextlib import closing, contextmanager
@@ -24,8 +23,8 @@ from typing import Any, Iterator, TextIO
 from monobatch.chat_output import REASONING_FORMATS
 from monobatch.cli.args import (add_constraint_args, add_model_args, add_sampling_args, constraint_flag, engine_settings,
                                 sampling_flags)
-from monobatch.cli.http_client import ChatClient
-from monobatch.cli.serve import API_KEY_ENV
+from monobatch.cli.http_client import ChatClient, check_base_url
+from monobatch.cli.serve import API_KEY_ENV, api_key_of
 from monobatch.errors import InvalidRequestError
 
 #: Seconds to wait for a ``--server-base`` server that is still loading its model.
@@ -102,14 +101,12 @@ def check_flags(ns: argparse.Namespace) -> dict[str, Any]:
     """
     fields = request_fields(ns)
     if ns.server_base is not None:
-        if not ns.server_base.startswith(("http://", "https://")):
-            raise InvalidRequestError(f"--server-base must be an http:// or https:// URL, got {ns.server_base!r}",
-                                      "server_base")
+        check_base_url(ns.server_base, "--server-base")
         given = [flag for dest, default, flag in ns.local_only_flags if getattr(ns, dest) != default]
         if given:
             raise InvalidRequestError(f"{given[0]} does not apply with --server-base (the server's model and "
                                       "settings answer)", "server_base")
-        ns.api_key = ns.api_key if ns.api_key is not None else os.environ.get(API_KEY_ENV) or None
+        ns.api_key = api_key_of(ns.api_key)
     else:
         from monobatch.loader import resolve_model_path
         from monobatch.tokenizer.chat_template import load_chat_template

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from monobatch.chat_output import REASONING_FORMATS
 from monobatch.engine.scheduler import BatchScheduler
-from monobatch.errors import InvalidRequestError
+from monobatch.errors import InvalidRequestError, require_api_key
 from monobatch.server.client import EngineClient, shutting_down
 from monobatch.server.errors import APIError
 from monobatch.server.generation import max_prompt_chars
@@ -61,12 +61,7 @@ class ServerSettings:
         if self.reasoning_format not in REASONING_FORMATS:
             raise InvalidRequestError(f"--reasoning-format must be one of {', '.join(REASONING_FORMATS)}",
                                       "reasoning_format")
-        if self.api_key == "":
-            raise InvalidRequestError("--api-key must not be empty", "api_key")
-        if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()
-                                             and " " not in self.api_key):
-            # an HTTP header carries it as bytes: anything else could never match
-            raise InvalidRequestError("--api-key must be printable ASCII without spaces", "api_key")
+        require_api_key(self.api_key)
 
 
 class ServerState:
