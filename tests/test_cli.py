@@ -251,6 +251,19 @@ def test_not_a_gguf(tmp_path):
     assert_one_line_error(monobatch("generate", "-p", "hi", "-m", str(bad)), "not a readable GGUF")
 
 
+@pytest.mark.parametrize("command,code", [("generate", 1), ("bench", 1), ("parity", 2)])
+def test_a_corrupt_safetensors_file_is_one_line(tmp_path, command, code):
+    """An HF folder whose *.safetensors is not readable: one line naming the file, as a bad GGUF
+    (it was safetensors' SafetensorError traceback in generate, bench and parity)."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "model.safetensors").write_text("garbage\n")
+    args = ("-p", "hi") if command == "generate" else ()
+    res = monobatch(command, *args, "-t", "1", "--no-progress", "-m", str(tmp_path))
+    assert res.returncode == code
+    assert_one_line_error(res, f"monobatch {command}: error: {tmp_path}/model.safetensors: not a readable safetensors "
+                               "file (Error while deserializing header: header too large)")
+
+
 def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 8}))
     assert_one_line_error(monobatch("generate", "-p", "hi", "-m", str(tmp_path)), "unsupported architecture", "gpt2")
