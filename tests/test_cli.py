@@ -352,6 +352,32 @@ def test_ctx_size_cap_note_names_the_command():
     assert f"monobatch generate: -c {ctx * 4} exceeds the model's context; using {ctx}\n" in res.stderr, res.stderr
 
 
+def test_threads_beyond_the_usable_cpus_are_capped_with_a_note():
+    """-t above the CPUs this process may use (-t 100000 once crashed in libgomp creating its
+    threads; -t 10000 decoded at 0.1 tok/s) runs at that count, with one note in -c's style."""
+    cpus = len(os.sched_getaffinity(0))
+    res = monobatch("generate", "-p", "Hi", "-n", "1", "--temperature", "0", "-t", "100000", "--no-progress")
+    assert res.returncode == 0, res
+    assert f"monobatch generate: -t 100000 exceeds the {cpus} CPUs this process may use; using {cpus}\n" in res.stderr
+
+
+def test_the_threads_cap_is_one_note_in_the_flag_check_every_command_makes(monkeypatch, capsys):
+    """engine_settings, which every command with -t calls first (some twice), lowers -t once."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from monobatch.cli import args
+    from monobatch.cli.main import build_parser
+
+    assert args.usable_cpus() == len(os.sched_getaffinity(0))
+    monkeypatch.setattr(args.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    for command, threads, after in (("serve", 10000, 3), ("run", 3, 3), ("parity", -1, -1)):
+        ns = build_parser().parse_args([command, "-t", str(threads)])
+        args.engine_settings(ns)
+        args.engine_settings(ns)
+        assert ns.threads == after
+        note = f"monobatch {command}: -t {threads} exceeds the 3 CPUs this process may use; using 3\n"
+        assert capsys.readouterr().err == (note if threads > 3 else "")
+
+
 def test_prompt_from_a_file_as_llama_cpp_reads_it(tmp_path):
     """``generate -f FILE`` (llama-completion's flag) sends the file's text, one trailing newline
     dropped, as ``-p`` sends the same text; with ``-p`` too, or a file that is not there, one line."""

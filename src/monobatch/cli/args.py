@@ -308,8 +308,20 @@ def sampling_flags(ns: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask where the OS keeps one (Linux: what
+    ``taskset`` or a container's cpuset allows), else ``os.cpu_count()``."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no affinity on this platform (macOS, Windows)
+        return os.cpu_count() or 1
+
+
 def engine_settings(ns: argparse.Namespace) -> dict[str, Any]:
-    """EngineConfig fields from the model flags.
+    """EngineConfig fields from the model flags. Every command with ``-t`` checks its flags here
+    first: ``-t`` above :func:`usable_cpus` is never useful (OpenMP threads beyond the cores wait
+    on each other; at 100000 libgomp crashed creating them), so ``ns.threads`` is lowered to that
+    count, with one note on stderr, as ``-c`` over the model's context is capped.
 
     Raises:
         InvalidRequestError: ``-c`` negative, ``-t`` 0 or below -1.
@@ -318,6 +330,11 @@ def engine_settings(ns: argparse.Namespace) -> dict[str, Any]:
         raise InvalidRequestError(f"-c/--ctx-size must be >= 0 (0 = the model's), got {ns.ctx_size}", "ctx_size")
     if ns.threads == 0 or ns.threads < -1:
         raise InvalidRequestError(f"-t/--threads must be >= 1 (or -1 for the default), got {ns.threads}", "threads")
+    cpus = usable_cpus()
+    if ns.threads > cpus:
+        prog = f"monobatch {ns.command}" if getattr(ns, "command", None) else "monobatch"
+        print(f"{prog}: -t {ns.threads} exceeds the {cpus} CPUs this process may use; using {cpus}", file=sys.stderr)
+        ns.threads = cpus
     if ns.prefill_chunk < 1:
         raise InvalidRequestError(f"--prefill-chunk must be >= 1, got {ns.prefill_chunk}", "prefill_chunk")
     if ns.max_num_seqs < 1:
