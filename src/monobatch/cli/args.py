@@ -283,6 +283,14 @@ def _read_flag_file(path: str, flag: str) -> str:
                                   flag.lstrip("-").replace("-", "_")) from None
 
 
+def opening_messages(ns: argparse.Namespace) -> list[dict[str, str]]:
+    """The conversation's opening (``generate --chat``, ``run``, ``chat``): the ``--system``
+    message when the flag is given, an empty one too (``--system ''``: the template then renders
+    an empty system turn, not its default system prompt, as the server and ``LLM.chat`` do for
+    an empty system message); none when it is not given."""
+    return [{"role": "system", "content": ns.system}] if ns.system is not None else []
+
+
 def sampling_flags(ns: argparse.Namespace) -> dict[str, Any]:
     """The sampling flags the user set, as SamplingParams fields (sentinels translated; ``--seed
     -1``, random, is SamplingParams' own sentinel: kept, so that a request sent with it overrides
