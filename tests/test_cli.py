@@ -209,6 +209,39 @@ def test_a_text_flag_that_is_not_utf8_on_a_real_command_line():
     assert res.stderr == b"monobatch generate: error: --stop: not valid UTF-8 text: byte 0xFF at character 1 (see --help)\n"
 
 
+@pytest.mark.parametrize("argv,line", [
+    (["generate", "-p", "hi", *NO_MODEL, "--json-schema", "@"],
+     "monobatch generate: error: --json-schema: the file name is missing (@FILE: a file name after the @)"),
+    (["generate", "-p", "hi", *NO_MODEL, "--grammar-file", ""], "monobatch generate: error: --grammar-file: the file name is missing"),
+    (["generate", "-p", "hi", *NO_MODEL, "--json-schema", "null"],
+     "monobatch generate: error: --json-schema: a JSON schema must be an object, got null"),
+    (["generate", "-p", "hi", *NO_MODEL, "--json-schema", "[1]"],
+     "monobatch generate: error: --json-schema: a JSON schema must be an object, got an array"),
+    (["generate", "-p", "hi", "-m", ""], "monobatch generate: error: -m/--model: empty path"),
+    (["run", "-m", "", "hi"], "monobatch run: error: -m/--model: empty path"),
+    (["serve", "--port", "0", "-m", ""], "monobatch serve: error: -m/--model: empty path"),
+    (["parity", "-m", ""], "monobatch parity: error: -m/--model: empty path"),
+])
+def test_messages_say_what_is_wrong(argv, line, capsys):
+    """An empty @FILE or file flag (once "cannot read '': Is a directory"), a schema that is JSON
+    null (once "got NoneType"), an empty -m (once the current folder, read as a checkpoint): the
+    line says what it is, before anything loads."""
+    from monobatch.cli.main import main
+
+    rc = main(argv)
+    assert rc == (2 if argv[0] == "parity" else 1)
+    assert capsys.readouterr().err == line + "\n"
+
+
+def test_a_truncated_gguf_is_one_line(bundled_path, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    with open(bundled_path, "rb") as src:
+        cut.write_bytes(src.read(50_000_000))
+    res = monobatch("generate", "-p", "hi", "--no-progress", "-t", "1", "-m", str(cut))
+    assert_one_line_error(res, f"monobatch generate: error: {cut}: the file is truncated (tensor data past the end of "
+                               "the file: the file has 50000000 bytes, a tensor's data runs to byte ")
+
+
 def test_logprobs_needs_json_output():
     assert_one_line_error(monobatch("generate", "-p", "hi", "--logprobs", "2"), "--output-format json")
 

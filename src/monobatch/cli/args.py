@@ -276,6 +276,16 @@ def constraint_flag(ns: argparse.Namespace) -> "StructuredOutput | None":
 
 
 def _read_flag_file(path: str, flag: str) -> str:
+    """The text of the file a flag names (``--json-schema @FILE``, ``--grammar-file FILE``).
+
+    Raises:
+        InvalidRequestError: no file name (``--json-schema @``: an empty path would read as the
+            current folder), a file that cannot be read or is not UTF-8.
+    """
+    if not path:
+        raise InvalidRequestError(f"{flag}: the file name is missing"
+                                  + (" (@FILE: a file name after the @)" if flag == "--json-schema" else ""),
+                                  flag.lstrip("-").replace("-", "_"))
     try:
         return Path(path).expanduser().read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

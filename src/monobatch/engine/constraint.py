@@ -57,6 +57,18 @@ CACHE_SIZE = 256
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+def json_type(value: Any) -> str:
+    """JSON's name for the type of a parsed value (``null``, ``an array``, ...), for messages to
+    people who wrote JSON, not Python (``got null``, not ``got NoneType``)."""
+    if value is None:
+        return "null"
+    for kind, name in ((bool, "a boolean"), (str, "a string"), ((int, float), "a number"), (list, "an array"),
+                       (dict, "an object")):
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
+
+
 @dataclass(frozen=True, slots=True)
 class StructuredOutput:
     """One output constraint.
@@ -99,7 +111,7 @@ class StructuredOutput:
         if isinstance(schema, bool):
             schema = {} if schema else {"not": {}}
         if not isinstance(schema, dict):
-            raise InvalidRequestError(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param)
+            raise InvalidRequestError(f"{param}: a JSON schema must be an object, got {json_type(schema)}", param)
         try:
             text = json.dumps(schema, ensure_ascii=False)
         except (RecursionError, ValueError, TypeError) as exc:  # nested too deep, a cycle, a non-JSON value
