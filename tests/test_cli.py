@@ -210,6 +210,39 @@ def test_a_text_flag_that_is_not_utf8_on_a_real_command_line():
     assert res.stderr == b"monobatch generate: error: --stop: not valid UTF-8 text: byte 0xFF at character 1 (see --help)\n"
 
 
+@pytest.mark.parametrize("argv,line", [
+    (["generate", "-p", "hi", *NO_MODEL, "--json-schema", "@"],
+     "monobatch generate: error: --json-schema: the file name is missing (@FILE: a file name after the @)"),
+    (["generate", "-p", "hi", *NO_MODEL, "--grammar-file", ""], "monobatch generate: error: --grammar-file: the file name is missing"),
+    (["generate", "-p", "hi", *NO_MODEL, "--json-schema", "null"],
+     "monobatch generate: error: --json-schema: a JSON schema must be an object, got null"),
+    (["generate", "-p", "hi", *NO_MODEL, "--json-schema", "[1]"],
+     "monobatch generate: error: --json-schema: a JSON schema must be an object, got an array"),
+    (["generate", "-p", "hi", "-m", ""], "monobatch generate: error: -m/--model: empty path"),
+    (["run", "-m", "", "hi"], "monobatch run: error: -m/--model: empty path"),
+    (["serve", "--port", "0", "-m", ""], "monobatch serve: error: -m/--model: empty path"),
+    (["parity", "-m", ""], "monobatch parity: error: -m/--model: empty path"),
+])
+def test_messages_say_what_is_wrong(argv, line, capsys):
+    """An empty @FILE or file flag (once "cannot read '': Is a directory"), a schema that is JSON
+    null (once "got NoneType"), an empty -m (once the current folder, read as a checkpoint): the
+    line says what it is, before anything loads."""
+    from monobatch.cli.main import main
+
+    rc = main(argv)
+    assert rc == (2 if argv[0] == "parity" else 1)
+    assert capsys.readouterr().err == line + "\n"
+
+
+def test_a_truncated_gguf_is_one_line(bundled_path, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    with open(bundled_path, "rb") as src:
+        cut.write_bytes(src.read(50_000_000))
+    res = monobatch("generate", "-p", "hi", "--no-progress", "-t", "1", "-m", str(cut))
+    assert_one_line_error(res, f"monobatch generate: error: {cut}: the file is truncated (tensor data past the end of "
+                               "the file: the file has 50000000 bytes, a tensor's data runs to byte ")
+
+
 def test_logprobs_needs_json_output():
     assert_one_line_error(monobatch("generate", "-p", "hi", "--logprobs", "2"), "--output-format json")
 
@@ -250,6 +283,19 @@ def test_not_a_gguf(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf at all")
     assert_one_line_error(monobatch("generate", "-p", "hi", "-m", str(bad)), "not a readable GGUF")
+
+
+@pytest.mark.parametrize("command,code", [("generate", 1), ("bench", 1), ("parity", 2)])
+def test_a_corrupt_safetensors_file_is_one_line(tmp_path, command, code):
+    """An HF folder whose *.safetensors is not readable: one line naming the file, as a bad GGUF
+    (it was safetensors' SafetensorError traceback in generate, bench and parity)."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "model.safetensors").write_text("garbage\n")
+    args = ("-p", "hi") if command == "generate" else ()
+    res = monobatch(command, *args, "-t", "1", "--no-progress", "-m", str(tmp_path))
+    assert res.returncode == code
+    assert_one_line_error(res, f"monobatch {command}: error: {tmp_path}/model.safetensors: not a readable safetensors "
+                               "file (Error while deserializing header: header too large)")
 
 
 def test_unsupported_architecture(tmp_path):
@@ -338,6 +384,32 @@ def test_ctx_size_cap_note_names_the_command():
                     "-t", "1")
     assert res.returncode == 0, res.stderr
     assert f"monobatch generate: -c {ctx * 4} exceeds the model's context; using {ctx}\n" in res.stderr, res.stderr
+
+
+def test_threads_beyond_the_usable_cpus_are_capped_with_a_note():
+    """-t above the CPUs this process may use (-t 100000 once crashed in libgomp creating its
+    threads; -t 10000 decoded at 0.1 tok/s) runs at that count, with one note in -c's style."""
+    cpus = len(os.sched_getaffinity(0))
+    res = monobatch("generate", "-p", "Hi", "-n", "1", "--temperature", "0", "-t", "100000", "--no-progress")
+    assert res.returncode == 0, res
+    assert f"monobatch generate: -t 100000 exceeds the {cpus} CPUs this process may use; using {cpus}\n" in res.stderr
+
+
+def test_the_threads_cap_is_one_note_in_the_flag_check_every_command_makes(monkeypatch, capsys):
+    """engine_settings, which every command with -t calls first (some twice), lowers -t once."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from monobatch.cli import args
+    from monobatch.cli.main import build_parser
+
+    assert args.usable_cpus() == len(os.sched_getaffinity(0))
+    monkeypatch.setattr(args.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    for command, threads, after in (("serve", 10000, 3), ("run", 3, 3), ("parity", -1, -1)):
+        ns = build_parser().parse_args([command, "-t", str(threads)])
+        args.engine_settings(ns)
+        args.engine_settings(ns)
+        assert ns.threads == after
+        note = f"monobatch {command}: -t {threads} exceeds the 3 CPUs this process may use; using 3\n"
+        assert capsys.readouterr().err == (note if threads > 3 else "")
 
 
 def test_prompt_from_a_file_as_llama_cpp_reads_it(tmp_path):

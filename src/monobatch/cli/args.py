@@ -276,11 +276,29 @@ def constraint_flag(ns: argparse.Namespace) -> "StructuredOutput | None":
 
 
 def _read_flag_file(path: str, flag: str) -> str:
+    """The text of the file a flag names (``--json-schema @FILE``, ``--grammar-file FILE``).
+
+    Raises:
+        InvalidRequestError: no file name (``--json-schema @``: an empty path would read as the
+            current folder), a file that cannot be read or is not UTF-8.
+    """
+    if not path:
+        raise InvalidRequestError(f"{flag}: the file name is missing"
+                                  + (" (@FILE: a file name after the @)" if flag == "--json-schema" else ""),
+                                  flag.lstrip("-").replace("-", "_"))
     try:
         return Path(path).expanduser().read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidRequestError(f"{flag}: cannot read {path!r}: {getattr(exc, 'strerror', None) or exc}",
                                   flag.lstrip("-").replace("-", "_")) from None
+
+
+def opening_messages(ns: argparse.Namespace) -> list[dict[str, str]]:
+    """The conversation's opening (``generate --chat``, ``run``, ``chat``): the ``--system``
+    message when the flag is given, an empty one too (``--system ''``: the template then renders
+    an empty system turn, not its default system prompt, as the server and ``LLM.chat`` do for
+    an empty system message); none when it is not given."""
+    return [{"role": "system", "content": ns.system}] if ns.system is not None else []
 
 
 def sampling_flags(ns: argparse.Namespace) -> dict[str, Any]:
@@ -308,8 +326,20 @@ def sampling_flags(ns: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask where the OS keeps one (Linux: what
+    ``taskset`` or a container's cpuset allows), else ``os.cpu_count()``."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no affinity on this platform (macOS, Windows)
+        return os.cpu_count() or 1
+
+
 def engine_settings(ns: argparse.Namespace) -> dict[str, Any]:
-    """EngineConfig fields from the model flags.
+    """EngineConfig fields from the model flags. Every command with ``-t`` checks its flags here
+    first: ``-t`` above :func:`usable_cpus` is never useful (OpenMP threads beyond the cores wait
+    on each other; at 100000 libgomp crashed creating them), so ``ns.threads`` is lowered to that
+    count, with one note on stderr, as ``-c`` over the model's context is capped.
 
     Raises:
         InvalidRequestError: ``-c`` negative, ``-t`` 0 or below -1.
@@ -318,6 +348,11 @@ def engine_settings(ns: argparse.Namespace) -> dict[str, Any]:
         raise InvalidRequestError(f"-c/--ctx-size must be >= 0 (0 = the model's), got {ns.ctx_size}", "ctx_size")
     if ns.threads == 0 or ns.threads < -1:
         raise InvalidRequestError(f"-t/--threads must be >= 1 (or -1 for the default), got {ns.threads}", "threads")
+    cpus = usable_cpus()
+    if ns.threads > cpus:
+        prog = f"monobatch {ns.command}" if getattr(ns, "command", None) else "monobatch"
+        print(f"{prog}: -t {ns.threads} exceeds the {cpus} CPUs this process may use; using {cpus}", file=sys.stderr)
+        ns.threads = cpus
     if ns.prefill_chunk < 1:
         raise InvalidRequestError(f"--prefill-chunk must be >= 1, got {ns.prefill_chunk}", "prefill_chunk")
     if ns.max_num_seqs < 1:

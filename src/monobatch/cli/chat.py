@@ -22,7 +22,8 @@ import sys
 from typing import Callable
 
 from monobatch.cli.http_client import ClientError
-from monobatch.cli.session import Reply, Session, add_session_args, check_flags, open_session, opening_messages
+from monobatch.cli.args import opening_messages
+from monobatch.cli.session import Reply, Session, add_session_args, check_flags, open_session
 from monobatch.errors import InvalidRequestError, require_utf8
 
 PROMPT = "> "

@@ -13,7 +13,7 @@ import sys
 
 from monobatch.chat_output import REASONING_FORMATS, ChatDelta, ChatReply
 from monobatch.cli.args import (add_constraint_args, add_model_args, add_sampling_args, constraint_flag,
-                                engine_settings, open_engine, read_prompt, sampling_flags)
+                                engine_settings, open_engine, opening_messages, read_prompt, sampling_flags)
 from monobatch.chat_prompt import prepare_chat
 from monobatch.engine.params import resolve_sampling
 from monobatch.errors import InvalidRequestError
@@ -69,7 +69,7 @@ def run(ns: argparse.Namespace) -> int:
     tok = loaded.tokenizer
     splitter = None
     if ns.chat:
-        messages = ([{"role": "system", "content": ns.system}] if ns.system else []) + [{"role": "user", "content": prompt}]
+        messages = opening_messages(ns) + [{"role": "user", "content": prompt}]
         chat = prepare_chat(tok, messages)  # the chat endpoint's prompt: message text is data, never a control token
         prompt_ids = chat.prompt_ids
         splitter = ChatReply(ns.reasoning_format or "separate", chat.in_reasoning)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from monobatch.cli.args import read_prompt
-from monobatch.cli.session import Reply, add_session_args, check_flags, open_session, opening_messages
+from monobatch.cli.args import opening_messages, read_prompt
+from monobatch.cli.session import Reply, add_session_args, check_flags, open_session
 from monobatch.errors import InvalidRequestError
 
 

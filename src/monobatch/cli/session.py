@@ -262,7 +262,3 @@ def _server(ns: argparse.Namespace) -> Iterator[str]:
     finally:
         server.stop()
 
-
-def opening_messages(ns: argparse.Namespace) -> list[dict[str, str]]:
-    """The conversation's opening: the ``--system`` message, if any."""
-    return [{"role": "system", "content": ns.system}] if ns.system else []

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from monobatch.engine import regex_check
-from monobatch.errors import InvalidRequestError, require_utf8
+from monobatch.errors import InvalidRequestError, json_kind, require_utf8
 
 if TYPE_CHECKING:  # torch is imported where a mask is applied: the CLI's parser imports this module
     import torch
@@ -109,7 +109,7 @@ class StructuredOutput:
         if isinstance(schema, bool):
             schema = {} if schema else {"not": {}}
         if not isinstance(schema, dict):
-            raise InvalidRequestError(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param)
+            raise InvalidRequestError(f"{param}: a JSON schema must be an object, got {json_kind(schema)}", param)
         check_exact_numbers(schema, param)
         try:
             text = json.dumps(schema, ensure_ascii=False)

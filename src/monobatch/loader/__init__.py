@@ -93,7 +93,10 @@ def resolve_model_path(model: str | Path | None) -> Path:
 
     Raises:
         ModelNotFoundError: the path does not exist, or no model was given and none is bundled.
+        InvalidRequestError: an empty path (``-m ''``, which would read as the current folder).
     """
+    if model is not None and str(model) == "":
+        raise InvalidRequestError("-m/--model: empty path", "model")
     if model is None:
         path = bundled_model_path()
         if path is None:

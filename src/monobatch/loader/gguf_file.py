@@ -271,6 +271,20 @@ def load_gguf_model(reader: GGUFReader, device: torch.device, dtype: torch.dtype
     return filler.finish()
 
 
+class TruncatedGGUF(ValueError):
+    """A tensor's data runs past the end of the file (a download or copy cut short).
+
+    Attributes:
+        end: the byte that tensor's data runs to.
+        size: the file's size in bytes.
+    """
+
+    def __init__(self, end: int, size: int) -> None:
+        super().__init__(f"tensor data past the end of the file: the file has {size} bytes, a tensor's data runs "
+                         f"to byte {end}")
+        self.end, self.size = end, size
+
+
 class MappedReader(GGUFReader):
     """gguf-py's reader, its header parsed through a plain ``ndarray`` view of the file map
     rather than the ``numpy.memmap`` itself. gguf-py takes three small slices per field part —
@@ -296,9 +310,15 @@ class MappedReader(GGUFReader):
         return plain
 
     def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        """gguf-py's, the slice's bytes taken from the plain view; a tensor's data (at or past
+        ``data_offset``, which gguf-py sets before it builds the tensors) that runs past the end
+        of the file raises :class:`TruncatedGGUF` rather than numpy's reshape error."""
         plain = self._plain_view()
         count = int(count)
-        arr = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+        end = offset + np.dtype(dtype).itemsize * count
+        if end > plain.size and offset >= self.__dict__.get("data_offset", plain.size):
+            raise TruncatedGGUF(end, plain.size)
+        arr = plain[offset:end].view(dtype=dtype)[:count]
         return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
     def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[np.ndarray], list[int], list[Any]]:
@@ -348,9 +368,11 @@ def open_gguf(path: str | Path) -> GGUFReader:
     """Open a GGUF file (memory-mapped, read-only) with gguf-py (:class:`MappedReader`).
 
     Raises:
-        UnsupportedModelError: the file is not a readable GGUF.
+        UnsupportedModelError: the file is not a readable GGUF, or is truncated.
     """
     try:
         return _READER(str(path), "r")
+    except TruncatedGGUF as e:
+        raise UnsupportedModelError(f"{path}: the file is truncated ({e})") from e
     except Exception as e:  # gguf-py raises ValueError/struct errors on bad files
         raise UnsupportedModelError(f"{path}: not a readable GGUF file ({e})") from e

@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from monobatch.errors import ModelNotFoundError, UnsupportedModelError
 from monobatch.loader.weights import WeightFiller, check_memory, new_model, progress_bar
@@ -122,24 +123,48 @@ def generation_defaults(folder: Path) -> dict[str, Any]:
     return {ours: cfg[key] for key, ours in _GENERATION_KEYS.items() if cfg.get(key) is not None}
 
 
+@contextmanager
+def open_safetensors(path: Path) -> Iterator[Any]:
+    """safetensors' ``safe_open`` of ``path``, a file it cannot read (a corrupt or truncated
+    header or data, a shard the index names that is not there) reported as the project's
+    model-load error, as :func:`monobatch.loader.gguf_file.open_gguf` reports a bad GGUF.
+
+    Raises:
+        UnsupportedModelError: ``{path}: not a readable safetensors file (...)``, while opening it
+            or reading a tensor from it.
+    """
+    try:
+        with safe_open(str(path), framework="pt") as st:
+            yield st
+    except (SafetensorError, OSError) as e:
+        why = (e.strerror if isinstance(e, OSError) else None) or str(e)
+        raise UnsupportedModelError(f"{path}: not a readable safetensors file ({why})") from e
+
+
 def _tensor_files(folder: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file, from ``model.safetensors.index.json`` or the files themselves.
 
     Raises:
-        ModelNotFoundError: no safetensors file in the folder.
+        ModelNotFoundError: no safetensors file in the folder, or one the index names is not there.
+        UnsupportedModelError: a malformed index, or a file safetensors cannot read.
     """
     index = read_json(folder / "model.safetensors.index.json")
     if not isinstance(index, dict) or not isinstance(index.get("weight_map") or {}, dict):
         raise UnsupportedModelError(f"{folder}/model.safetensors.index.json: expected an object with a "
                                     "weight_map object")
     if index.get("weight_map"):
-        return {name: folder / file for name, file in index["weight_map"].items()}
+        files = {name: folder / file for name, file in index["weight_map"].items()}
+        absent = next((f for f in dict.fromkeys(files.values()) if not f.is_file()), None)
+        if absent is not None:
+            raise ModelNotFoundError(f"{folder}/model.safetensors.index.json names {absent.name}, which is not in "
+                                     "the folder")
+        return files
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"{folder}: no *.safetensors weights (only safetensors folders are supported)")
     out: dict[str, Path] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as st:
+        with open_safetensors(f) as st:
             out.update({k: f for k in st.keys()})
     return out
 
@@ -162,7 +187,7 @@ def load_hf_model(folder: Path, device: torch.device, dtype: torch.dtype, progre
     bar = progress_bar(sum(f.stat().st_size for f in by_file), "loading weights", progress)
     with bar:
         for file, names in by_file.items():
-            with safe_open(str(file), framework="pt") as st:
+            with open_safetensors(file) as st:
                 for name in names:
                     if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and args.tie_word_embeddings):
                         continue
