@@ -91,3 +91,13 @@ def json_kind(value: object) -> str:
         if isinstance(value, kind):
             return name
     return type(value).__name__
+
+
+def require_file_name(path: object, flag: str, hint: str = "") -> None:
+    """Refuse an empty file name given to ``flag`` (``-f ''``, ``--json-schema @``): an empty path
+    would be read as the current folder ("Is a directory") or not found with no name to show.
+
+    Raises:
+        InvalidRequestError: ``<flag>: the file name is missing<hint>``, param the flag's field name."""
+    if path == "":
+        raise InvalidRequestError(f"{flag}: the file name is missing{hint}", flag.split("/")[-1].lstrip("-").replace("-", "_"))

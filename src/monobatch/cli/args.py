@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from monobatch import defaults
-from monobatch.errors import InvalidRequestError, first_non_utf8, require_utf8
+from monobatch.errors import InvalidRequestError, first_non_utf8, require_file_name, require_utf8
 
 if TYPE_CHECKING:
     from monobatch.engine.constraint import StructuredOutput
@@ -109,6 +109,7 @@ def read_prompt(positional: str | None, flag: str | None, hint: str, file: str |
         raise InvalidRequestError(f"the prompt was given {' and '.join(given)}: give it once", "prompt")
     text = positional if positional is not None else flag
     if file is not None:
+        require_file_name(file, "-f/--file")
         try:
             with open(file, "rb") as f:
                 text = f.read().decode("utf-8", errors="surrogateescape")
@@ -282,10 +283,7 @@ def _read_flag_file(path: str, flag: str) -> str:
         InvalidRequestError: no file name (``--json-schema @``: an empty path would read as the
             current folder), a file that cannot be read or is not UTF-8.
     """
-    if not path:
-        raise InvalidRequestError(f"{flag}: the file name is missing"
-                                  + (" (@FILE: a file name after the @)" if flag == "--json-schema" else ""),
-                                  flag.lstrip("-").replace("-", "_"))
+    require_file_name(path, flag, " (@FILE: a file name after the @)" if flag == "--json-schema" else "")
     try:
         return Path(path).expanduser().read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

@@ -24,7 +24,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from monobatch.errors import InvalidRequestError
+from monobatch.errors import InvalidRequestError, require_file_name
 
 #: Roles a message may have (OpenAI chat roles minus the deprecated ``function``); ``developer``
 #: (OpenAI's newer name for ``system``) reaches the template as ``system``.
@@ -192,6 +192,7 @@ def load_chat_template(template: str | None = None, template_file: str | Path | 
         raise InvalidRequestError("give --chat-template or --chat-template-file, not both",
                                   param="chat_template")
     if template_file is not None:
+        require_file_name(template_file, "--chat-template-file")
         try:
             template = Path(template_file).read_text(encoding="utf-8")
         except OSError as exc:
