@@ -13,7 +13,7 @@ checks it, then times it beside the DOT variant and the dense bf16 GEMV.
     (kernels/gemv.py, the ``--weights dequant`` path), each in a replayed CUDA graph; on llama-1b's
     shapes also a sweep of FMA configs (:data:`SWEEP`: tile, bytes a step, warps, stages, each with
     and without split-K). One JSON object a line: ``"bench"`` rows, and ``"best"`` rows (the
-    fastest FMA config per layout, shape and M) at the end.
+    fastest FMA config per layout, shape and M, with the rule's time) after each product's rows.
 
 The check and every compile the bench needs run first in ``--jobs`` processes (spawned, sharing
 the GPU and Triton's on-disk cache: the ~150 kernel variants compile in parallel), then one process
@@ -69,7 +69,9 @@ BENCH_MS = tuple(int(v) for v in os.environ.get("PROBE_MS", "1,2,4").split(","))
 #: step), num_warps, num_stages); each with SPLIT_K 1 and with K split until ~528 programs (runtime
 #: arguments: no extra compile). (64, 512, 4, 3) is gemv_config's at M = 1, (32, 512, 4, 3) above.
 SWEEP = [(64, 512, 4, 3), (32, 512, 4, 3), (128, 512, 4, 3), (64, 256, 4, 3), (16, 512, 4, 3), (64, 512, 4, 1),
-         (64, 512, 8, 3), (128, 256, 8, 2), (32, 256, 2, 3), (128, 1024, 8, 3)]
+         (64, 512, 8, 3), (128, 256, 8, 2), (32, 256, 2, 3), (128, 1024, 8, 3),
+         # 2026-12-05, for llama-8b's long rows: unpipelined and two-stage tiles of more bytes a program
+         (64, 512, 4, 2), (128, 512, 4, 1), (128, 512, 8, 1), (64, 1024, 8, 1), (32, 1024, 4, 1), (256, 256, 8, 1)]
 #: |y - reference| / max |reference| allowed for the float32 output (tests/test_quant_cuda.FP32_TOL).
 FP32_TOL = 1e-4
 
@@ -157,7 +159,7 @@ def check_and_warm(shapes: list[str], sweep_shapes: list[str], only: str | None,
     tasks = []
     for shape in shapes:
         for layer in model_shapes(shape):
-            for i, t in enumerate(dict.fromkeys(CHECK_TYPES + BENCH_TYPES)):
+            for i, t in enumerate(BENCH_TYPES if only == "bench" else dict.fromkeys(CHECK_TYPES + BENCH_TYPES)):
                 if only == "check" and t not in CHECK_TYPES:
                     continue
                 tasks.append((shape, layer, t.name, only != "bench" and t in CHECK_TYPES,
@@ -214,14 +216,19 @@ def bench(shapes: list[str], sweep_shapes: list[str], dev: torch.device, gen: to
                         if name != "dot":
                             key = (t.name, part.layout.name, shape, layer, M)
                             if key not in best or us < best[key][0]:
-                                best[key] = (us, cfg)
+                                best[key] = (us, cfg, N, K, row.get(f"{t.name}_fma_us"))
                 print(json.dumps(row), flush=True)
+            for key in [k for k in best if k[2:4] == (shape, layer)]:  # this product's best, as soon as known
+                _print_best(key, best.pop(key))
             del dense, parts
             if timing:
                 torch.cuda.empty_cache()
-    for (tname, lname, shape, layer, M), (us, cfg) in best.items():
-        print(json.dumps({"best": True, "type": tname, "layout": lname, "shape": shape, "layer": layer, "M": M,
-                          "cfg": list(cfg), "us": round(us, 2)}), flush=True)
+
+
+def _print_best(key: tuple, value: tuple) -> None:
+    (tname, lname, shape, layer, M), (us, cfg, N, K, rule_us) = key, value
+    print(json.dumps({"best": True, "type": tname, "layout": lname, "shape": shape, "layer": layer, "M": M,
+                      "N": N, "K": K, "cfg": list(cfg), "us": round(us, 2), "rule_us": rule_us}), flush=True)
 
 
 def main() -> int:

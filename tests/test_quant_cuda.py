@@ -773,3 +773,79 @@ def test_kv_pool_leaves_the_dequant_temporary(monkeypatch):
     widest = max(w.shape[0] * w.shape[1] for m in model.modules() for w in vars(m).values()
                  if isinstance(w, PackedWeight))
     assert dequant_scratch_bytes(model) == widest * model.dtype.itemsize > 0
+
+
+def test_tuned_table_overrides_the_rule(tmp_path, monkeypatch, capsys):
+    """A GPU's tuned table (quant_gemm.tuned_configs) gives the FMA GEMV's config of the products it
+    lists, the rule the others'; the DOT rows (M > FMA_DEFAULT_M) never read it; ``''`` = no table;
+    an unreadable table is a warning and the rule."""
+    import json
+
+    from monobatch.kernels import quant_gemm as Q
+    from monobatch.quant.formats import Q4, Q8_16
+
+    monkeypatch.setattr(Q, "_gpu_name", lambda: "Fake GPU")
+    monkeypatch.setattr(Q, "_TABLES", {})
+    monkeypatch.setenv(Q.TABLE_ENV, "")
+    rule = Q.gemv_config(4096, 14336, 1, Q4), Q.gemv_config(4096, 4096, 1, Q4), Q.gemv_config(4096, 14336, 4, Q4)
+    tuned = [128, 512, 2, 8, 1, False]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"configs": {Q.table_key(4096, 14336, 1, Q4): tuned,
+                                            Q.table_key(4096, 14336, 4, Q4): tuned}}))
+    monkeypatch.setattr(Q, "_TABLES", {})
+    monkeypatch.setenv(Q.TABLE_ENV, str(path))
+    assert Q.gemv_config(4096, 14336, 1, Q4) == tuple(tuned) != rule[0]
+    assert Q.gemv_config(4096, 4096, 1, Q4) == rule[1]  # not listed
+    assert Q.gemv_config(4096, 14336, 4, Q4) == rule[2]  # a DOT row: the table is the FMA variant's
+    path.write_text("{not json")
+    monkeypatch.setattr(Q, "_TABLES", {})
+    assert Q.gemv_config(4096, 14336, 1, Q4) == rule[0]
+    assert "not read" in capsys.readouterr().err
+
+
+def test_packaged_tuned_tables_are_valid():
+    """Every packaged table (kernels/configs/packed_gemv_*.json) names real layouts and gives
+    configs gemv() takes: BLOCK_N and BLOCK_K / (2 for Q4) powers of two, BLOCK_K a multiple of
+    32, at most K, split-K within K's steps, the FMA variant, M <= FMA_MAX_M."""
+    import json
+    import re
+    from pathlib import Path
+
+    from monobatch.kernels import quant_gemm as Q
+    from monobatch.quant.formats import DEVICE_LAYOUTS, PACKED_TYPES
+
+    names = {l.name for l in PACKED_TYPES.values()} | {l.name for l in DEVICE_LAYOUTS.values()}
+    files = sorted((Path(Q.__file__).parent / "configs").glob("packed_gemv_*.json"))
+    for f in files:
+        doc = json.loads(f.read_text())
+        assert doc["configs"], f
+        for key, cfg in doc["configs"].items():
+            layout, n, k, m = re.fullmatch(r"(\S+) (\d+)x(\d+) M(\d+)", key).groups()
+            assert layout in names, key
+            bn, bk, splits, warps, stages, dot = cfg
+            bw = bk // (2 if layout.startswith("Q4") else 1)
+            assert not dot and int(m) <= Q.FMA_MAX_M, key
+            assert bk % 32 == 0 and bw & (bw - 1) == 0 and bn & (bn - 1) == 0 and bk <= Q._pow2(int(k)), key
+            assert 1 <= splits <= -(-int(k) // bk) and warps in (1, 2, 4, 8) and stages >= 1, key
+
+
+def test_packed_gemv_table_script():
+    """scripts/packed_gemv_table.py keeps a product's best config only where it beat the rule by
+    --min-gain, and the faster of two rows of one key."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "packed_gemv_table", Path(__file__).resolve().parents[1] / "scripts" / "packed_gemv_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    row = dict(best=True, type="Q4_K", layout="Q4/32:k", shape="llama-8b", layer="down", M=1, N=4096, K=14336)
+    lines = ["# header", "not json",
+             json.dumps({**row, "cfg": [128, 512, 2, 8, 1, False], "us": 80.0, "rule_us": 100.0}),
+             json.dumps({**row, "shape": "other", "cfg": [64, 512, 1, 4, 1, False], "us": 70.0, "rule_us": 100.0}),
+             json.dumps({**row, "N": 2048, "cfg": [32, 512, 1, 4, 1, False], "us": 99.0, "rule_us": 100.0}),
+             json.dumps({"bench": True})]
+    configs, report = mod.table(lines, 0.03)
+    assert configs == {"Q4/32:k 4096x14336 M1": [64, 512, 1, 4, 1, False]}
+    assert len(report) == 3 and report[2].startswith("rule ")

@@ -64,7 +64,8 @@ FMA rate on Hopper).
 The configs are fixed functions of (N, K, M, layout) (:func:`gemv_config`, :func:`gemm_config`),
 never timed at run time: the DOT GEMV's from one H200 sweep at M = 1 (``scripts/bench_packed_cuda.py
 --sweep``), the FMA GEMV's at M <= 2 from one H200 run of ``scripts/probe_quant_cuda.py`` (which
-checks the FMA GEMV at the model shapes and sweeps its configs), the GEMM's untuned.
+checks the FMA GEMV at the model shapes and sweeps its configs), where a GPU's tuned table lists a
+product (:func:`tuned_configs`, written from such a sweep) the table's, the GEMM's untuned.
 """
 
 from __future__ import annotations
@@ -97,6 +98,57 @@ VARIANT = os.environ.get("MONOBATCH_PACKED_GEMV", "fma")
 if VARIANT not in ("fma", "dot"):
     print(f"monobatch: warning: MONOBATCH_PACKED_GEMV={VARIANT!r} is not one of fma, dot: using fma", file=sys.stderr)
     VARIANT = "fma"
+#: Tuned FMA GEMV configs, per GPU model: ``kernels/configs/packed_gemv_<device name>.json`` (spaces
+#: as ``_``; vLLM's per-device tables of fused-MoE configs are the model), written by
+#: ``scripts/packed_gemv_table.py`` from a ``scripts/probe_quant_cuda.py`` sweep on that GPU. Its
+#: ``configs`` map ``"<layout name> <N>x<K> M<M>"`` to a :func:`gemv_config` tuple; a product the
+#: table lacks takes the rule below. ``MONOBATCH_PACKED_GEMV_CONFIGS``: another table file, or
+#: ``""`` for none (the rule alone: the A/B switch and the probe's baseline).
+TABLE_ENV = "MONOBATCH_PACKED_GEMV_CONFIGS"
+_TABLES: dict[str, dict[str, tuple]] = {}
+
+
+def table_path(device_name: str) -> str | None:
+    """The tuned-config file :func:`gemv_config` reads on a GPU named ``device_name`` (see
+    :data:`TABLE_ENV`): the environment's, else the packaged one, or None where neither is."""
+    if TABLE_ENV in os.environ:
+        return os.environ[TABLE_ENV] or None
+    path = os.path.join(os.path.dirname(__file__), "configs", f"packed_gemv_{device_name.replace(' ', '_')}.json")
+    return path if os.path.exists(path) else None
+
+
+def tuned_configs() -> dict[str, tuple]:
+    """This process's GPU's tuned FMA GEMV configs (:data:`TABLE_ENV`), read once; ``{}`` without
+    CUDA or a table. A table that cannot be read is reported once on stderr and ignored.
+
+    Returns:
+        ``"<layout name> <N>x<K> M<M>"`` -> ``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, False)``.
+    """
+    name = _gpu_name()
+    if name not in _TABLES:
+        path, table = table_path(name) if name else None, {}
+        if path:
+            try:
+                import json
+
+                with open(path, encoding="utf-8") as f:
+                    table = {k: tuple(v) for k, v in json.load(f)["configs"].items()}
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                print(f"monobatch: warning: {TABLE_ENV} table {path!r} not read ({e}): using the rule", file=sys.stderr)
+        _TABLES[name] = table
+    return _TABLES[name]
+
+
+def _gpu_name() -> str:
+    """This process's CUDA device's name, ``""`` without CUDA."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+
+
+def table_key(N: int, K: int, M: int, layout: Layout) -> str:
+    """A product's key in the tuned table (:func:`tuned_configs`)."""
+    return f"{layout.name} {N}x{K} M{M}"
+
+
 #: ``(BM, BN, BK, num_warps, num_stages)`` of every product in batch-invariant mode, any M.
 INVARIANT_TILE = (16, 32, 64, 4, 3)
 
@@ -122,8 +174,11 @@ def gemv_config(N: int, K: int, M: int, layout: Layout,
     and 256 for the 8-bit layouts, K split until the grid has ~528 programs (4 a multiprocessor on
     the H200's 132); at M = 1 unpipelined (one stage: the H200 sweep of 2026-12-03 at llama-1b's
     shapes, Q4_K and Q6_K, found it the fastest or within 10 % at every shape), from M = 2 32-row
-    tiles (the accumulators' registers) and 3 stages (untimed)."""
+    tiles (the accumulators' registers) and 3 stages (untimed). Where this GPU's tuned table
+    (:func:`tuned_configs`) lists the product, its FMA config is the table's."""
     fma = M <= FMA_MAX_M if variant == "fma" else (variant or VARIANT) == "fma" and M <= FMA_DEFAULT_M
+    if fma and (tuned := tuned_configs().get(table_key(N, K, M, layout))) is not None:
+        return tuned
     if fma:
         block_n, block_k = (64 if M == 1 else 32), (512 if layout.q4 else 256)
         block_k = max(32, min(block_k, _pow2(K)))

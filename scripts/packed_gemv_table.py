@@ -1,0 +1,65 @@
+"""Turn a ``scripts/probe_quant_cuda.py`` run's ``"best"`` rows into the packed FMA GEMV's tuned
+table for the GPU it ran on (:func:`monobatch.kernels.quant_gemm.tuned_configs`).
+
+A product enters the table only where the sweep's best config beat the rule's
+(:func:`~monobatch.kernels.quant_gemm.gemv_config` without a table) by at least ``--min-gain``
+(default 3 %: below that the pick is timing noise); the others keep the rule. Run the probe with
+``MONOBATCH_PACKED_GEMV_CONFIGS=''`` so that its baseline is the rule, not an older table::
+
+    MONOBATCH_PACKED_GEMV_CONFIGS= PROBE_MS=1 PROBE_TYPES=Q4_0,Q4_K,Q6_K \\
+        python3 scripts/probe_quant_cuda.py --only bench --shapes llama-1b,llama-8b \\
+        --sweep-shapes llama-1b,llama-8b > probe.jsonl
+    python3 scripts/packed_gemv_table.py probe.jsonl --device "NVIDIA H200" \\
+        -o src/monobatch/kernels/configs/packed_gemv_NVIDIA_H200.json
+
+Prints one line a product (the rule's and the best time) and writes the JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def table(lines: list[str], min_gain: float) -> tuple[dict[str, list], list[str]]:
+    """``(configs, report lines)`` from the probe's output lines (other lines are skipped)."""
+    configs, report = {}, []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(row, dict) or not row.get("best") or not row.get("rule_us"):
+            continue
+        gain = row["rule_us"] / row["us"] - 1
+        key = f"{row['layout']} {row['N']}x{row['K']} M{row['M']}"
+        keep = gain >= min_gain
+        report.append(f"{'TABLE' if keep else 'rule '} {key:32} {row['shape']:9} {row['layer']:8} "
+                      f"rule {row['rule_us']:8.2f} us  best {row['us']:8.2f} us  ({gain:+.1%})  {row['cfg']}")
+        if keep and (key not in configs or row["us"] < configs[key][1]):
+            configs[key] = (row["cfg"], row["us"])
+    return {k: cfg for k, (cfg, _) in sorted(configs.items())}, report
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("probe", help="the probe's output (JSON lines)")
+    ap.add_argument("--device", required=True, help="the GPU's name, as torch.cuda.get_device_name() gives it")
+    ap.add_argument("--min-gain", type=float, default=0.03)
+    ap.add_argument("-o", "--output", required=True)
+    ns = ap.parse_args()
+    with open(ns.probe, encoding="utf-8") as f:
+        configs, report = table(f.read().splitlines(), ns.min_gain)
+    print("\n".join(report))
+    doc = {"device": ns.device, "source": "scripts/probe_quant_cuda.py + scripts/packed_gemv_table.py",
+           "min_gain": ns.min_gain, "configs": configs}
+    with open(ns.output, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    print(f"{len(configs)} tuned products -> {ns.output}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
