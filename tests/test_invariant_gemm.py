@@ -83,3 +83,44 @@ def test_a_one_step_slice_is_refused():
         ig.linear(x, w, config=(16, 16, ig.SLICE_K, 4, 2))
     with pytest.raises(ValueError, match="SLICE_K"):
         ig.linear(x, w, config=(16, 16, 96, 4, 2))
+
+
+def check_glu(device: str = "cpu") -> str:
+    """glu_linear (deterministic decode rows: the gate/up product and SiLU in one launch) has the
+    bits of fused.silu_mul of the plain product, for every M it takes, K of one slice and of
+    several (the last one short), and returns None where it does not apply (more than 16 rows, a
+    bias, outside mode(True))."""
+    from monobatch.kernels import fused, invariant_gemm as ig
+    g = torch.Generator().manual_seed(5)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    # F a multiple of the 16-row tiles' BN (32): the interpreter's numpy matmul may give a column
+    # other bits at another place in a tile or beside other columns (the GPU's MMA does not, see
+    # check()); so each gate and up column sits where it sits in the [M, 2F] product's tiles
+    for k, f in ((2 * ig.SLICE_K + 64, 96), (ig.SLICE_K, 64), (256, 4224)):
+        w = (torch.randn(2 * f, k, generator=g) * 0.05).to(device, dtype)
+        x = torch.randn(17, k, generator=g).to(device, dtype)
+        assert ig.glu_linear(x[:1], w) is None  # not in mode(True)
+        for m in (1, 2, 3, 16):
+            cfg = ig.config_for(m, 2 * f)
+            want = fused.silu_mul(ig.linear(x[:m], w, config=cfg, split=False))
+            assert torch.equal(ig.glu_launch(x[:m], w, cfg), want), (k, f, m)
+            if device == "cuda":
+                with ig.mode(True):
+                    got = ig.glu_linear(x[:m], w)
+                    if got is None:  # a product linear would split (narrow outputs): the two launches
+                        assert ig.split_for(m, 2 * f, k, cfg, x.device), (k, f, m)
+                    else:
+                        assert torch.equal(got, fused.silu_mul(ig.linear(x[:m], w))), (k, f, m)
+        with ig.mode(True):
+            assert ig.glu_linear(x, w) is None and ig.glu_linear(x[:1], w, w[:, 0]) is None
+            assert device == "cuda" or ig.glu_linear(x[:1], w) is None  # CUDA only
+    return "ok"
+
+
+def test_glu_linear_in_interpreter():
+    run_in_triton_interpreter("test_invariant_gemm", "check_glu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_glu_linear_cuda():
+    assert check_glu("cuda") == "ok"

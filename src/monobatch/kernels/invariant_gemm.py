@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 
 import torch
@@ -33,6 +34,7 @@ from monobatch.kernels.common import sm_count, tl, triton
 
 if triton is not None:
     from monobatch.kernels.common import counters, grouped_tile, split_k_store
+    from monobatch.kernels.fused import silu_mul_math
 
 #: Every tile :func:`config_for` picks, ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``. A
 #: tile may join only with scripts/check_gemm_invariance.py passing on the target GPU (the module
@@ -124,10 +126,26 @@ if triton is not None:
         return tl.dot(a, tl.trans(b), acc)
 
     @triton.jit
+    def _k_step_glu(acc, acc2, x_base, w_base, w2_base, k, K, offs_k, mmask, nmask, IEEE: tl.constexpr):
+        """:func:`_k_step` for two weight tiles (gate's and up's rows) against one x tile: the same
+        loads and ``tl.dot`` of each, so each accumulator has the bits :func:`_k_step`'s would."""
+        kmask = (k + offs_k) < K
+        a = tl.load(x_base + k, mask=mmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(w_base + k, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        b2 = tl.load(w2_base + k, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if IEEE:
+            return (tl.dot(a, tl.trans(b), acc, input_precision="ieee"),
+                    tl.dot(a, tl.trans(b2), acc2, input_precision="ieee"))
+        return tl.dot(a, tl.trans(b), acc), tl.dot(a, tl.trans(b2), acc2)
+
+    @triton.jit
     def _gemm_kernel(X, W, B, Y, WS, CNT, M, N, K, stride_xm, stride_wn, stride_ym,
                      HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      SLICE: tl.constexpr, SPLIT: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr,
-                     FLAT: tl.constexpr):
+                     FLAT: tl.constexpr, GLU: tl.constexpr = False):
+        # GLU (FLAT only, no bias): W is cat(gate, up) [2N, K]; the tile's gate and up sums, each
+        # rounded to Y's dtype as the plain kernel stores them, go through silu_mul's formula (the
+        # bits of fused.silu_mul of the plain product), and Y [M, N] gets silu(gate) * up
         tile = tl.program_id(0)
         pid_m, pid_n = grouped_tile(tile, M, N, BM, BN, GROUP_M)
         offs_m = pid_m * BM + tl.arange(0, BM)
@@ -145,31 +163,49 @@ if triton is not None:
             first = 0
             last = slices
         total = tl.zeros([BM, BN], tl.float32)
-        if FLAT:
-            # The slices' K steps in one loop: one software pipeline over all of K (a nested loop
-            # drains and refills it at every slice: H200, llama-1b, deterministic TTFT p256 3.97 ->
-            # 3.31 ms). Each slice's sum still starts from zero and joins the total at its last step.
-            PER: tl.constexpr = SLICE // BK
+        if GLU:  # FLAT's loop, for the gate and the up rows at once
+            tl.static_assert(FLAT and not SPLIT and not HAS_BIAS, "GLU: one unsplit flat loop, no bias")
+            PER_G: tl.constexpr = SLICE // BK
+            w2_base = w_base + N.to(tl.int64) * stride_wn
             acc = tl.zeros([BM, BN], tl.float32)
-            for i in range(first * PER, last * PER):
-                acc = _k_step(acc, x_base, w_base, i * BK, K, offs_k, mmask, nmask, IEEE)
-                if i % PER == PER - 1:
+            acc2 = tl.zeros([BM, BN], tl.float32)
+            total2 = tl.zeros([BM, BN], tl.float32)
+            for i in range(0, slices * PER_G):
+                acc, acc2 = _k_step_glu(acc, acc2, x_base, w_base, w2_base, i * BK, K, offs_k, mmask, nmask, IEEE)
+                if i % PER_G == PER_G - 1:
                     total += acc
+                    total2 += acc2
                     acc = tl.zeros([BM, BN], tl.float32)
-        else:  # split-K's one slice (the decode tiles, as measured), or a flat=False call
-            for s in range(first, last):  # ascending slices, each summed from zero: the order every row sees
-                acc = tl.zeros([BM, BN], tl.float32)
-                for kk in range(0, SLICE, BK):  # ascending K steps inside the slice
-                    acc = _k_step(acc, x_base, w_base, s * SLICE + kk, K, offs_k, mmask, nmask, IEEE)
-                total += acc
-        if SPLIT:
-            split_k_store(tl.trans(total), WS, CNT, B, Y, M, N, tile, tl.program_id(1), slices, offs_m, offs_n,
-                          mmask, nmask, stride_ym, HAS_BIAS)
-        else:
-            if HAS_BIAS:
-                total = total + tl.load(B + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+                    acc2 = tl.zeros([BM, BN], tl.float32)
+            out = silu_mul_math(total.to(Y.dtype.element_ty), total2.to(Y.dtype.element_ty))
             y_ptr = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-            tl.store(y_ptr, total.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+            tl.store(y_ptr, out, mask=mmask[:, None] & nmask[None, :])
+        else:
+            if FLAT:
+                # The slices' K steps in one loop: one software pipeline over all of K (a nested loop
+                # drains and refills it at every slice: H200, llama-1b, deterministic TTFT p256 3.97 ->
+                # 3.31 ms). Each slice's sum still starts from zero and joins the total at its last step.
+                PER: tl.constexpr = SLICE // BK
+                acc = tl.zeros([BM, BN], tl.float32)
+                for i in range(first * PER, last * PER):
+                    acc = _k_step(acc, x_base, w_base, i * BK, K, offs_k, mmask, nmask, IEEE)
+                    if i % PER == PER - 1:
+                        total += acc
+                        acc = tl.zeros([BM, BN], tl.float32)
+            else:  # split-K's one slice (the decode tiles, as measured), or a flat=False call
+                for s in range(first, last):  # ascending slices, each summed from zero: the order every row sees
+                    acc = tl.zeros([BM, BN], tl.float32)
+                    for kk in range(0, SLICE, BK):  # ascending K steps inside the slice
+                        acc = _k_step(acc, x_base, w_base, s * SLICE + kk, K, offs_k, mmask, nmask, IEEE)
+                    total += acc
+            if SPLIT:
+                split_k_store(tl.trans(total), WS, CNT, B, Y, M, N, tile, tl.program_id(1), slices, offs_m, offs_n,
+                              mmask, nmask, stride_ym, HAS_BIAS)
+            else:
+                if HAS_BIAS:
+                    total = total + tl.load(B + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+                y_ptr = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+                tl.store(y_ptr, total.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
 def split_for(m: int, n: int, k: int, config: tuple[int, int, int, int, int], device: torch.device) -> bool:
@@ -236,4 +272,55 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x, weight, bias if bias is not None else weight, y, ws, cnt, M, N, K, x.stride(0), weight.stride(0),
         y.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, SLICE=SLICE_K, SPLIT=split, GROUP_M=8,
         IEEE=x.dtype == torch.float32, FLAT=flat and not split, num_warps=warps, num_stages=stages)
+    return y
+
+
+#: ``MONOBATCH_DET_GLU`` (read at import): ``0`` turns :func:`glu_linear` off (the A/B switch:
+#: gate/up GEMM, then fused.silu_mul, as before 2026-12-05).
+GLU = os.environ.get("MONOBATCH_DET_GLU", "1") != "0"
+
+
+def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """SwiGLU's gate for decode rows in one launch: ``silu(x @ gate^T) * (x @ up^T)`` for
+    ``weight`` = cat(gate, up) ``[2F, K]``, with the bits of ``fused.silu_mul(linear(x, weight))``
+    — the same tile, K order and roundings (each sum rounded to x's dtype, then silu_mul's formula,
+    ``fused.silu_mul_math``), so a row's bits do not depend on which of the two ran (nor on M: the
+    GEMM's invariance). Saves the silu_mul launch and the ``[M, 2F]`` round trip a layer of a
+    deterministic decode step.
+
+    Args:
+        x: ``[M, K]`` on CUDA, weight's dtype.
+        weight: ``[2F, K]``, unit stride along K.
+        bias: must be None for the one launch.
+
+    Returns:
+        ``[M, F]`` in x's dtype, or None where it does not apply (not :func:`usable`, ``GLU`` off,
+        more than 16 rows, a bias, or a product :func:`linear` would split: take the two-step
+        path there).
+    """
+    if not GLU or bias is not None or not usable(x, weight) or x.dim() != 2 or weight.shape[0] % 2:
+        return None
+    M, K = x.shape
+    cfg = config_for(M, weight.shape[0])
+    if M > 16 or M == 0 or (K > SLICE_K and split_for(M, weight.shape[0], K, cfg, x.device)):
+        return None
+    return glu_launch(x, weight, cfg)
+
+
+def glu_launch(x: torch.Tensor, weight: torch.Tensor, cfg: tuple[int, int, int, int, int]) -> torch.Tensor:
+    """:func:`glu_linear`'s launch, unchecked (any device Triton runs on: its interpreter for the
+    tests): x ``[M, K]``, weight ``[2F, K]``, ``cfg`` the tile :func:`linear` would take for the
+    ``[M, 2F]`` product unsplit -> ``[M, F]`` in x's dtype."""
+    M, K = x.shape
+    N2 = weight.shape[0]
+    bm, bn, bk, warps, stages = cfg
+    F = N2 // 2
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty(M, F, dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(M, bm) * triton.cdiv(F, bn)
+    _gemm_kernel[(tiles, 1)](
+        x, weight, weight, y, y, y, M, F, K, x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=False,
+        BM=bm, BN=bn, BK=bk, SLICE=SLICE_K, SPLIT=False, GROUP_M=8, IEEE=x.dtype == torch.float32, FLAT=True,
+        GLU=True, num_warps=warps, num_stages=stages)
     return y

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from monobatch.batch import StepBatch
-from monobatch.kernels import cpu_ops, fused, gemv
+from monobatch.kernels import cpu_ops, fused, gemv, invariant_gemm
 from monobatch.models.args import ModelArgs
 from monobatch.models.rope import RotaryEmbedding, apply_rope, rope_inv_freq
 from monobatch.quant.packed import GEMV_ROWS, PackedWeight
@@ -330,6 +330,11 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, D]`` -> ``[T, D]``."""
+        if self.act is F.silu and type(self.gate_up_proj) is Linear and not self.gate_up_proj.packed:
+            # deterministic mode's decode rows: the gate/up GEMM and SiLU in one launch, the same bits
+            h = invariant_gemm.glu_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+            if h is not None:
+                return self.down_proj(h)
         gate_up = self.gate_up_proj(x)  # (T, 2F)
         # SiLU inside the down GEMV (a plain dense Linear: a tensor-parallel down projection all-reduces)
         if self.act is F.silu and fused.enabled(gate_up) and type(self.down_proj) is Linear and not self.down_proj.packed:
