@@ -849,3 +849,36 @@ def test_packed_gemv_table_script():
     configs, report = mod.table(lines, 0.03)
     assert configs == {"Q4/32:k 4096x14336 M1": [64, 512, 1, 4, 1, False]}
     assert len(report) == 3 and report[2].startswith("rule ")
+
+
+#: The table's layout names and a GGUF type device_repack gives each (tuned tables' keys).
+TABLE_TYPES = {"Q4/32:f8": T.Q4_0, "Q4/32:k": T.Q4_K, "Q8/16:k0": T.Q6_K, "Q8/32:f": T.Q8_0}
+
+
+def check_table_configs() -> str:
+    """Every tile the packaged tuned tables give (kernels/configs/*.json: BLOCK_N, BLOCK_K, warps,
+    stages, on its layout) computes the FMA GEMV (interpreter, fp32, M = 1) to the float64
+    reference, unsplit and split, on an N off the tile and K of two steps."""
+    import json
+    from pathlib import Path
+
+    from monobatch.kernels import quant_gemm as Q
+    tiles = set()
+    for f in sorted((Path(Q.__file__).parent / "configs").glob("packed_gemv_*.json")):
+        for key, (bn, bk, _splits, warps, stages, _dot) in json.loads(f.read_text())["configs"].items():
+            tiles.add((key.split()[0], bn, bk, warps, stages))
+    g = torch.Generator().manual_seed(11)
+    for i, (layout, bn, bk, warps, stages) in enumerate(sorted(tiles)):
+        qtype = TABLE_TYPES[layout]
+        n, k = bn + 8, 2 * max(bk, 256)
+        rep, w = _parts(qtype, n, k, seed=60 + i)
+        assert rep.layout.name == layout, (rep.layout.name, layout)
+        x = torch.randn(1, k, generator=g)
+        for splits in (1, 2):
+            got = Q.gemv(x, rep, config=(bn, bk, splits, warps, stages, False))
+            assert _rel(got, x.double() @ w.T) <= REL_TOL, (layout, bn, bk, splits, warps, stages)
+    return "ok"
+
+
+def test_table_configs_in_interpreter():
+    run_in_triton_interpreter("test_quant_cuda", "check_table_configs")

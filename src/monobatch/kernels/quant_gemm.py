@@ -441,17 +441,14 @@ if triton is not None:
 
     @triton.jit
     def _fma_acc(acc, s, m, d, sx, MINS: tl.constexpr):
-        # acc [BN, NG] += s * sum_j q_j x_j + m * sum_j x_j, three roundings: s * d, the min term
-        # added by an explicit FMA, then the add to acc. tl.fma, not ``s * d + m * sx``: which of
-        # those two products the compiler contracts is its choice, and on the H200 it chose
-        # differently for a loaded (DIRECT) min and NEG8's -8 * s (test_compact_is_direct_cuda,
-        # 2026-12-05). A ZERO min: acc + (s * d + 0.0), the DIRECT form's bits with a -0.0 min
-        # (fma(-0, x, p) is p; a zero's sign cannot change acc, which starts at +0); not
-        # acc + s * d, which contracts into one FMA that rounds once.
+        # acc [BN, NG] += s * sum_j q_j x_j + m * sum_j x_j, two roundings (the product and its min
+        # contracted into one FMA, then the add). A ZERO min: acc + (s * d + 0.0), the same two
+        # roundings and bits (fma(s, d, +-0) is s * d rounded, a zero's sign cannot change acc,
+        # which starts at +0); not acc + s * d, which contracts into one FMA that rounds once.
         if MINS == 2:
             return acc + (s * d + 0.0)
         else:
-            return acc + tl.fma(m, sx[None, :], s * d)
+            return acc + (s * d + m * sx[None, :])
 
     @triton.jit
     def _fma_step(acc0, acc1, acc2, acc3, WM, TM, s, m, X, stride_xm, j, g0, jmask, K, ROWS: tl.constexpr,
