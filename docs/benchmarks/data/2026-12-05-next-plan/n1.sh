@@ -1,0 +1,8 @@
+# call 1: llama.cpp build + Q4 GGUFs (background, nice 19; nothing below is timed against them); CUDA tests of today's changes
+source .device/common.sh
+nvidia-smi --query-gpu=name,driver_version --format=csv > $OUT/gpu.txt
+GGUF_SHAPES="llama-1b llama-8b" QUANTS="llama-1b:Q4_0 llama-1b:Q4_K_M llama-8b:Q4_K_M" W=/tmp/gs nice -n 19 bash scripts/gpu_serving.sh start $OUT/gs >/dev/null 2>&1
+PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests timeout 400 python3 -m pytest -p no:cacheprovider -o addopts="" --tb=short -q -k "cuda or table" \
+  tests/test_invariant_gemm.py tests/test_quant_cuda.py > $OUT/tests.txt 2>&1; log "tests rc=$? $(tail -1 $OUT/tests.txt)"
+bash scripts/triton_cache.sh save $OUT
+tail -c 2000 $OUT/err.txt
