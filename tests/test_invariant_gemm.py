@@ -87,33 +87,47 @@ def test_a_one_step_slice_is_refused():
 
 def check_glu(device: str = "cpu") -> str:
     """glu_linear (deterministic decode rows: the gate/up product and SiLU in one launch) has the
-    bits of fused.silu_mul of the plain product, for every M it takes, K of one slice and of
-    several (the last one short), and returns None where it does not apply (more than 16 rows, a
-    bias, outside mode(True))."""
+    bits of fused.silu_mul of the plain product (compared as 16-/32-bit integers: a zero's sign
+    too), for every M it takes, K of one slice and of several (the last one short); on CUDA also
+    llama-1b's and llama-8b's gate/up (K 2,048 and 4,096, F 8,192 and 14,336: the tile the model
+    runs) and an F off the tile. None where it does not apply (more than 16 rows, a bias, outside
+    mode(True), GLU off)."""
     from monobatch.kernels import fused, invariant_gemm as ig
     g = torch.Generator().manual_seed(5)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    # F a multiple of the 16-row tiles' BN (32): the interpreter's numpy matmul may give a column
-    # other bits at another place in a tile or beside other columns (the GPU's MMA does not, see
-    # check()); so each gate and up column sits where it sits in the [M, 2F] product's tiles
-    for k, f in ((2 * ig.SLICE_K + 64, 96), (ig.SLICE_K, 64), (256, 4224)):
-        w = (torch.randn(2 * f, k, generator=g) * 0.05).to(device, dtype)
-        x = torch.randn(17, k, generator=g).to(device, dtype)
-        assert ig.glu_linear(x[:1], w) is None  # not in mode(True)
-        for m in (1, 2, 3, 16):
-            cfg = ig.config_for(m, 2 * f)
-            want = fused.silu_mul(ig.linear(x[:m], w, config=cfg, split=False))
-            assert torch.equal(ig.glu_launch(x[:m], w, cfg), want), (k, f, m)
-            if device == "cuda":
-                with ig.mode(True):
-                    got = ig.glu_linear(x[:m], w)
-                    if got is None:  # a product linear would split (narrow outputs): the two launches
-                        assert ig.split_for(m, 2 * f, k, cfg, x.device), (k, f, m)
-                    else:
-                        assert torch.equal(got, fused.silu_mul(ig.linear(x[:m], w))), (k, f, m)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    # F a multiple of the 16-row tiles' BN (32) in the interpreter: its numpy matmul may give a
+    # column other bits at another place in a tile or beside other columns (the GPU's MMA does
+    # not, see check()); so there each gate and up column sits where it sits in the [M, 2F] product
+    cases = [(2 * ig.SLICE_K + 64, 96), (ig.SLICE_K, 64), (256, 4224)]
+    if device == "cuda":
+        cases += [(2048, 8192), (4096, 14336), (2 * ig.SLICE_K + 64, 100)]
+    before = ig.GLU
+    ig.GLU = True
+    try:
+        for k, f in cases:
+            w = (torch.randn(2 * f, k, generator=g) * 0.05).to(device, dtype)
+            x = torch.randn(17, k, generator=g).to(device, dtype)
+            assert ig.glu_linear(x[:1], w) is None  # not in mode(True)
+            for m in (1, 2, 3, 16):
+                cfg = ig.config_for(m, 2 * f)
+                want = fused.silu_mul(ig.linear(x[:m], w, config=cfg, split=False))
+                assert torch.equal(ig.glu_launch(x[:m], w, cfg).view(bits), want.view(bits)), (k, f, m)
+                if device == "cuda":
+                    with ig.mode(True):
+                        got = ig.glu_linear(x[:m], w)
+                        if got is None:  # a product linear would split (narrow outputs): the two launches
+                            assert ig.split_for(m, 2 * f, k, cfg, x.device), (k, f, m)
+                        else:
+                            assert torch.equal(got.view(bits), fused.silu_mul(ig.linear(x[:m], w)).view(bits))
+            with ig.mode(True):
+                assert ig.glu_linear(x, w) is None and ig.glu_linear(x[:1], w, w[:, 0]) is None
+                assert device == "cuda" or ig.glu_linear(x[:1], w) is None  # CUDA only
+        ig.GLU = False
         with ig.mode(True):
-            assert ig.glu_linear(x, w) is None and ig.glu_linear(x[:1], w, w[:, 0]) is None
-            assert device == "cuda" or ig.glu_linear(x[:1], w) is None  # CUDA only
+            assert ig.glu_linear(x[:1], w) is None
+    finally:
+        ig.GLU = before
     return "ok"
 
 

@@ -27,7 +27,7 @@ from gguf.quants import dequantize
 
 from helpers import run_in_triton_interpreter
 from monobatch.quant import device_repack
-from monobatch.quant.formats import PACKED_TYPES, repack
+from monobatch.quant.formats import DEVICE_LAYOUTS, PACKED_TYPES, repack
 
 #: fp32 activations (interpreter): |y - float64 reference| / max |reference|, as tests/test_quant.py's
 #: bound for a float32 dot product (K * 2^-24 with K = 512, times 4); observed ~4e-7 at K = 256.
@@ -784,7 +784,9 @@ def test_tuned_table_overrides_the_rule(tmp_path, monkeypatch, capsys):
     from monobatch.kernels import quant_gemm as Q
     from monobatch.quant.formats import Q4, Q8_16
 
-    monkeypatch.setattr(Q, "_gpu_name", lambda: "Fake GPU")
+    if Q.VARIANT != "fma":
+        pytest.skip("MONOBATCH_PACKED_GEMV=dot: no FMA rows to tune")
+    monkeypatch.setattr(Q, "_gpu_name", lambda device=None: "Fake GPU")
     monkeypatch.setattr(Q, "_TABLES", {})
     monkeypatch.setenv(Q.TABLE_ENV, "")
     rule = Q.gemv_config(4096, 14336, 1, Q4), Q.gemv_config(4096, 4096, 1, Q4), Q.gemv_config(4096, 14336, 4, Q4)
@@ -797,10 +799,19 @@ def test_tuned_table_overrides_the_rule(tmp_path, monkeypatch, capsys):
     assert Q.gemv_config(4096, 14336, 1, Q4) == tuple(tuned) != rule[0]
     assert Q.gemv_config(4096, 4096, 1, Q4) == rule[1]  # not listed
     assert Q.gemv_config(4096, 14336, 4, Q4) == rule[2]  # a DOT row: the table is the FMA variant's
+    assert Q.gemv_config(4096, 14336, 1, Q4, table=False) == rule[0]  # the probe's baseline
     path.write_text("{not json")
     monkeypatch.setattr(Q, "_TABLES", {})
     assert Q.gemv_config(4096, 14336, 1, Q4) == rule[0]
     assert "not read" in capsys.readouterr().err
+    bad = [256, 512, 2, 8, 1, False]  # BLOCK_K 512 at K = 256: refused at load, not in a decode step
+    path.write_text(json.dumps({"device": "Other GPU", "configs": {Q.table_key(4096, 14336, 1, Q4): tuned,
+                                                                   Q.table_key(4096, 256, 1, Q4): bad}}))
+    monkeypatch.setattr(Q, "_TABLES", {})
+    assert Q.gemv_config(4096, 14336, 1, Q4) == tuple(tuned)
+    assert Q.gemv_config(4096, 256, 1, Q4) == Q.gemv_config(4096, 256, 1, Q4, table=False)
+    err = capsys.readouterr().err
+    assert "1 entries dropped" in err and "tuned on 'Other GPU'" in err
 
 
 def test_packaged_tuned_tables_are_valid():
@@ -816,17 +827,16 @@ def test_packaged_tuned_tables_are_valid():
 
     names = {l.name for l in PACKED_TYPES.values()} | {l.name for l in DEVICE_LAYOUTS.values()}
     files = sorted((Path(Q.__file__).parent / "configs").glob("packed_gemv_*.json"))
+    assert files
     for f in files:
         doc = json.loads(f.read_text())
-        assert doc["configs"], f
+        assert doc["configs"] and doc["device"], f
         for key, cfg in doc["configs"].items():
-            layout, n, k, m = re.fullmatch(r"(\S+) (\d+)x(\d+) M(\d+)", key).groups()
-            assert layout in names, key
-            bn, bk, splits, warps, stages, dot = cfg
-            bw = bk // (2 if layout.startswith("Q4") else 1)
-            assert not dot and int(m) <= Q.FMA_MAX_M, key
-            assert bk % 32 == 0 and bw & (bw - 1) == 0 and bn & (bn - 1) == 0 and bk <= Q._pow2(int(k)), key
-            assert 1 <= splits <= -(-int(k) // bk) and warps in (1, 2, 4, 8) and stages >= 1, key
+            assert key.split()[0] in names, key
+            assert Q.entry_problem(key, tuple(cfg)) is None, (key, Q.entry_problem(key, tuple(cfg)))
+    assert Q.entry_problem("Q4/32:f8 64x64 M1", (32, 1024, 1, 4, 1, False)) == "BLOCK_N or BLOCK_K off"
+    assert Q.entry_problem("Q4/32 64x4096 M8", (32, 1024, 1, 4, 1, False)).startswith("not an FMA")
+    assert Q.entry_problem("Q4/32 64x4096", (32, 1024, 1, 4, 1, False)).startswith("not a")
 
 
 def test_packed_gemv_table_script():
@@ -851,14 +861,15 @@ def test_packed_gemv_table_script():
     assert len(report) == 3 and report[2].startswith("rule ")
 
 
-#: The table's layout names and a GGUF type device_repack gives each (tuned tables' keys).
-TABLE_TYPES = {"Q4/32:f8": T.Q4_0, "Q4/32:k": T.Q4_K, "Q8/16:k0": T.Q6_K, "Q8/32:f": T.Q8_0}
+#: A GGUF type of each compact layout name (the tuned tables' keys; device_repack's layouts).
+TABLE_TYPES = {layout.name: qtype for qtype, layout in reversed(DEVICE_LAYOUTS.items())}
 
 
-def check_table_configs() -> str:
+def check_table_configs(device: str = "cpu") -> str:
     """Every tile the packaged tuned tables give (kernels/configs/*.json: BLOCK_N, BLOCK_K, warps,
-    stages, on its layout) computes the FMA GEMV (interpreter, fp32, M = 1) to the float64
-    reference, unsplit and split, on an N off the tile and K of two steps."""
+    stages, on its layout) computes the FMA GEMV (M = 1) to the float64 reference, unsplit and
+    split, on an N off the tile and on whole tiles (the unmasked loads, as every tabled product),
+    K of two steps; on CUDA also every entry at its own N x K with its own split, bf16 x."""
     import json
     from pathlib import Path
 
@@ -868,17 +879,32 @@ def check_table_configs() -> str:
         for key, (bn, bk, _splits, warps, stages, _dot) in json.loads(f.read_text())["configs"].items():
             tiles.add((key.split()[0], bn, bk, warps, stages))
     g = torch.Generator().manual_seed(11)
+    dt, tol = (torch.float32, REL_TOL) if device == "cpu" else (torch.bfloat16, BF16_TOL)
     for i, (layout, bn, bk, warps, stages) in enumerate(sorted(tiles)):
         qtype = TABLE_TYPES[layout]
-        n, k = bn + 8, 2 * max(bk, 256)
-        rep, w = _parts(qtype, n, k, seed=60 + i)
-        assert rep.layout.name == layout, (rep.layout.name, layout)
-        x = torch.randn(1, k, generator=g)
-        for splits in (1, 2):
-            got = Q.gemv(x, rep, config=(bn, bk, splits, warps, stages, False))
-            assert _rel(got, x.double() @ w.T) <= REL_TOL, (layout, bn, bk, splits, warps, stages)
+        for n in (bn + 8, 2 * bn):
+            k = 2 * max(bk, 256)
+            rep, w = _parts(qtype, n, k, seed=60 + i, device=device)
+            assert rep.layout.name == layout, (rep.layout.name, layout)
+            x = torch.randn(1, k, generator=g).to(device, dt)
+            for splits in (1, 2):
+                got = Q.gemv(x, rep, config=(bn, bk, splits, warps, stages, False), out_dtype=torch.float32)
+                assert _rel(got, x.double() @ w.T) <= tol, (layout, n, bn, bk, splits, warps, stages)
+    if device != "cpu":  # every entry at its product's own shape (8b's: up to 128256 x 4096)
+        for f in sorted((Path(Q.__file__).parent / "configs").glob("packed_gemv_*.json")):
+            for key, cfg in json.loads(f.read_text())["configs"].items():
+                layout, n, k = key.split()[0], *map(int, key.split()[1].split("x"))
+                rep, w = _parts(TABLE_TYPES[layout], n, k, seed=7, device=device)
+                x = torch.randn(1, k, generator=g).to(device, dt)
+                assert _rel(Q.gemv(x, rep, config=tuple(cfg), out_dtype=torch.float32), x.double() @ w.T) <= tol, key
+                del rep, w
     return "ok"
 
 
 def test_table_configs_in_interpreter():
     run_in_triton_interpreter("test_quant_cuda", "check_table_configs")
+
+
+def test_table_configs_cuda():
+    _cuda()
+    assert check_table_configs("cuda") == "ok"

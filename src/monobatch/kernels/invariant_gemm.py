@@ -166,7 +166,7 @@ if triton is not None:
         if GLU:  # FLAT's loop, for the gate and the up rows at once
             tl.static_assert(FLAT and not SPLIT and not HAS_BIAS, "GLU: one unsplit flat loop, no bias")
             PER_G: tl.constexpr = SLICE // BK
-            w2_base = w_base + N.to(tl.int64) * stride_wn
+            w2_base = W + (offs_n[:, None] + N).to(tl.int64) * stride_wn + offs_k[None, :]  # the up rows
             acc = tl.zeros([BM, BN], tl.float32)
             acc2 = tl.zeros([BM, BN], tl.float32)
             total2 = tl.zeros([BM, BN], tl.float32)
@@ -275,10 +275,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y
 
 
-#: ``MONOBATCH_DET_GLU=1`` (read at import) turns :func:`glu_linear` on. Off by default until
-#: timed: its bits were checked on the H200 (2026-12-05, test_glu_linear_cuda: equal to the two
-#: launches'), its speed not yet (the lease's deterministic rounds ran out of time); off, the
-#: gate/up GEMM then fused.silu_mul, as before.
+#: ``MONOBATCH_DET_GLU=1`` (read at import) turns :func:`glu_linear` on. Off by default until a
+#: lease checks it at the model shapes and times it (2026-12-05: its bits equal the two launches'
+#: on the H200 at small shapes, test_glu_linear_cuda; its rounds ran out of time); off, the gate/up
+#: GEMM then fused.silu_mul, as before.
 GLU = os.environ.get("MONOBATCH_DET_GLU", "0") == "1"
 
 

@@ -71,6 +71,7 @@ product (:func:`tuned_configs`, written from such a sweep) the table's, the GEMM
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import torch
@@ -117,14 +118,16 @@ def table_path(device_name: str) -> str | None:
     return path if os.path.exists(path) else None
 
 
-def tuned_configs() -> dict[str, tuple]:
-    """This process's GPU's tuned FMA GEMV configs (:data:`TABLE_ENV`), read once; ``{}`` without
-    CUDA or a table. A table that cannot be read is reported once on stderr and ignored.
+def tuned_configs(device: torch.device | None = None) -> dict[str, tuple]:
+    """The tuned FMA GEMV configs of ``device``'s GPU model (default: the current CUDA device;
+    :data:`TABLE_ENV`), read once a model; ``{}`` without CUDA or a table. A table that cannot be
+    read is reported once on stderr and ignored; an entry :func:`entry_problem` refuses is dropped
+    with one warning (a bad entry would otherwise fail inside a decode step or a graph capture).
 
     Returns:
         ``"<layout name> <N>x<K> M<M>"`` -> ``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, False)``.
     """
-    name = _gpu_name()
+    name = _gpu_name(device)
     if name not in _TABLES:
         path, table = table_path(name) if name else None, {}
         if path:
@@ -132,16 +135,57 @@ def tuned_configs() -> dict[str, tuple]:
                 import json
 
                 with open(path, encoding="utf-8") as f:
-                    table = {k: tuple(v) for k, v in json.load(f)["configs"].items()}
-            except (OSError, ValueError, KeyError, TypeError) as e:
+                    doc = json.load(f)
+                raw = {k: tuple(v) for k, v in doc["configs"].items()}
+                bad = {k: why for k, cfg in raw.items() if (why := entry_problem(k, cfg))}
+                table = {k: cfg for k, cfg in raw.items() if k not in bad}
+                if bad:
+                    key, why = next(iter(bad.items()))
+                    print(f"monobatch: warning: {TABLE_ENV} table {path!r}: {len(bad)} entries dropped "
+                          f"(first: {key!r}: {why})", file=sys.stderr)
+                if doc.get("device") not in (None, name):
+                    print(f"monobatch: warning: {TABLE_ENV} table {path!r} was tuned on {doc['device']!r}, "
+                          f"this GPU is {name!r}", file=sys.stderr)
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                 print(f"monobatch: warning: {TABLE_ENV} table {path!r} not read ({e}): using the rule", file=sys.stderr)
         _TABLES[name] = table
     return _TABLES[name]
 
 
-def _gpu_name() -> str:
-    """This process's CUDA device's name, ``""`` without CUDA."""
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+def entry_problem(key: str, cfg: tuple) -> str | None:
+    """Why a tuned-table entry cannot run, or None: its key must be ``"<layout> <N>x<K> M<M>"``
+    with M <= :data:`FMA_MAX_M`, its config six integers, the FMA variant, BLOCK_N and BLOCK_K's
+    bytes powers of two, BLOCK_K a multiple of 32 and at most K rounded up to a power of two, 1 to
+    K's steps splits, 1-8 warps (a power of two) and at least one stage."""
+    m = re.fullmatch(r"(Q[48])/(\d+)(:\S*)? (\d+)x(\d+) M(\d+)", key)
+    if m is None:
+        return "not a '<layout> <N>x<K> M<M>' key"
+    if len(cfg) != 6 or not all(isinstance(v, (int, bool)) for v in cfg):
+        return "not six integers"
+    q4, k, rows = m.group(1) == "Q4", int(m.group(5)), int(m.group(6))
+    bn, bk, splits, warps, stages, dot = cfg
+    bw = bk // (2 if q4 else 1)
+    if dot or not 1 <= rows <= FMA_MAX_M:
+        return f"not an FMA config of 1..{FMA_MAX_M} rows"
+    if bk < 32 or bk % 32 or bw & (bw - 1) or bn < 1 or bn & (bn - 1) or bk > _pow2(k):
+        return "BLOCK_N or BLOCK_K off"
+    if not 1 <= splits <= -(-k // bk) or warps not in (1, 2, 4, 8) or stages < 1:
+        return "split, warps or stages off"
+    return None
+
+
+_NAMES: dict[int, str] = {}
+
+
+def _gpu_name(device: torch.device | None = None) -> str:
+    """The name of ``device``'s GPU (default: the current CUDA device), cached per device index;
+    ``""`` without CUDA."""
+    if (device is not None and device.type != "cuda") or not torch.cuda.is_available():
+        return ""
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    if index not in _NAMES:
+        _NAMES[index] = torch.cuda.get_device_name(index)
+    return _NAMES[index]
 
 
 def table_key(N: int, K: int, M: int, layout: Layout) -> str:
@@ -157,8 +201,8 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def gemv_config(N: int, K: int, M: int, layout: Layout,
-                variant: str | None = None) -> tuple[int, int, int, int, int, bool]:
+def gemv_config(N: int, K: int, M: int, layout: Layout, variant: str | None = None,
+                device: torch.device | None = None, table: bool = True) -> tuple[int, int, int, int, int, bool]:
     """``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, DOT)`` for an ``[M, K] x [N, K]^T``
     product on ``layout`` (BLOCK_K in weights, a power of two times 32). ``DOT`` False: the FMA
     variant (CUDA cores), taken for M <= :data:`FMA_DEFAULT_M` unless ``MONOBATCH_PACKED_GEMV=dot``
@@ -174,10 +218,11 @@ def gemv_config(N: int, K: int, M: int, layout: Layout,
     and 256 for the 8-bit layouts, K split until the grid has ~528 programs (4 a multiprocessor on
     the H200's 132); at M = 1 unpipelined (one stage: the H200 sweep of 2026-12-03 at llama-1b's
     shapes, Q4_K and Q6_K, found it the fastest or within 10 % at every shape), from M = 2 32-row
-    tiles (the accumulators' registers) and 3 stages (untimed). Where this GPU's tuned table
-    (:func:`tuned_configs`) lists the product, its FMA config is the table's."""
+    tiles (the accumulators' registers) and 3 stages (untimed). Where the tuned table of
+    ``device``'s GPU (:func:`tuned_configs`) lists the product, its FMA config is the table's
+    (``table=False``: the rule alone, the probe's baseline)."""
     fma = M <= FMA_MAX_M if variant == "fma" else (variant or VARIANT) == "fma" and M <= FMA_DEFAULT_M
-    if fma and (tuned := tuned_configs().get(table_key(N, K, M, layout))) is not None:
+    if fma and table and (tuned := tuned_configs(device).get(table_key(N, K, M, layout))) is not None:
         return tuned
     if fma:
         block_n, block_k = (64 if M == 1 else 32), (512 if layout.q4 else 256)
@@ -688,7 +733,7 @@ def gemv(x: torch.Tensor, w, bias: torch.Tensor | None = None, out_dtype: torch.
     y = _out(x, N, out_dtype, out)
     if M == 0 or N == 0:
         return y
-    block_n, block_k, splits, warps, stages, dot = config or gemv_config(N, K, M, layout)
+    block_n, block_k, splits, warps, stages, dot = config or gemv_config(N, K, M, layout, device=x.device)
     if not dot and M > FMA_MAX_M:
         raise ValueError(f"FMA configs take M <= {FMA_MAX_M} rows")
     per_byte = 2 if layout.q4 else 1
