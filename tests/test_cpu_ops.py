@@ -4,6 +4,7 @@ float64 references; attention rows independent of the rows beside them (ADR 0002
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -249,3 +250,20 @@ def test_rowwise_joins_a_list_of_outputs_as_a_tuple():
     x = torch.arange(10.0).view(5, 2)
     out = rowwise(2, lambda a: [a * 2, a + 1], x)
     assert isinstance(out, tuple) and torch.equal(out[0], x * 2) and torch.equal(out[1], x + 1)
+
+
+def test_bad_cpu_kernel_variables_warn_and_keep_the_kernels():
+    """A malformed MONOBATCH_CPU_MIN_THREAD_WORK or MONOBATCH_CPU_KERNELS is named in one warning
+    and ignored: the packed kernels stay available (a bad value once turned them off silently)."""
+    import subprocess
+    import sys
+
+    code = ("from monobatch.kernels import cpu_ops, quant_cpu; "
+            "print(quant_cpu.available(), cpu_ops.enabled.__module__)")
+    for env in ({"MONOBATCH_CPU_MIN_THREAD_WORK": "abc"}, {"MONOBATCH_CPU_MIN_THREAD_WORK": "-5"},
+                {"MONOBATCH_CPU_KERNELS": "banana"}):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, **env})
+        assert done.returncode == 0 and done.stdout.startswith("True"), (env, done.stderr[-500:])
+        name, value = next(iter(env.items()))
+        assert f"{name}={value!r}" in done.stderr and "warning" in done.stderr, (env, done.stderr)

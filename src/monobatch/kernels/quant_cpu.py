@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import shutil
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -56,12 +57,24 @@ def module() -> ModuleType:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     build = cache_dir()
     build.mkdir(parents=True, exist_ok=True)
+    built = build / f"{NAME}.so"
+    if not built.exists() or any(p.stat().st_mtime > built.stat().st_mtime for p in SOURCES):
+        # a build takes a minute or two on a small machine: say so, or the first command looks hung
+        print(f"monobatch: compiling the packed CPU kernels for this machine into {build} (once, about a minute)...",
+              file=sys.stderr, flush=True)
     mod = cpp_extension.load(
         name=NAME, sources=[str(p) for p in SOURCES], build_directory=str(build),
         extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
     work = os.environ.get("MONOBATCH_CPU_MIN_THREAD_WORK")  # A/B runs: least multiply-adds per thread
     if work:
-        mod.set_min_thread_work(int(work))
+        try:
+            value = int(work)
+            if value < 1:
+                raise ValueError
+            mod.set_min_thread_work(value)
+        except ValueError:
+            print(f"monobatch: warning: MONOBATCH_CPU_MIN_THREAD_WORK={work!r} is not a positive integer: "
+                  "using the default", file=sys.stderr)
     return mod
 
 
