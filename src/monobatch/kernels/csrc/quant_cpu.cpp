@@ -10,10 +10,13 @@
 //       kernels widen them to float32 (exactly) before use, so a product is the same bits with
 //       either storage.
 //
-// gemm:      out[M, N] = x[M, K] @ W^T for few rows (decode), float32 accumulation:
-//            out[m, n] = sum_g scale[n, g] * dot(q[n, g], x[m, g]) + sum_g min[n, g] * xsum[m, g].
-//            Each output row is computed by the same sequence of operations whatever M is and
-//            whatever the other rows hold (batch invariance; --deterministic relies on it).
+// gemm:      out[M, N] = x[M, K] @ W^T for few rows (decode), with x rounded to int16 per group
+//            (the int16-activation GEMV below: exact integer group dots, float32 accumulation):
+//            out[m, n] = sum_g scale[n, g] sx[m, g] * idot(q[n, g], xi[m, g]) + sum_g min[n, g] * xsum[m, g],
+//            within ~amax/65534 per activation of the float product (bound below; ADR 0006,
+//            "int16 activations"). Each output row is computed by the same sequence of operations
+//            whatever M is and whatever the other rows hold (batch invariance; --deterministic
+//            relies on it).
 // dequant:   W[n0:n1, :] as float32, fma(q, scale, min) per element: one rounding, the bits of
 //            gguf-py's dequantization (see formats.py).
 #include <torch/extension.h>
