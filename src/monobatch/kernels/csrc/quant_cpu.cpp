@@ -220,10 +220,11 @@ inline int32_t q_int(const uint8_t* row, int64_t g, int j) {
 template <bool Q4, int G>
 inline void load_w16(const uint8_t* qrow, int64_t g, __m256i& w0, __m256i& w1) {
   if (Q4) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qrow + g * 16));
-    const __m128i m = _mm_set1_epi8(0x0F);
-    w0 = _mm256_cvtepu8_epi16(_mm_and_si128(v, m));
-    w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), m));
+    // The 16 bytes widened once; each 16-bit lane holds one byte: its low nibble is column j,
+    // its high nibble (the lane >> 4, nothing above it) column j + 16.
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qrow + g * 16)));
+    w0 = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
+    w1 = _mm256_srli_epi16(v, 4);
   } else {
     const int8_t* p = reinterpret_cast<const int8_t*>(qrow) + g * G;
     w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
