@@ -29,6 +29,12 @@ from monobatch.engine.sequence import Request
 #: KV); the bound is ~2.4x the largest. Tests of a path (chunking, TP, modes) run on
 #: ``--weights dequant`` at their float tolerance; this bound is for the packed weights themselves.
 PACKED_LOGIT_TOL = 5e-2
+#: Greedy tokens on packed weights may leave a float reference's (HF's, the dequantized model's)
+#: only where the reference's top-2 margin is below this: each of the two logits moves by at most
+#: PACKED_LOGIT_TOL, so a flip needs a margin below twice that. Measured (2026-12-05): on the
+#: oracle prompts the packed model's greedy tokens are HF's and the dequantized model's, no
+#: divergence (ADR 0006, "int16 activations").
+PACKED_NEAR_TIE = 2 * PACKED_LOGIT_TOL
 
 
 def new_scheduler(loaded, **config):
