@@ -17,6 +17,28 @@ from monobatch.engine.params import SamplingParams
 from monobatch.engine.sequence import Request
 
 
+#: How far the bundled model's logits on packed weights may move between two paths that compute
+#: one function (or from HF's float reference), where one of them runs the int16-activation GEMV
+#: (``csrc/quant_cpu.cpp``: x rounded per 32-column group, ``sx = amax / 32767``). One GEMV output
+#: moves by at most ``sum_j |scale q_j| amax / 65534`` (~1.5e-5 of a group's magnitude), but two
+#: paths that feed the GEMV inputs differing by float rounding round some of them to different
+#: int16 values, and over the model's 30 layers (with its outlier channels setting a group's amax)
+#: that noise reaches ~1e-2 on logits of magnitude ~20. Measured (2026-12-05, ADR 0006 "int16
+#: activations"): 2.18e-2 at most (packed vs dequantized logits over the oracle's greedy
+#: sequences), 2.1e-2 (prefill logits vs HF), 1.8e-2 (fast vs deterministic mode; 8.4e-5 on
+#: dequantized weights), 1.0e-2 (prompt
+#: logprobs by chunk size), 7.8e-3 (TP=2 vs TP=1), 5.0e-3 (static vs eager decode KV); the bound
+#: is ~2.3x the largest. Tests of a path (chunking, TP, modes) run on
+#: ``--weights dequant`` at their float tolerance; this bound is for the packed weights themselves.
+PACKED_LOGIT_TOL = 5e-2
+#: Greedy tokens on packed weights may leave a float reference's (HF's, the dequantized model's)
+#: only where the reference's top-2 margin is below this: each of the two logits moves by at most
+#: PACKED_LOGIT_TOL, so a flip needs a margin below twice that. Measured (2026-12-05): on the
+#: oracle prompts the packed model's greedy tokens are HF's and the dequantized model's, no
+#: divergence (ADR 0006, "int16 activations").
+PACKED_NEAR_TIE = 2 * PACKED_LOGIT_TOL
+
+
 def new_scheduler(loaded, **config):
     """A fresh BatchScheduler over already-loaded weights (EngineConfig fields as keywords)."""
     from monobatch.engine.engine import Engine, EngineConfig

@@ -91,7 +91,12 @@ def available() -> bool:
 
 def gemm(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group: int,
          q4: bool) -> torch.Tensor:
-    """``x @ W.T`` for packed ``W`` ``[N, K]``: x float32 ``[M, K]`` -> float32 ``[M, N]`` (few rows).
+    """``x @ W.T`` for packed ``W`` ``[N, K]``: x float32 ``[M, K]`` -> float32 ``[M, N]`` (few rows),
+    by the int16-activation GEMV: each x row rounded to int16 per group of ``group`` columns
+    (``sx = amax / 32767``), exact integer group dots, float32 sums; each output moves by at most
+    ``sum_j |scale q_j| amax_g / 65534`` (plus float32 rounding) from the float product
+    (``csrc/quant_cpu.cpp``'s header; ADR 0006, "int16 activations"). Rows are independent of M
+    and of each other; a row holding NaN or Inf gives non-finite outputs.
 
     Args:
         qs: uint8 ``[N, K/2]`` (``q4``) or int8 ``[N, K]``.

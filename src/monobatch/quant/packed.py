@@ -7,8 +7,10 @@ Q6_K v) keeps each piece packed as it came, and the matmul concatenates the part
 The matmul (:meth:`PackedWeight.matmul`), on CPU:
 
 - up to :data:`GEMV_ROWS` rows (decode steps, small batches): the packed kernel
-  (:func:`monobatch.kernels.quant_cpu.gemm`), which dequantizes in registers and accumulates in
-  float32; a row's result depends on that row alone, whatever M is.
+  (:func:`monobatch.kernels.quant_cpu.gemm`), which rounds each x row to int16 per weight group
+  (``sx = amax / 32767``), takes exact integer group dots and accumulates in float32: within
+  ``~amax / 65534`` per activation of the float product (ADR 0006, "int16 activations"); a row's
+  result depends on that row alone, whatever M is.
 - more rows (prefill): the part is dequantized into float32 (at most :data:`DEQUANT_CHUNK_BYTES`
   at a time, into one scratch buffer per thread) and multiplied by ``F.linear``, so prefill keeps the BLAS GEMM's
   speed; the dequantized rows are bitwise the dequant path's weights.

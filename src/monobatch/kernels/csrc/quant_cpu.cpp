@@ -10,14 +10,20 @@
 //       kernels widen them to float32 (exactly) before use, so a product is the same bits with
 //       either storage.
 //
-// gemm:      out[M, N] = x[M, K] @ W^T for few rows (decode), float32 accumulation:
-//            out[m, n] = sum_g scale[n, g] * dot(q[n, g], x[m, g]) + sum_g min[n, g] * xsum[m, g].
-//            Each output row is computed by the same sequence of operations whatever M is and
-//            whatever the other rows hold (batch invariance; --deterministic relies on it).
+// gemm:      out[M, N] = x[M, K] @ W^T for few rows (decode), with x rounded to int16 per group
+//            (the int16-activation GEMV below: exact integer group dots, float32 accumulation):
+//            out[m, n] = sum_g scale[n, g] sx[m, g] * idot(q[n, g], xi[m, g]) + sum_g min[n, g] * xsum[m, g],
+//            within ~amax/65534 per activation of the float product (bound below; ADR 0006,
+//            "int16 activations"). Each output row is computed by the same sequence of operations
+//            whatever M is and whatever the other rows hold (batch invariance; --deterministic
+//            relies on it).
 // dequant:   W[n0:n1, :] as float32, fma(q, scale, min) per element: one rounding, the bits of
 //            gguf-py's dequantization (see formats.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -95,67 +101,206 @@ inline void widen(const at::Half* p, int64_t n, float* buf) {
   for (; i < n; ++i) buf[i] = to_f32(p[i]);
 }
 
-// out rows [m0, m0 + mt) of column n. G: group size; V = G / 8 vectors a group.
-template <bool Q4, int G, int mt>
-inline void row_dot(const uint8_t* qrow, const float* sc, const float* mn, const float* x, const float* xsum,
-                    int64_t K, int64_t m0, float* out, int64_t N, int64_t n) {
+// ---- The int16-activation GEMV ----------------------------------------------------------------
+// Each x row is rounded per weight group (G columns) to int16 (quantize_rows), so a group's dot
+// with the small integer weights is exact integer arithmetic (AVX2: _mm256_madd_epi16) and only
+// one conversion and one FMA a group and row are float:
+//   sx[m, g] = amax_g / 32767 (amax_g = max |x[m, j]| over the group's columns j; float32 division),
+//   xi[m, j] = nearbyint(x[m, j] / sx[m, g]) clamped to [-32767, 32767] (round-half-even),
+//   out[m, n] = sum_g fl(scale[n, g] * sx[m, g]) * idot(q[n, g], xi[m, g]) + sum_g min[n, g] * xsum[m, g],
+// where xsum[m, g] is the float32 sum of the unrounded x over the group (left to right, as the
+// float GEMV had it), so the min term sees x exactly.
+// Error (ADR 0006, "int16 activations"): |x - sx xi| <= (1/2 + 2^-9) sx per element (the
+// division's rounding included), sx <= (amax_g / 32767)(1 + 2^-23) + 2^-150, so the int16 term of
+// out[m, n] moves by at most sum_j |scale q_j| (amax_g / 65534 (1 + 2^-7) + 2^-134): ~1.5e-5 of a
+// group's magnitude, against float32's ~6e-8 a term. Then float32 rounding of the group products
+// and the sums, as any float32 dot: within 2 K 2^-24 sum_j (|scale q_j| + |min|) |x_j|
+// (tests/test_quant.py::test_int16_gemv_error_bound checks both against float64 on adversarial rows).
+// Exactness of the integer part: |q| <= 128, |xi| <= 32767, so an int32 lane (at most 4 products:
+// columns 2l, 2l+1, 16+2l, 17+2l of the group) is below 4 * 128 * 32767 < 2^24: exact in int32
+// and in its float32 conversion.
+// Edge cases: a group of zeros (or with amax below ~2^-135, where sx rounds to 0) gets sx = 0 and
+// xi = 0: its int16 term is 0, an error of at most 32 amax (< 2^-129). A group holding NaN or Inf
+// gets sx = 0 and xi = 0 too, and its float sum xsum is NaN or +-Inf, so the row's outputs are
+// non-finite (NaN or +-Inf), as the float GEMV's are. Groups below 32767 FLT_MIN (subnormal sx)
+// lose sx's relative precision; the clamp keeps xi in int16 and the error within the absolute
+// 2^-134 term.
+// Float order a row (the same in the 1-row and 4-row passes, and in the scalar fallback, lane for
+// lane: batch invariance and one set of bits whatever the build): 8 int32 lanes a group (lane l:
+// columns 2l, 2l+1, 16+2l, 17+2l), each converted and FMA'd with the group's fl(scale sx) into
+// one of two 8-lane accumulators (even groups, odd groups); hsum(acc_even + acc_odd) (simd.h's
+// order); plus the min term: 8-lane FMA sums over groups 8c + l, hsum, then the remaining groups by
+// scalar FMA in order.
+// The convention follows llama.cpp's quantized activations (ggml's Q8_0/Q8_1 "vec_dot_type": x
+// rounded per block with scale amax / 127), with 16 bits instead of 8.
+
+constexpr float I16_MAX = 32767.f;
+
+// Scalar sum of 8 lanes in simd.h's hsum order.
+inline float hsum8(const float* v) {
+  return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
+
+// x float32 [M, K] -> xi int16 [M, K], sx float32 [M, K/G], xsum float32 [M, K/G] (the header's
+// formulas). The AVX2 and scalar paths compute the same bits (elementwise IEEE division, min/max
+// and round-to-nearest-even conversion; max is exact in any order).
+template <int G, bool V>
+void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xi, float* sx, float* xsum) {
   const int64_t ng = K / G;
-  float acc_s[mt];
-#ifdef MB_AVX2
-  // Two accumulators (even and odd groups) and a tree-shaped dot a group: short dependency chains.
-  __m256 acc[2][mt];
-  for (int i = 0; i < mt; ++i) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < ng; ++g) {
-    __m256 w[G / 8];
-    if (Q4) {
-      unpack_q4(qrow + g * 16, w);
-    } else {
-      for (int v = 0; v < G / 8; ++v) w[v] = unpack_q8(reinterpret_cast<const int8_t*>(qrow) + g * G + v * 8);
-    }
-    const __m256 s = _mm256_broadcast_ss(sc + g);
-    for (int i = 0; i < mt; ++i) {
-      const float* xp = x + (m0 + i) * K + g * G;
-      __m256 t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xp + 8), _mm256_mul_ps(w[0], _mm256_loadu_ps(xp)));
-      if (G == 32) {
-        const __m256 u = _mm256_fmadd_ps(w[G / 8 - 1], _mm256_loadu_ps(xp + 24), _mm256_mul_ps(w[2 % (G / 8)], _mm256_loadu_ps(xp + 16)));
-        t = _mm256_add_ps(t, u);
-      }
-      acc[g & 1][i] = _mm256_fmadd_ps(t, s, acc[g & 1][i]);
-    }
-  }
-  for (int i = 0; i < mt; ++i) acc_s[i] = hsum(_mm256_add_ps(acc[0][i], acc[1][i]));
-#else
-  for (int i = 0; i < mt; ++i) {
-    float a = 0.f;
-    const float* xp = x + (m0 + i) * K;
+  for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < ng; ++g) {
-      float t = 0.f;
-      for (int j = 0; j < G; ++j) t += q_at<Q4>(qrow, g * G + j) * xp[g * G + j];
-      a += t * sc[g];
-    }
-    acc_s[i] = a;
-  }
+      const float* p = x + m * K + g * G;
+      int16_t* q = xi + m * K + g * G;
+      float s = 0.f, amax = 0.f;
+      for (int j = 0; j < G; ++j) {
+        s += p[j];
+        amax = std::max(amax, std::fabs(p[j]));
+      }
+      xsum[m * ng + g] = s;
+      const float d = amax / I16_MAX;
+      if (!(amax <= FLT_MAX) || s != s || d == 0.f) {  // Inf (amax), NaN (the sum), zeros / below ~2^-135
+        sx[m * ng + g] = 0.f;
+        std::memset(q, 0, G * sizeof(int16_t));
+        continue;
+      }
+      sx[m * ng + g] = d;
+#ifdef MB_AVX2
+      if constexpr (V) {
+      const __m256 vd = _mm256_set1_ps(d), hi = _mm256_set1_ps(I16_MAX), lo = _mm256_set1_ps(-I16_MAX);
+      for (int v = 0; v < G / 16; ++v) {
+        __m256 a = _mm256_div_ps(_mm256_loadu_ps(p + 16 * v), vd);
+        __m256 b = _mm256_div_ps(_mm256_loadu_ps(p + 16 * v + 8), vd);
+        a = _mm256_min_ps(_mm256_max_ps(a, lo), hi);
+        b = _mm256_min_ps(_mm256_max_ps(b, lo), hi);
+        const __m256i ab = _mm256_packs_epi32(_mm256_cvtps_epi32(a), _mm256_cvtps_epi32(b));  // a0-3 b0-3 a4-7 b4-7
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16 * v), _mm256_permute4x64_epi64(ab, 0xD8));
+      }
+      continue;
+      }
 #endif
-  for (int i = 0; i < mt; ++i) {
-    const float* xs = xsum + (m0 + i) * ng;
-    float b = 0.f;
-    for (int64_t g = 0; g < ng; ++g) b += mn[g] * xs[g];
-    out[(m0 + i) * N + n] = acc_s[i] + b;
+      for (int j = 0; j < G; ++j)
+        q[j] = static_cast<int16_t>(std::nearbyint(std::min(std::max(p[j] / d, -I16_MAX), I16_MAX)));
+    }
+}
+
+// The min term of row m: sum_g mn[g] * xs[g] (the header's order).
+template <bool V>
+inline float min_term(const float* mn, const float* xs, int64_t ng) {
+  int64_t g = 0;
+  float b;
+#ifdef MB_AVX2
+  if constexpr (V) {
+    __m256 bv = _mm256_setzero_ps();
+    for (; g + 8 <= ng; g += 8) bv = _mm256_fmadd_ps(_mm256_loadu_ps(mn + g), _mm256_loadu_ps(xs + g), bv);
+    b = hsum(bv);
+  } else
+#endif
+  {
+    float bv[8] = {};
+    for (; g + 8 <= ng; g += 8)
+      for (int l = 0; l < 8; ++l) bv[l] = std::fma(mn[g + l], xs[g + l], bv[l]);
+    b = hsum8(bv);
+  }
+  for (; g < ng; ++g) b = std::fma(mn[g], xs[g], b);
+  return b;
+}
+
+// Integer weight of column j of group g in a row (scalar path).
+template <bool Q4, int G>
+inline int32_t q_int(const uint8_t* row, int64_t g, int j) {
+  if (Q4) {
+    const uint8_t b = row[g * 16 + (j % 16)];
+    return j < 16 ? (b & 0x0F) : (b >> 4);
+  }
+  return reinterpret_cast<const int8_t*>(row)[g * G + j];
+}
+
+#ifdef MB_AVX2
+// Group g's weights as int16: w0 = columns 0..15, w1 = 16..31 (G = 32).
+template <bool Q4, int G>
+inline void load_w16(const uint8_t* qrow, int64_t g, __m256i& w0, __m256i& w1) {
+  if (Q4) {
+    // The 16 bytes widened once; each 16-bit lane holds one byte: its low nibble is column j,
+    // its high nibble (the lane >> 4, nothing above it) column j + 16.
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qrow + g * 16)));
+    w0 = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
+    w1 = _mm256_srli_epi16(v, 4);
+  } else {
+    const int8_t* p = reinterpret_cast<const int8_t*>(qrow) + g * G;
+    w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    if (G == 32) w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
   }
 }
 
-template <bool Q4, int G, typename S>
+// acc[i] += cvt(idot(group g, row m0 + i)) * fl(scale sx) for the mt rows.
+template <bool Q4, int G, int mt>
+__attribute__((always_inline)) inline void group_i16(const uint8_t* qrow, const float* sc, const int16_t* xq,
+                                                     const float* sx, int64_t K, int64_t ng, int64_t m0, int64_t g,
+                                                     __m256 (&acc)[mt]) {
+  __m256i w0, w1 = _mm256_setzero_si256();
+  load_w16<Q4, G>(qrow, g, w0, w1);
+  const float s = sc[g];
+  for (int i = 0; i < mt; ++i) {
+    const int16_t* xp = xq + (m0 + i) * K + g * G;
+    __m256i d = _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp)));
+    if (G == 32) d = _mm256_add_epi32(d, _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 16))));
+    const float ws = s * sx[(m0 + i) * ng + g];
+    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(ws), acc[i]);
+  }
+}
+#endif
+
+// out rows [m0, m0 + mt) of column n by the int16 GEMV (the header's formula and order). V: the
+// AVX2 path (where built); else the scalar one, the same bits.
+template <bool Q4, int G, int mt, bool V>
+inline void row_dot(const uint8_t* qrow, const float* sc, const float* mn, const int16_t* xq, const float* sx,
+                    const float* xsum, int64_t K, int64_t m0, float* out, int64_t N, int64_t n) {
+  const int64_t ng = K / G;
+  float acc_s[mt];
+#ifdef MB_AVX2
+  if constexpr (V) {
+    __m256 a0[mt], a1[mt];
+    for (int i = 0; i < mt; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 2 <= ng; g += 2) {  // two groups a step: both accumulators stay in registers
+      group_i16<Q4, G, mt>(qrow, sc, xq, sx, K, ng, m0, g, a0);
+      group_i16<Q4, G, mt>(qrow, sc, xq, sx, K, ng, m0, g + 1, a1);
+    }
+    if (g < ng) group_i16<Q4, G, mt>(qrow, sc, xq, sx, K, ng, m0, g, a0);
+    for (int i = 0; i < mt; ++i) acc_s[i] = hsum(_mm256_add_ps(a0[i], a1[i]));
+  } else
+#endif
+  {
+    for (int i = 0; i < mt; ++i) {
+      float a[2][8] = {};
+      const int16_t* xr = xq + (m0 + i) * K;
+      for (int64_t g = 0; g < ng; ++g) {
+        const float ws = sc[g] * sx[(m0 + i) * ng + g];
+        for (int l = 0; l < 8; ++l) {
+          int32_t d = 0;
+          for (int c : {2 * l, 2 * l + 1, 16 + 2 * l, 17 + 2 * l})
+            if (c < G) d += q_int<Q4, G>(qrow, g, c) * int32_t(xr[g * G + c]);
+          a[g & 1][l] = std::fma(static_cast<float>(d), ws, a[g & 1][l]);
+        }
+      }
+      float v[8];
+      for (int l = 0; l < 8; ++l) v[l] = a[0][l] + a[1][l];
+      acc_s[i] = hsum8(v);
+    }
+  }
+  for (int i = 0; i < mt; ++i) out[(m0 + i) * N + n] = acc_s[i] + min_term<V>(mn, xsum + (m0 + i) * ng, ng);
+}
+
+template <bool Q4, int G, typename S, bool V>
 void gemm_impl(const float* x, const uint8_t* qs, const S* sc, const S* mn, float* out,
                int64_t M, int64_t N, int64_t K) {
   const int64_t ng = K / G;
   const int64_t row_bytes = Q4 ? K / 2 : K;
-  std::vector<float> xsum(M * ng);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < ng; ++g) {
-      float s = 0.f;
-      for (int j = 0; j < G; ++j) s += x[m * K + g * G + j];
-      xsum[m * ng + g] = s;
-    }
+  std::vector<int16_t> xq(M * K);
+  std::vector<float> sx(M * ng), xsum(M * ng);
+  quantize_rows<G, V>(x, M, K, xq.data(), sx.data(), xsum.data());
+  const int16_t* xi = xq.data();
+  const float* xd = sx.data();
   const float* xs = xsum.data();
   const int64_t grain = std::max<int64_t>(1, mb_cpu_ops::min_thread_work / std::max<int64_t>(1, K * M));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
@@ -183,8 +328,8 @@ void gemm_impl(const float* x, const uint8_t* qs, const S* sc, const S* mn, floa
         const float* s = sb + (n - nb) * ng;
         const float* m = mb + (n - nb) * ng;
         int64_t m0 = 0;
-        for (; m0 + MT <= M; m0 += MT) row_dot<Q4, G, MT>(qrow, s, m, x, xs, K, m0, out, N, n);
-        for (; m0 < M; ++m0) row_dot<Q4, G, 1>(qrow, s, m, x, xs, K, m0, out, N, n);
+        for (; m0 + MT <= M; m0 += MT) row_dot<Q4, G, MT, V>(qrow, s, m, xi, xd, xs, K, m0, out, N, n);
+        for (; m0 < M; ++m0) row_dot<Q4, G, 1, V>(qrow, s, m, xi, xd, xs, K, m0, out, N, n);
       }
     }
   });
@@ -229,32 +374,50 @@ void check(const torch::Tensor& qs, const torch::Tensor& sc, const torch::Tensor
 
 }  // namespace
 
-namespace mb_quant {
-// out = x @ W^T: x float32 [M, K] -> float32 [M, N].
-torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& sc, const torch::Tensor& mn,
-                   int64_t group, bool q4) {
+namespace {
+// gemm's body; vec: the AVX2 path where built (false: the scalar fallback, for the tests' bitwise
+// comparison of the two).
+torch::Tensor gemm_any(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& sc, const torch::Tensor& mn,
+                       int64_t group, bool q4, bool vec) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
   auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = qs.size(0);
   check(qs, sc, mn, K, group, q4);
   auto out = torch::empty({M, N}, xc.options());
   auto q = static_cast<const uint8_t*>(qs.data_ptr());
-  auto run = [&](auto* s, auto* m) {
+  auto run = [&](auto* s, auto* m, auto v) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
+    constexpr bool V = decltype(v)::value;
     if (q4) {
-      gemm_impl<true, 32, S>(xc.data_ptr<float>(), q, s, m, out.data_ptr<float>(), M, N, K);
+      gemm_impl<true, 32, S, V>(xc.data_ptr<float>(), q, s, m, out.data_ptr<float>(), M, N, K);
     } else if (group == 32) {
-      gemm_impl<false, 32, S>(xc.data_ptr<float>(), q, s, m, out.data_ptr<float>(), M, N, K);
+      gemm_impl<false, 32, S, V>(xc.data_ptr<float>(), q, s, m, out.data_ptr<float>(), M, N, K);
     } else {
-      gemm_impl<false, 16, S>(xc.data_ptr<float>(), q, s, m, out.data_ptr<float>(), M, N, K);
+      gemm_impl<false, 16, S, V>(xc.data_ptr<float>(), q, s, m, out.data_ptr<float>(), M, N, K);
     }
   };
-  if (sc.scalar_type() == at::kHalf) {
-    run(sc.data_ptr<at::Half>(), mn.data_ptr<at::Half>());
+  auto pick = [&](auto v) {
+    if (sc.scalar_type() == at::kHalf) {
+      run(sc.data_ptr<at::Half>(), mn.data_ptr<at::Half>(), v);
+    } else {
+      run(sc.data_ptr<float>(), mn.data_ptr<float>(), v);
+    }
+  };
+  if (vec) {
+    pick(std::true_type{});
   } else {
-    run(sc.data_ptr<float>(), mn.data_ptr<float>());
+    pick(std::false_type{});
   }
   return out;
+}
+}  // namespace
+
+namespace mb_quant {
+// out = x @ W^T: x float32 [M, K] -> float32 [M, N], by the int16-activation GEMV (the header's
+// formula, error bound and order; every row alone: batch invariant).
+torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& sc, const torch::Tensor& mn,
+                   int64_t group, bool q4) {
+  return gemm_any(x, qs, sc, mn, group, q4, true);
 }
 
 }  // namespace mb_quant
@@ -296,6 +459,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, bool>());
   m.def("gemm_mat", [](const torch::Tensor& x, const mb_quant::PackedMat& w) { return w.gemm(x); },
         "gemm with a bound PackedMat");
+  m.def("gemm_scalar", [](const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& sc,
+                          const torch::Tensor& mn, int64_t group, bool q4) {
+    return gemm_any(x, qs, sc, mn, group, q4, false);
+  }, "gemm by the scalar fallback (the no-AVX2 build's path), in any build: its bits are gemm's");
   m.def("dequant", &dequant, "W as float32 into out [N, K]");
   mb_cpu_ops::register_ops(m);
   m.def("has_avx2", []() {
