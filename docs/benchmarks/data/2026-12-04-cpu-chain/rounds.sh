@@ -3,11 +3,11 @@
 # rounds of llama-bench and `monobatch bench` on two source trees (the commit before the chain and
 # the chain), the bundled model, -t 2; then each tree's host/kernel split of a -t 1 decode step.
 #   Usage: bash rounds.sh OUTDIR ROUNDS BASE_SRC NEW_SRC     (run from the repository root)
-#   env: LLAMA_BIN (default /tmp/llama-cpp/build/bin), N (generated tokens, 128), REPS (3)
+#   env: LLAMA_BIN (default /tmp/llama-cpp/build/bin), N (generated tokens, 128), REPS (3), PY (.venv/bin/python)
 set -eu
 D=${1:?OUTDIR}; ROUNDS=${2:-3}; BASE=${3:?BASE_SRC}; NEW=${4:?NEW_SRC}
 BIN=${LLAMA_BIN:-/tmp/llama-cpp/build/bin}; N=${N:-128}; REPS=${REPS:-3}
-PY=.venv/bin/python
+PY=${PY:-.venv/bin/python}
 mkdir -p "$D"
 MODEL=$(PYTHONPATH=$NEW $PY -c "from monobatch.loader import bundled_model_path; print(bundled_model_path())")
 { echo "date $(date -u +%FT%TZ)  host $(nproc) cores  $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"
