@@ -160,6 +160,26 @@ def test_int16_gemv_error_bound(qtype):
     assert torch.equal(out.isnan(), scalar.isnan()) and torch.equal(out[~out.isnan()], scalar[~scalar.isnan()])
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+def test_int16_gemv_odd_group_count_tails(qtype):
+    """K of an odd number of groups (288 = 9 x 32: the last group in the even accumulator, the
+    min term's scalar tail): the AVX2 path equals the scalar fallback bit for bit, each row of a
+    1..16-row call equals the row alone, and the result stays within the documented bound."""
+    n, k = 37, 288
+    data = random_blocks(qtype, n, k, seed=8)
+    wp = as_packed(qtype, data, k)
+    part = wp.parts[0].direct()
+    g = part.layout.group
+    w = torch.from_numpy(dequantize(data, qtype).reshape(n, k))
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(4))
+    for m in (1, 3, 5, 16):
+        got = wp.matmul(x[:m])
+        assert torch.equal(got, quant_cpu.module().gemm_scalar(x[:m], part.qs, part.scale, part.minimum, g,
+                                                               part.layout.q4)), m
+        assert all(torch.equal(got[i], wp.matmul(x[i:i + 1])[0]) for i in range(m)), m
+        assert ((got.double() - x[:m].double() @ w.double().T).abs() <= int16_gemv_bound(x[:m], w, part.minimum, g)).all()
+
+
 def test_int16_gemv_error_bound_is_tight_enough_to_fail():
     """The bound above is not vacuous: the same rows rounded to int8 (llama.cpp's activations,
     amax / 127) exceed it (checked on the float64 model of the rounding)."""
