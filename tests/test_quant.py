@@ -130,18 +130,23 @@ def int16_gemv_bound(x: torch.Tensor, w: torch.Tensor, minimum: torch.Tensor, g:
     return e @ a.T + 2 * K * 2.0**-24 * (xd.abs() @ a.T) + K * 2.0**-149
 
 
+def int16_case(qtype: T, n: int, k: int, seed: int):
+    """Random blocks of ``qtype`` ``[n, k]`` packed: (the PackedWeight, its part in the DIRECT
+    layout, the group size, the float32 dequantized weight ``[n, k]``)."""
+    data = random_blocks(qtype, n, k, seed=seed)
+    wp = as_packed(qtype, data, k)
+    part = wp.parts[0].direct()
+    return wp, part, part.layout.group, torch.from_numpy(dequantize(data, qtype).reshape(n, k))
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
 def test_int16_gemv_error_bound(qtype):
     """The GEMV (x rounded to int16 per group) against float64 on adversarial rows, within the
     kernel's documented bound, for both layouts (Q4 G = 32, Q8 G = 32 and 16); a row holding NaN or
     Inf gives non-finite outputs and leaves the other rows alone; the scalar fallback (the no-AVX2
     build's path) computes the same bits."""
-    n, k = 40, 512
-    data = random_blocks(qtype, n, k, seed=3)
-    wp = as_packed(qtype, data, k)
-    part = wp.parts[0].direct()
-    g = part.layout.group
-    w = torch.from_numpy(dequantize(data, qtype).reshape(n, k))
+    k = 512
+    wp, part, g, w = int16_case(qtype, 40, k, seed=3)
     x = adversarial_rows(k, g)
     got = wp.matmul(x[:packed.GEMV_ROWS])
     ref = x.double() @ w.double().T
@@ -165,12 +170,8 @@ def test_int16_gemv_odd_group_count_tails(qtype):
     """K of an odd number of groups (288 = 9 x 32: the last group in the even accumulator, the
     min term's scalar tail): the AVX2 path equals the scalar fallback bit for bit, each row of a
     1..16-row call equals the row alone, and the result stays within the documented bound."""
-    n, k = 37, 288
-    data = random_blocks(qtype, n, k, seed=8)
-    wp = as_packed(qtype, data, k)
-    part = wp.parts[0].direct()
-    g = part.layout.group
-    w = torch.from_numpy(dequantize(data, qtype).reshape(n, k))
+    k = 288
+    wp, part, g, w = int16_case(qtype, 37, k, seed=8)
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(4))
     for m in (1, 3, 5, 16):
         got = wp.matmul(x[:m])
