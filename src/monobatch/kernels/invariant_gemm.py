@@ -280,6 +280,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 #: on the H200 at small shapes, test_glu_linear_cuda; its rounds ran out of time); off, the gate/up
 #: GEMM then fused.silu_mul, as before.
 GLU = os.environ.get("MONOBATCH_DET_GLU", "0") == "1"
+if os.environ.get("MONOBATCH_DET_GLU", "0") not in ("0", "1"):
+    logging.getLogger(__name__).warning("MONOBATCH_DET_GLU=%r is not 0 or 1: the GLU launch stays off",
+                                        os.environ["MONOBATCH_DET_GLU"])
 
 
 def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
