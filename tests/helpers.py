@@ -37,6 +37,19 @@ PACKED_LOGIT_TOL = 5e-2
 #: oracle prompts the packed model's greedy tokens are HF's and the dequantized model's, no
 #: divergence (ADR 0006, "int16 activations").
 PACKED_NEAR_TIE = 2 * PACKED_LOGIT_TOL
+#: The near-tie margin of two default-mode runs of one request on float weights (dequantized, or a
+#: safetensors folder): their logits differ by float32 summation orders only (~1e-5 on the bundled
+#: model), so a flip needs a margin far below this.
+FLOAT_NEAR_TIE = 1e-3
+
+
+def near_tie(loaded) -> float:
+    """The top-2 logit margin under which two default-mode runs of one request on ``loaded`` (a
+    ``LoadedModel``) may pick different greedy tokens: :data:`PACKED_NEAR_TIE` on packed weights
+    (on CPU a prompt's rows above ``GEMV_ROWS`` take the float GEMM, a decode step's rows the
+    int16-activation GEMV, so a token computed by prefill in one run and by a decode step in another
+    moves by up to :data:`PACKED_LOGIT_TOL`), :data:`FLOAT_NEAR_TIE` on float weights."""
+    return PACKED_NEAR_TIE if loaded.weights == "packed" else FLOAT_NEAR_TIE
 
 
 def new_scheduler(loaded, **config):

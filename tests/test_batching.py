@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from helpers import PACKED_LOGIT_TOL, first_divergence, new_scheduler, run_requests
+from helpers import PACKED_LOGIT_TOL, first_divergence, near_tie, new_scheduler, run_requests
 from monobatch.batch import StepBatch
 from monobatch.engine.engine import Engine, EngineConfig
 from monobatch.engine.params import SamplingParams
@@ -156,7 +156,7 @@ def test_prefix_cache_hit_equals_cold_run(loaded, deterministic):
         if i is not None:
             margin = Engine(loaded).top2_margin(b + cold[:i])
             log.warning("prefix-cache hit diverged at %d (cold %d, warm %d), top-2 margin %.2e", i, cold[i], warm[i], margin)
-            assert margin < 1e-3
+            assert margin < near_tie(loaded)
         else:
             log.info("prefix-cache hit: identical to the cold run (%d tokens)", len(cold))
 

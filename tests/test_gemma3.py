@@ -14,7 +14,7 @@ import logging
 import pytest
 import torch
 
-from helpers import first_divergence, new_scheduler, run_requests, top2_margin
+from helpers import first_divergence, near_tie, new_scheduler, run_requests, top2_margin
 from monobatch.batch import StepBatch
 from monobatch.engine.params import SamplingParams
 from monobatch.kv.block_manager import blocks_per_sequence
@@ -38,7 +38,6 @@ RAW_PROMPTS = [
     "Photosynthesis is the process by which",
 ]
 N_TOKENS = 10
-MARGIN_TOL = 1e-3  # 4-bit weights dequantized by two implementations: float32 sums in other orders
 GREEDY = SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True)
 
 
@@ -75,7 +74,7 @@ def hf_ids(gemma_hf, prompts):
     return [hf_greedy(gemma_hf, ids, N_TOKENS) for ids in prompts]
 
 
-def check(gemma_hf, prompts, hf_ids, got, label):
+def check(gemma, gemma_hf, prompts, hf_ids, got, label):
     """Each prompt's ids equal HF's, or diverge first where HF's top-2 margin is a near-tie."""
     for i, (ids, ours, hf) in enumerate(zip(prompts, got, hf_ids)):
         j = first_divergence(ours, hf)
@@ -84,7 +83,10 @@ def check(gemma_hf, prompts, hf_ids, got, label):
         margin = top2_margin(gemma_hf, ids + hf[:j])
         log.warning("%s prompt %d: first divergence at %d (ours %d, HF %d), HF top-2 margin %.2e",
                     label, i, j, ours[j], hf[j], margin)
-        assert margin < MARGIN_TOL, f"{label} prompt {i}: diverged at {j} with margin {margin:.3e}"
+        # packed weights (the default): the int16-activation GEMV moves Gemma's logits (|logit| up
+        # to ~34) by up to 7.4e-3 from the dequantized model's (measured 2026-12-05 on these
+        # prompts' first 16 tokens), inside helpers.PACKED_LOGIT_TOL: helpers.near_tie applies
+        assert margin < near_tie(gemma), f"{label} prompt {i}: diverged at {j} with margin {margin:.3e}"
 
 
 def test_model_args_and_template(gemma):
@@ -106,12 +108,12 @@ def test_batched_chunked_greedy_matches_hf(gemma, gemma_hf, prompts, hf_ids, sto
     sched = new_scheduler(gemma, kv_storage=storage, prefill_chunk=64, max_num_seqs=8)
     noisy = SamplingParams(temperature=0.8, seed=7, max_tokens=N_TOKENS, repeat_penalty=1.3, ignore_eos=True)
     got = run_requests(sched, prompts + [prompts[1][:4], prompts[3]], [GREEDY] * 6 + [noisy, noisy])
-    check(gemma_hf, prompts, hf_ids, got[:6], f"{storage} batch of 8")
+    check(gemma, gemma_hf, prompts, hf_ids, got[:6], f"{storage} batch of 8")
     if storage == "paged":
         before = sched.stats().prefix_cache_hits
         again = run_requests(sched, [prompts[0]], GREEDY)
         assert sched.stats().prefix_cache_hits - before >= len(prompts[0]) - 64  # adopted the window too
-        check(gemma_hf, prompts[:1], hf_ids[:1], again, "paged prefix-cache hit")
+        check(gemma, gemma_hf, prompts[:1], hf_ids[:1], again, "paged prefix-cache hit")
 
 
 def test_preemption_completes_unchanged(gemma, gemma_hf, prompts, hf_ids):
@@ -126,7 +128,7 @@ def test_preemption_completes_unchanged(gemma, gemma_hf, prompts, hf_ids):
     other = gemma.tokenizer.encode(LONG.replace("Entry", "Record"))  # as long, no block shared with it
     got = run_requests(sched, [prompts[0], other], GREEDY)
     assert sched.stats().num_preemptions > 0 and all(len(ids) == N_TOKENS for ids in got)
-    check(gemma_hf, prompts[:1], hf_ids[:1], got[:1], "after preemption")
+    check(gemma, gemma_hf, prompts[:1], hf_ids[:1], got[:1], "after preemption")
 
 
 #: The long-sequence test's length and prompt chunk: three windows and more, in two chunks that

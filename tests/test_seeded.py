@@ -180,7 +180,8 @@ def c1(loaded):
 def test_c1_greedy_batched_equals_alone(loaded, c1, arrival):
     """C1: 4 greedy prompts run one at a time, then all at once, then staggered (two more
     arriving mid-decode, beside a seeded, penalised, logit-biased neighbour): each prompt's tokens
-    are identical, or the first divergence is at a top-2 logit margin < 1e-3 (default mode)."""
+    are identical, or the first divergence is at a top-2 logit margin under ``helpers.near_tie``
+    (default mode)."""
     prompts, alone_ids = c1
     reqs = [Request(f"g{i}", p, GREEDY) for i, p in enumerate(prompts)]
     if arrival == "at_once":
