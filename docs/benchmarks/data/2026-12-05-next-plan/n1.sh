@@ -2,7 +2,9 @@
 source .device/common.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv > $OUT/gpu.txt
 GGUF_SHAPES="llama-1b llama-8b" QUANTS="llama-1b:Q4_0 llama-1b:Q4_K_M llama-8b:Q4_K_M" W=/tmp/gs nice -n 19 bash scripts/gpu_serving.sh start $OUT/gs >/dev/null 2>&1
-PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests timeout 400 python3 -m pytest -p no:cacheprovider -o addopts="" --tb=short -q -k "cuda or table" \
+PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests timeout 250 python3 -m pytest -p no:cacheprovider -o addopts="" --tb=short -q -k "cuda or table" \
   tests/test_invariant_gemm.py tests/test_quant_cuda.py > $OUT/tests.txt 2>&1; log "tests rc=$? $(tail -1 $OUT/tests.txt)"
+PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests timeout 80 python3 docs/benchmarks/data/2026-12-05-next-plan/diag_neg8.py > $OUT/diag.txt 2>&1; log "diag rc=$?"
+PYTHONPATH=/tmp/site:$PWD/src timeout 140 python3 scripts/probe_dp4a_gemv.py --budget 105 > $OUT/dp4a.txt 2>&1; log "dp4a rc=$?"
 bash scripts/triton_cache.sh save $OUT
 tail -c 2000 $OUT/err.txt

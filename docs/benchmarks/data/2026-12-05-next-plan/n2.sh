@@ -1,4 +1,4 @@
-# call 2 (quiet machine): the Q4 files on both engines, packed with the H200 table vs the rule; det GLU A/B; packed vs dequant B=64
+# call 2 (quiet machine): the Q4 files on both engines, packed with the H200 table vs the rule vs the dp4a GEMV
 mkdir -p /tmp/stage && cp .device-parts/0/part /tmp/stage/00
 source .device/common.sh
 for i in $(seq 60); do [ -f /tmp/gs/build.rc ] && [ -f /tmp/gs/gguf.rc ] && break; sleep 5; done
@@ -9,10 +9,6 @@ for q in llama-1b-Q4_0 llama-1b-Q4_K_M llama-8b-Q4_K_M; do
   timeout 90 /tmp/gs/build/bin/llama-bench -m $f -ngl 99 -fa on -p 0 -n 128 -d 256 -r 3 -o jsonl 2>>$OUT/llama.txt | sed "s/^{/{\"tag\": \"lb-$q\", /" >> $OUT/rows.jsonl
   MB="python3 -m monobatch bench -m $f --device cuda --json --no-progress --weights packed -p 256 -n 128 -r 3"
   tt 90 table-$q $MB; MONOBATCH_PACKED_GEMV_CONFIGS= tt 90 rule-$q $MB
-done
-for r in 1 2; do
-  tt 60 def-r$r $BL -p 256,8192 -n 128 -r 3
-  MONOBATCH_DET_GLU=1 tt 60 glu-r$r $BL -p 256,8192 -n 128 -r 3 --deterministic
-  tt 60 det-r$r $BL -p 256,8192 -n 128 -r 3 --deterministic
+  MONOBATCH_PACKED_GEMV=dp4a tt 90 dp4a-$q $MB  # the opt-in dp4a GEMV (int8 activations) on the Q4 parts
 done
 tail -c 2000 $OUT/err.txt

@@ -1,8 +1,9 @@
-# call 3: the bundled model: constrained A/B of HEAD and HEAD + the 410fe00 host-path patch; check_batching --deterministic with the GLU on llama-1b
-cat /tmp/stage/00 .device-parts/1/part > /tmp/model.gguf
+# call 3: the deterministic mode with and without MONOBATCH_DET_GLU=1 beside the default mode (issue 16), check_batching --deterministic with the GLU on llama-1b
 source .device/common.sh
-mkdir -p /tmp/alt && cp -r src /tmp/alt/ && P=$PWD; (cd /tmp/alt && git apply --include='src/*' $P/docs/benchmarks/data/2026-12-04-cpu-constrained-host/410fe00-host-path.patch) && log "patch applied"
-CB="python3 -m monobatch bench -m /tmp/model.gguf --device cuda --json --no-progress --constrained ab -p 128 -n 256 -r 5 --batch-size 1,32"
-for r in 1 2; do tt 60 cons-head-r$r $CB; PYTHONPATH=/tmp/site:/tmp/alt/src tt 60 cons-410-r$r $CB; done
+for r in 1 2; do
+  tt 60 def-r$r $BL -p 256,8192 -n 128 -r 3
+  MONOBATCH_DET_GLU=1 tt 60 glu-r$r $BL -p 256,8192 -n 128 -r 3 --deterministic
+  tt 60 det-r$r $BL -p 256,8192 -n 128 -r 3 --deterministic
+done
 MONOBATCH_DET_GLU=1 tt 150 batching-det-glu python3 scripts/check_batching.py --shape llama-1b --device cuda --deterministic  # llama-1b: the GLU applies (the bundled model's 2F = 3,072 splits, so it never runs there)
 tail -c 2000 $OUT/err.txt
