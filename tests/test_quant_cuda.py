@@ -299,7 +299,7 @@ def check_dequant_matmul(device: str = "cpu") -> str:
 #: How far the FMA GEMV's compiled outputs on a compact part and on its DIRECT twin may differ,
 #: relative to the output's largest magnitude: its group and word sums are ``tl.sum`` trees whose
 #: order follows the layout the compiler picks, and the two kernels get different layouts (sm_90
-#: SASS of the 40x512 M=1 config, 2026-12-05: 5 warp shuffles against 9 in the x-sum reductions),
+#: SASS of the 40x512 M=1 config, 2026-12-05: 6 warp shuffles against 9, 14 barriers against 18),
 #: so their bits differ by float32 reordering (~1e-7); a mis-decoded scale or min is >= ~1e-3.
 #: Making the trees explicit (split/reshape pairwise sums) fixed the order but cost the Q4 kernel
 #: 60 % more SASS instructions and register spills (measured by compilation, reverted).
