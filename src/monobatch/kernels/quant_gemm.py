@@ -94,11 +94,20 @@ FMA_MAX_M = 4
 #: at M = 2..4, so the bound is kept).
 FMA_DEFAULT_M = 2
 #: ``MONOBATCH_PACKED_GEMV`` (read once, at import): ``fma`` (the default: the FMA variant for
-#: M <= FMA_DEFAULT_M, DOT above) or ``dot`` (the DOT variant for every M; the A/B switch).
+#: M <= FMA_DEFAULT_M, DOT above), ``dot`` (the DOT variant for every M; the A/B switch) or
+#: ``dp4a`` (opt-in, untimed: the DP4A variant for Q4 layouts at M <= :data:`FMA_MAX_M`, what
+#: ``fma`` picks for every other product).
 VARIANT = os.environ.get("MONOBATCH_PACKED_GEMV", "fma")
-if VARIANT not in ("fma", "dot"):
-    print(f"monobatch: warning: MONOBATCH_PACKED_GEMV={VARIANT!r} is not one of fma, dot: using fma", file=sys.stderr)
+if VARIANT not in ("fma", "dot", "dp4a"):
+    print(f"monobatch: warning: MONOBATCH_PACKED_GEMV={VARIANT!r} is not one of fma, dot, dp4a: using fma",
+          file=sys.stderr)
     VARIANT = "fma"
+#: The sixth element of a GEMV config naming the DP4A variant (False: FMA, True: DOT). An integer,
+#: not a bool, so a tuned table's entry (:func:`entry_problem`: FMA configs only) can never be one.
+DP4A = 2
+#: The DP4A kernel's dp4a: PTX inline assembly when compiled, integer ops in the interpreter (which
+#: runs no inline assembly; the same int32 results).
+_DP4A_ASM = os.environ.get("TRITON_INTERPRET") != "1"
 #: Tuned FMA GEMV configs, per GPU model: ``kernels/configs/packed_gemv_<device name>.json`` (spaces
 #: as ``_``; vLLM's per-device tables of fused-MoE configs are the model), written by
 #: ``scripts/packed_gemv_table.py`` from a ``scripts/probe_quant_cuda.py`` sweep on that GPU. Its
@@ -220,8 +229,14 @@ def gemv_config(N: int, K: int, M: int, layout: Layout, variant: str | None = No
     shapes, Q4_K and Q6_K, found it the fastest or within 10 % at every shape), from M = 2 32-row
     tiles (the accumulators' registers) and 3 stages (untimed). Where the tuned table of
     ``device``'s GPU (:func:`tuned_configs`) lists the product, its FMA config is the table's
-    (``table=False``: the rule alone, the probe's baseline)."""
-    fma = M <= FMA_MAX_M if variant == "fma" else (variant or VARIANT) == "fma" and M <= FMA_DEFAULT_M
+    (``table=False``: the rule alone, the probe's baseline).
+
+    ``variant`` (or :data:`VARIANT`) "dp4a": a Q4 layout at M <= :data:`FMA_MAX_M` takes
+    :func:`dp4a_config` (sixth element :data:`DP4A`); every other product what "fma" gives it."""
+    chosen = variant or VARIANT
+    if chosen == "dp4a" and layout.q4 and M <= FMA_MAX_M:
+        return dp4a_config(N, K)  # (never the tuned table: its entries are FMA configs)
+    fma = M <= FMA_MAX_M if variant == "fma" else chosen in ("fma", "dp4a") and M <= FMA_DEFAULT_M
     if fma and table and (tuned := tuned_configs(device).get(table_key(N, K, M, layout))) is not None:
         return tuned
     if fma:
@@ -234,6 +249,17 @@ def gemv_config(N: int, K: int, M: int, layout: Layout, variant: str | None = No
     block_n, block_k, splits, warps, stages = (64, 256, 1, 4, 3) if wide_q8 else (64, 128, 4, 4, 4)
     block_k = max(32, min(block_k, _pow2(K)))
     return block_n, block_k, splits, warps, stages, True
+
+
+def dp4a_config(N: int, K: int) -> tuple[int, int, int, int, int, int]:
+    """The DP4A GEMV's config ``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, DP4A)`` for an
+    ``[M <= FMA_MAX_M, K] x [N, K]^T`` product on a Q4 layout: the probe's best guess
+    (``scripts/probe_dp4a_gemv.py``, untimed): 64-row tiles, 512-weight steps, K split as the FMA
+    rule splits it (until ~528 programs), 4 warps, one stage. The same for every M, so a row's
+    bits do not depend on the rows beside it (one K order, one split, one reduction layout)."""
+    block_n, block_k = 64, max(32, min(512, _pow2(K)))
+    steps, tiles = -(-K // block_k), -(-N // block_n)
+    return block_n, block_k, max(1, min(steps, -(-528 // tiles))), 4, 1, DP4A
 
 
 def gemm_config(M: int, N: int) -> tuple[int, int, int, int, int]:
@@ -567,6 +593,156 @@ if triton is not None:
         split_k_store(acc, WS, CNT, B, Y, M, N, pid_n, pid_k, splits, offs_m, offs_n, mmask, nmask, stride_ym, HAS_BIAS)
 
     @triton.jit
+    def _dp4a(w, x, acc, ASM: tl.constexpr):
+        # acc + sum_b w.byte[b] (unsigned) * x.byte[b] (signed), int32 [BN, NG * 4]: PTX
+        # dp4a.u32.s32 (IDP.4A, one instruction for 4 products and their sum), or the same in
+        # integer ops where ASM is False (the interpreter runs no inline assembly)
+        if ASM:
+            return tl.inline_asm_elementwise(asm="dp4a.u32.s32 $0, $1, $2, $3;", constraints="=r,r,r,r",
+                                             args=[w, x, acc], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            out = acc
+            for b in tl.static_range(4):
+                out += ((w >> (8 * b)) & 0xFF) * ((x << (24 - 8 * b)) >> 24)  # (arithmetic >>: x's sign)
+            return out
+
+    @triton.jit
+    def _int_to_float(v):
+        # int32 |v| < 2^22 -> float32 exactly, without an int-to-float conversion: 1.5 * 2^23 + v
+        # has v in its mantissa bits (_small_int_to_float's trick for signed values)
+        return (v + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+    @triton.jit
+    def _dp4a_x(X, row: tl.constexpr, stride_xm, g, gmask, K, GATED: tl.constexpr):
+        # Row ``row`` of x at groups g [NG] (gmask: the groups in the K slice; x at the others is
+        # taken as 0) rounded to int8 as q8_1 (llama.cpp's MMVQ activations): per group
+        # d = amax / 127 and xi = x * (127 / amax) rounded half away from zero (floor(|v| + 0.5)),
+        # so |x - d xi| <= d / 2 (up to the float32 roundings of 127 / amax and of the product);
+        # the divisions IEEE-rounded (div_rn, not the approximate div.full), so the bits are a
+        # float32 torch reference's. -> (lo, hi) int32 words [NG * 4], word 4g + p holding xi of
+        # columns 32g + 4p + b (lo) and 32g + 16 + 4p + b (hi) as byte b (the Q4 words' nibble
+        # order); d float32 [NG]; sum_i xi int32 [NG].
+        p = tl.arange(0, 4)
+        b = tl.arange(0, 4)
+        col = g[:, None, None] * 32 + p[None, :, None] * 4 + b[None, None, :]  # [NG, 4, 4]
+        cmask = gmask[:, None, None] & (col >= 0)
+        xr = X + row * stride_xm
+        xl = _load_x(xr + col, cmask, K, GATED).to(tl.float32)
+        xh = _load_x(xr + col + 16, cmask, K, GATED).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.max(tl.abs(xl), axis=2), axis=1), tl.max(tl.max(tl.abs(xh), axis=2), axis=1))
+        dx = tl.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
+        inv = tl.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.maximum(amax, 1e-30))
+        inv = tl.where(amax > 0, inv, 0.0)[:, None, None]
+        vl = xl * inv
+        vh = xh * inv
+        ql = tl.where(vl < 0, -tl.floor(tl.abs(vl) + 0.5), tl.floor(tl.abs(vl) + 0.5)).to(tl.int32)
+        qh = tl.where(vh < 0, -tl.floor(tl.abs(vh) + 0.5), tl.floor(tl.abs(vh) + 0.5)).to(tl.int32)
+        sx = tl.sum(tl.sum(ql, axis=2), axis=1) + tl.sum(tl.sum(qh, axis=2), axis=1)
+        shift = (b * 8)[None, None, :]
+        lo = tl.sum((ql & 0xFF) << shift, axis=2)  # disjoint bytes: their sum is their OR
+        hi = tl.sum((qh & 0xFF) << shift, axis=2)
+        NW: tl.constexpr = g.shape[0] * 4
+        return tl.reshape(lo, (NW,)), tl.reshape(hi, (NW,)), dx, sx
+
+    @triton.jit
+    def _dp4a_row(acc, WL, WH, s, m, X, row: tl.constexpr, stride_xm, g, gmask, K, BN: tl.constexpr,
+                  NG: tl.constexpr, GATED: tl.constexpr, MINS: tl.constexpr, ASM: tl.constexpr):
+        # acc [BN, NG] += one row of x against a K step: x's groups quantized (_dp4a_x), the exact
+        # int32 group dots sumi = sum_i q_i xi_i (two dp4a a word: the low nibbles WL, the high
+        # ones WH, [BN, NG * 4]), then in float32, in this order, s d (float)sumi + m (d sum_i xi)
+        # (the scale and min from _group_scales). NEG8 (m = -8 s): s (d (float)(sumi - 8 sum xi)),
+        # the min's part exact in int32 (|.| < 2^17); ZERO: no min.
+        xl, xh, dx, sx = _dp4a_x(X, row, stride_xm, g, gmask, K, GATED)
+        d = _dp4a(WL, xl[None, :], tl.zeros_like(WL), ASM)
+        d = _dp4a(WH, xh[None, :], d, ASM)
+        sumi = tl.sum(tl.reshape(d, (BN, NG, 4)), axis=2)  # exact: |sumi| <= 15 * 127 * 32
+        if MINS == 3:
+            return acc + s * (dx[None, :] * _int_to_float(sumi - sx[None, :] * 8))
+        elif MINS == 2:
+            return acc + s * (dx[None, :] * _int_to_float(sumi))
+        else:
+            return acc + (s * (dx[None, :] * _int_to_float(sumi)) + m * (dx * _int_to_float(sx))[None, :])
+
+    @triton.jit
+    def _dp4a_step(acc0, acc1, acc2, acc3, WL, WH, s, m, X, stride_xm, g, gmask, K, ROWS: tl.constexpr,
+                   BN: tl.constexpr, NG: tl.constexpr, GATED: tl.constexpr, MINS: tl.constexpr, ASM: tl.constexpr):
+        # every row (ROWS <= 4, unrolled as _fma_step), each on its own: the same code and order a row
+        tl.static_assert(ROWS <= 4, "the DP4A GEMV has four row accumulators")
+        acc0 = _dp4a_row(acc0, WL, WH, s, m, X, 0, stride_xm, g, gmask, K, BN, NG, GATED, MINS, ASM)
+        if ROWS > 1:
+            acc1 = _dp4a_row(acc1, WL, WH, s, m, X, 1, stride_xm, g, gmask, K, BN, NG, GATED, MINS, ASM)
+        if ROWS > 2:
+            acc2 = _dp4a_row(acc2, WL, WH, s, m, X, 2, stride_xm, g, gmask, K, BN, NG, GATED, MINS, ASM)
+        if ROWS > 3:
+            acc3 = _dp4a_row(acc3, WL, WH, s, m, X, 3, stride_xm, g, gmask, K, BN, NG, GATED, MINS, ASM)
+        return acc0, acc1, acc2, acc3
+
+    @triton.jit
+    def _dp4a_load(w_rows, s_rows, m_rows, d_rows, nmask, g0, g_hi, j, offs_g, NG: tl.constexpr, EVEN: tl.constexpr,
+                   SCALES: tl.constexpr, MINS: tl.constexpr, SUB: tl.constexpr):
+        # A K step's Q4 words [BN, NG * 4] as two words of 4 unsigned bytes each (word p of group g:
+        # the low nibbles of bytes 4p..4p+3, columns 32g + 4p + b, and the high ones, 32g + 16 +
+        # 4p + b), its groups' scales and mins [BN, NG] (_group_scales) and the groups' mask [NG]
+        g = g0 + offs_g
+        if EVEN:
+            w = tl.load(w_rows[:, None] + (g0 * 4 + j)[None, :])
+        else:
+            w = tl.load(w_rows[:, None] + (g0 * 4 + j)[None, :], mask=nmask[:, None] & (g0 * 4 + j < g_hi * 4)[None, :],
+                        other=0)
+        s, m = _group_scales(s_rows, m_rows, d_rows, g0, nmask, nmask[:, None] & (g < g_hi)[None, :], NG, SCALES,
+                             MINS, SUB, not EVEN)
+        return w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F, s, m, g < g_hi
+
+    @triton.jit(do_not_specialize=["M", "splits"])
+    def _gemv_dp4a_kernel(X, QW, S, MN, SUP, B, Y, WS, CNT, M, N, K, NG_ROW, g_per, splits, stride_xm, stride_wn,
+                          stride_sn, stride_dn, stride_ym, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
+                          M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NG: tl.constexpr, STAGES: tl.constexpr,
+                          GATED: tl.constexpr, EVEN: tl.constexpr, SCALES: tl.constexpr, MINS: tl.constexpr,
+                          SUB: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+        # The DP4A variant (Q4 layouts, M = ROWS <= 4): integer dot products of the 4-bit weights
+        # with x rounded to int8 per 32 columns, quantized here (each program the groups of its K
+        # slice it reads, every row on its own: no extra launch, and a row's bits do not depend
+        # on the others). QW: the packed bytes as int32 words, 4 a group; positions are groups:
+        # NG_ROW a row, NG a K step, g_per a K slice (as _gemv_fma_kernel, whose epilogue this is).
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, M_PAD)
+        offs_g = tl.arange(0, NG)
+        j = tl.arange(0, NG * 4)
+        nmask = offs_n < N
+        mmask = offs_m < M
+        g_lo = pid_k * g_per
+        g_hi = tl.minimum(g_lo + g_per, NG_ROW)
+        rows = offs_n.to(tl.int64)
+        w_rows = QW + rows * stride_wn
+        s_rows = S + rows * stride_sn
+        m_rows = MN + rows * stride_sn
+        d_rows = SUP + rows * stride_dn
+        acc0 = tl.zeros((BLOCK_N, NG), tl.float32)
+        acc1, acc2, acc3 = acc0, acc0, acc0
+        # The first step's words are loaded before the PDL wait (no kernel writes weights), x after it.
+        WL, WH, s, m, gmask = _dp4a_load(w_rows, s_rows, m_rows, d_rows, nmask, g_lo, g_hi, j, offs_g, NG, EVEN,
+                                         SCALES, MINS, SUB)
+        pdl.wait_prior(PDL)
+        acc0, acc1, acc2, acc3 = _dp4a_step(acc0, acc1, acc2, acc3, WL, WH, s, m, X, stride_xm, g_lo + offs_g, gmask,
+                                            K, ROWS, BLOCK_N, NG, GATED, MINS, ASM)
+        for g0 in tl.range(g_lo + NG, g_hi, NG, num_stages=STAGES):
+            WL, WH, s, m, gmask = _dp4a_load(w_rows, s_rows, m_rows, d_rows, nmask, g0, g_hi, j, offs_g, NG, EVEN,
+                                             SCALES, MINS, SUB)
+            acc0, acc1, acc2, acc3 = _dp4a_step(acc0, acc1, acc2, acc3, WL, WH, s, m, X, stride_xm, g0 + offs_g,
+                                                gmask, K, ROWS, BLOCK_N, NG, GATED, MINS, ASM)
+        acc = tl.zeros((BLOCK_N, M_PAD), tl.float32)  # reduce over the groups once; column r <- row r
+        acc = _put_row(acc, acc0, offs_m, 0)
+        if ROWS > 1:
+            acc = _put_row(acc, acc1, offs_m, 1)
+        if ROWS > 2:
+            acc = _put_row(acc, acc2, offs_m, 2)
+        if ROWS > 3:
+            acc = _put_row(acc, acc3, offs_m, 3)
+        split_k_store(acc, WS, CNT, B, Y, M, N, pid_n, pid_k, splits, offs_m, offs_n, mmask, nmask, stride_ym, HAS_BIAS)
+
+    @triton.jit
     def _gemm_kernel(X, QS, S, MN, SUP, B, Y, M, N, NB, stride_xm, stride_qn, stride_sn, stride_dn, stride_ym,
                      HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
                      GROUP_M: tl.constexpr, IEEE: tl.constexpr, Q4: tl.constexpr, GROUP: tl.constexpr,
@@ -736,6 +912,8 @@ def gemv(x: torch.Tensor, w, bias: torch.Tensor | None = None, out_dtype: torch.
     block_n, block_k, splits, warps, stages, dot = config or gemv_config(N, K, M, layout, device=x.device)
     if not dot and M > FMA_MAX_M:
         raise ValueError(f"FMA configs take M <= {FMA_MAX_M} rows")
+    if dot == DP4A and (not layout.q4 or M > FMA_MAX_M):
+        raise ValueError(f"DP4A configs take a Q4 layout and M <= {FMA_MAX_M} rows")
     per_byte = 2 if layout.q4 else 1
     bw = block_k // per_byte
     if block_k % 32 or bw & (bw - 1) or block_n & (block_n - 1):
@@ -748,6 +926,14 @@ def gemv(x: torch.Tensor, w, bias: torch.Tensor | None = None, out_dtype: torch.
     cnt = ws.new_empty(1, dtype=torch.int32) if cnt is None else cnt  # unused without split-K
     b = y if bias is None else bias.contiguous()
     scale, minimum, sup, stride_sn, stride_dn = _scale_args(w)
+    if dot == DP4A:
+        _gemv_dp4a_kernel[(tiles, splits)](
+            x, qs.view(torch.int32), scale, minimum, sup, b, y, ws, cnt, M, N, K, K // 32, k_per // 32, splits,
+            x.stride(0), qs.stride(0) // 4, stride_sn, stride_dn, y.stride(0), HAS_BIAS=bias is not None, ROWS=M,
+            M_PAD=_pow2(M), BLOCK_N=block_n, NG=block_k // 32, STAGES=stages, GATED=gated,
+            EVEN=N % block_n == 0 and K % block_k == 0, SCALES=layout.scales, MINS=layout.mins,
+            SUB=256 // layout.group, ASM=_DP4A_ASM, num_warps=warps, num_stages=stages, **pdl.launch(x.device))
+        return y
     if not dot:
         gw = 4 if layout.q4 else layout.group // 4  # int32 words a group
         ng = max(1, bw // (4 * gw))  # groups a K step
