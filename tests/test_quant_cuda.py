@@ -928,3 +928,224 @@ def test_table_configs_in_interpreter():
 def test_table_configs_cuda():
     _cuda()
     assert check_table_configs("cuda") == "ok"
+
+
+# ------------------------------------------------------------------ the DP4A GEMV (MONOBATCH_PACKED_GEMV=dp4a)
+
+#: The DP4A GEMV against float64 ``(d xi) W^T`` (x after its int8 round trip, :func:`dp4a_x`):
+#: |y - ref| / max |ref|. The group dots are exact integers; only the per-group float32 scaling
+#: and the float32 accumulation round (observed ~1e-7 in the interpreter).
+DP4A_TOL = 1e-5
+#: The Q4 layouts the DP4A GEMV takes: Q4_0's NEG8, Q4_1's direct float16 scale and min, Q4_K's factored.
+DP4A_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K)
+
+
+def dp4a_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x ``[M, K]`` as the DP4A GEMV rounds it (q8_1 per 32 columns, float32 torch ops with the
+    kernel's roundings: ``d = amax / 127``, ``xi = x * (127 / amax)`` rounded half away from zero)
+    -> ``(d xi, d)`` float64 ``[M, K]`` each (d repeated over its group's columns)."""
+    M, K = x.shape
+    xg = x.float().reshape(M, K // 32, 32)
+    amax = xg.abs().amax(-1, keepdim=True)
+    d = amax / 127.0
+    inv = torch.where(amax > 0, 127.0 / amax.clamp_min(1e-30), torch.zeros_like(amax))
+    v = xg * inv
+    r = torch.floor(v.abs() + 0.5)
+    xi = torch.where(v < 0, -r, r)
+    return (xi.double() * d.double()).reshape(M, K), d.double().expand(M, K // 32, 32).reshape(M, K)
+
+
+def _dp4a_ok(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, what) -> None:
+    """``y`` (the DP4A GEMV of x, no bias) within DP4A_TOL of ``(d xi) W^T``, and within the int8
+    activation's bound of the unrounded ``x W^T``: ``sum_k |x_k - d xi_k| |w_nk|`` with
+    ``|x_k - d xi_k| <= d / 2`` (times 1 + 1e-3, plus DP4A_TOL: the roundings of 127 / amax)."""
+    xq, d = dp4a_x(x)
+    ref = xq @ w.T
+    assert _rel(y, ref) <= DP4A_TOL, (what, _rel(y, ref))
+    bound = (d / 2) @ w.abs().T
+    err = (y.double() - x.double() @ w.T).abs()
+    assert bool((err <= bound * (1 + 1e-3) + DP4A_TOL * ref.abs().max()).all()), what
+
+
+def check_dp4a_gemv(device: str = "cpu", types: tuple = DP4A_TYPES) -> str:
+    """The DP4A GEMV (fp32 x in the interpreter, bf16 on CUDA) on each Q4 layout at M = 1..4:
+    N = 40 (off the tile), K of 3 steps with split-K off and on (2 slices, the last short), and
+    N = 32 with whole tiles and steps (the unmasked loads, split); on Q4_0 and Q4_K also bias
+    (M = 2), the gated input (M = 3: the bits of the product of silu_mul's output) and a column
+    slice of a wider bf16 ``out`` (M = 4: the bits of a bf16 ``out_dtype`` result, the other
+    columns left alone)."""
+    from monobatch.kernels import quant_gemm as Q
+    from monobatch.kernels.fused import silu_mul
+    g = torch.Generator().manual_seed(13)
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    for qtype in types:
+        i = DP4A_TYPES.index(qtype)
+        for n, k, cfgs, ms in ((40, 768, [(16, 256, 1, 4, 1, Q.DP4A), (32, 256, 2, 4, 2, Q.DP4A)], (1, 2, 3, 4)),
+                               (32, 512, [(16, 128, 2, 4, 1, Q.DP4A)], (1, 4))):
+            rep, w = _parts(qtype, n, k, seed=40 + i, device=device)
+            bias = torch.randn(n, generator=g).to(device)
+            for M in ms:
+                x = torch.randn(M, k, generator=g).to(device, dt)
+                cfg = cfgs[M % len(cfgs)]
+                y = Q.gemv(x, rep, config=cfg, out_dtype=torch.float32)
+                _dp4a_ok(y, x, w, (qtype.name, n, k, M, cfg))
+                if n == 32 or qtype == T.Q4_1:
+                    continue
+                if M == 2:
+                    yb = Q.gemv(x, rep, bias, config=cfg, out_dtype=torch.float32)
+                    assert torch.allclose(yb, y + bias, rtol=0, atol=1e-6 * y.abs().max().item()), (qtype.name, M)
+                if M == 3:
+                    gu = (torch.randn(M, 2 * k, generator=g) * 3).to(device, dt)
+                    got = Q.gemv(gu, rep, bias, config=cfg, gated=True)
+                    assert torch.equal(got, Q.gemv(silu_mul(gu), rep, bias, config=cfg)), (qtype.name, M, cfg)
+                if M == 4:
+                    wide = torch.full((M, n + 24), 7.0, device=device, dtype=torch.bfloat16)
+                    Q.gemv(x, rep, config=cfg, out=wide[:, 8:8 + n])
+                    assert torch.equal(wide[:, 8:8 + n], Q.gemv(x, rep, config=cfg, out_dtype=torch.bfloat16))
+                    assert _rel(wide[:, 8:8 + n], y.double()) <= 2.0**-7, qtype.name  # (interpreter: truncated)
+                    assert bool((wide[:, :8] == 7).all() and (wide[:, 8 + n:] == 7).all())
+        with pytest.raises(ValueError):
+            Q.gemv(torch.zeros(Q.FMA_MAX_M + 1, 512, device=device, dtype=dt), rep, config=(16, 128, 1, 4, 1, Q.DP4A))
+    rep8, _ = _parts(T.Q8_0, 32, 256, device=device)
+    with pytest.raises(ValueError):  # a Q8 layout: not the DP4A kernel's
+        Q.gemv(torch.zeros(1, 256, device=device, dtype=dt), rep8, config=(16, 128, 1, 4, 1, Q.DP4A))
+    return "ok"
+
+
+def check_dp4a_rows(device: str = "cpu") -> str:
+    """Every row of an M = 4 DP4A call (Q4_K: its default config, gemv_config(..., "dp4a"), the
+    same at every M; Q4_0: split in 3 slices, gated) has the bits of that row alone: each row is quantized and summed on its
+    own, in the same order whatever M."""
+    from monobatch.kernels import quant_gemm as Q
+    g = torch.Generator().manual_seed(17)
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    for i, qtype in enumerate((T.Q4_0, T.Q4_K)):
+        n, k = 48, 512
+        rep, _ = _parts(qtype, n, k, seed=50 + i, device=device)
+        cfg = Q.gemv_config(n, k, 4, rep.layout, "dp4a")
+        assert cfg[5] == Q.DP4A and all(Q.gemv_config(n, k, m, rep.layout, "dp4a") == cfg for m in (1, 2, 3))
+        # Q4_0 split in 3 slices with the gated input; Q4_K the default config
+        c, gated = ((16, 128, 3, 4, 1, Q.DP4A), True) if qtype == T.Q4_0 else (cfg, False)
+        x = torch.randn(4, 2 * k if gated else k, generator=g).to(device, dt)
+        y = Q.gemv(x, rep, config=c, gated=gated)
+        for r in range(4):
+            assert torch.equal(y[r:r + 1], Q.gemv(x[r:r + 1], rep, config=c, gated=gated)), (qtype.name, c, r)
+    return "ok"
+
+
+def check_dp4a_dispatch(device: str = "cpu") -> str:
+    """With VARIANT = "dp4a" (MONOBATCH_PACKED_GEMV=dp4a), quant_gemm.matmul at M = 1 computes a Q4
+    part (Q4_0, Q4_K) by the DP4A kernel (bitwise gemv with dp4a_config, not the FMA kernel's
+    result) and a Q8_0 / Q6_K part by the FMA kernel (bitwise gemv with the FMA config)."""
+    from monobatch.kernels import quant_gemm as Q
+    g = torch.Generator().manual_seed(19)
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    saved = Q.VARIANT
+    try:
+        Q.VARIANT = "dp4a"
+        for qtype in (T.Q4_0, T.Q4_K, T.Q8_0, T.Q6_K):
+            n, k = 40, 512
+            rep, _ = _parts(qtype, n, k, seed=3, device=device)
+            x = torch.randn(1, k, generator=g).to(device, dt)
+            y = Q.matmul(x, rep)
+            fma = Q.gemv(x, rep, config=Q.gemv_config(n, k, 1, rep.layout, "fma"))
+            if rep.layout.q4:
+                assert torch.equal(y, Q.gemv(x, rep, config=Q.dp4a_config(n, k))) and not torch.equal(y, fma)
+            else:
+                assert torch.equal(y, fma), qtype.name
+    finally:
+        Q.VARIANT = saved
+    return "ok"
+
+
+def check_dp4a_gemv_q4_0() -> str:
+    return check_dp4a_gemv(types=(T.Q4_0,))
+
+
+def check_dp4a_gemv_q4_1() -> str:
+    return check_dp4a_gemv(types=(T.Q4_1,))
+
+
+def check_dp4a_gemv_q4_k() -> str:
+    return check_dp4a_gemv(types=(T.Q4_K,))
+
+
+@pytest.mark.parametrize("qtype", DP4A_TYPES, ids=lambda t: t.name)
+def test_dp4a_gemv_in_interpreter(qtype):
+    run_in_triton_interpreter("test_quant_cuda", f"check_dp4a_gemv_{qtype.name.lower()}")
+
+
+def test_dp4a_rows_in_interpreter():
+    run_in_triton_interpreter("test_quant_cuda", "check_dp4a_rows")
+
+
+def test_dp4a_dispatch_in_interpreter():
+    run_in_triton_interpreter("test_quant_cuda", "check_dp4a_dispatch")
+
+
+def test_dp4a_gemv_cuda():
+    _cuda()
+    assert check_dp4a_gemv("cuda") == "ok"
+
+
+def test_dp4a_rows_cuda():
+    _cuda()
+    assert check_dp4a_rows("cuda") == "ok"
+
+
+def test_dp4a_dispatch_cuda():
+    _cuda()
+    assert check_dp4a_dispatch("cuda") == "ok"
+
+
+def test_dp4a_configs(monkeypatch):
+    """gemv_config with the "dp4a" variant (argument or VARIANT): a Q4 layout at M <= FMA_MAX_M gets
+    dp4a_config (the same for every M; never a tuned table's entry, which is an FMA config), every
+    other product what "fma" gives it; a table cannot hold a DP4A config."""
+    from monobatch.kernels import quant_gemm as Q
+    from monobatch.quant.formats import DEVICE_LAYOUTS, Q4, Q8, Q8_16
+    for N, K in ((3072, 2048), (4096, 14336), (128256, 4096), (40, 64)):
+        for layout in (Q4, DEVICE_LAYOUTS[T.Q4_0], DEVICE_LAYOUTS[T.Q4_K], Q8, Q8_16):
+            for M in range(1, Q.MAX_M + 1):
+                got = Q.gemv_config(N, K, M, layout, "dp4a", table=False)
+                if layout.q4 and M <= Q.FMA_MAX_M:
+                    assert got == Q.dp4a_config(N, K) and got[5] == Q.DP4A and got[5] is not True
+                    bn, bk, splits, _, _, _ = got
+                    assert bk % 32 == 0 and (bk // 2) & (bk // 2 - 1) == 0 and 1 <= splits <= -(-K // bk)
+                else:
+                    assert got == Q.gemv_config(N, K, M, layout, "fma" if M <= Q.FMA_DEFAULT_M else "dot", table=False)
+    monkeypatch.setattr(Q, "VARIANT", "dp4a")
+    monkeypatch.setattr(Q, "tuned_configs", lambda device=None: {Q.table_key(4096, 14336, 1, Q4): (128, 512, 2, 8, 1,
+                                                                                                    False)})
+    assert Q.gemv_config(4096, 14336, 1, Q4) == Q.dp4a_config(4096, 14336)
+    assert Q.gemv_config(4096, 14336, 1, Q8)[5] is False
+    assert Q.entry_problem(Q.table_key(4096, 14336, 1, Q4), (64, 512, 1, 4, 1, Q.DP4A)) is not None
+
+
+@pytest.mark.parametrize("case", ["f32", "Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_dp4a_gemv_compiles_for_sm90(case, rows):
+    """The DP4A GEMV (ASM: inline dp4a) at its config compiles for sm_90 on every Q4 scale layout of
+    CUDA (rows 4: the gated input, bias): two dp4a.u32.s32 a word and row in the step before the
+    loop and in the loop (the PTX's count), no int-to-float conversion, no register spills, PDL's rule."""
+    import os
+    import re
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter compiles nothing")
+    from helpers import sm90_compile_problem
+    from monobatch.kernels import quant_gemm as Q
+    if Q.triton is None:
+        pytest.skip("Triton not installed")
+    if sm90_compile_problem():
+        pytest.skip(sm90_compile_problem())
+    layout, scale_sig, codes = _scale_case(case)
+    bn, bk, _, warps, stages, _ = Q.dp4a_config(4096, 14336)
+    c = dict(HAS_BIAS=rows == 4, ROWS=rows, M_PAD=Q._pow2(rows), BLOCK_N=bn, NG=bk // 32, STAGES=stages,
+             GATED=rows == 4, EVEN=True, SUB=256 // layout.group, ASM=True, PDL=True, **codes)
+    ptx = _sm90(Q._gemv_dp4a_kernel, c, {**_PTRS, **scale_sig, "QW": "*i32"}, num_warps=warps, num_stages=stages,
+                launch_pdl=True)
+    _check_pdl(ptx)
+    assert ptx.count("dp4a.u32.s32") == 2 * 2 * rows * bn * bk // 32 * 4 // (warps * 32)
+    assert not re.search(r"cvt\.rn\.f32\.[su]32", ptx)
+    regs, spills = _ptxas_usage(ptx)
+    assert spills == 0 and regs <= 255, (regs, spills)
