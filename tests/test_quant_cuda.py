@@ -233,7 +233,8 @@ def check_fma_gemv() -> str:
             x = torch.randn(M, k, generator=g)
             ref = x.double() @ w.T
             cfgs = [(16, step, 1, 4, 2, False), (32, 64, 2 if M % 2 else 3, 4, 3, False)]
-            assert Q.gemv_config(n, k, M, rep.layout)[5] is (Q.VARIANT == "dot" or M > Q.FMA_DEFAULT_M)
+            if not (Q.VARIANT == "dp4a" and rep.layout.q4):  # (dp4a: the DP4A kernel's, test_dp4a_configs)
+                assert Q.gemv_config(n, k, M, rep.layout)[5] is (Q.VARIANT == "dot" or M > Q.FMA_DEFAULT_M)
             for cfg in cfgs:
                 assert _rel(Q.gemv(x, *args, config=cfg), ref) <= REL_TOL, (qtype.name, M, cfg)
             if M in (1, 3, Q.FMA_MAX_M):
@@ -452,7 +453,10 @@ def test_configs_are_valid():
                 assert bk % 32 == 0 and bn & (bn - 1) == 0 and (bn >= 16 if dot else M <= Q.FMA_MAX_M) and splits >= 1
                 bw = bk // (2 if layout.q4 else 1)
                 assert bw & (bw - 1) == 0 and (dot or bw >= (16 if layout.q4 else layout.group))
-                assert dot == (M > Q.FMA_DEFAULT_M or Q.VARIANT == "dot")
+                if Q.VARIANT == "dp4a" and layout.q4 and M <= Q.FMA_MAX_M:
+                    assert dot == Q.DP4A
+                else:
+                    assert dot == (M > Q.FMA_DEFAULT_M or Q.VARIANT == "dot")
                 fma = Q.gemv_config(N, K, M, layout, "fma")
                 assert (not fma[5]) == (M <= Q.FMA_MAX_M) and fma[2] >= 1 and fma[1] % 32 == 0
                 k_per, s = Q._slices(K, bk, splits)

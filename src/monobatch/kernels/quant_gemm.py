@@ -20,8 +20,8 @@ A Q4 tile is used in its byte order, not its column order: byte p of a row holds
 activations at those two column sets and sum the two halves' products (the sum's order is fixed
 by the tile, like any other). No shuffle of nibbles into column order is needed.
 
-* :func:`gemv` (decode rows, M <= :data:`MAX_M`), two variants (:func:`gemv_config` picks;
-  ``MONOBATCH_PACKED_GEMV=fma|dot``, read at import, :data:`VARIANT`, is the A/B switch):
+* :func:`gemv` (decode rows, M <= :data:`MAX_M`), three variants (:func:`gemv_config` picks;
+  ``MONOBATCH_PACKED_GEMV=fma|dot|dp4a``, read at import, :data:`VARIANT`, is the A/B switch):
 
   - **FMA** (M <= :data:`FMA_MAX_M` = 4, the default for M <= :data:`FMA_DEFAULT_M` = 2; CUDA
     cores; ADR 0006, "the FMA GEMV as integer-weighted group sums"): the packed bytes are read as
@@ -37,12 +37,24 @@ by the tile, like any other). No shuffle of nibbles into column order is needed.
     rounded to x's dtype (bf16: the dequant path's weights exactly, which are rounded to bf16 at
     load) times x^T padded to 16 columns on the tensor cores, fp32 accumulation.
 
-  Both: split-K as :mod:`monobatch.kernels.gemv`'s (partials in a workspace, the last slice of a
+  - **DP4A** (opt-in, ``MONOBATCH_PACKED_GEMV=dp4a``, untimed on a GPU: Q4 layouts at M <=
+    :data:`FMA_MAX_M`; every other product as ``fma``; ADR 0006, "CUDA: a dp4a GEMV"): llama.cpp's
+    MMVQ scheme. Each program rounds the x columns of its K slice to int8 per 32-column group
+    (q8_1: ``d = amax / 127``, ``xi = round(x / d)``, so ``|x - d xi| <= d / 2``), every row on
+    its own (a row's bits do not depend on M or on the other rows; no extra launch, so the CUDA
+    graphs are as before); the nibbles become unsigned bytes (``w & 0x0F0F0F0F``, ``(w >> 4) &
+    0x0F0F0F0F``) and ``dp4a`` (4 byte products and their sum, one instruction) gives each
+    group's exact int32 ``sumi = sum q xi``; a group adds ``s d sumi + m d sum xi`` (scale s and
+    min m from ``_group_scales``) to a float32 accumulator in a fixed order. ~1.4-2.1 SASS
+    instructions a weight and row in the K loop against the FMA variant's ~4.4; its results
+    differ from the FMA variant's by x's int8 rounding (~1e-2 of max |y|).
+
+  All three: split-K as :mod:`monobatch.kernels.gemv`'s (partials in a workspace, the last slice of a
   tile sums them in slice order: deterministic), and PDL (the first weight tile is loaded before
   :func:`monobatch.kernels.pdl.wait_prior`). One launch, no host sync, no data-dependent
   allocation: CUDA-graph capturable. A gated input (SwiGLU's down projection) is
   ``silu(gate) * up`` computed as it is loaded, with :func:`monobatch.kernels.fused.silu_mul`'s
-  bits. The batch-invariant mode does not use either (below).
+  bits. The batch-invariant mode uses none of them (below).
 * From :data:`DEQUANT_MIN_M` rows (prefill, batches; 16-bit activations): :func:`matmul`
   dequantizes the weight into a temporary (:func:`dequantized`) and multiplies it by cuBLAS
   (:func:`monobatch.kernels.gemv.linear`): the ``--weights dequant`` path's bits.
@@ -893,13 +905,22 @@ def gemv(x: torch.Tensor, w, bias: torch.Tensor | None = None, out_dtype: torch.
             output is fine); its dtype wins over ``out_dtype``.
         config: ``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, DOT)``; None: :func:`gemv_config`.
             DOT False: the FMA variant (M <= :data:`FMA_MAX_M`; BLOCK_K of Q8/32 at least 32 weights,
-            a step of whole groups).
+            a step of whole groups); True: the DOT variant; :data:`DP4A`: the DP4A variant (a Q4
+            layout, M <= FMA_MAX_M; :func:`dp4a_config`). Its numerics: each row of x rounded to
+            int8 per 32 columns (``d = amax / 127`` in float32, ``xi = x * (127 / amax)`` rounded
+            half away from zero; ``|x - d xi| <= d / 2``), exact int32 group dots ``sumi`` of the
+            weights' integers and xi, and a float32 accumulator of ``s d sumi + m d sum xi`` a
+            group (NEG8: ``s d (sumi - 8 sum xi)``) in ascending K within a slice, the slices
+            summed in order; so the result is ``(d xi) W^T`` to float32 rounding (the tests'
+            bound: 1e-5 of max |y|), and differs from ``x W^T`` by at most
+            ``sum_k (d_k / 2) |w_nk|``. A row's bits are the same alone or in a batch.
 
     Returns:
         ``[M, N]``, fp32 accumulation.
 
     Raises:
-        RuntimeError: no Triton. ValueError: shapes that do not fit, M > MAX_M, an FMA config with M > FMA_MAX_M.
+        RuntimeError: no Triton. ValueError: shapes that do not fit, M > MAX_M, an FMA config with M > FMA_MAX_M,
+            a DP4A config on a Q8 layout or with M > FMA_MAX_M.
     """
     N, K = _check(x, w, gated)
     layout, qs = w.layout, w.qs
