@@ -420,9 +420,10 @@ def check_model_forward() -> str:
         models = {w: gguf_file.load_gguf_model(gguf_file.open_gguf(Path(tmp) / "m.gguf"), cpu, torch.float32,
                                                progress=False, weights=w) for w in ("packed", "dequant")}
     assert models["packed"].lm_head.packed
-    from monobatch.kernels import fused
+    from monobatch.kernels import cpu_ops, fused
     PackedWeight.matmul = PackedWeight.cuda_matmul  # this subprocess only: the CUDA branches of the
     fused.enabled = lambda x: True  # layers too (fused norms, RoPE; SwiGLU's gate inside the packed GEMV)
+    cpu_ops.available = lambda: False  # and no fused CPU route (its C++ calls the int16 GEMV directly)
     ids = list(range(3, 43))
     for prompt in (ids, ids[:6]):
         got, want = our_logits(models["packed"], prompt), our_logits(models["dequant"], prompt)
