@@ -377,7 +377,10 @@ def test_stop_string_inside_the_arguments_gives_no_call(client, model):
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strang"}}}],
-      "tool_choice": "required"}, "tools"),
+      "tool_choice": "required"}, "tools[0].function.parameters"),
+    # the grammar of all tools is refused: the field named is the tool whose schema does not compile
+    ({"tools": [*TOOLS, {"type": "function", "function": {"name": "f", "parameters": {"type": "blah"}}}],
+      "tool_choice": "required"}, f"tools[{len(TOOLS)}].function.parameters"),
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_tools_are_400s_naming_the_field(server, fields, param, stream):

@@ -76,12 +76,17 @@ class StructuredOutput:
             ``structured_outputs.json``, ``--json-schema``, ...).
         max_chars: the longest ``value`` accepted (:data:`MAX_SPEC_CHARS`;
             :data:`MAX_TOOLS_SPEC_CHARS` for a tool-call grammar).
+        parts: specs this one is built from, each naming its own field (a tool-call grammar's
+            ``tools[i].function.parameters`` schemas): where this spec does not compile, the
+            first part that does not compile alone is the error (its field named), else this
+            spec's own. Not part of the cache key.
     """
 
     kind: str
     value: str
     param: str = "structured_outputs"
     max_chars: int = field(default=MAX_SPEC_CHARS, compare=False)
+    parts: tuple["StructuredOutput", ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -552,8 +557,10 @@ class GrammarCompiler:
             raise InvalidRequestError(f"{spec.param}: the constraint took longer than {timeout:g} s to compile "
                                       "(simplify it)", spec.param) from None
         except InvalidRequestError as err:  # found by _build's probe (e.g. a lexer limit at the first mask)
+            self._refuse_part(spec, timeout)
             raise _refused(spec, str(err).removeprefix(f"{spec.param}: ")) from None
         except Exception as exc:  # llguidance's ValueError on a malformed schema or regex
+            self._refuse_part(spec, timeout)
             raise _refused(spec, _first_line(str(exc))) from None
         with self._lock:
             self._cache[key] = matcher
@@ -561,6 +568,12 @@ class GrammarCompiler:
             while len(self._cache) > 1 and (len(self._cache) > CACHE_SIZE or self._cache_chars > CACHE_CHARS):
                 (_, value), _ = self._cache.popitem(last=False)
                 self._cache_chars -= len(value)
+
+    def _refuse_part(self, spec: StructuredOutput, timeout: float) -> None:
+        """Where ``spec`` did not compile: raise the error of its first part that does not compile
+        alone (:attr:`StructuredOutput.parts`, naming that part's field); return where each does."""
+        for part in spec.parts:
+            self.compile(part, timeout)
 
     def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
         """A fresh matcher at the start of ``spec``'s grammar (compiling it if it is not cached).

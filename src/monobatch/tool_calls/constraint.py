@@ -48,13 +48,17 @@ def tool_constraint(spec: ToolSpec | None, fmt: ToolFormat, tokenizer: "Tokenize
         args = {"type": "object", "$ref": f"#/$defs/tool{i}"}  # an object even when parameters is {}
         calls.append(_obj({"name": {"type": "string", "const": fn["name"]}, key: args}))
     call = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    index = {t["function"]["name"]: i for i, t in enumerate(spec.tools)}
+    parts = tuple(StructuredOutput("json_schema", json.dumps(fn["parameters"], ensure_ascii=False),
+                                   f"tools[{index[fn['name']]}].function.parameters", MAX_TOOLS_SPEC_CHARS)
+                  for fn in spec.allowed)  # a refused grammar names the tool whose schema it is
     if fmt is ToolFormat.GENERIC:
         items = {"type": "array", "items": call, "minItems": 1, "maxItems": spec.max_calls}
         schema = _obj({"tool_calls": items})
         if spec.choice == "auto":
             schema = {"anyOf": [schema, _obj({"response": {"type": "string"}})]}
         return StructuredOutput("json_schema", json.dumps({"$defs": defs, **schema}, ensure_ascii=False), "tools",
-                                MAX_TOOLS_SPEC_CHARS)
+                                MAX_TOOLS_SPEC_CHARS, parts)
     args = "args: %json " + json.dumps({"$defs": defs, **call, "x-guidance": _LARK_JSON}, ensure_ascii=False)
 
     def lit(text: str) -> str:
@@ -70,7 +74,7 @@ def tool_constraint(spec: ToolSpec | None, fmt: ToolFormat, tokenizer: "Tokenize
         start = f'start: {lit(MISTRAL_OPEN)} "[" args{more} "]"'
     else:
         start = f"start: args{more}"
-    return StructuredOutput("lark", f"{start}\n{args}\n", "tools", MAX_TOOLS_SPEC_CHARS)
+    return StructuredOutput("lark", f"{start}\n{args}\n", "tools", MAX_TOOLS_SPEC_CHARS, parts)
 
 
 def _obj(properties: dict) -> dict:
