@@ -313,9 +313,11 @@ def test_unsupported_architecture(tmp_path):
                                         ("MONOBATCH_VARLEN_BLOCK_N", "256"), ("MONOBATCH_VARLEN_STAGES", "-1")])
 def test_malformed_kernel_setting_is_one_line(monkeypatch, name, value):
     """A malformed kernel A/B variable (read at import, on any device) stops the command with one
-    line naming it, before anything loads."""
+    line naming it, before anything loads, with the CLI's error prefix (exit 1)."""
     monkeypatch.setenv(name, value)
-    assert_one_line_error(monobatch("generate", "-p", "hi", "-n", "1"), name)
+    res = monobatch("generate", "-p", "hi", "-n", "1")
+    assert res.returncode == 1
+    assert_one_line_error(res, f"monobatch generate: error: {name}=")
 
 
 def test_empty_prompt():

@@ -12,6 +12,7 @@ import sys
 
 from monobatch import __version__
 from monobatch.cli.args import OneLineParser
+from monobatch.env import SettingError
 from monobatch.errors import MonobatchError
 
 
@@ -92,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         return ns.func(ns)
     except MonobatchError as e:
         print(f"monobatch {ns.command}: error: {as_flag(e, argv)}", file=sys.stderr)
+        return 1
+    except SettingError as e:  # a malformed kernel knob, read when the engine's modules import
+        print(f"monobatch {ns.command}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"\nmonobatch {ns.command}: interrupted", file=sys.stderr)

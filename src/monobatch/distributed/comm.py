@@ -18,8 +18,22 @@ import socket
 import torch
 import torch.distributed as dist
 
+from monobatch import env
+
 #: Seconds a collective may wait for the other ranks (a step's slowest forward included).
 DEFAULT_TIMEOUT_S = 300.0
+#: The longest ``MONOBATCH_TP_TIMEOUT`` taken (about 31 years; c10d keeps its timeout in
+#: milliseconds, and an infinite or huge value overflowed there).
+MAX_TIMEOUT_S = 1e9
+
+
+def timeout_s() -> float:
+    """The collectives' timeout: ``MONOBATCH_TP_TIMEOUT`` seconds, default :data:`DEFAULT_TIMEOUT_S`;
+    a value that is not a positive number of seconds (at most :data:`MAX_TIMEOUT_S`) warns once and
+    gives the default. The engine reads it in its own process, with or without tensor
+    parallelism, and hands it to the worker ranks."""
+    return env.number("MONOBATCH_TP_TIMEOUT", DEFAULT_TIMEOUT_S, parse=float,
+                      check=lambda v: 0 < v <= MAX_TIMEOUT_S, what="a positive number of seconds")
 
 
 def free_port() -> int:

@@ -36,8 +36,9 @@ from typing import Any, Iterator
 
 import torch
 
+from monobatch import env
 from monobatch.batch import StepBatch
-from monobatch.distributed.comm import DEFAULT_TIMEOUT_S, TpGroup, free_port
+from monobatch.distributed.comm import TpGroup, free_port, timeout_s
 from monobatch.distributed.plan import TensorParallelPlan
 from monobatch.distributed.sharding import attach, shard_model
 from monobatch.errors import MonobatchError
@@ -56,11 +57,6 @@ MIRRORED = ("reserve", "adopt_prefix", "prepare", "commit", "trim", "fork", "fre
 class TensorParallelError(MonobatchError):
     """A rank died, a collective failed or timed out, or the ranks' KV state diverged: the
     engine cannot continue."""
-
-
-def timeout_s() -> float:
-    """The collectives' timeout: ``MONOBATCH_TP_TIMEOUT`` seconds, default :data:`DEFAULT_TIMEOUT_S`."""
-    return float(os.environ.get("MONOBATCH_TP_TIMEOUT", DEFAULT_TIMEOUT_S))
 
 
 class KvMirror:
@@ -230,7 +226,7 @@ class TensorParallelDriver:
             for rank in range(1, plan.world):
                 part = shard_model(model, plan, rank, pieces, copy_=True)
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=worker_main, name=f"monobatch-tp{rank}", daemon=True,
+                proc = ctx.Process(target=worker_main, name=f"{env.WORKER_PREFIX}{rank}", daemon=True,
                                    args=(rank, plan, port, part, spec, child, torch.get_num_threads(),
                                          self._worker_device(rank), kv.max_seq_len, timeout))
                 proc.start()

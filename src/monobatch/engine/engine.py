@@ -10,14 +10,14 @@ import contextlib
 import dataclasses
 import math
 import numbers
-import os
 from dataclasses import dataclass
 
 import torch
 
-from monobatch import defaults
+from monobatch import defaults, env
 from monobatch.batch import StepBatch
 from monobatch.engine.constraint import GrammarCompiler
+from monobatch.distributed import comm
 from monobatch.distributed.plan import TensorParallelPlan, check_devices
 from monobatch.engine import cuda_graphs
 from monobatch.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
@@ -38,7 +38,7 @@ from monobatch.quant.packed import dequant_scratch_bytes
 
 #: Redraw unchecked draws at forced grammar positions before the next step reads them
 #: (:meth:`Engine.draw_forced`); ``MONOBATCH_FORCED_DRAWS=0`` turns it off for A/B runs.
-FORCED_DRAWS = os.environ.get("MONOBATCH_FORCED_DRAWS", "1") != "0"
+FORCED_DRAWS = env.flag("MONOBATCH_FORCED_DRAWS", True)
 
 
 def _to_host(ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -224,6 +224,7 @@ class Engine:
         # on CPU shards TP=1 too, into the same pieces, so any rank count computes the same bits; on
         # CUDA TP=1 stays whole (the pieces would multiply the launches of the batch-invariant path).
         world, self.tp = self.config.tensor_parallel_size, None
+        comm.timeout_s()  # MONOBATCH_TP_TIMEOUT: a bad value warns here, before any rank starts, with or without TP
         if world > 1 and self.model.device.type == "cuda":
             check_devices("cuda", self.model.device.index or 0, world, torch.cuda.device_count())
         pieces_at_1 = self.config.deterministic and args.num_key_value_heads > 1 and self.model.device.type == "cpu"

@@ -22,9 +22,10 @@ import os
 
 import torch
 
+from monobatch import env
 from monobatch.kernels.common import counters, tl, triton
 
-_ON = os.environ.get("MONOBATCH_TRITON_ARGMAX", "1") != "0"
+_ON = env.flag("MONOBATCH_TRITON_ARGMAX", True)
 #: Chunks a row is cut into at most while 4096-column chunks suffice (up to 131072 columns);
 #: chunks hold 1024-4096 columns, so wider rows get more chunks.
 _CHUNKS = 32

@@ -1,5 +1,5 @@
 """What the Triton kernels share: the optional Triton import, the per-device split counters and
-the kernels' A/B settings read from the environment (:func:`positive_setting`).
+the ``MONOBATCH_TRITON`` switch (the kernels' A/B settings: :func:`monobatch.env.fatal_integer`).
 
 Every kernel module (:mod:`~monobatch.kernels.pdl`, :mod:`~monobatch.kernels.fused`,
 :mod:`~monobatch.kernels.gemv`, :mod:`~monobatch.kernels.paged_decode`,
@@ -16,20 +16,18 @@ it when CUDA is available or ``TRITON_INTERPRET=1``, which the interpreter tests
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
+
+from monobatch import env
 
 
 def _wanted() -> bool:
     """Whether to import Triton (``MONOBATCH_TRITON``, see the module docstring; any other value
     warns once and counts as ``auto``)."""
-    setting = os.environ.get("MONOBATCH_TRITON", "auto")
-    if setting in ("0", "1"):
-        return setting == "1"
+    setting = env.choice("MONOBATCH_TRITON", "auto", ("auto", "1", "0"))
     if setting != "auto":
-        # one line, as the CLI's other warnings (read at import: no logging is set up yet)
-        print(f"monobatch: warning: MONOBATCH_TRITON={setting!r} is not one of auto, 1, 0: using auto", file=sys.stderr)
+        return setting == "1"
     return os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
 
 
@@ -40,30 +38,6 @@ if _wanted():
         import triton.language as tl
     except ImportError:  # pragma: no cover - depends on the install
         triton = tl = None
-
-
-def positive_setting(name: str, default: int, *, minimum: int = 1, maximum: int | None = None,
-                     power_of_two: bool = False) -> int:
-    """The integer in environment variable ``name`` (``default`` when unset): a kernel's tuning
-    knob for A/B runs, read once at import, at least ``minimum``, at most ``maximum`` and, with
-    ``power_of_two``, a power of two (a tile size, a warp count).
-
-    Raises:
-        SystemExit: the value is not such an integer (a start-up error, one line naming it).
-    """
-    text = os.environ.get(name)
-    if text is None:
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or value < minimum or (maximum is not None and value > maximum) \
-            or (power_of_two and value & (value - 1)):
-        what = ("a power of two" if power_of_two else "an integer") + f" >= {minimum}" \
-            + (f" and <= {maximum}" if maximum is not None else "")
-        raise SystemExit(f"{name}={text!r}: expected {what}")
-    return value
 
 
 #: Split counters kept per device (int32 slots); a launch needing more gets fresh zeroed ones.

@@ -17,17 +17,13 @@ for other dtypes.
 from __future__ import annotations
 
 import functools
-import os
-import sys
 
 import torch
 
+from monobatch import env
 from monobatch.kernels import quant_cpu
 
-_ON = os.environ.get("MONOBATCH_CPU_KERNELS", "1") != "0"
-if os.environ.get("MONOBATCH_CPU_KERNELS", "1") not in ("0", "1"):
-    print(f"monobatch: warning: MONOBATCH_CPU_KERNELS={os.environ['MONOBATCH_CPU_KERNELS']!r} is not 0 or 1: "
-          "the fused CPU kernels stay on", file=sys.stderr)
+_ON = env.flag("MONOBATCH_CPU_KERNELS", True)
 
 
 @functools.cache

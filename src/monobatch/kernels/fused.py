@@ -15,14 +15,14 @@ CPU path; :func:`enabled` says whether a tensor takes the fused path.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
+from monobatch import env
 from monobatch.kernels import pdl
 from monobatch.kernels.common import tl, triton
 
-_ON = os.environ.get("MONOBATCH_FUSED_KERNELS", "1") != "0"
+_ON = env.flag("MONOBATCH_FUSED_KERNELS", True)
 
 
 def enabled(x: torch.Tensor) -> bool:

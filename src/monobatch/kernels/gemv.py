@@ -26,11 +26,11 @@ may pick other tiles, hence other bits). ``MONOBATCH_TRITON_GEMV=0`` turns the p
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 
+from monobatch import env
 from monobatch.kernels import invariant_gemm, pdl
 from monobatch.kernels.common import COUNTERS, counters, tl, triton
 from monobatch.kernels.fused import enabled as fused_enabled, silu_mul
@@ -39,7 +39,7 @@ if triton is not None:
     from monobatch.kernels.common import split_k_store
     from monobatch.kernels.fused import silu_mul_math
 
-_ON = os.environ.get("MONOBATCH_TRITON_GEMV", "1") != "0"
+_ON = env.flag("MONOBATCH_TRITON_GEMV", True)
 #: Most rows (tokens) the kernel takes; more go to cuBLAS (compute-bound territory).
 MAX_M = 16
 #: SM count of an H100/H200: a constant, so the heuristic does not depend on the GPU found.

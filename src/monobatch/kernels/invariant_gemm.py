@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 
 import torch
 
+from monobatch import env
 from monobatch.kernels.common import sm_count, tl, triton
 
 if triton is not None:
@@ -279,10 +279,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 #: lease checks it at the model shapes and times it (2026-12-05: its bits equal the two launches'
 #: on the H200 at small shapes, test_glu_linear_cuda; its rounds ran out of time); off, the gate/up
 #: GEMM then fused.silu_mul, as before.
-GLU = os.environ.get("MONOBATCH_DET_GLU", "0") == "1"
-if os.environ.get("MONOBATCH_DET_GLU", "0") not in ("0", "1"):
-    logging.getLogger(__name__).warning("MONOBATCH_DET_GLU=%r is not 0 or 1: the GLU launch stays off",
-                                        os.environ["MONOBATCH_DET_GLU"])
+GLU = env.flag("MONOBATCH_DET_GLU", False)
 
 
 def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -37,8 +37,9 @@ import os
 import torch
 import torch.nn.functional as F
 
+from monobatch import env
 from monobatch.kernels import pdl
-from monobatch.kernels.common import counters, positive_setting, require_triton, sm_count, tl, triton
+from monobatch.kernels.common import counters, require_triton, sm_count, tl, triton
 
 
 def _splits_setting(text: str) -> tuple[int, int]:
@@ -48,7 +49,7 @@ def _splits_setting(text: str) -> tuple[int, int]:
             return most, waves
     except ValueError:
         pass
-    raise SystemExit(f"MONOBATCH_DECODE_SPLITS={text!r}: expected 'MAX_SPLITS,WAVES', a power of two and a positive integer")
+    raise env.SettingError(f"MONOBATCH_DECODE_SPLITS={text!r}: expected 'MAX_SPLITS,WAVES', a power of two and a positive integer")
 
 
 #: Most partitions one sequence's keys are split into (programs per sequence and KV head), and
@@ -57,20 +58,20 @@ def _splits_setting(text: str) -> tuple[int, int]:
 MAX_SPLITS, SPLIT_WAVES = _splits_setting(os.environ.get("MONOBATCH_DECODE_SPLITS", "64,2"))
 #: Keys one loop iteration of the Triton kernel loads (a multiple of 16 for tl.dot, a power of
 #: two); partitions are multiples of it. ``MONOBATCH_DECODE_BLOCK_N`` overrides it (A/B runs).
-BLOCK_N = positive_setting("MONOBATCH_DECODE_BLOCK_N", 64, minimum=16, power_of_two=True)
+BLOCK_N = env.fatal_integer("MONOBATCH_DECODE_BLOCK_N", 64, minimum=16, power_of_two=True)
 #: Fewest keys a partition takes (a multiple of :data:`BLOCK_N`; the default, one block, sets no
 #: minimum beyond it). Larger values were measured slower on the H200 (2026-12-03, llama-1b B=1,
 #: same call: 256 keys a partition at a 256-key context 1,059 against 1,155 tok/s with 64; 1,024
 #: keys at a 1,024-key context 784 against 1,061 with 256): one program walking more key blocks costs more than the
 #: merge it saves. ``MONOBATCH_DECODE_MIN_PART`` sets it (A/B runs).
-MIN_PART = positive_setting("MONOBATCH_DECODE_MIN_PART", BLOCK_N)
+MIN_PART = env.fatal_integer("MONOBATCH_DECODE_MIN_PART", BLOCK_N)
 if MIN_PART % BLOCK_N:
-    raise SystemExit(f"MONOBATCH_DECODE_MIN_PART={MIN_PART}: expected a multiple of {BLOCK_N}")
+    raise env.SettingError(f"MONOBATCH_DECODE_MIN_PART={MIN_PART}: expected a multiple of {BLOCK_N}")
 #: Software-pipeline depth of the kernel's key loop (``tl.range(num_stages=)``): iterations whose
 #: loads are in flight at once. ``MONOBATCH_DECODE_STAGES`` overrides it (A/B runs).
-KV_STAGES = positive_setting("MONOBATCH_DECODE_STAGES", 2)
+KV_STAGES = env.fatal_integer("MONOBATCH_DECODE_STAGES", 2)
 #: Warps of one program of the Triton kernel. ``MONOBATCH_DECODE_WARPS`` overrides it (A/B runs).
-NUM_WARPS = positive_setting("MONOBATCH_DECODE_WARPS", 4, maximum=32, power_of_two=True)
+NUM_WARPS = env.fatal_integer("MONOBATCH_DECODE_WARPS", 4, maximum=32, power_of_two=True)
 #: Store a step's new K/V rows inside the attention launch (:func:`paged_decode_attention`);
 #: False: a separate :func:`store_kv` launch first (A/B runs).
 FOLD_STORE = True

@@ -28,9 +28,10 @@ import os
 
 import torch
 
+from monobatch import env
 from monobatch.kernels.common import tl, triton
 
-ON = os.environ.get("MONOBATCH_PDL", "1") != "0"
+ON = env.flag("MONOBATCH_PDL", True)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _CAPABLE: dict[int, bool] = {}
 

@@ -25,6 +25,8 @@ from types import ModuleType
 
 import torch
 
+from monobatch import env
+
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "quant_cpu.cpp"
 #: every source of the extension: the packed matmuls and the fused decode-step ops (:mod:`monobatch.kernels.cpu_ops`)
@@ -32,14 +34,26 @@ SOURCES = (SOURCE, Path(__file__).parent / "csrc" / "cpu_ops.cpp")
 NAME = "monobatch_quant_cpu"
 
 
-def cache_dir() -> Path:
-    """Where the compiled module lives: ``$MONOBATCH_KERNEL_CACHE`` (or ``~/.cache/monobatch/kernels``)
-    / ``torch-<version>-<hash of this package's folder>``. One build folder per installed copy:
-    ninja's build file names the source paths, so two checkouts sharing a folder would rebuild
-    each other's module on every start."""
-    root = os.environ.get("MONOBATCH_KERNEL_CACHE") or Path.home() / ".cache" / "monobatch" / "kernels"
+#: The kernel cache without ``$MONOBATCH_KERNEL_CACHE`` (or where it names a folder that cannot be used).
+DEFAULT_CACHE = Path.home() / ".cache" / "monobatch" / "kernels"
+
+
+def cache_dir(root: str | Path | None = None) -> Path:
+    """Where the compiled module lives: ``root`` (default ``$MONOBATCH_KERNEL_CACHE``, or
+    :data:`DEFAULT_CACHE`) / ``torch-<version>-<hash of this package's folder>``. One build folder
+    per installed copy: ninja's build file names the source paths, so two checkouts sharing a
+    folder would rebuild each other's module on every start."""
+    root = root or env.text("MONOBATCH_KERNEL_CACHE") or DEFAULT_CACHE
     where = hashlib.sha1(str(Path(__file__).resolve().parent).encode()).hexdigest()[:10]
     return Path(root) / f"torch-{torch.__version__}-{where}"
+
+
+def _usable(build: Path) -> None:
+    """Create the build folder ``build``; OSError when it cannot be created or written (ninja
+    writes its log there on every load)."""
+    build.mkdir(parents=True, exist_ok=True)
+    if not os.access(build, os.W_OK | os.X_OK):
+        raise PermissionError(f"{build} is not writable")
 
 
 @functools.cache
@@ -56,7 +70,16 @@ def module() -> ModuleType:
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     build = cache_dir()
-    build.mkdir(parents=True, exist_ok=True)
+    try:
+        _usable(build)
+    except OSError as e:
+        if not env.text("MONOBATCH_KERNEL_CACHE"):
+            raise
+        # the variable's folder cannot hold the build: say so by name, and use the default's
+        env.warn("MONOBATCH_KERNEL_CACHE", os.environ["MONOBATCH_KERNEL_CACHE"], f"is not a usable folder ({e})",
+                 DEFAULT_CACHE)
+        build = cache_dir(DEFAULT_CACHE)
+        _usable(build)
     built = build / f"{NAME}.so"
     if not built.exists() or any(p.stat().st_mtime > built.stat().st_mtime for p in SOURCES):
         # a build takes a minute or two on a small machine: say so, or the first command looks hung
@@ -65,16 +88,10 @@ def module() -> ModuleType:
     mod = cpp_extension.load(
         name=NAME, sources=[str(p) for p in SOURCES], build_directory=str(build),
         extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
-    work = os.environ.get("MONOBATCH_CPU_MIN_THREAD_WORK")  # A/B runs: least multiply-adds per thread
-    if work:
-        try:
-            value = int(work)
-            if value < 1:
-                raise ValueError
-            mod.set_min_thread_work(value)
-        except ValueError:
-            print(f"monobatch: warning: MONOBATCH_CPU_MIN_THREAD_WORK={work!r} is not a positive integer: "
-                  "using the default", file=sys.stderr)
+    # A/B runs: least multiply-adds per thread (None: the C++ default)
+    work = env.number("MONOBATCH_CPU_MIN_THREAD_WORK", None, parse=int, what="a positive integer", shown="the default")
+    if work is not None:
+        mod.set_min_thread_work(work)
     return mod
 
 

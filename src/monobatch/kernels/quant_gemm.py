@@ -88,6 +88,7 @@ import sys
 
 import torch
 
+from monobatch import env
 from monobatch.kernels import fused, invariant_gemm, pdl
 from monobatch.kernels.common import COUNTERS, counters, tl, triton
 from monobatch.quant.formats import DIRECT, FACTORED, NEG8, Layout
@@ -109,11 +110,7 @@ FMA_DEFAULT_M = 2
 #: M <= FMA_DEFAULT_M, DOT above), ``dot`` (the DOT variant for every M; the A/B switch) or
 #: ``dp4a`` (opt-in, untimed: the DP4A variant for Q4 layouts at M <= :data:`FMA_MAX_M`, what
 #: ``fma`` picks for every other product).
-VARIANT = os.environ.get("MONOBATCH_PACKED_GEMV", "fma")
-if VARIANT not in ("fma", "dot", "dp4a"):
-    print(f"monobatch: warning: MONOBATCH_PACKED_GEMV={VARIANT!r} is not one of fma, dot, dp4a: using fma",
-          file=sys.stderr)
-    VARIANT = "fma"
+VARIANT = env.choice("MONOBATCH_PACKED_GEMV", "fma", ("fma", "dot", "dp4a"))
 #: The sixth element of a GEMV config naming the DP4A variant (False: FMA, True: DOT). An integer,
 #: not a bool, so a tuned table's entry (:func:`entry_problem`: FMA configs only) can never be one.
 DP4A = 2
@@ -142,7 +139,8 @@ def table_path(device_name: str) -> str | None:
 def tuned_configs(device: torch.device | None = None) -> dict[str, tuple]:
     """The tuned FMA GEMV configs of ``device``'s GPU model (default: the current CUDA device;
     :data:`TABLE_ENV`), read once a model; ``{}`` without CUDA or a table. A table that cannot be
-    read is reported once on stderr and ignored; an entry :func:`entry_problem` refuses is dropped
+    read is reported once on stderr and ignored (``MONOBATCH_PACKED_GEMV_CONFIGS`` naming a missing
+    or unreadable file: one ``monobatch: warning:`` line naming the variable); an entry :func:`entry_problem` refuses is dropped
     with one warning (a bad entry would otherwise fail inside a decode step or a graph capture).
 
     Returns:
@@ -167,7 +165,13 @@ def tuned_configs(device: torch.device | None = None) -> dict[str, tuple]:
                 if doc.get("device") not in (None, name):
                     print(f"monobatch: warning: {TABLE_ENV} table {path!r} was tuned on {doc['device']!r}, "
                           f"this GPU is {name!r}", file=sys.stderr)
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            except OSError as e:
+                if os.environ.get(TABLE_ENV) == path:  # the variable names a file that is not there
+                    env.warn(TABLE_ENV, path, f"is not a readable file ({e.strerror or e})", "the rule")
+                else:
+                    print(f"monobatch: warning: {TABLE_ENV} table {path!r} not read ({e}): using the rule",
+                          file=sys.stderr)
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
                 print(f"monobatch: warning: {TABLE_ENV} table {path!r} not read ({e}): using the rule", file=sys.stderr)
         _TABLES[name] = table
     return _TABLES[name]
@@ -1012,13 +1016,10 @@ def gemm(x: torch.Tensor, w, bias: torch.Tensor | None = None, out_dtype: torch.
 
 
 def _dequant_min_m() -> int:
-    text = os.environ.get("MONOBATCH_PACKED_DEQUANT_M", str(MAX_M + 1))
-    try:
-        return max(MAX_M + 1, int(text))
-    except ValueError:
-        print(f"monobatch: warning: MONOBATCH_PACKED_DEQUANT_M={text!r} is not an integer: using {MAX_M + 1}",
-              file=sys.stderr)
-        return MAX_M + 1
+    """``MONOBATCH_PACKED_DEQUANT_M`` (default and least :data:`MAX_M` + 1: below it the tiled
+    GEMM or the GEMV runs anyway); not an integer: one warning, the default."""
+    return max(MAX_M + 1, env.number("MONOBATCH_PACKED_DEQUANT_M", MAX_M + 1, parse=int, check=lambda v: True,
+                                     what="an integer"))
 
 
 #: Rows from which a packed product (outside batch-invariant mode, 16-bit activations) dequantizes

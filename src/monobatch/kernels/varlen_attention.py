@@ -70,22 +70,23 @@ from typing import Sequence
 
 import torch
 
+from monobatch import env
 from monobatch.kernels import pdl
-from monobatch.kernels.common import counters, positive_setting, require_triton, sm_count, tl, triton
+from monobatch.kernels.common import counters, require_triton, sm_count, tl, triton
 
 #: Keys one loop iteration loads (a multiple of 16 for tl.dot); key blocks start at multiples of it.
 #: ``MONOBATCH_VARLEN_BLOCK_N`` overrides it (A/B runs; a deterministic process's bits follow it).
-BLOCK_N = positive_setting("MONOBATCH_VARLEN_BLOCK_N", 64, minimum=16, power_of_two=True)
+BLOCK_N = env.fatal_integer("MONOBATCH_VARLEN_BLOCK_N", 64, minimum=16, power_of_two=True)
 #: Query rows (tokens x padded query heads of one KV head) of one program in the default mode.
 FAST_ROWS = 128
 #: The one tile shape of deterministic mode, for decode and prefill rows alike (see the module
 #: docstring): a row's bits depend on the tile shape, so it never changes with the batch.
 DETERMINISTIC_ROWS = 64
 #: Software-pipeline depth of the key loop. ``MONOBATCH_VARLEN_STAGES`` overrides it (A/B runs).
-KV_STAGES = positive_setting("MONOBATCH_VARLEN_STAGES", 2)
+KV_STAGES = env.fatal_integer("MONOBATCH_VARLEN_STAGES", 2)
 #: Warps of one program. ``MONOBATCH_VARLEN_WARPS`` overrides it (A/B runs; a deterministic
 #: process's bits may follow it, as they follow the tile shape).
-NUM_WARPS = positive_setting("MONOBATCH_VARLEN_WARPS", 4, maximum=32, power_of_two=True)
+NUM_WARPS = env.fatal_integer("MONOBATCH_VARLEN_WARPS", 4, maximum=32, power_of_two=True)
 
 
 def _split_setting(text: str) -> tuple[int, int, int]:
@@ -98,11 +99,11 @@ def _split_setting(text: str) -> tuple[int, int, int]:
                 and waves >= 1:
             return smallest, parts, waves
         if 0 < smallest < BLOCK_N and smallest & (smallest - 1) == 0:  # a split is whole key blocks
-            raise SystemExit(f"MONOBATCH_VARLEN_BLOCK_N={BLOCK_N} (keys an iteration) is above the deterministic "
+            raise env.SettingError(f"MONOBATCH_VARLEN_BLOCK_N={BLOCK_N} (keys an iteration) is above the deterministic "
                              f"split's SPLIT_MIN {smallest} (MONOBATCH_DET_SPLIT={text!r}): set SPLIT_MIN >= {BLOCK_N}")
     except ValueError:
         pass
-    raise SystemExit(f"MONOBATCH_DET_SPLIT={text!r}: expected 'SPLIT_MIN,SPLIT_PARTS[,WAVES]': SPLIT_MIN a power "
+    raise env.SettingError(f"MONOBATCH_DET_SPLIT={text!r}: expected 'SPLIT_MIN,SPLIT_PARTS[,WAVES]': SPLIT_MIN a power "
                      f"of two >= {BLOCK_N}, SPLIT_PARTS a power of two, WAVES a positive integer")
 
 

@@ -23,7 +23,6 @@ gathered rows with torch ops (:func:`monobatch.kernels.quant_gemm.dequantize`).
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from monobatch import env
 from monobatch.kernels import quant_cpu
 from monobatch.kernels import quant_gemm
 from monobatch.kernels.common import triton
@@ -61,7 +61,7 @@ def _dequant_buffer(rows: int, k: int) -> torch.Tensor:
 #: behind on prompts (TTFT p256 3.28 against 2.57 ms: each weight dequantized into a temporary for
 #: cuBLAS) and 64-row batches (0.92x), and ``--deterministic`` runs every packed product through
 #: the tiled GEMM (not measured). Until those are at par, CUDA dequantizes at load by default.
-CUDA_PACKED = os.environ.get("MONOBATCH_CUDA_PACKED", "0") == "1"
+CUDA_PACKED = env.flag("MONOBATCH_CUDA_PACKED", False)
 
 
 def packed_supported(device: torch.device) -> bool:

@@ -1,0 +1,117 @@
+"""The MONOBATCH_* knobs (monobatch.env): a bad value is one ``monobatch: warning:`` line naming it
+and the default is used, except the kernels' tile/split settings, which stop the command with the
+CLI's one-line error."""
+
+from __future__ import annotations
+
+import pytest
+
+from cli_util import cli_env, monobatch
+from monobatch import env
+
+#: Bad values of every warning knob the CPU `generate` path reads, and the line each gives.
+BAD = {
+    "MONOBATCH_FUSED_KERNELS": ("maybe", "is not 0 or 1: using 1"),
+    "MONOBATCH_PDL": ("maybe", "is not 0 or 1: using 1"),
+    "MONOBATCH_CUDA_PACKED": ("yes", "is not 0 or 1: using 0"),
+    "MONOBATCH_TRITON_GEMV": ("x", "is not 0 or 1: using 1"),
+    "MONOBATCH_TRITON_ARGMAX": ("x", "is not 0 or 1: using 1"),
+    "MONOBATCH_FORCED_DRAWS": ("x", "is not 0 or 1: using 1"),
+    "MONOBATCH_DET_GLU": ("x", "is not 0 or 1: using 0"),
+    "MONOBATCH_CPU_KERNELS": ("x", "is not 0 or 1: using 1"),
+    "MONOBATCH_PACKED_GEMV": ("foo", "is not one of fma, dot, dp4a: using fma"),
+    "MONOBATCH_PACKED_DEQUANT_M": ("x", "is not an integer: using 17"),
+    "MONOBATCH_CPU_MIN_THREAD_WORK": ("abc", "is not a positive integer: using the default"),
+    "MONOBATCH_TP_TIMEOUT": ("abc", "is not a positive number of seconds: using 300.0"),
+    "MONOBATCH_KERNEL_CACHE": ("/proc/nonexistent", "is not a usable folder ("),
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    monkeypatch.setattr(env, "_WARNED", set())
+
+
+def test_flag(monkeypatch, capsys):
+    for value, default, want in (("1", False, True), ("0", True, False), ("", True, True), ("", False, False)):
+        monkeypatch.setenv("MONOBATCH_X", value)
+        assert env.flag("MONOBATCH_X", default) is want
+    monkeypatch.delenv("MONOBATCH_X")
+    assert env.flag("MONOBATCH_X", True) is True
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("MONOBATCH_X", "yes")
+    assert env.flag("MONOBATCH_X", True) is True and env.flag("MONOBATCH_X", True) is True
+    assert capsys.readouterr().err == "monobatch: warning: MONOBATCH_X='yes' is not 0 or 1: using 1\n"  # once
+
+
+def test_choice(monkeypatch, capsys):
+    monkeypatch.setenv("MONOBATCH_X", "b")
+    assert env.choice("MONOBATCH_X", "a", ("a", "b")) == "b"
+    monkeypatch.setenv("MONOBATCH_X", "B")
+    assert env.choice("MONOBATCH_X", "a", ("a", "b")) == "a"
+    assert capsys.readouterr().err == "monobatch: warning: MONOBATCH_X='B' is not one of a, b: using a\n"
+
+
+@pytest.mark.parametrize("value,want", [("2.5", 2.5), (" 7 ", 7.0), ("abc", 300.0), ("-3", 300.0), ("0", 300.0),
+                                        ("nan", 300.0), ("inf", 300.0), ("1e300", 300.0)])
+def test_tp_timeout(monkeypatch, capsys, value, want):
+    from monobatch.distributed.comm import timeout_s
+
+    monkeypatch.setenv("MONOBATCH_TP_TIMEOUT", value)
+    assert timeout_s() == want
+    err = capsys.readouterr().err
+    if want == 300.0:
+        assert err == f"monobatch: warning: MONOBATCH_TP_TIMEOUT={value!r} is not a positive number of seconds: using 300.0\n"
+    else:
+        assert err == ""
+
+
+def test_number_parse_and_check(monkeypatch, capsys):
+    monkeypatch.setenv("MONOBATCH_X", "12")
+    assert env.number("MONOBATCH_X", 3, parse=int) == 12
+    monkeypatch.setenv("MONOBATCH_X", "1.5")
+    assert env.number("MONOBATCH_X", 3, parse=int, what="a positive integer") == 3
+    assert "MONOBATCH_X='1.5' is not a positive integer: using 3" in capsys.readouterr().err
+
+
+def test_fatal_integer(monkeypatch):
+    monkeypatch.setenv("MONOBATCH_X", "48")
+    with pytest.raises(env.SettingError, match=r"^MONOBATCH_X='48': expected a power of two >= 16$") as e:
+        env.fatal_integer("MONOBATCH_X", 64, minimum=16, power_of_two=True)
+    assert e.value.code == "MONOBATCH_X='48': expected a power of two >= 16"  # outside the CLI: exit 1, this line
+
+
+def test_missing_gemv_table_names_the_variable(monkeypatch, capsys):
+    """MONOBATCH_PACKED_GEMV_CONFIGS naming a missing file (read lazily, on CUDA: the GPU name faked)."""
+    from monobatch.kernels import quant_gemm as Q
+
+    monkeypatch.setattr(Q, "_gpu_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(Q, "_TABLES", {})
+    monkeypatch.setenv(Q.TABLE_ENV, "/nope.json")
+    assert Q.tuned_configs() == {}
+    assert capsys.readouterr().err == ("monobatch: warning: MONOBATCH_PACKED_GEMV_CONFIGS='/nope.json' is not a "
+                                       "readable file (No such file or directory): using the rule\n")
+
+
+def test_every_bad_knob_warns_once_and_generate_succeeds():
+    """One process, every warning knob bad at once: each named in exactly one prefixed line, no
+    traceback, the tokens generated."""
+    res = monobatch("generate", "-p", "Hi", "-n", "1", "-t", "1", "--no-progress",
+                    env=cli_env(**{name: value for name, (value, _) in BAD.items()}))
+    assert res.returncode == 0, res.stderr
+    assert "Traceback" not in res.stderr
+    lines = res.stderr.splitlines()
+    for name, (value, says) in BAD.items():
+        mine = [line for line in lines if line.startswith(f"monobatch: warning: {name}={value!r} ")]
+        assert len(mine) == 1 and says in mine[0], (name, res.stderr)
+
+
+def test_bad_tp_timeout_with_ranks_warns_once():
+    """With -tp 2 (gloo on CPU): MONOBATCH_TP_TIMEOUT='abc' is one warning in the engine's process,
+    none from the worker rank (it re-imports the knob-reading modules), no traceback."""
+    res = monobatch("generate", "-p", "Hi", "-n", "1", "-t", "1", "-tp", "2", "--no-progress",
+                    env=cli_env(MONOBATCH_TP_TIMEOUT="abc", MONOBATCH_DET_GLU="x"))
+    assert res.returncode == 0, res.stderr
+    assert "Traceback" not in res.stderr
+    assert res.stderr.count("monobatch: warning: MONOBATCH_TP_TIMEOUT='abc' is not a positive number of seconds") == 1
+    assert res.stderr.count("MONOBATCH_DET_GLU='x'") == 1, res.stderr
