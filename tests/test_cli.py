@@ -35,6 +35,8 @@ def assert_one_line_error(res: subprocess.CompletedProcess, *needles: str) -> No
     (["--temperature", "-1"], "--temperature"),
     (["--top-k", "-5"], "--top-k"),
     (["--system", "be brief"], "--system needs --chat"),
+    (["--chat-template", "{{ messages }}"], "--chat-template needs --chat"),
+    (["--chat-template-file", "t.jinja"], "--chat-template-file needs --chat"),
     (["--seed", "-7"], "or -1 for a random seed"),
     (["-c", "-1"], "ctx-size"),
     (["-t", "0"], "threads"),

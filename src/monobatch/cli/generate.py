@@ -46,6 +46,9 @@ def run(ns: argparse.Namespace) -> int:
     before torch is imported (seconds on a small machine): a bad value is refused at once."""
     if ns.system is not None and not ns.chat:
         raise InvalidRequestError("--system needs --chat (a raw prompt has no system message)", "system")
+    if (ns.chat_template is not None or ns.chat_template_file is not None) and not ns.chat:
+        flag = "--chat-template" if ns.chat_template is not None else "--chat-template-file"
+        raise InvalidRequestError(f"{flag} needs --chat (a raw prompt is not templated)", flag.removeprefix("--"))
     if ns.reasoning_format is not None and not ns.chat:
         raise InvalidRequestError("--reasoning-format needs --chat (a raw completion is not split into reasoning "
                                   "and reply)", "reasoning_format")
