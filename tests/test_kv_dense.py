@@ -77,6 +77,12 @@ def test_growth_trim_free():
     assert kv.seq_len(0) == 0 and kv.num_sequences() == 0 and kv.used_bytes() == 0
 
 
+def test_describe_says_how_buffers_grow():
+    """The start-up line: a growth step below the context grows; one at or above it does not."""
+    assert "grown by 16 tokens up to 40" in kv_store(max_len=40, growth=16).describe()
+    assert "one buffer per sequence of 16 tokens (" in kv_store(max_len=16, growth=256).describe()
+
+
 def test_prepare_refuses_gaps_and_overflow():
     kv = kv_store(max_len=16)
     step(kv, [(0, [1, 2, 3], 0, True)])

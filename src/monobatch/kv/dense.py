@@ -68,7 +68,9 @@ class DenseKv(KvStore):
         return KvUsage(len(self._buf), 0, sum(b.numel() * b.element_size() for b in self._buf.values()))
 
     def describe(self) -> str:
-        return (f"KV cache: dense, one buffer per sequence grown by {self.growth} tokens up to {self.max_seq_len} "
+        grown = (f"grown by {self.growth} tokens up to {self.max_seq_len}" if self.growth < self.max_seq_len
+                 else f"of {self.max_seq_len} tokens")
+        return (f"KV cache: dense, one buffer per sequence {grown} "
                 f"({self.bytes_per_token / 1024:.0f} KiB per token, {str(self.dtype).removeprefix('torch.')})")
 
     def _reserve(self, seq_id: int, need: int) -> None:
