@@ -18,7 +18,7 @@ import logging
 import pytest
 import torch
 
-from helpers import PACKED_LOGIT_TOL, PACKED_NEAR_TIE, first_divergence, new_scheduler, run_requests, top2_margin
+from helpers import PACKED_LOGIT_TOL, PACKED_NEAR_TIE, first_divergence, near_tie, new_scheduler, run_requests, top2_margin
 from monobatch.engine.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -106,21 +106,16 @@ def test_prefill_logits_match_hf(request, hf_model, text, chat, weights):
     assert diff < LOGIT_TOL[weights]
 
 
-#: Greedy near-tie margin by weight mode: the packed weights' (helpers.PACKED_NEAR_TIE), and on the
-#: dequantized float32 weights 1e-3 (HF and the engine then differ by float32 summation orders only:
-#: prefill logits within 6.8e-5 of HF's on these prompts, measured 2026-12-05; a flip needs a margin
-#: below twice the difference, and 1e-3 leaves ~7x room for the decode steps' own orders).
-NEAR_TIE = {"packed": PACKED_NEAR_TIE, "dequant": 1e-3}
-
-
 @pytest.mark.parametrize("weights", ["packed", "dequant"])
 def test_engine_greedy_matches_hf(request, hf_model, hf_outputs, weights):
-    """All prompts, each alone (B=1) through the scheduler, on either weight mode."""
+    """All prompts, each alone (B=1) through the scheduler, on either weight mode, at its near-tie
+    margin (``helpers.near_tie``; on the dequantized weights 1e-3: their prefill logits are within
+    6.8e-5 of HF's on these prompts, measured 2026-12-05)."""
     model = request.getfixturevalue("loaded" if weights == "packed" else "dequantized")
     for (text, chat), (ids, hf) in hf_outputs.items():
         [ours] = run_requests(new_scheduler(model), [ids], SamplingParams(max_tokens=N_TOKENS, temperature=0.0))
         check_against_hf(hf_model, model.tokenizer.eog_ids, ids, ours, hf, f"{weights} {text!r} chat={chat}",
-                         tol=NEAR_TIE[weights])
+                         tol=near_tie(model))
 
 
 @pytest.mark.parametrize("text,chat", [ALL[0], ALL[1], ALL[len(RAW_PROMPTS)]])

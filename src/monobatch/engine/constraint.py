@@ -31,6 +31,7 @@ import concurrent.futures
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
@@ -571,9 +572,22 @@ class GrammarCompiler:
 
     def _refuse_part(self, spec: StructuredOutput, timeout: float) -> None:
         """Where ``spec`` did not compile: raise the error of its first part that does not compile
-        alone (:attr:`StructuredOutput.parts`, naming that part's field); return where each does."""
+        alone (:attr:`StructuredOutput.parts`, naming that part's field); return where each does,
+        or where ``timeout`` (all parts together) runs out first (the caller then raises the whole
+        spec's own error). The parts are built, not cached: a refused request evicts nothing."""
+        deadline = time.monotonic() + timeout
         for part in spec.parts:
-            self.compile(part, timeout)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                self._pool.submit(self._build, part).result(timeout=left)
+            except concurrent.futures.TimeoutError:
+                return
+            except InvalidRequestError as err:
+                raise _refused(part, str(err).removeprefix(f"{part.param}: ")) from None
+            except Exception as exc:
+                raise _refused(part, _first_line(str(exc))) from None
 
     def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
         """A fresh matcher at the start of ``spec``'s grammar (compiling it if it is not cached).
