@@ -233,7 +233,7 @@ def check_fma_gemv() -> str:
             x = torch.randn(M, k, generator=g)
             ref = x.double() @ w.T
             cfgs = [(16, step, 1, 4, 2, False), (32, 64, 2 if M % 2 else 3, 4, 3, False)]
-            if not (Q.VARIANT == "dp4a" and rep.layout.q4):  # (dp4a: the DP4A kernel's, test_dp4a_configs)
+            if Q.VARIANT != "dp4a":  # (dp4a: the DP4A kernel's, test_dp4a_configs)
                 assert Q.gemv_config(n, k, M, rep.layout)[5] is (Q.VARIANT == "dot" or M > Q.FMA_DEFAULT_M)
             for cfg in cfgs:
                 assert _rel(Q.gemv(x, *args, config=cfg), ref) <= REL_TOL, (qtype.name, M, cfg)
@@ -457,7 +457,7 @@ def test_configs_are_valid():
                 assert bk % 32 == 0 and bn & (bn - 1) == 0 and (bn >= 16 if dot else M <= Q.FMA_MAX_M) and splits >= 1
                 bw = bk // (2 if layout.q4 else 1)
                 assert bw & (bw - 1) == 0 and (dot or bw >= (16 if layout.q4 else layout.group))
-                if Q.VARIANT == "dp4a" and layout.q4 and M <= Q.FMA_MAX_M:
+                if Q.VARIANT == "dp4a" and M <= Q.FMA_MAX_M:
                     assert dot == Q.DP4A
                 else:
                     assert dot == (M > Q.FMA_DEFAULT_M or Q.VARIANT == "dot")
@@ -944,8 +944,13 @@ def test_table_configs_cuda():
 #: |y - ref| / max |ref|. The group dots are exact integers; only the per-group float32 scaling
 #: and the float32 accumulation round (observed ~1e-7 in the interpreter).
 DP4A_TOL = 1e-5
-#: The Q4 layouts the DP4A GEMV takes: Q4_0's NEG8, Q4_1's direct float16 scale and min, Q4_K's factored.
-DP4A_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K)
+#: The DP4A GEMV's layouts: Q4/32 (Q4_0's NEG8, Q4_1's direct float16 scale and min, Q4_K's factored),
+#: Q8/32 (Q8_0's direct scale and ZERO min, Q5_K's factored scale and min: signed words, a weight
+#: group a x group) and Q8/16 (Q6_K's factored scale, ZERO min: two weight groups a x group).
+DP4A_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0, T.Q5_K, T.Q6_K)
+#: The types check_dp4a_gemv also runs bias, the gated input and an ``out`` slice on (a Q4 and a Q8
+#: layout each of NEG8 / ZERO and of factored scales).
+DP4A_FEATURE_TYPES = (T.Q4_0, T.Q4_K, T.Q8_0, T.Q6_K)
 
 
 def dp4a_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -976,12 +981,12 @@ def _dp4a_ok(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, what) -> None:
 
 
 def check_dp4a_gemv(device: str = "cpu", types: tuple = DP4A_TYPES) -> str:
-    """The DP4A GEMV (fp32 x in the interpreter, bf16 on CUDA) on each Q4 layout at M = 1..4:
-    N = 40 (off the tile), K of 3 steps with split-K off and on (2 slices, the last short), and
-    N = 32 with whole tiles and steps (the unmasked loads, split); on Q4_0 and Q4_K also bias
-    (M = 2), the gated input (M = 3: the bits of the product of silu_mul's output) and a column
-    slice of a wider bf16 ``out`` (M = 4: the bits of a bf16 ``out_dtype`` result, the other
-    columns left alone)."""
+    """The DP4A GEMV (fp32 x in the interpreter, bf16 on CUDA) on each layout of ``types`` at
+    M = 1..4: N = 40 (off the tile), K of 3 steps of 256 weights with split-K off and on (2
+    slices, the last short), and N = 32 with whole tiles and steps of 128 (the unmasked loads,
+    split); on DP4A_FEATURE_TYPES also bias (M = 2), the gated input (M = 3: the bits of the
+    product of silu_mul's output) and a column slice of a wider bf16 ``out`` (M = 4: the bits of
+    a bf16 ``out_dtype`` result, the other columns left alone)."""
     from monobatch.kernels import quant_gemm as Q
     from monobatch.kernels.fused import silu_mul
     g = torch.Generator().manual_seed(13)
@@ -997,7 +1002,7 @@ def check_dp4a_gemv(device: str = "cpu", types: tuple = DP4A_TYPES) -> str:
                 cfg = cfgs[M % len(cfgs)]
                 y = Q.gemv(x, rep, config=cfg, out_dtype=torch.float32)
                 _dp4a_ok(y, x, w, (qtype.name, n, k, M, cfg))
-                if n == 32 or qtype == T.Q4_1:
+                if n == 32 or qtype not in DP4A_FEATURE_TYPES:
                     continue
                 if M == 2:
                     yb = Q.gemv(x, rep, bias, config=cfg, out_dtype=torch.float32)
@@ -1014,26 +1019,23 @@ def check_dp4a_gemv(device: str = "cpu", types: tuple = DP4A_TYPES) -> str:
                     assert bool((wide[:, :8] == 7).all() and (wide[:, 8 + n:] == 7).all())
         with pytest.raises(ValueError):
             Q.gemv(torch.zeros(Q.FMA_MAX_M + 1, 512, device=device, dtype=dt), rep, config=(16, 128, 1, 4, 1, Q.DP4A))
-    rep8, _ = _parts(T.Q8_0, 32, 256, device=device)
-    with pytest.raises(ValueError):  # a Q8 layout: not the DP4A kernel's
-        Q.gemv(torch.zeros(1, 256, device=device, dtype=dt), rep8, config=(16, 128, 1, 4, 1, Q.DP4A))
     return "ok"
 
 
 def check_dp4a_rows(device: str = "cpu") -> str:
-    """Every row of an M = 4 DP4A call (Q4_K: its default config, gemv_config(..., "dp4a"), the
-    same at every M; Q4_0: split in 3 slices, gated) has the bits of that row alone: each row is quantized and summed on its
-    own, in the same order whatever M."""
+    """Every row of an M = 4 DP4A call (Q4_K, Q6_K: its default config, gemv_config(..., "dp4a"),
+    the same at every M; Q4_0, Q8_0: split in 3 slices, gated) has the bits of that row alone: each
+    row is quantized and summed on its own, in the same order whatever M."""
     from monobatch.kernels import quant_gemm as Q
     g = torch.Generator().manual_seed(17)
     dt = torch.float32 if device == "cpu" else torch.bfloat16
-    for i, qtype in enumerate((T.Q4_0, T.Q4_K)):
+    for i, qtype in enumerate((T.Q4_0, T.Q4_K, T.Q8_0, T.Q6_K)):
         n, k = 48, 512
         rep, _ = _parts(qtype, n, k, seed=50 + i, device=device)
         cfg = Q.gemv_config(n, k, 4, rep.layout, "dp4a")
         assert cfg[5] == Q.DP4A and all(Q.gemv_config(n, k, m, rep.layout, "dp4a") == cfg for m in (1, 2, 3))
         # Q4_0 split in 3 slices with the gated input; Q4_K the default config
-        c, gated = ((16, 128, 3, 4, 1, Q.DP4A), True) if qtype == T.Q4_0 else (cfg, False)
+        c, gated = ((16, 128, 3, 4, 1, Q.DP4A), True) if qtype in (T.Q4_0, T.Q8_0) else (cfg, False)
         x = torch.randn(4, 2 * k if gated else k, generator=g).to(device, dt)
         y = Q.gemv(x, rep, config=c, gated=gated)
         for r in range(4):
@@ -1042,9 +1044,9 @@ def check_dp4a_rows(device: str = "cpu") -> str:
 
 
 def check_dp4a_dispatch(device: str = "cpu") -> str:
-    """With VARIANT = "dp4a" (MONOBATCH_PACKED_GEMV=dp4a), quant_gemm.matmul at M = 1 computes a Q4
-    part (Q4_0, Q4_K) by the DP4A kernel (bitwise gemv with dp4a_config, not the FMA kernel's
-    result) and a Q8_0 / Q6_K part by the FMA kernel (bitwise gemv with the FMA config)."""
+    """With VARIANT = "dp4a" (MONOBATCH_PACKED_GEMV=dp4a), quant_gemm.matmul at M = 1 computes a
+    part of every layout (Q4_0, Q4_K, Q8_0, Q6_K) by the DP4A kernel (bitwise gemv with
+    dp4a_config, not the FMA kernel's result)."""
     from monobatch.kernels import quant_gemm as Q
     g = torch.Generator().manual_seed(19)
     dt = torch.float32 if device == "cpu" else torch.bfloat16
@@ -1057,10 +1059,8 @@ def check_dp4a_dispatch(device: str = "cpu") -> str:
             x = torch.randn(1, k, generator=g).to(device, dt)
             y = Q.matmul(x, rep)
             fma = Q.gemv(x, rep, config=Q.gemv_config(n, k, 1, rep.layout, "fma"))
-            if rep.layout.q4:
-                assert torch.equal(y, Q.gemv(x, rep, config=Q.dp4a_config(n, k))) and not torch.equal(y, fma)
-            else:
-                assert torch.equal(y, fma), qtype.name
+            assert torch.equal(y, Q.gemv(x, rep, config=Q.dp4a_config(n, k, rep.layout))), qtype.name
+            assert not torch.equal(y, fma), qtype.name
     finally:
         Q.VARIANT = saved
     return "ok"
@@ -1076,6 +1076,18 @@ def check_dp4a_gemv_q4_1() -> str:
 
 def check_dp4a_gemv_q4_k() -> str:
     return check_dp4a_gemv(types=(T.Q4_K,))
+
+
+def check_dp4a_gemv_q8_0() -> str:
+    return check_dp4a_gemv(types=(T.Q8_0,))
+
+
+def check_dp4a_gemv_q5_k() -> str:
+    return check_dp4a_gemv(types=(T.Q5_K,))
+
+
+def check_dp4a_gemv_q6_k() -> str:
+    return check_dp4a_gemv(types=(T.Q6_K,))
 
 
 @pytest.mark.parametrize("qtype", DP4A_TYPES, ids=lambda t: t.name)
@@ -1107,34 +1119,40 @@ def test_dp4a_dispatch_cuda():
 
 
 def test_dp4a_configs(monkeypatch):
-    """gemv_config with the "dp4a" variant (argument or VARIANT): a Q4 layout at M <= FMA_MAX_M gets
-    dp4a_config (the same for every M; never a tuned table's entry, which is an FMA config), every
-    other product what "fma" gives it; a table cannot hold a DP4A config."""
+    """gemv_config with the "dp4a" variant (argument or VARIANT): every layout at M <= FMA_MAX_M gets
+    dp4a_config (the same for every M, 512-weight steps for Q4, 256 for Q8; never a tuned table's
+    entry, which is an FMA config), M > FMA_MAX_M what "fma" gives it; a table cannot hold a DP4A
+    config."""
     from monobatch.kernels import quant_gemm as Q
     from monobatch.quant.formats import DEVICE_LAYOUTS, Q4, Q8, Q8_16
     for N, K in ((3072, 2048), (4096, 14336), (128256, 4096), (40, 64)):
-        for layout in (Q4, DEVICE_LAYOUTS[T.Q4_0], DEVICE_LAYOUTS[T.Q4_K], Q8, Q8_16):
+        for layout in (Q4, DEVICE_LAYOUTS[T.Q4_0], DEVICE_LAYOUTS[T.Q4_K], Q8, DEVICE_LAYOUTS[T.Q8_0],
+                       DEVICE_LAYOUTS[T.Q5_K], Q8_16, DEVICE_LAYOUTS[T.Q6_K]):
             for M in range(1, Q.MAX_M + 1):
                 got = Q.gemv_config(N, K, M, layout, "dp4a", table=False)
-                if layout.q4 and M <= Q.FMA_MAX_M:
-                    assert got == Q.dp4a_config(N, K) and got[5] == Q.DP4A and got[5] is not True
+                if M <= Q.FMA_MAX_M:
+                    assert got == Q.dp4a_config(N, K, layout) and got[5] == Q.DP4A and got[5] is not True
                     bn, bk, splits, _, _, _ = got
-                    assert bk % 32 == 0 and (bk // 2) & (bk // 2 - 1) == 0 and 1 <= splits <= -(-K // bk)
+                    bw = bk // (2 if layout.q4 else 1)
+                    assert bk == min(512 if layout.q4 else 256, Q._pow2(K)) and bw & (bw - 1) == 0
+                    assert bk % 32 == 0 and 1 <= splits <= -(-K // bk)
                 else:
                     assert got == Q.gemv_config(N, K, M, layout, "fma" if M <= Q.FMA_DEFAULT_M else "dot", table=False)
     monkeypatch.setattr(Q, "VARIANT", "dp4a")
     monkeypatch.setattr(Q, "tuned_configs", lambda device=None: {Q.table_key(4096, 14336, 1, Q4): (128, 512, 2, 8, 1,
                                                                                                     False)})
-    assert Q.gemv_config(4096, 14336, 1, Q4) == Q.dp4a_config(4096, 14336)
-    assert Q.gemv_config(4096, 14336, 1, Q8)[5] is False
+    assert Q.gemv_config(4096, 14336, 1, Q4) == Q.dp4a_config(4096, 14336, Q4)
+    assert Q.gemv_config(4096, 14336, 1, Q8) == Q.dp4a_config(4096, 14336, Q8)
+    assert Q.gemv_config(4096, 14336, Q.FMA_MAX_M + 1, Q8)[5] is True
     assert Q.entry_problem(Q.table_key(4096, 14336, 1, Q4), (64, 512, 1, 4, 1, Q.DP4A)) is not None
 
 
-@pytest.mark.parametrize("case", ["f32", "Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("case", ["f32", "Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 4])
 def test_dp4a_gemv_compiles_for_sm90(case, rows):
-    """The DP4A GEMV (ASM: inline dp4a) at its config compiles for sm_90 on every Q4 scale layout of
-    CUDA (rows 4: the gated input, bias): two dp4a.u32.s32 a word and row in the step before the
+    """The DP4A GEMV (ASM: inline dp4a) at its config compiles for sm_90 on the Q4 scale layouts of
+    CUDA, Q8_0's (Q8/32) and Q6_K's (Q8/16) (rows 4: the gated input, bias): a dp4a a word of 4
+    weights and row (Q4: two dp4a.u32.s32 a word, Q8: one dp4a.s32.s32) in the step before the
     loop and in the loop (the PTX's count), no int-to-float conversion, no register spills, PDL's rule."""
     import os
     import re
@@ -1147,13 +1165,16 @@ def test_dp4a_gemv_compiles_for_sm90(case, rows):
     if sm90_compile_problem():
         pytest.skip(sm90_compile_problem())
     layout, scale_sig, codes = _scale_case(case)
-    bn, bk, _, warps, stages, _ = Q.dp4a_config(4096, 14336)
+    bn, bk, _, warps, stages, _ = Q.dp4a_config(4096, 14336, layout)
     c = dict(HAS_BIAS=rows == 4, ROWS=rows, M_PAD=Q._pow2(rows), BLOCK_N=bn, NG=bk // 32, STAGES=stages,
-             GATED=rows == 4, EVEN=True, SUB=256 // layout.group, ASM=True, PDL=True, **codes)
+             Q4=layout.q4, GROUP=layout.group, GATED=rows == 4, EVEN=True, SUB=256 // layout.group, ASM=True,
+             PDL=True, **codes)
     ptx = _sm90(Q._gemv_dp4a_kernel, c, {**_PTRS, **scale_sig, "QW": "*i32"}, num_warps=warps, num_stages=stages,
                 launch_pdl=True)
     _check_pdl(ptx)
-    assert ptx.count("dp4a.u32.s32") == 2 * 2 * rows * bn * bk // 32 * 4 // (warps * 32)
+    words = rows * bn * bk // 4 // (warps * 32)  # (row, 4-weight) pairs a thread a step
+    signed, unsigned = ptx.count("dp4a.s32.s32"), ptx.count("dp4a.u32.s32")
+    assert (unsigned, signed) == ((2 * words, 0) if layout.q4 else (0, 2 * words)), (unsigned, signed)
     assert not re.search(r"cvt\.rn\.f32\.[su]32", ptx)
     regs, spills = _ptxas_usage(ptx)
     assert spills == 0 and regs <= 255, (regs, spills)

@@ -37,16 +37,21 @@ by the tile, like any other). No shuffle of nibbles into column order is needed.
     rounded to x's dtype (bf16: the dequant path's weights exactly, which are rounded to bf16 at
     load) times x^T padded to 16 columns on the tensor cores, fp32 accumulation.
 
-  - **DP4A** (opt-in, ``MONOBATCH_PACKED_GEMV=dp4a``, untimed on a GPU: Q4 layouts at M <=
-    :data:`FMA_MAX_M`; every other product as ``fma``; ADR 0006, "CUDA: a dp4a GEMV"): llama.cpp's
-    MMVQ scheme. Each program rounds the x columns of its K slice to int8 per 32-column group
-    (q8_1: ``d = amax / 127``, ``xi = round(x / d)``, so ``|x - d xi| <= d / 2``), every row on
-    its own (a row's bits do not depend on M or on the other rows; no extra launch, so the CUDA
-    graphs are as before); the nibbles become unsigned bytes (``w & 0x0F0F0F0F``, ``(w >> 4) &
-    0x0F0F0F0F``) and ``dp4a`` (4 byte products and their sum, one instruction) gives each
-    group's exact int32 ``sumi = sum q xi``; a group adds ``s d sumi + m d sum xi`` (scale s and
-    min m from ``_group_scales``) to a float32 accumulator in a fixed order. ~1.4-2.1 SASS
-    instructions a weight and row in the K loop against the FMA variant's ~4.4; its results
+  - **DP4A** (opt-in, ``MONOBATCH_PACKED_GEMV=dp4a``, untimed on a GPU: every layout, Q4/32,
+    Q8/32 and Q8/16, at M <= :data:`FMA_MAX_M`; M above it as ``fma``; ADR 0006, "CUDA: a dp4a
+    GEMV"): llama.cpp's MMVQ scheme. Each program rounds the x columns of its K slice to int8
+    per 32-column group whatever the weights' group (q8_1: ``d = amax / 127``,
+    ``xi = round(x / d)``, so ``|x - d xi| <= d / 2``), every row on its own (a row's bits do not
+    depend on M or on the other rows; no extra launch, so the CUDA graphs are as before). Q4:
+    the nibbles become unsigned bytes (``w & 0x0F0F0F0F``, ``(w >> 4) & 0x0F0F0F0F``) against x's
+    words in the nibbles' column order, ``dp4a.u32.s32``; Q8: the int8 words as they are (4
+    consecutive columns a word) against x's words in column order, ``dp4a.s32.s32``. ``dp4a``
+    (4 byte products and their sum, one instruction) gives each weight group's exact int32
+    ``sumi = sum q xi`` (Q8/16: two weight groups a x group, each its own sumi and scale times the
+    x group's d); a weight group adds ``s d sumi + m d sum xi`` (scale s and min m from
+    ``_group_scales``) to its float32 accumulator in a fixed order. At M = 1, ~1.6-2.2 SASS
+    instructions a weight and row in the K loop against the FMA variant's ~4.3-5.7 (Q4_0 1.62 /
+    4.30, Q4_K 2.09 / 4.66, Q8_0 1.66 / 5.12, Q5_K 2.23 / 5.67, Q6_K 1.93 / 5.41); its results
     differ from the FMA variant's by x's int8 rounding (~1e-2 of max |y|).
 
   All three: split-K as :mod:`monobatch.kernels.gemv`'s (partials in a workspace, the last slice of a
@@ -108,8 +113,8 @@ FMA_MAX_M = 4
 FMA_DEFAULT_M = 2
 #: ``MONOBATCH_PACKED_GEMV`` (read once, at import): ``fma`` (the default: the FMA variant for
 #: M <= FMA_DEFAULT_M, DOT above), ``dot`` (the DOT variant for every M; the A/B switch) or
-#: ``dp4a`` (opt-in, untimed: the DP4A variant for Q4 layouts at M <= :data:`FMA_MAX_M`, what
-#: ``fma`` picks for every other product).
+#: ``dp4a`` (opt-in, untimed: the DP4A variant for every layout at M <= :data:`FMA_MAX_M`, what
+#: ``fma`` picks above).
 VARIANT = env.choice("MONOBATCH_PACKED_GEMV", "fma", ("fma", "dot", "dp4a"))
 #: The sixth element of a GEMV config naming the DP4A variant (False: FMA, True: DOT). An integer,
 #: not a bool, so a tuned table's entry (:func:`entry_problem`: FMA configs only) can never be one.
@@ -247,11 +252,12 @@ def gemv_config(N: int, K: int, M: int, layout: Layout, variant: str | None = No
     ``device``'s GPU (:func:`tuned_configs`) lists the product, its FMA config is the table's
     (``table=False``: the rule alone, the probe's baseline).
 
-    ``variant`` (or :data:`VARIANT`) "dp4a": a Q4 layout at M <= :data:`FMA_MAX_M` takes
-    :func:`dp4a_config` (sixth element :data:`DP4A`); every other product what "fma" gives it."""
+    ``variant`` (or :data:`VARIANT`) "dp4a": every layout (Q4/32, Q8/32, Q8/16) at M <=
+    :data:`FMA_MAX_M` takes :func:`dp4a_config` (sixth element :data:`DP4A`); M > FMA_MAX_M what
+    "fma" gives it (the DOT variant)."""
     chosen = variant or VARIANT
-    if chosen == "dp4a" and layout.q4 and M <= FMA_MAX_M:
-        return dp4a_config(N, K)  # (never the tuned table: its entries are FMA configs)
+    if chosen == "dp4a" and M <= FMA_MAX_M:
+        return dp4a_config(N, K, layout)  # (never the tuned table: its entries are FMA configs)
     fma = M <= FMA_MAX_M if variant == "fma" else chosen in ("fma", "dp4a") and M <= FMA_DEFAULT_M
     if fma and table and (tuned := tuned_configs(device).get(table_key(N, K, M, layout))) is not None:
         return tuned
@@ -267,13 +273,15 @@ def gemv_config(N: int, K: int, M: int, layout: Layout, variant: str | None = No
     return block_n, block_k, splits, warps, stages, True
 
 
-def dp4a_config(N: int, K: int) -> tuple[int, int, int, int, int, int]:
+def dp4a_config(N: int, K: int, layout: Layout) -> tuple[int, int, int, int, int, int]:
     """The DP4A GEMV's config ``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, DP4A)`` for an
-    ``[M <= FMA_MAX_M, K] x [N, K]^T`` product on a Q4 layout: the probe's best guess
-    (``scripts/probe_dp4a_gemv.py``, untimed): 64-row tiles, 512-weight steps, K split as the FMA
-    rule splits it (until ~528 programs), 4 warps, one stage. The same for every M, so a row's
-    bits do not depend on the rows beside it (one K order, one split, one reduction layout)."""
-    block_n, block_k = 64, max(32, min(512, _pow2(K)))
+    ``[M <= FMA_MAX_M, K] x [N, K]^T`` product on ``layout``: the probe's best guess for Q4
+    (``scripts/probe_dp4a_gemv.py``, untimed): 64-row tiles, steps of 512 weights (Q4) or 256
+    (Q8: a word holds 4 weights, not 8, so the same 64 words a row and step; the FMA rule's
+    steps), K split as the FMA rule splits it (until ~528 programs), 4 warps, one stage. The same
+    for every M, so a row's bits do not depend on the rows beside it (one K order, one split, one
+    reduction layout)."""
+    block_n, block_k = 64, max(32, min(512 if layout.q4 else 256, _pow2(K)))
     steps, tiles = -(-K // block_k), -(-N // block_n)
     return block_n, block_k, max(1, min(steps, -(-528 // tiles))), 4, 1, DP4A
 
@@ -609,17 +617,26 @@ if triton is not None:
         split_k_store(acc, WS, CNT, B, Y, M, N, pid_n, pid_k, splits, offs_m, offs_n, mmask, nmask, stride_ym, HAS_BIAS)
 
     @triton.jit
-    def _dp4a(w, x, acc, ASM: tl.constexpr):
-        # acc + sum_b w.byte[b] (unsigned) * x.byte[b] (signed), int32 [BN, NG * 4]: PTX
-        # dp4a.u32.s32 (IDP.4A, one instruction for 4 products and their sum), or the same in
-        # integer ops where ASM is False (the interpreter runs no inline assembly)
+    def _dp4a(w, x, acc, SIGNED: tl.constexpr, ASM: tl.constexpr):
+        # acc + sum_b w.byte[b] * x.byte[b], int32 [BN, words]: x's bytes signed, w's unsigned (Q4's
+        # nibbles) or signed where SIGNED (Q8's int8): PTX dp4a.u32.s32 / dp4a.s32.s32 (IDP.4A, one
+        # instruction for 4 products and their sum), or the same in integer ops where ASM is False
+        # (the interpreter runs no inline assembly; a signed byte sign-extended by << then >>)
         if ASM:
-            return tl.inline_asm_elementwise(asm="dp4a.u32.s32 $0, $1, $2, $3;", constraints="=r,r,r,r",
-                                             args=[w, x, acc], dtype=tl.int32, is_pure=True, pack=1)
+            if SIGNED:
+                return tl.inline_asm_elementwise(asm="dp4a.s32.s32 $0, $1, $2, $3;", constraints="=r,r,r,r",
+                                                 args=[w, x, acc], dtype=tl.int32, is_pure=True, pack=1)
+            else:
+                return tl.inline_asm_elementwise(asm="dp4a.u32.s32 $0, $1, $2, $3;", constraints="=r,r,r,r",
+                                                 args=[w, x, acc], dtype=tl.int32, is_pure=True, pack=1)
         else:
             out = acc
             for b in tl.static_range(4):
-                out += ((w >> (8 * b)) & 0xFF) * ((x << (24 - 8 * b)) >> 24)  # (arithmetic >>: x's sign)
+                if SIGNED:
+                    wb = (w << (24 - 8 * b)) >> 24  # (arithmetic >>: the byte's sign)
+                else:
+                    wb = (w >> (8 * b)) & 0xFF
+                out += wb * ((x << (24 - 8 * b)) >> 24)
             return out
 
     @triton.jit
@@ -629,49 +646,74 @@ if triton is not None:
         return (v + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
 
     @triton.jit
-    def _dp4a_x(X, row: tl.constexpr, stride_xm, g, gmask, K, GATED: tl.constexpr):
-        # Row ``row`` of x at groups g [NG] (gmask: the groups in the K slice; x at the others is
-        # taken as 0) rounded to int8 as q8_1 (llama.cpp's MMVQ activations): per group
-        # d = amax / 127 and xi = x * (127 / amax) rounded half away from zero (floor(|v| + 0.5)),
-        # so |x - d xi| <= d / 2 (up to the float32 roundings of 127 / amax and of the product);
-        # the divisions IEEE-rounded (div_rn, not the approximate div.full), so the bits are a
-        # float32 torch reference's. -> (lo, hi) int32 words [NG * 4], word 4g + p holding xi of
-        # columns 32g + 4p + b (lo) and 32g + 16 + 4p + b (hi) as byte b (the Q4 words' nibble
-        # order); d float32 [NG]; sum_i xi int32 [NG].
-        p = tl.arange(0, 4)
-        b = tl.arange(0, 4)
-        col = g[:, None, None] * 32 + p[None, :, None] * 4 + b[None, None, :]  # [NG, 4, 4]
-        cmask = gmask[:, None, None] & (col >= 0)
-        xr = X + row * stride_xm
-        xl = _load_x(xr + col, cmask, K, GATED).to(tl.float32)
-        xh = _load_x(xr + col + 16, cmask, K, GATED).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.max(tl.abs(xl), axis=2), axis=1), tl.max(tl.max(tl.abs(xh), axis=2), axis=1))
+    def _q8_1_scale(amax):
+        # a 32-column group's max |x| [NG] -> (d = amax / 127, 127 / amax or 0 where amax is 0), the
+        # divisions IEEE-rounded (div_rn, not the approximate div.full): a float32 torch reference's bits
         dx = tl.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
         inv = tl.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.maximum(amax, 1e-30))
-        inv = tl.where(amax > 0, inv, 0.0)[:, None, None]
-        vl = xl * inv
-        vh = xh * inv
-        ql = tl.where(vl < 0, -tl.floor(tl.abs(vl) + 0.5), tl.floor(tl.abs(vl) + 0.5)).to(tl.int32)
-        qh = tl.where(vh < 0, -tl.floor(tl.abs(vh) + 0.5), tl.floor(tl.abs(vh) + 0.5)).to(tl.int32)
-        sx = tl.sum(tl.sum(ql, axis=2), axis=1) + tl.sum(tl.sum(qh, axis=2), axis=1)
-        shift = (b * 8)[None, None, :]
-        lo = tl.sum((ql & 0xFF) << shift, axis=2)  # disjoint bytes: their sum is their OR
-        hi = tl.sum((qh & 0xFF) << shift, axis=2)
-        NW: tl.constexpr = g.shape[0] * 4
-        return tl.reshape(lo, (NW,)), tl.reshape(hi, (NW,)), dx, sx
+        return dx, tl.where(amax > 0, inv, 0.0)
 
     @triton.jit
-    def _dp4a_row(acc, WL, WH, s, m, X, row: tl.constexpr, stride_xm, g, gmask, K, BN: tl.constexpr,
-                  NG: tl.constexpr, GATED: tl.constexpr, MINS: tl.constexpr, ASM: tl.constexpr):
-        # acc [BN, NG] += one row of x against a K step: x's groups quantized (_dp4a_x), the exact
-        # int32 group dots sumi = sum_i q_i xi_i (two dp4a a word: the low nibbles WL, the high
-        # ones WH, [BN, NG * 4]), then in float32, in this order, s d (float)sumi + m (d sum_i xi)
-        # (the scale and min from _group_scales). NEG8 (m = -8 s): s (d (float)(sumi - 8 sum xi)),
-        # the min's part exact in int32 (|.| < 2^17); ZERO: no min.
-        xl, xh, dx, sx = _dp4a_x(X, row, stride_xm, g, gmask, K, GATED)
-        d = _dp4a(WL, xl[None, :], tl.zeros_like(WL), ASM)
-        d = _dp4a(WH, xh[None, :], d, ASM)
-        sumi = tl.sum(tl.reshape(d, (BN, NG, 4)), axis=2)  # exact: |sumi| <= 15 * 127 * 32
+    def _q8_1(x, inv):
+        # x * (127 / amax) rounded half away from zero (floor(|v| + 0.5)), int32 in -127 .. 127
+        v = x * inv
+        return tl.where(v < 0, -tl.floor(tl.abs(v) + 0.5), tl.floor(tl.abs(v) + 0.5)).to(tl.int32)
+
+    @triton.jit
+    def _x_words(q):
+        # int8 values q [NG, P, 4] -> int32 words [NG, P], byte b of a word = q[..., b]
+        shift = (tl.arange(0, 4) * 8)[None, None, :]
+        return tl.sum((q & 0xFF) << shift, axis=2)  # disjoint bytes: their sum is their OR
+
+    @triton.jit
+    def _dp4a_x(X, row: tl.constexpr, stride_xm, g, gmask, K, GATED: tl.constexpr, Q4: tl.constexpr,
+                GROUP: tl.constexpr):
+        # Row ``row`` of x at 32-column groups g [NG] (gmask: the groups in the K slice; x at the
+        # others is taken as 0) rounded to int8 as q8_1 (llama.cpp's MMVQ activations), per 32
+        # columns whatever the weights' group: d = amax / 127 and xi = x * (127 / amax) rounded
+        # half away from zero, so |x - d xi| <= d / 2 (up to the float32 roundings of 127 / amax
+        # and of the product). -> (xl, xh, d, sx):
+        # Q4: int32 words [NG * 4], word 4g + p holding xi of columns 32g + 4p + b (xl) and
+        #   32g + 16 + 4p + b (xh) as byte b (the Q4 words' nibble order); d float32 [NG]; sx =
+        #   sum_i xi int32 [NG].
+        # Q8: words [NG * 8] in column order, word 8g + p holding columns 32g + 4p + b as byte b
+        #   (the Q8 words' order: qs int8 [N, K] read as int32), as xl (xh the same, unused); d and
+        #   sx per weight group [NG * 32 / GROUP] (GROUP 16: each x group's d twice, sx over the
+        #   group's 16 columns).
+        b = tl.arange(0, 4)
+        xr = X + row * stride_xm
+        NG: tl.constexpr = g.shape[0]
+        if Q4:
+            p = tl.arange(0, 4)
+            col = g[:, None, None] * 32 + p[None, :, None] * 4 + b[None, None, :]  # [NG, 4, 4]
+            cmask = gmask[:, None, None] & (col >= 0)
+            xl = _load_x(xr + col, cmask, K, GATED).to(tl.float32)
+            xh = _load_x(xr + col + 16, cmask, K, GATED).to(tl.float32)
+            amax = tl.maximum(tl.max(tl.max(tl.abs(xl), axis=2), axis=1), tl.max(tl.max(tl.abs(xh), axis=2), axis=1))
+            dx, inv = _q8_1_scale(amax)
+            ql = _q8_1(xl, inv[:, None, None])
+            qh = _q8_1(xh, inv[:, None, None])
+            sx = tl.sum(tl.sum(ql, axis=2), axis=1) + tl.sum(tl.sum(qh, axis=2), axis=1)
+            return tl.reshape(_x_words(ql), (NG * 4,)), tl.reshape(_x_words(qh), (NG * 4,)), dx, sx
+        else:
+            p = tl.arange(0, 8)
+            col = g[:, None, None] * 32 + p[None, :, None] * 4 + b[None, None, :]  # [NG, 8, 4]
+            cmask = gmask[:, None, None] & (col >= 0)
+            xv = _load_x(xr + col, cmask, K, GATED).to(tl.float32)
+            dx, inv = _q8_1_scale(tl.max(tl.max(tl.abs(xv), axis=2), axis=1))
+            q = _q8_1(xv, inv[:, None, None])
+            words = tl.reshape(_x_words(q), (NG * 8,))
+            NGW: tl.constexpr = NG * 32 // GROUP
+            sx = tl.sum(tl.reshape(tl.sum(q, axis=2), (NGW, GROUP // 4)), axis=1)
+            if GROUP == 16:
+                dx = tl.reshape(tl.broadcast_to(dx[:, None], (NG, 2)), (NGW,))
+            return words, words, dx, sx
+
+    @triton.jit
+    def _dp4a_acc(acc, s, m, dx, sumi, sx, MINS: tl.constexpr):
+        # acc [BN, NGW] + a weight group's s d (float)sumi + m (d (float)sum xi), in that order
+        # (float32; the scale and min from _group_scales, d the x group's). NEG8 (m = -8 s):
+        # s (d (float)(sumi - 8 sum xi)), the min's part exact in int32; ZERO: no min.
         if MINS == 3:
             return acc + s * (dx[None, :] * _int_to_float(sumi - sx[None, :] * 8))
         elif MINS == 2:
@@ -680,52 +722,97 @@ if triton is not None:
             return acc + (s * (dx[None, :] * _int_to_float(sumi)) + m * (dx * _int_to_float(sx))[None, :])
 
     @triton.jit
+    def _dp4a_row(acc, WL, WH, s, m, X, row: tl.constexpr, stride_xm, g, gmask, K, BN: tl.constexpr,
+                  NG: tl.constexpr, GATED: tl.constexpr, Q4: tl.constexpr, GROUP: tl.constexpr, MINS: tl.constexpr,
+                  ASM: tl.constexpr):
+        # acc [BN, NGW] (a column a weight group: NGW = NG * 32 / GROUP) += one row of x against a K
+        # step: x's 32-column groups quantized (_dp4a_x), the exact int32 weight-group dots
+        # sumi = sum_i q_i xi_i, then _dp4a_acc. Q4: two dp4a.u32.s32 a word (the low nibbles WL,
+        # the high ones WH, [BN, NG * 4]), 4 words a group. Q8: one dp4a.s32.s32 a word (WL, the
+        # words as loaded, [BN, NG * 8]), GROUP / 4 words a weight group: Q8/32 one weight group a
+        # x group; Q8/16 two (columns 32g .. 32g + 15 and 32g + 16 .. 32g + 31), each its own
+        # sumi, scale and sum xi times the x group's one d. |sumi| <= 128 * 127 * 32 < 2^22.
+        xl, xh, dx, sx = _dp4a_x(X, row, stride_xm, g, gmask, K, GATED, Q4, GROUP)
+        if Q4:
+            d = _dp4a(WL, xl[None, :], tl.zeros_like(WL), False, ASM)
+            d = _dp4a(WH, xh[None, :], d, False, ASM)
+            sumi = tl.sum(tl.reshape(d, (BN, NG, 4)), axis=2)  # exact: |sumi| <= 15 * 127 * 32
+        else:
+            d = _dp4a(WL, xl[None, :], tl.zeros_like(WL), True, ASM)
+            sumi = tl.sum(tl.reshape(d, (BN, NG * 32 // GROUP, GROUP // 4)), axis=2)
+        return _dp4a_acc(acc, s, m, dx, sumi, sx, MINS)
+
+    @triton.jit
     def _dp4a_step(acc0, acc1, acc2, acc3, WL, WH, s, m, X, stride_xm, g, gmask, K, ROWS: tl.constexpr,
-                   BN: tl.constexpr, NG: tl.constexpr, GATED: tl.constexpr, MINS: tl.constexpr, ASM: tl.constexpr):
+                   BN: tl.constexpr, NG: tl.constexpr, GATED: tl.constexpr, Q4: tl.constexpr, GROUP: tl.constexpr,
+                   MINS: tl.constexpr, ASM: tl.constexpr):
         # every row (ROWS <= 4, unrolled as _fma_step), each on its own: the same code and order a row
         tl.static_assert(ROWS <= 4, "the DP4A GEMV has four row accumulators")
-        acc0 = _dp4a_row(acc0, WL, WH, s, m, X, 0, stride_xm, g, gmask, K, BN, NG, GATED, MINS, ASM)
+        acc0 = _dp4a_row(acc0, WL, WH, s, m, X, 0, stride_xm, g, gmask, K, BN, NG, GATED, Q4, GROUP, MINS, ASM)
         if ROWS > 1:
-            acc1 = _dp4a_row(acc1, WL, WH, s, m, X, 1, stride_xm, g, gmask, K, BN, NG, GATED, MINS, ASM)
+            acc1 = _dp4a_row(acc1, WL, WH, s, m, X, 1, stride_xm, g, gmask, K, BN, NG, GATED, Q4, GROUP, MINS, ASM)
         if ROWS > 2:
-            acc2 = _dp4a_row(acc2, WL, WH, s, m, X, 2, stride_xm, g, gmask, K, BN, NG, GATED, MINS, ASM)
+            acc2 = _dp4a_row(acc2, WL, WH, s, m, X, 2, stride_xm, g, gmask, K, BN, NG, GATED, Q4, GROUP, MINS, ASM)
         if ROWS > 3:
-            acc3 = _dp4a_row(acc3, WL, WH, s, m, X, 3, stride_xm, g, gmask, K, BN, NG, GATED, MINS, ASM)
+            acc3 = _dp4a_row(acc3, WL, WH, s, m, X, 3, stride_xm, g, gmask, K, BN, NG, GATED, Q4, GROUP, MINS, ASM)
         return acc0, acc1, acc2, acc3
 
     @triton.jit
-    def _dp4a_load(w_rows, s_rows, m_rows, d_rows, nmask, g0, g_hi, j, offs_g, NG: tl.constexpr, EVEN: tl.constexpr,
-                   SCALES: tl.constexpr, MINS: tl.constexpr, SUB: tl.constexpr):
-        # A K step's Q4 words [BN, NG * 4] as two words of 4 unsigned bytes each (word p of group g:
-        # the low nibbles of bytes 4p..4p+3, columns 32g + 4p + b, and the high ones, 32g + 16 +
-        # 4p + b), its groups' scales and mins [BN, NG] (_group_scales) and the groups' mask [NG]
-        g = g0 + offs_g
-        if EVEN:
-            w = tl.load(w_rows[:, None] + (g0 * 4 + j)[None, :])
+    def _dp4a_load(w_rows, s_rows, m_rows, d_rows, nmask, g0, g_hi, j, NG: tl.constexpr, EVEN: tl.constexpr,
+                   Q4: tl.constexpr, GROUP: tl.constexpr, SCALES: tl.constexpr, MINS: tl.constexpr,
+                   SUB: tl.constexpr):
+        # A K step's words (positions g0, g_hi: 32-column groups, WPG words each) -> (WL, WH, scale,
+        # min, the x groups' mask [NG]). Q4 [BN, NG * 4] as two words of 4 unsigned bytes each (word
+        # p of group g: the low nibbles of bytes 4p..4p+3, columns 32g + 4p + b, and the high ones,
+        # 32g + 16 + 4p + b); Q8 [BN, NG * 8] as loaded (word p: int8 of columns 4p .. 4p + 3), WH
+        # the same (unused). Scales and mins [BN, NGW] of the NGW = NG * 32 / GROUP weight groups
+        # (_group_scales; SUB weight groups a super-block).
+        if Q4:
+            WPG: tl.constexpr = 4
         else:
-            w = tl.load(w_rows[:, None] + (g0 * 4 + j)[None, :], mask=nmask[:, None] & (g0 * 4 + j < g_hi * 4)[None, :],
-                        other=0)
-        s, m = _group_scales(s_rows, m_rows, d_rows, g0, nmask, nmask[:, None] & (g < g_hi)[None, :], NG, SCALES,
-                             MINS, SUB, not EVEN)
-        return w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F, s, m, g < g_hi
+            WPG: tl.constexpr = 8
+        R: tl.constexpr = 32 // GROUP
+        if EVEN:
+            w = tl.load(w_rows[:, None] + (g0 * WPG + j)[None, :])
+        else:
+            w = tl.load(w_rows[:, None] + (g0 * WPG + j)[None, :],
+                        mask=nmask[:, None] & (g0 * WPG + j < g_hi * WPG)[None, :], other=0)
+        gw = g0 * R + tl.arange(0, NG * R)
+        s, m = _group_scales(s_rows, m_rows, d_rows, g0 * R, nmask, nmask[:, None] & (gw < g_hi * R)[None, :], NG * R,
+                             SCALES, MINS, SUB, not EVEN)
+        gmask = g0 + tl.arange(0, NG) < g_hi
+        if Q4:
+            return w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F, s, m, gmask
+        else:
+            return w, w, s, m, gmask
 
     @triton.jit(do_not_specialize=["M", "splits"])
     def _gemv_dp4a_kernel(X, QW, S, MN, SUP, B, Y, WS, CNT, M, N, K, NG_ROW, g_per, splits, stride_xm, stride_wn,
                           stride_sn, stride_dn, stride_ym, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
                           M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NG: tl.constexpr, STAGES: tl.constexpr,
-                          GATED: tl.constexpr, EVEN: tl.constexpr, SCALES: tl.constexpr, MINS: tl.constexpr,
-                          SUB: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
-        # The DP4A variant (Q4 layouts, M = ROWS <= 4): integer dot products of the 4-bit weights
-        # with x rounded to int8 per 32 columns, quantized here (each program the groups of its K
-        # slice it reads, every row on its own: no extra launch, and a row's bits do not depend
-        # on the others). QW: the packed bytes as int32 words, 4 a group; positions are groups:
-        # NG_ROW a row, NG a K step, g_per a K slice (as _gemv_fma_kernel, whose epilogue this is).
+                          Q4: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr, EVEN: tl.constexpr,
+                          SCALES: tl.constexpr, MINS: tl.constexpr, SUB: tl.constexpr, ASM: tl.constexpr,
+                          PDL: tl.constexpr):
+        # The DP4A variant (every layout, M = ROWS <= 4): integer dot products of the weights'
+        # integers with x rounded to int8 per 32 columns, quantized here (each program the groups
+        # of its K slice it reads, every row on its own: no extra launch, and a row's bits do not
+        # depend on the others). QW: the packed bytes as int32 words, 4 (Q4) or 8 (Q8) a 32-column
+        # group; positions are 32-column groups: NG_ROW a row, NG a K step, g_per a K slice (as
+        # _gemv_fma_kernel, whose epilogue this is). Order: a float32 accumulator column per weight
+        # group of the step (NGW = NG * 32 / GROUP: Q4 and Q8/32 one a x group, Q8/16 two), each
+        # adding its group's s d sumi (+ m d sum xi) step after step in ascending K; after the loop
+        # the NGW columns are summed (one fixed reduction tree), the slices in slice order.
+        if Q4:
+            WPG: tl.constexpr = 4
+        else:
+            WPG: tl.constexpr = 8
+        NGW: tl.constexpr = NG * 32 // GROUP
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, M_PAD)
         offs_g = tl.arange(0, NG)
-        j = tl.arange(0, NG * 4)
+        j = tl.arange(0, NG * WPG)
         nmask = offs_n < N
         mmask = offs_m < M
         g_lo = pid_k * g_per
@@ -735,19 +822,19 @@ if triton is not None:
         s_rows = S + rows * stride_sn
         m_rows = MN + rows * stride_sn
         d_rows = SUP + rows * stride_dn
-        acc0 = tl.zeros((BLOCK_N, NG), tl.float32)
+        acc0 = tl.zeros((BLOCK_N, NGW), tl.float32)
         acc1, acc2, acc3 = acc0, acc0, acc0
         # The first step's words are loaded before the PDL wait (no kernel writes weights), x after it.
-        WL, WH, s, m, gmask = _dp4a_load(w_rows, s_rows, m_rows, d_rows, nmask, g_lo, g_hi, j, offs_g, NG, EVEN,
+        WL, WH, s, m, gmask = _dp4a_load(w_rows, s_rows, m_rows, d_rows, nmask, g_lo, g_hi, j, NG, EVEN, Q4, GROUP,
                                          SCALES, MINS, SUB)
         pdl.wait_prior(PDL)
         acc0, acc1, acc2, acc3 = _dp4a_step(acc0, acc1, acc2, acc3, WL, WH, s, m, X, stride_xm, g_lo + offs_g, gmask,
-                                            K, ROWS, BLOCK_N, NG, GATED, MINS, ASM)
+                                            K, ROWS, BLOCK_N, NG, GATED, Q4, GROUP, MINS, ASM)
         for g0 in tl.range(g_lo + NG, g_hi, NG, num_stages=STAGES):
-            WL, WH, s, m, gmask = _dp4a_load(w_rows, s_rows, m_rows, d_rows, nmask, g0, g_hi, j, offs_g, NG, EVEN,
+            WL, WH, s, m, gmask = _dp4a_load(w_rows, s_rows, m_rows, d_rows, nmask, g0, g_hi, j, NG, EVEN, Q4, GROUP,
                                              SCALES, MINS, SUB)
             acc0, acc1, acc2, acc3 = _dp4a_step(acc0, acc1, acc2, acc3, WL, WH, s, m, X, stride_xm, g0 + offs_g,
-                                                gmask, K, ROWS, BLOCK_N, NG, GATED, MINS, ASM)
+                                                gmask, K, ROWS, BLOCK_N, NG, GATED, Q4, GROUP, MINS, ASM)
         acc = tl.zeros((BLOCK_N, M_PAD), tl.float32)  # reduce over the groups once; column r <- row r
         acc = _put_row(acc, acc0, offs_m, 0)
         if ROWS > 1:
@@ -909,14 +996,15 @@ def gemv(x: torch.Tensor, w, bias: torch.Tensor | None = None, out_dtype: torch.
             output is fine); its dtype wins over ``out_dtype``.
         config: ``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, DOT)``; None: :func:`gemv_config`.
             DOT False: the FMA variant (M <= :data:`FMA_MAX_M`; BLOCK_K of Q8/32 at least 32 weights,
-            a step of whole groups); True: the DOT variant; :data:`DP4A`: the DP4A variant (a Q4
+            a step of whole groups); True: the DOT variant; :data:`DP4A`: the DP4A variant (any
             layout, M <= FMA_MAX_M; :func:`dp4a_config`). Its numerics: each row of x rounded to
             int8 per 32 columns (``d = amax / 127`` in float32, ``xi = x * (127 / amax)`` rounded
-            half away from zero; ``|x - d xi| <= d / 2``), exact int32 group dots ``sumi`` of the
-            weights' integers and xi, and a float32 accumulator of ``s d sumi + m d sum xi`` a
-            group (NEG8: ``s d (sumi - 8 sum xi)``) in ascending K within a slice, the slices
-            summed in order; so the result is ``(d xi) W^T`` to float32 rounding (the tests'
-            bound: 1e-5 of max |y|), and differs from ``x W^T`` by at most
+            half away from zero; ``|x - d xi| <= d / 2``), exact int32 dots ``sumi`` of each
+            weight group's integers and xi (Q8/16: two weight groups a 32-column x group), and a
+            float32 accumulator of ``s d sumi + m d sum xi`` a weight group (NEG8:
+            ``s d (sumi - 8 sum xi)``) in ascending K within a slice, the groups' accumulators
+            summed after the K loop, the slices in order; so the result is ``(d xi) W^T`` to
+            float32 rounding (the tests' bound: 1e-5 of max |y|), and differs from ``x W^T`` by at most
             ``sum_k (d_k / 2) |w_nk|``. A row's bits are the same alone or in a batch.
 
     Returns:
@@ -924,7 +1012,7 @@ def gemv(x: torch.Tensor, w, bias: torch.Tensor | None = None, out_dtype: torch.
 
     Raises:
         RuntimeError: no Triton. ValueError: shapes that do not fit, M > MAX_M, an FMA config with M > FMA_MAX_M,
-            a DP4A config on a Q8 layout or with M > FMA_MAX_M.
+            a DP4A config with M > FMA_MAX_M.
     """
     N, K = _check(x, w, gated)
     layout, qs = w.layout, w.qs
@@ -937,8 +1025,8 @@ def gemv(x: torch.Tensor, w, bias: torch.Tensor | None = None, out_dtype: torch.
     block_n, block_k, splits, warps, stages, dot = config or gemv_config(N, K, M, layout, device=x.device)
     if not dot and M > FMA_MAX_M:
         raise ValueError(f"FMA configs take M <= {FMA_MAX_M} rows")
-    if dot == DP4A and (not layout.q4 or M > FMA_MAX_M):
-        raise ValueError(f"DP4A configs take a Q4 layout and M <= {FMA_MAX_M} rows")
+    if dot == DP4A and M > FMA_MAX_M:
+        raise ValueError(f"DP4A configs take M <= {FMA_MAX_M} rows")
     per_byte = 2 if layout.q4 else 1
     bw = block_k // per_byte
     if block_k % 32 or bw & (bw - 1) or block_n & (block_n - 1):
@@ -955,7 +1043,8 @@ def gemv(x: torch.Tensor, w, bias: torch.Tensor | None = None, out_dtype: torch.
         _gemv_dp4a_kernel[(tiles, splits)](
             x, qs.view(torch.int32), scale, minimum, sup, b, y, ws, cnt, M, N, K, K // 32, k_per // 32, splits,
             x.stride(0), qs.stride(0) // 4, stride_sn, stride_dn, y.stride(0), HAS_BIAS=bias is not None, ROWS=M,
-            M_PAD=_pow2(M), BLOCK_N=block_n, NG=block_k // 32, STAGES=stages, GATED=gated,
+            M_PAD=_pow2(M), BLOCK_N=block_n, NG=block_k // 32, STAGES=stages, Q4=layout.q4, GROUP=layout.group,
+            GATED=gated,
             EVEN=N % block_n == 0 and K % block_k == 0, SCALES=layout.scales, MINS=layout.mins,
             SUB=256 // layout.group, ASM=_DP4A_ASM, num_warps=warps, num_stages=stages, **pdl.launch(x.device))
         return y
