@@ -1025,7 +1025,8 @@ def check_dp4a_gemv(device: str = "cpu", types: tuple = DP4A_TYPES) -> str:
 def check_dp4a_rows(device: str = "cpu") -> str:
     """Every row of an M = 4 DP4A call (Q4_K, Q6_K: its default config, gemv_config(..., "dp4a"),
     the same at every M; Q4_0, Q8_0: split in 3 slices, gated) has the bits of that row alone: each
-    row is quantized and summed on its own, in the same order whatever M."""
+    row is quantized and summed on its own, in the same order whatever M; a NaN in a row's x
+    makes that row NaN and leaves the others' bits."""
     from monobatch.kernels import quant_gemm as Q
     g = torch.Generator().manual_seed(17)
     dt = torch.float32 if device == "cpu" else torch.bfloat16
@@ -1040,6 +1041,11 @@ def check_dp4a_rows(device: str = "cpu") -> str:
         y = Q.gemv(x, rep, config=c, gated=gated)
         for r in range(4):
             assert torch.equal(y[r:r + 1], Q.gemv(x[r:r + 1], rep, config=c, gated=gated)), (qtype.name, c, r)
+        # a NaN in a row's x makes that row's outputs NaN (its group's d is NaN, as the FMA and DOT
+        # variants propagate it), not a finite number; the other rows keep their bits
+        x[1, 37] = float("nan")
+        z = Q.gemv(x, rep, config=c, gated=gated)
+        assert z[1].isnan().all() and torch.equal(z[[0, 2, 3]], y[[0, 2, 3]]), qtype.name
     return "ok"
 
 

@@ -41,8 +41,11 @@ by the tile, like any other). No shuffle of nibbles into column order is needed.
     Q8/32 and Q8/16, at M <= :data:`FMA_MAX_M`; M above it as ``fma``; ADR 0006, "CUDA: a dp4a
     GEMV"): llama.cpp's MMVQ scheme. Each program rounds the x columns of its K slice to int8
     per 32-column group whatever the weights' group (q8_1: ``d = amax / 127``,
-    ``xi = round(x / d)``, so ``|x - d xi| <= d / 2``), every row on its own (a row's bits do not
-    depend on M or on the other rows; no extra launch, so the CUDA graphs are as before). Q4:
+    ``xi = x (127 / amax)`` rounded half away from zero, so ``|x - d xi| <= d / 2`` up to two
+    float32 roundings; a NaN in a group makes its output NaN), every row on its own (one config
+    for every M, so a row's bits should not depend on M or on the other rows: so in the
+    interpreter, on the GPU pending ``test_dp4a_rows_cuda``, since ``tl.sum`` trees follow the
+    compiled layout; no extra launch, so the CUDA graphs are as before). Q4:
     the nibbles become unsigned bytes (``w & 0x0F0F0F0F``, ``(w >> 4) & 0x0F0F0F0F``) against x's
     words in the nibbles' column order, ``dp4a.u32.s32``; Q8: the int8 words as they are (4
     consecutive columns a word) against x's words in column order, ``dp4a.s32.s32``. ``dp4a``
@@ -254,7 +257,7 @@ def gemv_config(N: int, K: int, M: int, layout: Layout, variant: str | None = No
 
     ``variant`` (or :data:`VARIANT`) "dp4a": every layout (Q4/32, Q8/32, Q8/16) at M <=
     :data:`FMA_MAX_M` takes :func:`dp4a_config` (sixth element :data:`DP4A`); M > FMA_MAX_M what
-    "fma" gives it (the DOT variant)."""
+    the default setting (:data:`VARIANT` "fma") gives it: the DOT variant."""
     chosen = variant or VARIANT
     if chosen == "dp4a" and M <= FMA_MAX_M:
         return dp4a_config(N, K, layout)  # (never the tuned table: its entries are FMA configs)
@@ -646,9 +649,21 @@ if triton is not None:
         return (v + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
 
     @triton.jit
+    def _max_nan(a, b):
+        # max that propagates NaN (tl.max and tl.maximum drop it, as fmax does)
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def _amax(x):
+        # x [NG, P, 4] -> max |x| [NG], NaN where the group holds one (its d becomes NaN, so the
+        # output is NaN, as the FMA and DOT variants give; an inf gives d = inf and xi = 0: NaN)
+        return tl.reduce(tl.reduce(tl.abs(x), 2, _max_nan), 1, _max_nan)
+
+    @triton.jit
     def _q8_1_scale(amax):
         # a 32-column group's max |x| [NG] -> (d = amax / 127, 127 / amax or 0 where amax is 0), the
-        # divisions IEEE-rounded (div_rn, not the approximate div.full): a float32 torch reference's bits
+        # divisions IEEE-rounded (div_rn, not the approximate div.full): a float32 torch reference's
+        # bits. A group with 0 < amax < 1e-30 (no activation is that small) rounds to xi = 0.
         dx = tl.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
         inv = tl.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.maximum(amax, 1e-30))
         return dx, tl.where(amax > 0, inv, 0.0)
@@ -689,7 +704,7 @@ if triton is not None:
             cmask = gmask[:, None, None] & (col >= 0)
             xl = _load_x(xr + col, cmask, K, GATED).to(tl.float32)
             xh = _load_x(xr + col + 16, cmask, K, GATED).to(tl.float32)
-            amax = tl.maximum(tl.max(tl.max(tl.abs(xl), axis=2), axis=1), tl.max(tl.max(tl.abs(xh), axis=2), axis=1))
+            amax = _max_nan(_amax(xl), _amax(xh))
             dx, inv = _q8_1_scale(amax)
             ql = _q8_1(xl, inv[:, None, None])
             qh = _q8_1(xh, inv[:, None, None])
@@ -700,7 +715,7 @@ if triton is not None:
             col = g[:, None, None] * 32 + p[None, :, None] * 4 + b[None, None, :]  # [NG, 8, 4]
             cmask = gmask[:, None, None] & (col >= 0)
             xv = _load_x(xr + col, cmask, K, GATED).to(tl.float32)
-            dx, inv = _q8_1_scale(tl.max(tl.max(tl.abs(xv), axis=2), axis=1))
+            dx, inv = _q8_1_scale(_amax(xv))
             q = _q8_1(xv, inv[:, None, None])
             words = tl.reshape(_x_words(q), (NG * 8,))
             NGW: tl.constexpr = NG * 32 // GROUP
@@ -1005,7 +1020,8 @@ def gemv(x: torch.Tensor, w, bias: torch.Tensor | None = None, out_dtype: torch.
             ``s d (sumi - 8 sum xi)``) in ascending K within a slice, the groups' accumulators
             summed after the K loop, the slices in order; so the result is ``(d xi) W^T`` to
             float32 rounding (the tests' bound: 1e-5 of max |y|), and differs from ``x W^T`` by at most
-            ``sum_k (d_k / 2) |w_nk|``. A row's bits are the same alone or in a batch.
+            ``sum_k (d_k / 2) |w_nk|``. A row's bits should be the same alone or in a batch (so
+            in the interpreter; on the GPU pending ``test_dp4a_rows_cuda``).
 
     Returns:
         ``[M, N]``, fp32 accumulation.

@@ -9,6 +9,6 @@ for q in llama-8b-Q4_K_M llama-1b-Q4_0 llama-1b-Q4_K_M; do  # the 8b row first: 
   tt 90 lb-$q /tmp/gs/build/bin/llama-bench -m $f -ngl 99 -fa on -p 0 -n 128 -d 256 -r 3 -o jsonl
   MB="python3 -m monobatch bench -m $f --device cuda --json --no-progress --weights packed -p 256 -n 128 -r 3"
   tt 90 table-$q $MB; MONOBATCH_PACKED_GEMV_CONFIGS= tt 90 rule-$q $MB
-  MONOBATCH_PACKED_GEMV=dp4a tt 90 dp4a-$q $MB  # the opt-in dp4a GEMV (int8 activations) on the Q4 parts
+  MONOBATCH_PACKED_GEMV=dp4a tt 90 dp4a-$q $MB  # the opt-in dp4a GEMV (int8 activations), every part
 done
 tail -c 2000 $OUT/err.txt
