@@ -1,11 +1,14 @@
 """Reading the ``MONOBATCH_*`` environment knobs (docs/cli.md, "Environment variables").
 
-Every knob is read through one of these functions, so a bad value is handled the same way
-everywhere:
+Every tuning knob is read through one of these functions, so a bad value is handled the same way
+everywhere (unset or empty is the default, silently). Two are not knobs of this kind:
+``MONOBATCH_API_KEY`` (a secret the CLI checks as it checks ``--api-key``) and
+``MONOBATCH_PACKED_GEMV_CONFIGS`` (a file path, where empty means "no table", not the default;
+:func:`monobatch.kernels.quant_gemm.tuned_configs`, warning through :func:`warn`).
 
 - :func:`flag`, :func:`choice`, :func:`number`: a value that is not what the knob takes is named
   in one line on stderr, ``monobatch: warning: NAME='value' is not ...: using DEFAULT``, once per
-  process and variable, and the default is used. Unset or empty is the default, silently.
+  process and variable, and the default is used.
 - :func:`fatal_integer` and :class:`SettingError`: the kernels' tile and split settings, whose
   docs say a malformed value stops the command (an A/B run must not measure something else than
   asked). :class:`SettingError` is a :class:`SystemExit` (outside the CLI: exit code 1, the line
@@ -106,14 +109,14 @@ def number(name: str, default: T, parse: Callable[[str], Any] = float,
 
 def fatal_integer(name: str, default: int, *, minimum: int = 1, maximum: int | None = None,
                   power_of_two: bool = False) -> int:
-    """The integer in ``name`` (``default`` when unset): a kernel's tuning knob for A/B runs, read
-    once at import, at least ``minimum``, at most ``maximum`` and, with ``power_of_two``, a power of
-    two (a tile size, a warp count).
+    """The integer in ``name`` (``default`` when unset or empty): a kernel's tuning knob for A/B runs,
+    read once at import, at least ``minimum``, at most ``maximum`` and, with ``power_of_two``, a
+    power of two (a tile size, a warp count).
 
     Raises:
         SettingError: the value is not such an integer (a start-up error, one line naming it).
     """
-    value = os.environ.get(name)
+    value = text(name)
     if value is None:
         return default
     try:

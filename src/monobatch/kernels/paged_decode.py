@@ -55,7 +55,7 @@ def _splits_setting(text: str) -> tuple[int, int]:
 #: Most partitions one sequence's keys are split into (programs per sequence and KV head), and
 #: programs per SM the split count aims for (B * n_kv * splits ~ SPLIT_WAVES * SMs).
 #: ``MONOBATCH_DECODE_SPLITS=64,4`` overrides both (A/B runs).
-MAX_SPLITS, SPLIT_WAVES = _splits_setting(os.environ.get("MONOBATCH_DECODE_SPLITS", "64,2"))
+MAX_SPLITS, SPLIT_WAVES = _splits_setting(env.text("MONOBATCH_DECODE_SPLITS") or "64,2")
 #: Keys one loop iteration of the Triton kernel loads (a multiple of 16 for tl.dot, a power of
 #: two); partitions are multiples of it. ``MONOBATCH_DECODE_BLOCK_N`` overrides it (A/B runs).
 BLOCK_N = env.fatal_integer("MONOBATCH_DECODE_BLOCK_N", 64, minimum=16, power_of_two=True)

@@ -115,7 +115,7 @@ def _split_setting(text: str) -> tuple[int, int, int]:
 #: smaller split folds after every key block on the loop schedule, which costs batched decode
 #: (B=64 total 33.8k tok/s at 64 keys, 41.5k at 128, 51.6k at 256); a larger one leaves a
 #: short-context B=1 decode fewer programs (p256: 905 / 891 / 857 tok/s).
-SPLIT_MIN, SPLIT_PARTS, SPLIT_WAVES = _split_setting(os.environ.get("MONOBATCH_DET_SPLIT", "128,32"))
+SPLIT_MIN, SPLIT_PARTS, SPLIT_WAVES = _split_setting(env.text("MONOBATCH_DET_SPLIT") or "128,32")
 #: Most splits of one tile (a sliding window's keys may start mid-split: ``SPLIT_PARTS + 2``).
 MAX_SPLITS = SPLIT_PARTS + 2
 #: Steps of more query rows than this never use the split grid (they have tiles enough, and the
