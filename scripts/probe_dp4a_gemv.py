@@ -32,6 +32,10 @@ Parts of a run (one JSON object a line):
     graph: ``dp4a_us`` (quantization kernel + GEMV, or the fused GEMV), ``dp4a_noquant_us`` (the
     GEMV alone on a quantized x; null for fused configs), beside ``fma_us`` (quant_gemm.gemv, its
     default config) and ``dense_us`` (torch.nn.functional.linear on the bf16 dequantized weight),
+    and an ``"engine"`` line a product: the engine's own DP4A GEMV (``quant_gemm.gemv`` at
+    ``dp4a_config``, what ``MONOBATCH_PACKED_GEMV=dp4a`` runs) and its error against the same
+    reference (the engine rounds x with IEEE divisions, this probe's kernel with the approximate
+    ones, so the engine's ``rel_err`` may differ slightly),
     then a ``best`` line per product.
 (c) ``--ptx``: compiles the kernel for sm_90 without a GPU (Triton's ptxas) and reports the dp4a
     count and the instructions of the K loop in PTX and SASS (nvdisasm), per (row, 32-group).
@@ -379,6 +383,18 @@ def bench(shapes: list[str], types: list[T], cfgs: list, dev: torch.device, dead
                 dense_us = round(time_us(lambda: F.linear(x, dense)), 2)
                 del dense
                 base = {"shape": shape, "layer": layer, "N": N, "K": K, "qtype": qtype.name}
+                # the engine's own DP4A GEMV (MONOBATCH_PACKED_GEMV=dp4a: quant_gemm's kernel, its
+                # dp4a_config, PDL, the quantization inside), beside this probe's configs
+                ecfg = Q.dp4a_config(N, K, part.layout)
+                erow = {"type": "engine", **base, "config": list(ecfg), "fma_us": fma_us, "dense_us": dense_us}
+                try:
+                    ye = Q.gemv(x, part, config=ecfg, out_dtype=torch.float32)
+                    erow["rel_err"] = float(f"{rel(ye, ref):.3e}")
+                    erow["engine_dp4a_us"] = round(time_us(lambda: Q.gemv(x, part, config=ecfg)), 2)
+                    erow["speedup_vs_fma"] = round(fma_us / erow["engine_dp4a_us"], 2)
+                except Exception as e:  # noqa: BLE001 - a probe: report and go on
+                    erow["error"] = f"{type(e).__name__}: {e}"[:300]
+                print(json.dumps(erow), flush=True)
                 for cfg in cfgs:
                     row = {"type": "bench", **base, "config": list(cfg)}
                     try:
