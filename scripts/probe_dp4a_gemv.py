@@ -34,8 +34,7 @@ Parts of a run (one JSON object a line):
     default config) and ``dense_us`` (torch.nn.functional.linear on the bf16 dequantized weight),
     and an ``"engine"`` line a product: the engine's own DP4A GEMV (``quant_gemm.gemv`` at
     ``dp4a_config``, what ``MONOBATCH_PACKED_GEMV=dp4a`` runs) and its error against the same
-    reference (the engine rounds x with IEEE divisions, this probe's kernel with the approximate
-    ones, so the engine's ``rel_err`` may differ slightly),
+    reference (this probe's kernels use the engine's dp4a, q8_1 rounding and scale helpers),
     then a ``best`` line per product.
 (c) ``--ptx``: compiles the kernel for sm_90 without a GPU (Triton's ptxas) and reports the dp4a
     count and the instructions of the K loop in PTX and SASS (nvdisasm), per (row, 32-group).
@@ -97,36 +96,16 @@ TYPES = (T.Q4_0, T.Q4_K)
 
 # --------------------------------------------------------------------------------------------- kernels
 
+# dp4a, the exact int-to-float and the q8_1 rounding and scale: the engine's own (quant_gemm), so
+# the probe's kernels round x and sum bytes as MONOBATCH_PACKED_GEMV=dp4a does
+from monobatch.kernels.quant_gemm import _amax, _int_to_float as _to_float, _max_nan, _q8_1 as _q8, _q8_1_scale  # noqa: E402,E501
+from monobatch.kernels.quant_gemm import _dp4a as _engine_dp4a  # noqa: E402
+
+
 @triton.jit
 def _dp4a(w, x, acc, ASM: tl.constexpr):
-    # acc + sum_b w.byte[b] (unsigned) * x.byte[b] (signed), int32: PTX dp4a.u32.s32 (the first
-    # operand's bytes zero-extended, the second's sign-extended; d is .s32 as one operand is), or
-    # the same in plain integer ops (the interpreter runs no inline asm)
-    if ASM:
-        return tl.inline_asm_elementwise(asm="dp4a.u32.s32 $0, $1, $2, $3;", constraints="=r,r,r,r",
-                                         args=[w, x, acc], dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        out = acc
-        for b in tl.static_range(4):
-            wb = (w >> (8 * b)) & 0xFF
-            xb = (x << (24 - 8 * b)) >> 24  # arithmetic shift: sign-extended
-            out += wb * xb
-        return out
-
-
-@triton.jit
-def _to_float(v):
-    # int32 |v| < 2^22 -> float32 exactly without I2F (a quarter of the FMA rate): 1.5 * 2^23 + v
-    # has v in its mantissa bits
-    return (v + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
-
-
-@triton.jit
-def _q8(x, inv):
-    # float32 x times 127 / amax, rounded half away from zero (roundf, as llama.cpp's q8_1) -> int32
-    v = x * inv
-    r = tl.floor(tl.abs(v) + 0.5)
-    return tl.where(v < 0, -r, r).to(tl.int32)
+    # acc + sum_b w.byte[b] (unsigned: Q4 nibbles) * x.byte[b] (signed), int32
+    return _engine_dp4a(w, x, acc, False, ASM)
 
 
 @triton.jit
@@ -139,11 +118,9 @@ def _quant_groups(X, g, K):
     gm = (g < K // 32)[:, None, None]
     xl = tl.load(X + col, mask=gm, other=0.0).to(tl.float32)
     xh = tl.load(X + col + 16, mask=gm, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.max(tl.abs(xl), axis=2), axis=1), tl.max(tl.max(tl.abs(xh), axis=2), axis=1))
-    dx = amax / 127.0
-    inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)[:, None, None]
-    ql = _q8(xl, inv)
-    qh = _q8(xh, inv)
+    dx, inv = _q8_1_scale(_max_nan(_amax(xl), _amax(xh)))
+    ql = _q8(xl, inv[:, None, None])
+    qh = _q8(xh, inv[:, None, None])
     sx = tl.sum(tl.sum(ql, axis=2), axis=1) + tl.sum(tl.sum(qh, axis=2), axis=1)
     shift = (b * 8)[None, None, :]
     lo = tl.sum((ql & 0xFF) << shift, axis=2)  # disjoint bytes: the sum is their OR
