@@ -572,6 +572,21 @@ if triton is not None:
         # column ``row`` of the [BN, M_PAD] output tile <- the row's accumulator summed over groups
         return tl.where(offs_m[None, :] == row, tl.sum(part, axis=1)[:, None], acc)
 
+    @triton.jit
+    def _gemv_tile(QW, S, MN, SUP, M, N, NG_ROW, g_per, stride_wn, stride_sn, stride_dn, BLOCK_N: tl.constexpr,
+                   M_PAD: tl.constexpr):
+        # A packed GEMV program's tile (the FMA and DP4A kernels'): (pid_n, pid_k, its output rows
+        # offs_n [BLOCK_N] and x rows offs_m [M_PAD] with their masks, its K slice's groups
+        # g_lo .. g_hi, and each weight row's pointers: words, scales, mins, super-block (d, dmin))
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, M_PAD)
+        g_lo = pid_k * g_per
+        rows = offs_n.to(tl.int64)
+        return (pid_n, pid_k, offs_n, offs_m, offs_n < N, offs_m < M, g_lo, tl.minimum(g_lo + g_per, NG_ROW),
+                QW + rows * stride_wn, S + rows * stride_sn, MN + rows * stride_sn, SUP + rows * stride_dn)
+
     @triton.jit(do_not_specialize=["M", "splits"])
     def _gemv_fma_kernel(X, QW, S, MN, SUP, B, Y, WS, CNT, M, N, K, NG_ROW, g_per, splits, stride_xm, stride_wn,
                          stride_sn, stride_dn, stride_ym, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
@@ -581,21 +596,10 @@ if triton is not None:
         # The FMA variant (CUDA cores, M = ROWS <= 4). QW: the packed bytes as int32 words, GW a
         # group (4 for Q4 and Q8/16, 8 for Q8/32); positions are groups: NG_ROW a row, NG a K step,
         # g_per a K slice.
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_m = tl.arange(0, M_PAD)
+        pid_n, pid_k, offs_n, offs_m, nmask, mmask, g_lo, g_hi, w_rows, s_rows, m_rows, d_rows = _gemv_tile(
+            QW, S, MN, SUP, M, N, NG_ROW, g_per, stride_wn, stride_sn, stride_dn, BLOCK_N, M_PAD)
         offs_g = tl.arange(0, NG)
         j = tl.arange(0, NG * GW)
-        nmask = offs_n < N
-        mmask = offs_m < M
-        g_lo = pid_k * g_per
-        g_hi = tl.minimum(g_lo + g_per, NG_ROW)
-        rows = offs_n.to(tl.int64)
-        w_rows = QW + rows * stride_wn
-        s_rows = S + rows * stride_sn
-        m_rows = MN + rows * stride_sn
-        d_rows = SUP + rows * stride_dn
         acc0 = tl.zeros((BLOCK_N, NG), tl.float32)
         acc1, acc2, acc3 = acc0, acc0, acc0
         # The first step's words are loaded before the PDL wait (no kernel writes weights), x after it.
@@ -822,21 +826,10 @@ if triton is not None:
         else:
             WPG: tl.constexpr = 8
         NGW: tl.constexpr = NG * 32 // GROUP
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_m = tl.arange(0, M_PAD)
+        pid_n, pid_k, offs_n, offs_m, nmask, mmask, g_lo, g_hi, w_rows, s_rows, m_rows, d_rows = _gemv_tile(
+            QW, S, MN, SUP, M, N, NG_ROW, g_per, stride_wn, stride_sn, stride_dn, BLOCK_N, M_PAD)
         offs_g = tl.arange(0, NG)
         j = tl.arange(0, NG * WPG)
-        nmask = offs_n < N
-        mmask = offs_m < M
-        g_lo = pid_k * g_per
-        g_hi = tl.minimum(g_lo + g_per, NG_ROW)
-        rows = offs_n.to(tl.int64)
-        w_rows = QW + rows * stride_wn
-        s_rows = S + rows * stride_sn
-        m_rows = MN + rows * stride_sn
-        d_rows = SUP + rows * stride_dn
         acc0 = tl.zeros((BLOCK_N, NGW), tl.float32)
         acc1, acc2, acc3 = acc0, acc0, acc0
         # The first step's words are loaded before the PDL wait (no kernel writes weights), x after it.
