@@ -3,7 +3,8 @@
 Why: at llama-8b shapes on the H200 our packed decode GEMV (kernels/quant_gemm.py, the FMA
 variant: float32 FMAs on the dequantized nibbles, ~4.4 SASS instructions a weight at M = 1) is
 slower than llama.cpp's MMVQ kernels, which quantize the activation row to int8 per 32 columns
-(q8_1: ``d = amax / 127``, ``xi = round(x / d)``, and the group's sum of ``xi``) and take integer dot
+(q8_1: ``d = amax / 127``, ``xi = x (127 / amax)`` rounded half away from zero, and the group's
+sum of ``xi``) and take integer dot
 products with ``dp4a`` (4 int8 products summed into an int32 in one instruction). This script
 measures what a Triton dp4a GEMV would give before one is designed into the engine. Nothing under
 src/ changes.

@@ -1156,7 +1156,7 @@ def test_dp4a_configs(monkeypatch):
 @pytest.mark.parametrize("case", ["f32", "Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 4])
 def test_dp4a_gemv_compiles_for_sm90(case, rows):
-    """The DP4A GEMV (ASM: inline dp4a) at its config compiles for sm_90 on the Q4 scale layouts of
+    """The DP4A GEMV (ASM: inline dp4a) at its config compiles for sm_90 on the scale layouts of
     CUDA, Q8_0's (Q8/32) and Q6_K's (Q8/16) (rows 4: the gated input, bias): a dp4a a word of 4
     weights and row (Q4: two dp4a.u32.s32 a word, Q8: one dp4a.s32.s32) in the step before the
     loop and in the loop (the PTX's count), no int-to-float conversion, no register spills, PDL's rule."""

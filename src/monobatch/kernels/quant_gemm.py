@@ -667,7 +667,8 @@ if triton is not None:
     def _q8_1_scale(amax):
         # a 32-column group's max |x| [NG] -> (d = amax / 127, 127 / amax or 0 where amax is 0), the
         # divisions IEEE-rounded (div_rn, not the approximate div.full): a float32 torch reference's
-        # bits. A group with 0 < amax < 1e-30 (no activation is that small) rounds to xi = 0.
+        # bits. A group with 0 < amax < 1e-30 (no activation is that small) is rounded on the scale
+        # of amax = 1e-30 (127 / amax kept finite), so d xi understates its x by amax / 1e-30.
         dx = tl.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
         inv = tl.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.maximum(amax, 1e-30))
         return dx, tl.where(amax > 0, inv, 0.0)

@@ -64,7 +64,6 @@ chunk's gathered keys.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
