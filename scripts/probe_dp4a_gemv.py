@@ -100,7 +100,7 @@ TYPES = (T.Q4_0, T.Q4_K)
 # dp4a, the exact int-to-float and the q8_1 rounding and scale: the engine's own (quant_gemm), so
 # the probe's kernels round x and sum bytes as MONOBATCH_PACKED_GEMV=dp4a does
 from monobatch.kernels.quant_gemm import _amax, _int_to_float as _to_float, _max_nan, _q8_1 as _q8, _q8_1_scale  # noqa: E402,E501
-from monobatch.kernels.quant_gemm import _dp4a as _engine_dp4a  # noqa: E402
+from monobatch.kernels.quant_gemm import _dp4a as _engine_dp4a, _gemv_tile  # noqa: E402
 
 
 @triton.jit
@@ -150,18 +150,10 @@ def _dp4a_gemv_kernel(X, XW, DX, SX, QW, S, MN, Y, WS, CNT, N, K, NG_ROW, g_per,
     # y [N] (float32 or bf16 Y) = x W^T at M = 1. QW: the Q4 words [N, K/8] (4 a group); S: Q4_0's
     # float16 scales (NEG8) or float32 scales, MN float32 mins (Q4_K via group_scales), [N, K/32].
     # FUSED: x (bf16 X) quantized here, each step's groups; else XW/DX/SX from _quant_x_kernel.
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n, pid_k, offs_n, offs_m, nmask, _, g_lo, g_hi, w_rows, s_rows, m_rows, _ = _gemv_tile(
+        QW, S, MN, MN, 1, N, NG_ROW, g_per, stride_wn, stride_sn, 0, BLOCK_N, 1)  # the engine's tile prologue
     offs_g = tl.arange(0, NG)
     j = tl.arange(0, NG * 4)  # a step's words of a row: group j // 4, word j % 4
-    nmask = offs_n < N
-    g_lo = pid_k * g_per
-    g_hi = tl.minimum(g_lo + g_per, NG_ROW)
-    rows = offs_n.to(tl.int64)
-    w_rows = QW + rows * stride_wn
-    s_rows = S + rows * stride_sn
-    m_rows = MN + rows * stride_sn
     acc = tl.zeros((BLOCK_N, NG), tl.float32)
     for g0 in tl.range(g_lo, g_hi, NG, num_stages=STAGES):
         g = g0 + offs_g
@@ -198,7 +190,6 @@ def _dp4a_gemv_kernel(X, XW, DX, SX, QW, S, MN, Y, WS, CNT, N, K, NG_ROW, g_per,
             acc += s * (dx[None, :] * _to_float(sumi - sx[None, :] * 8))
         else:
             acc += s * (dx[None, :] * _to_float(sumi)) + m * (dx * sx.to(tl.float32))[None, :]
-    offs_m = tl.arange(0, 1)
     split_k_store(tl.sum(acc, axis=1)[:, None], WS, CNT, Y, Y, 1, N, pid_n, pid_k, splits, offs_m, offs_n,
                   offs_m < 1, nmask, 0, False)
 

@@ -436,20 +436,9 @@ if triton is not None:
                      SCALES: tl.constexpr, MINS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
         # The DOT variant. NB: bytes of a row (K / 2 for Q4, K for Q8); BW: bytes a K step
         # (BLOCK_K / 2 or BLOCK_K); b_per: bytes a K slice. Positions p are bytes.
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_m = tl.arange(0, M_PAD)
+        pid_n, pid_k, offs_n, offs_m, nmask, mmask, b_lo, b_hi, q_rows, s_rows, m_rows, d_rows = _gemv_tile(
+            QS, S, MN, SUP, M, N, NB, b_per, stride_qn, stride_sn, stride_dn, BLOCK_N, M_PAD)
         offs_b = tl.arange(0, BW)
-        nmask = offs_n < N
-        mmask = offs_m < M
-        b_lo = pid_k * b_per
-        b_hi = tl.minimum(b_lo + b_per, NB)
-        rows = offs_n.to(tl.int64)
-        q_rows = QS + rows * stride_qn
-        s_rows = S + rows * stride_sn
-        m_rows = MN + rows * stride_sn
-        d_rows = SUP + rows * stride_dn
         acc = tl.zeros((BLOCK_N, M_PAD), tl.float32)
         # The first W tile is loaded before the PDL wait (no kernel writes weights), x after it.
         p = b_lo + offs_b
@@ -575,9 +564,10 @@ if triton is not None:
     @triton.jit
     def _gemv_tile(QW, S, MN, SUP, M, N, NG_ROW, g_per, stride_wn, stride_sn, stride_dn, BLOCK_N: tl.constexpr,
                    M_PAD: tl.constexpr):
-        # A packed GEMV program's tile (the FMA and DP4A kernels'): (pid_n, pid_k, its output rows
-        # offs_n [BLOCK_N] and x rows offs_m [M_PAD] with their masks, its K slice's groups
-        # g_lo .. g_hi, and each weight row's pointers: words, scales, mins, super-block (d, dmin))
+        # A packed GEMV program's tile (the DOT, FMA and DP4A kernels'): (pid_n, pid_k, its output
+        # rows offs_n [BLOCK_N] and x rows offs_m [M_PAD] with their masks, its K slice's positions
+        # g_lo .. g_hi (groups, or bytes for DOT), and each weight row's pointers: packed data,
+        # scales, mins, super-block (d, dmin))
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
