@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=64, help="decode steps")
     ap.add_argument("--kv-storage", default="paged", choices=["paged", "dense"])
     ap.add_argument("--weights", default="packed", choices=["packed", "dequant"])
+    ap.add_argument("--deterministic", action="store_true", help="the batch-invariant mode (row tiles, TP pieces)")
     ap.add_argument("--torch-profile", action="store_true", help="print torch.profiler's top operators")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="print cProfile's N top host functions")
     ns = ap.parse_args()
@@ -56,7 +57,7 @@ def main() -> None:
     timed = Timed(quant_cpu.module(), spent, calls)
     quant_cpu.module = lambda: timed  # every caller asks module() (or binds a function it returned)
     loaded = load_model(ns.model, "cpu", progress=False, weights=ns.weights)
-    engine = Engine(loaded, EngineConfig(kv_storage=ns.kv_storage))
+    engine = Engine(loaded, EngineConfig(kv_storage=ns.kv_storage, deterministic=ns.deterministic))
     sched = BatchScheduler(engine)
     prompt = list(range(1, 129))
     fwd = [0.0, 0.0]  # the model's forward: start, total seconds

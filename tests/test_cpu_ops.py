@@ -172,6 +172,32 @@ def test_fused_layer_halves_are_the_separate_calls_bitwise(T):
         assert torch.equal(s, s_ref) and torch.equal(y, y_ref)
 
 
+@pytest.mark.parametrize("T", [1, 5, 16])
+def test_combined_packed_mats_are_the_python_products_bitwise(T):
+    """``PackedMat.concat`` (a projection of parts of several types, e.g. a Q4_K_M file's q/k and
+    v) gives PackedWeight.matmul's concatenation; ``PackedMat.pieces`` (the deterministic mode's
+    row-parallel pieces) gives RowParallelLinear's ((p0 + p1) + p2) of the pieces' products."""
+    from monobatch.models.layers import combined_mat
+    from monobatch.quant.packed import PackedWeight
+
+    g = torch.Generator().manual_seed(8)
+    parts = [_packed("Q4_K", 64, 256, 20), _packed("Q6_K", 32, 256, 21), _packed("Q8_0", 16, 256, 22)]
+    whole = PackedWeight([w.parts[0] for w in parts], 256, [t for w in parts for t in w.types])
+    x = torch.randn(T, 256, generator=g)
+    mat = combined_mat([w.parts[0].mat() for w in parts])
+    assert torch.equal(cpu_ops.quant_cpu.module().gemm_mat(x, mat), whole.matmul(x))
+    pieces, widths = [_packed("Q4_1", 48, 64, 30 + i) for i in range(3)], [64, 64, 64]
+    x = torch.randn(T, 192, generator=g)
+    want = pieces[0].matmul(x[:, :64].contiguous())
+    for i in (1, 2):
+        want = want + pieces[i].matmul(x[:, 64 * i:64 * (i + 1)].contiguous())
+    got = cpu_ops.quant_cpu.module().gemm_mat(x, combined_mat([w.parts[0].mat() for w in pieces], widths))
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="pieces"):
+        cpu_ops.quant_cpu.module().gemm_mat(x[:, :128], combined_mat([w.parts[0].mat() for w in pieces], widths))
+    assert combined_mat([parts[0].parts[0].mat(), None]) is None
+
+
 def test_cpu_route_is_decided_once_and_not_copied():
     """The fused route of the shared layers: decided at the first call (float32 CPU, packed), the
     same bits as the unfused layer; a deepcopy (tensor-parallel shards) starts undecided."""
@@ -206,18 +232,22 @@ def test_cpu_route_is_decided_once_and_not_copied():
 def test_layer_chain_is_the_layers_loop_bitwise(loaded):
     """A CPU decode step of the bundled model through its C++ layer chain (every layer's fused
     calls in one call: DecoderModel.chained) gives the per-layer loop's logits bit for bit, for one
-    row and for several, and counts one attention call a layer; a deterministic step (row tiles)
-    keeps the loop. Which path ran is seen from the store: the chain never calls ``attend``."""
+    row and for several, and counts one attention call a layer, in the default mode and in the
+    deterministic mode (its row-parallel pieces summed in C++; its rows not padded: the model's
+    rows are independent); a deterministic step with padded row tiles keeps the loop. Which path
+    ran is seen from the store: the chain never calls ``attend``."""
     from monobatch.batch import StepBatch
     from monobatch.engine.engine import Engine, EngineConfig
 
     n_layers = len(loaded.model.layers)
     prompts = [loaded.tokenizer.encode(t) for t in ("The capital of France is", "One, two, three,", "def add(a, b):")]
-    for deterministic in (False, True):
-        engine = Engine(loaded, EngineConfig(kv_storage="paged", deterministic=deterministic))
+    for mode in ("fast", "deterministic", "padded"):
+        engine = Engine(loaded, EngineConfig(kv_storage="paged", deterministic=mode != "fast"))
+        assert engine.row_pad is (mode == "fast")  # the fast mode has no tiles to pad
+        pad = mode == "padded"
         kv, model = engine.kv, engine.model  # deterministic mode's model: the layers in tensor-parallel pieces
         for s, ids in enumerate(prompts):
-            engine.forward(StepBatch.build([(s, ids, 0, True)], engine.device, engine.row_tile))
+            engine.forward(StepBatch.build([(s, ids, 0, True)], engine.device, engine.row_tile, engine.row_pad))
         attend, attended = kv.attend, []
 
         def counted(*args, **kw):
@@ -226,12 +256,13 @@ def test_layer_chain_is_the_layers_loop_bitwise(loaded):
 
         kv.attend = counted
         for rows in ([0], [0, 1, 2]):
-            batch = StepBatch.build([(s, [17 + s], len(prompts[s]), True) for s in rows], engine.device, engine.row_tile)
+            batch = StepBatch.build([(s, [17 + s], len(prompts[s]), True) for s in rows], engine.device,
+                                    engine.row_tile, pad or engine.row_pad)
             kv.prepare(batch)
             before, attended[:] = kv.paged_attention_calls, []
             chained = model(batch, kv)
             assert kv.paged_attention_calls - before == n_layers
-            assert len(attended) == (n_layers if deterministic else 0)  # the chain attends in C++
+            assert len(attended) == (n_layers if pad else 0)  # the chain attends in C++
             held, kv.layer_chain = kv.layer_chain, (model, model._placement, None)  # no chain: the loop
             attended[:] = []
             looped = model(batch, kv)
@@ -240,6 +271,47 @@ def test_layer_chain_is_the_layers_loop_bitwise(loaded):
             assert torch.equal(chained, looped)
             kv.commit(batch)
             prompts = [p + [17 + s] if s in rows else p for s, p in enumerate(prompts)]
+
+
+def _step_logits(engine, prompts: list[list[int]], n: int) -> list[torch.Tensor]:
+    """Every logits tensor the model returns over greedy runs of ``prompts`` together (n tokens each)."""
+    from monobatch.engine.params import SamplingParams
+    from monobatch.engine.scheduler import BatchScheduler
+    from monobatch.engine.sequence import Request
+
+    got: list[torch.Tensor] = []
+    hook = engine.model.register_forward_hook(lambda m, i, o: got.append(o.clone()))
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    for _ in BatchScheduler(engine).run([Request(f"r{i}", ids, params) for i, ids in enumerate(prompts)]):
+        pass
+    hook.remove()
+    return got
+
+
+@pytest.mark.usefixtures("one_cpu_thread_in_test")
+def test_deterministic_cpu_steps_without_padding_are_the_padded_unfused_steps_bitwise(loaded):
+    """The deterministic mode on the bundled model (packed CPU weights: every row-wise op computes
+    each row alone) runs unpadded tiles of up to 16 rows through the fused routes and the layer
+    chain; every logits tensor of a prompt step (tiles of 16 and a remainder), of batched decode
+    steps and of a scratch prompt (prompt_logits) is bitwise what the padded row tiles of 8
+    through the unfused layers give (the mode before the fused routes took its pieces)."""
+    from monobatch.engine.engine import Engine, EngineConfig
+    from monobatch.models.layers import CpuRoute
+
+    fast = Engine(loaded, EngineConfig(kv_storage="paged", deterministic=True))
+    assert not fast.row_pad and fast.row_tile == 16 and "deterministic (row-independent CPU kernels)" in fast.describe()
+    slow = Engine(loaded, EngineConfig(kv_storage="paged", deterministic=True))
+    slow.row_pad, slow.row_tile = True, 8
+    for m in slow.model.modules():
+        if isinstance(getattr(m, "cpu_route", None), CpuRoute):
+            m.cpu_route.call = False  # the unfused layers: norms, GEMVs, RoPE, SiLU and sums one call each
+    assert "deterministic (row tiles of 8)" in slow.describe()
+    prompts = [loaded.tokenizer.encode(t) for t in
+               ("Once upon a time, in a small village by the sea, there lived an old fisherman who " * 2, "Hi")]
+    a, b = _step_logits(fast, prompts, 6), _step_logits(slow, prompts, 6)
+    assert len(a) == len(b) >= 6 and all(torch.equal(x, y) for x, y in zip(a, b))
+    assert torch.equal(fast.prompt_logits(prompts[0], all_positions=True),
+                       slow.prompt_logits(prompts[0], all_positions=True))
 
 
 def test_rowwise_joins_a_list_of_outputs_as_a_tuple():

@@ -65,6 +65,9 @@ class StepBatch:
         row_tile: 0 in the default (fast) mode. In deterministic mode, N > 0: every row-wise
             operation (norms, GEMMs, activations) runs on tiles of exactly N rows and attention
             one query row at a time, so a token's result does not depend on the batch.
+        row_pad: with ``row_tile``, whether the last tile is zero-padded to N rows (True), or
+            not, for a model whose row-wise ops compute each row alone by construction
+            (``DecoderModel.rows_independent``; the engine decides).
         position_bound: every position is below it (known on the host, so the model may read
             RoPE from its table without a device check); None when unknown.
         decode_only: :attr:`is_decode_only`, when known at the batch's construction (None: found
@@ -79,6 +82,7 @@ class StepBatch:
     row_tile: int = 0
     position_bound: int | None = None
     decode_only: bool | None = None
+    row_pad: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -98,13 +102,14 @@ class StepBatch:
         chunks: Sequence[tuple],
         device: torch.device | str = "cpu",
         row_tile: int = 0,
+        row_pad: bool = True,
     ) -> "StepBatch":
         """Build from ``(seq_id, token_ids, first_position, wants_logits[, all_logits])`` per
         sequence.
 
         The logit row of a chunk is its last token (every token with ``all_logits``). A sequence
         may appear at most once.
-        ``row_tile``: see the class attributes (0 = fast mode).
+        ``row_tile``, ``row_pad``: see the class attributes (0 = fast mode).
 
         Raises:
             ValueError: an empty chunk, a negative position, or a sequence listed twice.
@@ -154,6 +159,7 @@ class StepBatch:
             row_tile=row_tile,
             position_bound=max(positions) + 1 if positions else 0,  # = the chunks' largest end_pos
             decode_only=decode_only,
+            row_pad=row_pad,
         ).to(device)
 
     def to(self, device: torch.device | str) -> "StepBatch":
@@ -173,4 +179,4 @@ class StepBatch:
             flat = flat.to(device)
         token_ids, positions, logit_rows = flat.split([T, T, self.logit_rows.shape[0]])
         return StepBatch(token_ids, positions, self.seq_ids, logit_rows, self.chunks, self.row_tile, self.position_bound,
-                         self.decode_only)
+                         self.decode_only, self.row_pad)

@@ -40,7 +40,8 @@ from torch import nn
 
 from monobatch.distributed.comm import TpGroup
 from monobatch.distributed.plan import TensorParallelPlan
-from monobatch.models.layers import Attention, DecoderModel, GatedMLP, Linear, hold_packed, matmul
+from monobatch.models.layers import (Attention, DecoderModel, GatedMLP, Linear, combined_mat, hold_packed, matmul,
+                                     packed_mat, row_independent)
 from monobatch.quant.packed import PackedPart, PackedWeight
 
 log = logging.getLogger(__name__)
@@ -111,15 +112,6 @@ def take_cols(w: Weight, lo: int, hi: int) -> Weight:
     return PackedWeight(parts, hi - lo, w.types)
 
 
-def row_independent(w: Weight) -> bool:
-    """Whether an output row of ``x @ w.T`` has the same bits whatever other rows ``w`` holds, by
-    construction: the packed CPU kernel computes each output row alone (``parallel_for`` over the
-    rows, one dot product each; :mod:`monobatch.kernels.quant_cpu`), so a column-parallel layer's
-    pieces can share one call in deterministic mode. A library GEMM (MKL, cuBLAS, Triton tiles)
-    promises nothing across N, so dense weights keep one call per piece."""
-    return isinstance(w, PackedWeight) and w.device.type == "cpu"
-
-
 def _linear(weight: Weight, bias: torch.Tensor | None) -> Linear:
     """A :class:`Linear` holding ``weight`` ``[N, K]`` (dense or packed) and ``bias`` ``[N]``."""
     n, k = weight.shape
@@ -151,6 +143,11 @@ class ColumnParallelLinear(nn.Module):
     def packed(self) -> bool:
         """Whether the weights are held packed."""
         return self.pieces[0].packed
+
+    def fused_mat(self):
+        """The fused CPU ops' handle of this layer (:func:`monobatch.models.layers.packed_mat`):
+        its pieces' products concatenated, or None where a piece has none."""
+        return combined_mat([packed_mat(p) for p in self.pieces])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, in]`` -> ``[T, out_local]``."""
@@ -185,6 +182,17 @@ class RowParallelLinear(nn.Module):
     def packed(self) -> bool:
         """Whether the weights are held packed."""
         return self.pieces[0].packed
+
+    def fused_mat(self):
+        """The fused CPU ops' handle of this layer (:func:`monobatch.models.layers.packed_mat`)
+        where it computes everything in this process (no other rank, no bias): in deterministic
+        mode its pieces' products summed in piece order (``PackedMat.pieces``), the bits of
+        :meth:`forward`; else its one piece's. None otherwise."""
+        if self.bias is not None or (self.group is not None and self.group.world > 1):
+            return None
+        if not self.deterministic:
+            return packed_mat(self.pieces[0]) if len(self.pieces) == 1 else None
+        return combined_mat([packed_mat(p) for p in self.pieces], self.widths)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, in_local]`` (this rank's heads' / FFN columns' activations) -> ``[T, out]``, the

@@ -16,10 +16,10 @@ import torch
 
 from monobatch import defaults, env
 from monobatch.batch import StepBatch
-from monobatch.engine.constraint import GrammarCompiler
 from monobatch.distributed import comm
 from monobatch.distributed.plan import TensorParallelPlan, check_devices
 from monobatch.engine import cuda_graphs
+from monobatch.engine.constraint import GrammarCompiler
 from monobatch.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 from monobatch.engine.finish import FinishStep, RowOutput
 from monobatch.engine.params import SamplingParams
@@ -34,7 +34,7 @@ from monobatch.kv.paged import PagedKv
 from monobatch.kv.store import KvStore
 from monobatch.loader import LoadedModel
 from monobatch.loader.weights import trim_heap
-from monobatch.quant.packed import dequant_scratch_bytes
+from monobatch.quant.packed import GEMV_ROWS, dequant_scratch_bytes
 
 #: Redraw unchecked draws at forced grammar positions before the next step reads them
 #: (:meth:`Engine.draw_forced`); ``MONOBATCH_FORCED_DRAWS=0`` turns it off for A/B runs.
@@ -244,6 +244,11 @@ class Engine:
         self.invariant = self.config.deterministic and triton_usable(self.device, args.head_dim)
         self.row_tile = (defaults.DETERMINISTIC_ROW_TILE.get(self.device.type, 8)
                          if self.config.deterministic and not self.invariant else 0)
+        # ... not padded where every row-wise op computes each row alone (CPU, packed weights, the
+        # fused routes): the step then runs as the fast mode's does (the layer chain, no wasted rows)
+        self.row_pad = not (self.row_tile and world == 1 and self.model.rows_independent())
+        if not self.row_pad:
+            self.row_tile = GEMV_ROWS
         self.kv.batch_invariant = self.invariant
         if world > 1:  # spawn ranks 1..N-1; the KV store becomes the mirror that replays its calls there
             from monobatch.distributed.runtime import TensorParallelDriver
@@ -297,7 +302,7 @@ class Engine:
         """:meth:`StepBatch.build` for this engine (its device and row tile). A decode step that
         a CUDA graph will run keeps its tensors on the host: the graph reads its own static
         buffers, staged from this batch's host tensors (:class:`DecodeGraphs`), so no copy is spent on them."""
-        batch = StepBatch.build(chunks, "cpu", self.row_tile)
+        batch = StepBatch.build(chunks, "cpu", self.row_tile, self.row_pad)
         return batch if self._graph_for(batch) is not None else batch.to(self.device)
 
     def _graph_for(self, batch: StepBatch) -> DecodeGraphs | PrefillGraphs | None:
@@ -311,7 +316,8 @@ class Engine:
         """One line for a start-up log: the weights (packed or dequantized, resident bytes), the KV
         store, its capacity and the numerics mode."""
         mode = ("deterministic (batch-invariant kernels)" if self.invariant else
-                f"deterministic (row tiles of {self.row_tile})" if self.row_tile else "fast (not batch-invariant)")
+                f"deterministic (row tiles of {self.row_tile})" if self.row_tile and self.row_pad else
+                "deterministic (row-independent CPU kernels)" if self.row_tile else "fast (not batch-invariant)")
         graphs = f"; CUDA graphs for decode steps of up to {self.graphs.max_batch} sequences" if self.graphs else ""
         if self.prefill_graphs is not None:
             graphs += (f" and prompt steps of up to {cuda_graphs.PREFILL_MAX_TOKENS} tokens "
@@ -370,7 +376,7 @@ class Engine:
         args = self.model.args
         scratch = DenseKv(args.num_hidden_layers, self.kv_heads, args.head_dim,
                           max(len(token_ids), 1), self.model.dtype, self.model.device, windows=args.layer_windows())
-        batch = StepBatch.build([(0, list(token_ids), 0, True)], self.device, self.row_tile)
+        batch = StepBatch.build([(0, list(token_ids), 0, True)], self.device, self.row_tile, self.row_pad)
         if all_positions:
             batch.logit_rows = torch.arange(len(token_ids), device=self.device)
         scratch.batch_invariant = self.invariant

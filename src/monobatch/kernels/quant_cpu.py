@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "quant_cpu.cpp"
 #: every source of the extension: the packed matmuls and the fused decode-step ops (:mod:`monobatch.kernels.cpu_ops`)
 SOURCES = (SOURCE, Path(__file__).parent / "csrc" / "cpu_ops.cpp")
+#: Headers the sources include (a change rebuilds: ninja tracks them; the start-up message checks them too).
+HEADERS = tuple(Path(__file__).parent / "csrc" / h for h in ("packed.h", "simd.h"))
 NAME = "monobatch_quant_cpu"
 
 
@@ -81,7 +83,7 @@ def module() -> ModuleType:
         build = cache_dir(DEFAULT_CACHE)
         _usable(build)
     built = build / f"{NAME}.so"
-    if not built.exists() or any(p.stat().st_mtime > built.stat().st_mtime for p in SOURCES):
+    if not built.exists() or any(p.stat().st_mtime > built.stat().st_mtime for p in SOURCES + HEADERS):
         # a build takes a minute or two on a small machine: say so, or the first command looks hung
         print(f"monobatch: compiling the packed CPU kernels for this machine into {build} (once, about a minute)...",
               file=sys.stderr, flush=True)

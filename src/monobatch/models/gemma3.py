@@ -212,10 +212,11 @@ class DecoderLayer(nn.Module):
             ``(residual, delta)`` ``[T, D]`` each: the stream after this block's attention line and
             its feed-forward line's output, to be added by the next norm.
         """
-        tile = batch.row_tile  # everything but attention is row-wise (tiled in deterministic mode)
-        q, k, v, residual = rowwise(tile, self._project, residual, cos, sin, *(() if delta is None else (delta,)))
+        tile, pad = batch.row_tile, batch.row_pad  # everything but attention is row-wise (tiled in deterministic mode)
+        q, k, v, residual = rowwise(tile, self._project, residual, cos, sin, *(() if delta is None else (delta,)),
+                                    pad=pad)
         out = kv.attend(self.self_attn.layer, q, k, v, batch)  # (T, H, hd)
-        return rowwise(tile, self._attn_add_mlp, residual, out.flatten(1))
+        return rowwise(tile, self._attn_add_mlp, residual, out.flatten(1), pad=pad)
 
     def _project(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  delta: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from monobatch.batch import StepBatch
-from monobatch.kernels import cpu_ops, fused, gemv, invariant_gemm
+from monobatch.kernels import cpu_ops, fused, gemv, invariant_gemm, quant_cpu
 from monobatch.models.args import ModelArgs
 from monobatch.models.rope import RotaryEmbedding, apply_rope, rope_inv_freq
 from monobatch.quant.packed import GEMV_ROWS, PackedWeight
@@ -47,7 +47,7 @@ PACKED = {
 }
 
 
-def rowwise(tile: int, fn, *xs: torch.Tensor, **kw):
+def rowwise(tile: int, fn, *xs: torch.Tensor, pad: bool = True, **kw):
     """Apply a row-wise ``fn`` to ``xs`` (each ``[T, ...]``; ``kw`` passed as they are), in fixed
     tiles when ``tile`` > 0.
 
@@ -55,17 +55,19 @@ def rowwise(tile: int, fn, *xs: torch.Tensor, **kw):
     on ``[N, ...]`` tiles only, so every GEMM, reduction and vectorised activation has the same
     shape whatever the batch holds, and a row's result depends on that row alone (a 1-row GEMM
     differs bitwise from the same row inside a larger one; see the ADR). ``tile`` 0 is one call.
+    ``pad`` False (a model whose row-wise ops compute each row alone by construction,
+    :meth:`DecoderModel.rows_independent`): tiles of at most N rows, the last one not padded.
 
     Returns:
         ``fn``'s output (a tensor or a tuple of tensors), ``T`` rows each.
     """
     T = xs[0].shape[0]
-    if tile <= 0 or T == 0:
+    if tile <= 0 or T == 0 or (not pad and T <= tile):
         return fn(*xs, **kw)
-    pad = -T % tile
-    if pad:
-        xs = tuple(torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) for x in xs)
-    tiles = [fn(*(x[i:i + tile] for x in xs), **kw) for i in range(0, T + pad, tile)]
+    extra = -T % tile if pad else 0
+    if extra:
+        xs = tuple(torch.cat([x, x.new_zeros(extra, *x.shape[1:])]) for x in xs)
+    tiles = [fn(*(x[i:i + tile] for x in xs), **kw) for i in range(0, T + extra, tile)]
     if isinstance(tiles[0], (tuple, list)):  # a list: a C++ route's outputs
         return tuple(torch.cat(parts)[:T] for parts in zip(*tiles))
     return torch.cat(tiles)[:T]
@@ -145,13 +147,41 @@ class CpuRoute:
         return self.decide(build, *args) if call is None else call
 
 
-def packed_mat(lin: nn.Module):
-    """The C++ handle of a plain :class:`Linear` whose weight is one packed CPU part without bias
-    (what :meth:`PackedWeight.matmul` sends straight to the GEMV), or None."""
-    if type(lin) is not Linear or lin.bias is not None or not isinstance(lin.weight, PackedWeight) \
-            or len(lin.weight.parts) != 1 or not lin.weight.parts[0].qs.is_cpu:
+def row_independent(w: torch.Tensor | PackedWeight) -> bool:
+    """Whether an output row of ``x @ w.T`` has the same bits whatever other rows ``x`` and ``w``
+    hold, by construction: the packed CPU kernel computes each output element alone
+    (``parallel_for`` over the weight's rows, one dot product each; :mod:`monobatch.kernels.quant_cpu`),
+    so a column-parallel layer's pieces can share one call in deterministic mode and that mode
+    needs no padded row tiles around it (:meth:`DecoderModel.rows_independent`). A library GEMM
+    (MKL, cuBLAS, Triton tiles) promises nothing across M or N."""
+    return isinstance(w, PackedWeight) and w.device.type == "cpu"
+
+
+def combined_mat(mats: list, widths: list[int] | None = None):
+    """One ``PackedMat`` handle for several (None where any is None): the one itself; parts over
+    consecutive output rows (``widths`` None: their products concatenated, as
+    :meth:`PackedWeight.matmul` does); pieces over consecutive input columns of ``widths`` (their
+    products summed in piece order, as :class:`~monobatch.distributed.sharding.RowParallelLinear`
+    does in deterministic mode). The same calls in the same order: the same bits."""
+    if not mats or any(m is None for m in mats):
         return None
-    return lin.weight.parts[0].mat()
+    if len(mats) == 1:
+        return mats[0]
+    handle = quant_cpu.module().PackedMat
+    return handle.concat(mats) if widths is None else handle.pieces(mats, list(widths))
+
+
+def packed_mat(lin: nn.Module):
+    """The C++ handle (``PackedMat``) of a linear layer whose product the fused CPU ops make with
+    the bits of the layer's own forward, or None: a plain :class:`Linear` whose weight is packed on
+    the CPU, without bias (one part, or several over its output rows); a sharded layer's own
+    (its ``fused_mat``: :mod:`monobatch.distributed.sharding`)."""
+    if type(lin) is not Linear:
+        fused = getattr(lin, "fused_mat", None)
+        return fused() if fused is not None else None
+    if lin.bias is not None or not row_independent(lin.weight):
+        return None
+    return combined_mat([p.mat() for p in lin.weight.parts])
 
 
 def plain_norm(norm: nn.Module) -> bool:
@@ -413,13 +443,13 @@ class DecoderModel(nn.Module):
         """Every layer over the embeddings ``x`` ``[T, D]`` in one C++ call: ``(residual, delta)``
         ``[T, D]`` each, what the family's loop over its layers returns, bit for bit (the
         :meth:`layer_chain` makes the layers' own fused calls in their order). Where it applies:
-        float32 on CPU, at most :data:`GEMV_ROWS` rows, no row tiles (deterministic mode keeps the
-        loop), every layer on its fused CPU routes and the KV store attending every row of the step
+        float32 on CPU, at most :data:`GEMV_ROWS` rows, no padded row tiles (deterministic mode
+        keeps the loop unless :meth:`rows_independent`), every layer on its fused CPU routes and the KV store attending every row of the step
         in its C++ kernel (:meth:`KvStore.chain_inputs`: decode steps). Else None: run the loop.
 
         Why: a decode step of a small model on CPU spends ~3 Python calls a layer between
         kernels (~2 ms of a ~9 ms step of the bundled model at ``-t 2``; issue 17)."""
-        if batch.row_tile or not CpuRoute.usable(x):
+        if (batch.row_tile and batch.row_pad) or not CpuRoute.usable(x):
             return None
         chain = self.layer_chain(kv)
         inputs = None if chain is None else kv.chain_inputs(batch, len(self.layers))
@@ -447,6 +477,24 @@ class DecoderModel(nn.Module):
         kv.layer_chain = (self, self._placement, chain)
         return chain
 
+    def rows_independent(self) -> bool:
+        """Whether every row-wise operation of this model's steps computes each row alone, with
+        the same bits whatever other rows the call holds, by construction: every layer on its
+        fused CPU routes (``cpu_routes``: the C++ norms, RoPE, SwiGLU and the packed GEMV, each
+        row alone, csrc/cpu_ops.cpp), the final norm a plain RMSNorm on the CPU and the LM head
+        packed on the CPU (:func:`row_independent`). Then the deterministic mode needs no padded
+        row tiles (:func:`rowwise`'s ``pad``) and runs its steps through :meth:`chained`
+        (ADR 0002). A family without routes, dense weights, CUDA: False."""
+        if not cpu_ops.available() or not len(self.layers) or not plain_norm(self.norm):
+            return False
+        if "vocab_parallel" in self._modules:
+            heads = [(p.weight, p.bias) for p in self._modules["vocab_parallel"].head]
+        else:
+            heads = [(self.embed_tokens, None)] if self.lm_head is None else [(self.lm_head.weight, self.lm_head.bias)]
+        if not all(row_independent(w) and b is None for w, b in heads):
+            return False
+        return all(getattr(layer, "cpu_routes", lambda: None)() is not None for layer in self.layers)
+
     def build_rope_tables(self, length: int, dtype: torch.dtype, grow: bool = False) -> None:
         """Precompute cos/sin of positions ``0 .. length-1`` for every RoPE (:meth:`RotaryEmbedding.build_table`;
         ``grow``: the first chunk now, the rest as positions reach it)."""
@@ -465,9 +513,9 @@ class DecoderModel(nn.Module):
             rows = batch.logit_rows
             residual, delta = residual[rows], None if delta is None else delta[rows]
         if delta is None:
-            return rowwise(batch.row_tile, lambda x: self._logits(self.norm(x), head), residual)
+            return rowwise(batch.row_tile, lambda x: self._logits(self.norm(x), head), residual, pad=batch.row_pad)
         return rowwise(batch.row_tile, lambda r, d: self._logits(self.norm.add_forward(r, d)[1], head),
-                       residual, delta)
+                       residual, delta, pad=batch.row_pad)
 
     def _logits(self, x: torch.Tensor, head: torch.Tensor | PackedWeight) -> torch.Tensor:
         """``x @ head.T`` as float32 ``[R, V]``: with 16-bit weights on CUDA the GEMM writes float32

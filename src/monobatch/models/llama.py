@@ -71,26 +71,32 @@ class DecoderLayer(nn.Module):
             and this layer's MLP output, to be added by the next norm. Everything but attention
             is row-wise (tiled in deterministic mode, see :func:`rowwise`).
         """
-        tile = batch.row_tile
+        tile, pad = batch.row_tile, batch.row_pad
         # where the KV store takes this step's keys through the fused RoPE (one launch fewer a layer)
         store = None if tile else kv.store_slots(self.self_attn.layer)
         residual, q, k, v = rowwise(tile, self._add_project, residual, cos, sin,
-                                    *(() if delta is None else (delta,)), store=store)
+                                    *(() if delta is None else (delta,)), pad=pad, store=store)
         out = kv.attend(self.self_attn.layer, q, k, v, batch)  # (T, H, hd); k, v None: already stored
-        return rowwise(tile, self._attn_add_mlp, residual, out)
+        return rowwise(tile, self._attn_add_mlp, residual, out, pad=pad)
+
+    def cpu_routes(self) -> tuple[tuple, tuple] | None:
+        """This block's two fused CPU routes' calls (:class:`~monobatch.models.layers.CpuRoute`:
+        the norm, projections, RoPE and SwiGLU of :meth:`forward` in two C++ calls, every row
+        alone), or None where one does not apply."""
+        attn, mlp = self.self_attn, self.mlp
+        project = attn.cpu_route.resolve(attn._cpu_project, self.input_layernorm)
+        ffn = mlp.cpu_route.resolve(mlp._cpu_forward, attn.o_proj, self.post_attention_layernorm)
+        return (project, ffn) if project and ffn else None
 
     def chain_args(self, kv: KvStore) -> tuple | None:
         """This block's arguments of the C++ ``LayerChain.add`` (:meth:`DecoderModel.layer_chain`):
         its two fused CPU routes' fixed arguments around ``kv``'s attention inputs of the layer
         (:meth:`KvStore.chain_layer`) — the calls :meth:`forward` makes, bound once. None where
         a route or the store's C++ attention does not apply."""
-        attn, mlp = self.self_attn, self.mlp
-        project = attn.cpu_route.resolve(attn._cpu_project, self.input_layernorm)
-        ffn = mlp.cpu_route.resolve(mlp._cpu_forward, attn.o_proj, self.post_attention_layernorm)
-        where = kv.chain_layer(attn.layer)
-        if not project or not ffn or where is None:
+        routes, where = self.cpu_routes(), kv.chain_layer(self.self_attn.layer)
+        if routes is None or where is None:
             return None
-        return (*project[1:], *where, *ffn[1:])
+        return (*routes[0][1:], *where, *routes[1][1:])
 
     def _add_project(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      delta: torch.Tensor | None = None, store: tuple | None = None) -> tuple[torch.Tensor, ...]:

@@ -456,7 +456,13 @@ void register_ops(pybind11::module& m);  // cpu_ops.cpp: the fused ops of a deco
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm", &mb_quant::gemm, "out[M, N] = x[M, K] @ W^T for a packed W (float32)");
   pybind11::class_<mb_quant::PackedMat>(m, "PackedMat", "a packed weight's tensors and layout, for the fused ops")
-      .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, bool>());
+      .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, bool>())
+      .def_static("concat", [](std::vector<mb_quant::PackedMat> parts) {
+        return mb_quant::PackedMat(mb_quant::PackedMat::CONCAT, std::move(parts), {});
+      }, "parts over consecutive output rows: their products concatenated")
+      .def_static("pieces", [](std::vector<mb_quant::PackedMat> parts, std::vector<int64_t> widths) {
+        return mb_quant::PackedMat(mb_quant::PackedMat::PIECES, std::move(parts), std::move(widths));
+      }, "pieces over consecutive input columns of these widths: their products summed in order");
   m.def("gemm_mat", [](const torch::Tensor& x, const mb_quant::PackedMat& w) { return w.gemm(x); },
         "gemm with a bound PackedMat");
   m.def("gemm_scalar", [](const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& sc,
