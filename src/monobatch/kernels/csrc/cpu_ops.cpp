@@ -280,7 +280,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   at::parallel_for(0, R * KV, grain_for(2 * g * hd * std::max<int64_t>(1, max_keys)), [&](int64_t i0, int64_t i1) {
-    std::vector<float> sc(g * max_keys);
+    std::vector<float> sc(g * max_keys), inv(g);
     std::vector<int64_t> slot(max_keys);
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t r = item / KV, kh = item % KV;
@@ -290,10 +290,13 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
         const int64_t pos = lo + j;
         slot[j] = int64_t(tb[off + pos / block_size]) * block_size + pos % block_size;
       }
-      for (int64_t h = 0; h < g; ++h) {  // scores of query head kh * g + h
-        const float* qh = pq + row * q.stride(0) + (kh * g + h) * hd;
+      const float* q0 = pq + row * q.stride(0) + kh * g * hd;  // query head kh * g + h at q0 + h * hd
+      for (int64_t j = 0; j < S; ++j) {  // scores: each key read once for the group's g heads
+        const float* kj = kc + slot[j] * row_elems + kh * hd;
+        for (int64_t h = 0; h < g; ++h) sc[h * S + j] = dot(q0 + h * hd, kj, hd) * scale;
+      }
+      for (int64_t h = 0; h < g; ++h) {  // softmax of query head kh * g + h
         float* srow = sc.data() + h * S;
-        for (int64_t j = 0; j < S; ++j) srow[j] = dot(qh, kc + slot[j] * row_elems + kh * hd, hd) * scale;
         float m = -INFINITY;
         int64_t j = 0;
 #ifdef MBO_AVX2
@@ -318,11 +321,42 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
           srow[j] = exp_scalar(srow[j] - m);
           sum += srow[j];
         }
-        float* o = po + (row * H + kh * g + h) * hd;
-        std::fill(o, o + hd, 0.f);
-        for (j = 0; j < S; ++j) axpy(srow[j], vc + slot[j] * row_elems + kh * hd, o, hd);
-        const float inv = 1.0f / sum;
-        for (int64_t d = 0; d < hd; ++d) o[d] *= inv;
+        inv[h] = 1.0f / sum;
+      }
+      // o_h = sum_j e_hj v_j, each element by fma in key order (axpy's operations), then * 1/sum
+      float* o0 = po + (row * H + kh * g) * hd;  // head kh * g + h at o0 + h * hd
+      const float* v0 = vc + kh * hd;
+      int64_t d0 = 0;
+#ifdef MBO_AVX2
+      // 32 columns of up to 3 heads in registers while the keys stream by: each value row read
+      // once for the heads, no load and store of o a key
+      for (; d0 + 32 <= hd; d0 += 32)
+        for (int64_t h0 = 0; h0 < g; h0 += 3) {
+          const int64_t nh = std::min<int64_t>(3, g - h0);
+          __m256 acc[3][4];
+          for (int a = 0; a < 3; ++a)
+            for (int c = 0; c < 4; ++c) acc[a][c] = _mm256_setzero_ps();
+          for (int64_t j = 0; j < S; ++j) {
+            const float* vj = v0 + slot[j] * row_elems + d0;
+            const __m256 x0 = _mm256_loadu_ps(vj), x1 = _mm256_loadu_ps(vj + 8), x2 = _mm256_loadu_ps(vj + 16),
+                         x3 = _mm256_loadu_ps(vj + 24);
+            for (int64_t a = 0; a < nh; ++a) {
+              const __m256 e = _mm256_set1_ps(sc[(h0 + a) * S + j]);
+              acc[a][0] = _mm256_fmadd_ps(e, x0, acc[a][0]);
+              acc[a][1] = _mm256_fmadd_ps(e, x1, acc[a][1]);
+              acc[a][2] = _mm256_fmadd_ps(e, x2, acc[a][2]);
+              acc[a][3] = _mm256_fmadd_ps(e, x3, acc[a][3]);
+            }
+          }
+          for (int64_t a = 0; a < nh; ++a)
+            for (int c = 0; c < 4; ++c) _mm256_storeu_ps(o0 + (h0 + a) * hd + d0 + 8 * c, acc[a][c]);
+        }
+#endif
+      for (int64_t h = 0; h < g; ++h) {  // the columns left (all of them without AVX2)
+        float* o = o0 + h * hd;
+        std::fill(o + d0, o + hd, 0.f);
+        for (int64_t j = 0; j < S; ++j) axpy(sc[h * S + j], v0 + slot[j] * row_elems + d0, o + d0, hd - d0);
+        for (int64_t d = 0; d < hd; ++d) o[d] *= inv[h];
       }
     }
   });

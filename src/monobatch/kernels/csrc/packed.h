@@ -9,6 +9,15 @@ namespace mb_quant {
 torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& sc, const torch::Tensor& mn,
                    int64_t group, bool q4);
 
+// One piece of a row-parallel product: a packed weight [N, k] over k consecutive columns of x.
+struct PieceArgs {
+  torch::Tensor qs, sc, mn;
+  int64_t k;
+};
+// out = ((x[:, 0:k0] @ W0^T + x[:, k0:k0+k1] @ W1^T) + ...): the pieces (one layout, widths adding
+// up to x's) in one pass, each product gemm's bits and the sums in piece order (quant_cpu.cpp).
+torch::Tensor gemm_pieces(const torch::Tensor& x, const std::vector<PieceArgs>& pieces, int64_t group, bool q4);
+
 // One packed weight's tensors and layout, bound once (Python: monobatch_quant_cpu.PackedMat), so a
 // fused call passes one argument a weight instead of five. Or a weight made of several, as the
 // unfused Python layer computes it (same calls, same order, so the same bits):
@@ -38,6 +47,16 @@ struct PackedMat {
       std::vector<torch::Tensor> ys;
       for (const PackedMat& p : parts) ys.push_back(p.gemm(x));
       return torch::cat(ys, 1);
+    }
+    bool one_pass = true;  // pieces of one layout and scale type: one pass (gemm_pieces), the same bits
+    for (const PackedMat& p : parts)
+      one_pass = one_pass && p.kind == ONE && p.group == parts[0].group && p.q4 == parts[0].q4 &&
+                 p.scale.scalar_type() == parts[0].scale.scalar_type();
+    if (one_pass) {
+      std::vector<PieceArgs> args;
+      for (size_t i = 0; i < parts.size(); ++i)
+        args.push_back({parts[i].qs, parts[i].scale, parts[i].minimum, widths[i]});
+      return gemm_pieces(x, args, parts[0].group, parts[0].q4);
     }
     torch::Tensor y;
     int64_t lo = 0;

@@ -232,30 +232,31 @@ inline void load_w16(const uint8_t* qrow, int64_t g, __m256i& w0, __m256i& w1) {
   }
 }
 
-// acc[i] += cvt(idot(group g, row m0 + i)) * fl(scale sx) for the mt rows.
+// acc[i] += cvt(idot(group g, row m0 + i)) * fl(scale sx) for the mt rows. xq, sx: the rows'
+// int16 values and group scales from the weight's first column on, ldx and ldg elements a row.
 template <bool Q4, int G, int mt>
 __attribute__((always_inline)) inline void group_i16(const uint8_t* qrow, const float* sc, const int16_t* xq,
-                                                     const float* sx, int64_t K, int64_t ng, int64_t m0, int64_t g,
+                                                     const float* sx, int64_t ldx, int64_t ldg, int64_t m0, int64_t g,
                                                      __m256 (&acc)[mt]) {
   __m256i w0, w1 = _mm256_setzero_si256();
   load_w16<Q4, G>(qrow, g, w0, w1);
   const float s = sc[g];
   for (int i = 0; i < mt; ++i) {
-    const int16_t* xp = xq + (m0 + i) * K + g * G;
+    const int16_t* xp = xq + (m0 + i) * ldx + g * G;
     __m256i d = _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp)));
     if (G == 32) d = _mm256_add_epi32(d, _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 16))));
-    const float ws = s * sx[(m0 + i) * ng + g];
+    const float ws = s * sx[(m0 + i) * ldg + g];
     acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(ws), acc[i]);
   }
 }
 #endif
 
-// out rows [m0, m0 + mt) of column n by the int16 GEMV (the header's formula and order). V: the
-// AVX2 path (where built); else the scalar one, the same bits.
+// res[i] = row m0 + i's product with weight row qrow over its ng groups by the int16 GEMV (the
+// header's formula and order). xq, sx, xsum: from the weight's first column (group) on, ldx
+// (ldg) a row. V: the AVX2 path (where built); else the scalar one, the same bits.
 template <bool Q4, int G, int mt, bool V>
 inline void row_dot(const uint8_t* qrow, const float* sc, const float* mn, const int16_t* xq, const float* sx,
-                    const float* xsum, int64_t K, int64_t m0, float* out, int64_t N, int64_t n) {
-  const int64_t ng = K / G;
+                    const float* xsum, int64_t ng, int64_t ldx, int64_t ldg, int64_t m0, float* res) {
   float acc_s[mt];
 #ifdef MB_AVX2
   if constexpr (V) {
@@ -263,19 +264,19 @@ inline void row_dot(const uint8_t* qrow, const float* sc, const float* mn, const
     for (int i = 0; i < mt; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
     int64_t g = 0;
     for (; g + 2 <= ng; g += 2) {  // two groups a step: both accumulators stay in registers
-      group_i16<Q4, G, mt>(qrow, sc, xq, sx, K, ng, m0, g, a0);
-      group_i16<Q4, G, mt>(qrow, sc, xq, sx, K, ng, m0, g + 1, a1);
+      group_i16<Q4, G, mt>(qrow, sc, xq, sx, ldx, ldg, m0, g, a0);
+      group_i16<Q4, G, mt>(qrow, sc, xq, sx, ldx, ldg, m0, g + 1, a1);
     }
-    if (g < ng) group_i16<Q4, G, mt>(qrow, sc, xq, sx, K, ng, m0, g, a0);
+    if (g < ng) group_i16<Q4, G, mt>(qrow, sc, xq, sx, ldx, ldg, m0, g, a0);
     for (int i = 0; i < mt; ++i) acc_s[i] = hsum(_mm256_add_ps(a0[i], a1[i]));
   } else
 #endif
   {
     for (int i = 0; i < mt; ++i) {
       float a[2][8] = {};
-      const int16_t* xr = xq + (m0 + i) * K;
+      const int16_t* xr = xq + (m0 + i) * ldx;
       for (int64_t g = 0; g < ng; ++g) {
-        const float ws = sc[g] * sx[(m0 + i) * ng + g];
+        const float ws = sc[g] * sx[(m0 + i) * ldg + g];
         for (int l = 0; l < 8; ++l) {
           int32_t d = 0;
           for (int c : {2 * l, 2 * l + 1, 16 + 2 * l, 17 + 2 * l})
@@ -288,20 +289,29 @@ inline void row_dot(const uint8_t* qrow, const float* sc, const float* mn, const
       acc_s[i] = hsum8(v);
     }
   }
-  for (int i = 0; i < mt; ++i) out[(m0 + i) * N + n] = acc_s[i] + min_term<V>(mn, xsum + (m0 + i) * ng, ng);
+  for (int i = 0; i < mt; ++i) res[i] = acc_s[i] + min_term<V>(mn, xsum + (m0 + i) * ldg, ng);
 }
 
+// One packed weight over input columns [k0, k0 + k) of x (a whole weight: k0 = 0, k = K).
+template <typename S>
+struct Piece {
+  const uint8_t* qs;
+  const S* sc;
+  const S* mn;
+  int64_t k0, k;
+};
+
+// out[M, N] = sum over the pieces, in order, of x[:, k0:k0+k] @ W_p^T: each piece's product by the
+// int16 GEMV, the first written, each next one added to it in float32 (((p0 + p1) + p2) + ...:
+// the bits of the separate products summed by torch's add). x is rounded to int16 once for the
+// whole row: its groups are the pieces' groups (every k0 falls on a group), the same values.
 template <bool Q4, int G, typename S, bool V>
-void gemm_impl(const float* x, const uint8_t* qs, const S* sc, const S* mn, float* out,
-               int64_t M, int64_t N, int64_t K) {
+void gemm_impl(const float* x, const std::vector<Piece<S>>& pieces, float* out, int64_t M, int64_t N, int64_t K) {
   const int64_t ng = K / G;
-  const int64_t row_bytes = Q4 ? K / 2 : K;
   std::vector<int16_t> xq(M * K);
   std::vector<float> sx(M * ng), xsum(M * ng);
   quantize_rows<G, V>(x, M, K, xq.data(), sx.data(), xsum.data());
-  const int16_t* xi = xq.data();
-  const float* xd = sx.data();
-  const float* xs = xsum.data();
+  const int64_t np = static_cast<int64_t>(pieces.size());
   const int64_t grain = std::max<int64_t>(1, mb_cpu_ops::min_thread_work / std::max<int64_t>(1, K * M));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     // float16 scales and mins are widened WIDEN_ROWS rows at a time into a buffer, well before the
@@ -310,26 +320,46 @@ void gemm_impl(const float* x, const uint8_t* qs, const S* sc, const S* mn, floa
     // 3-7 % (2026-12-03, docs/benchmarks/data/2026-12-03-cpu-rss/speed.txt).
     constexpr int64_t WIDEN_ROWS = 16;
     std::vector<float> wide(std::is_same_v<S, float> ? 0 : 2 * WIDEN_ROWS * ng);
+    float res[MT];
     for (int64_t nb = n0; nb < n1; nb += WIDEN_ROWS) {
       const int64_t ne = std::min(nb + WIDEN_ROWS, n1);
-      const float* sb;  // row n's scales: sb + (n - nb) * ng; its mins: mb + (n - nb) * ng
-      const float* mb;
-      if constexpr (std::is_same_v<S, float>) {
-        sb = sc + nb * ng;
-        mb = mn + nb * ng;
-      } else {
-        widen(sc + nb * ng, (ne - nb) * ng, wide.data());
-        widen(mn + nb * ng, (ne - nb) * ng, wide.data() + WIDEN_ROWS * ng);
-        sb = wide.data();
-        mb = wide.data() + WIDEN_ROWS * ng;
-      }
-      for (int64_t n = nb; n < ne; ++n) {
-        const uint8_t* qrow = qs + n * row_bytes;
-        const float* s = sb + (n - nb) * ng;
-        const float* m = mb + (n - nb) * ng;
-        int64_t m0 = 0;
-        for (; m0 + MT <= M; m0 += MT) row_dot<Q4, G, MT, V>(qrow, s, m, xi, xd, xs, K, m0, out, N, n);
-        for (; m0 < M; ++m0) row_dot<Q4, G, 1, V>(qrow, s, m, xi, xd, xs, K, m0, out, N, n);
+      for (int64_t pi = 0; pi < np; ++pi) {
+        const Piece<S>& P = pieces[pi];
+        const int64_t pg = P.k / G, g0 = P.k0 / G, row_bytes = Q4 ? P.k / 2 : P.k;
+        const float* sb;  // row n's scales: sb + (n - nb) * pg; its mins: mb + (n - nb) * pg
+        const float* mb;
+        if constexpr (std::is_same_v<S, float>) {
+          sb = P.sc + nb * pg;
+          mb = P.mn + nb * pg;
+        } else {
+          widen(P.sc + nb * pg, (ne - nb) * pg, wide.data());
+          widen(P.mn + nb * pg, (ne - nb) * pg, wide.data() + WIDEN_ROWS * ng);
+          sb = wide.data();
+          mb = wide.data() + WIDEN_ROWS * ng;
+        }
+        const int16_t* xi = xq.data() + P.k0;
+        const float* xd = sx.data() + g0;
+        const float* xs = xsum.data() + g0;
+        for (int64_t n = nb; n < ne; ++n) {
+          const uint8_t* qrow = P.qs + n * row_bytes;
+          const float* s = sb + (n - nb) * pg;
+          const float* m = mb + (n - nb) * pg;
+          int64_t m0 = 0;
+          auto put = [&](int mt) {
+            for (int i = 0; i < mt; ++i) {
+              float& o = out[(m0 + i) * N + n];
+              o = pi ? o + res[i] : res[i];
+            }
+          };
+          for (; m0 + MT <= M; m0 += MT) {
+            row_dot<Q4, G, MT, V>(qrow, s, m, xi, xd, xs, pg, K, ng, m0, res);
+            put(MT);
+          }
+          for (; m0 < M; ++m0) {
+            row_dot<Q4, G, 1, V>(qrow, s, m, xi, xd, xs, pg, K, ng, m0, res);
+            put(1);
+          }
+        }
       }
     }
   });
@@ -377,30 +407,45 @@ void check(const torch::Tensor& qs, const torch::Tensor& sc, const torch::Tensor
 namespace {
 // gemm's body; vec: the AVX2 path where built (false: the scalar fallback, for the tests' bitwise
 // comparison of the two).
-torch::Tensor gemm_any(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& sc, const torch::Tensor& mn,
-                       int64_t group, bool q4, bool vec) {
+// The pieces' common layout checked, then their product (gemm_impl). K: x's width = the pieces'.
+torch::Tensor gemm_any(const torch::Tensor& x, const std::vector<mb_quant::PieceArgs>& ps, int64_t group, bool q4,
+                       bool vec) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
+  TORCH_CHECK(!ps.empty(), "no weight");
   auto xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = qs.size(0);
-  check(qs, sc, mn, K, group, q4);
+  const int64_t M = xc.size(0), K = xc.size(1), N = ps[0].qs.size(0);
+  const bool half = ps[0].sc.scalar_type() == at::kHalf;
+  int64_t k0 = 0;
+  for (const auto& p : ps) {
+    check(p.qs, p.sc, p.mn, p.k, group, q4);
+    TORCH_CHECK(p.qs.size(0) == N && (p.sc.scalar_type() == at::kHalf) == half, "pieces differ in rows or scale type");
+    k0 += p.k;
+  }
+  TORCH_CHECK(k0 == K, "the pieces' widths must add up to x's width");
   auto out = torch::empty({M, N}, xc.options());
-  auto q = static_cast<const uint8_t*>(qs.data_ptr());
-  auto run = [&](auto* s, auto* m, auto v) {
-    using S = std::remove_const_t<std::remove_pointer_t<decltype(s)>>;
+  auto run = [&](auto tag, auto v) {
+    using S = decltype(tag);
     constexpr bool V = decltype(v)::value;
+    std::vector<Piece<S>> pieces;
+    int64_t lo = 0;
+    for (const auto& p : ps) {
+      pieces.push_back({static_cast<const uint8_t*>(p.qs.data_ptr()), p.sc.template data_ptr<S>(),
+                        p.mn.template data_ptr<S>(), lo, p.k});
+      lo += p.k;
+    }
     if (q4) {
-      gemm_impl<true, 32, S, V>(xc.data_ptr<float>(), q, s, m, out.data_ptr<float>(), M, N, K);
+      gemm_impl<true, 32, S, V>(xc.data_ptr<float>(), pieces, out.data_ptr<float>(), M, N, K);
     } else if (group == 32) {
-      gemm_impl<false, 32, S, V>(xc.data_ptr<float>(), q, s, m, out.data_ptr<float>(), M, N, K);
+      gemm_impl<false, 32, S, V>(xc.data_ptr<float>(), pieces, out.data_ptr<float>(), M, N, K);
     } else {
-      gemm_impl<false, 16, S, V>(xc.data_ptr<float>(), q, s, m, out.data_ptr<float>(), M, N, K);
+      gemm_impl<false, 16, S, V>(xc.data_ptr<float>(), pieces, out.data_ptr<float>(), M, N, K);
     }
   };
   auto pick = [&](auto v) {
-    if (sc.scalar_type() == at::kHalf) {
-      run(sc.data_ptr<at::Half>(), mn.data_ptr<at::Half>(), v);
+    if (half) {
+      run(at::Half{}, v);
     } else {
-      run(sc.data_ptr<float>(), mn.data_ptr<float>(), v);
+      run(float{}, v);
     }
   };
   if (vec) {
@@ -417,7 +462,14 @@ namespace mb_quant {
 // formula, error bound and order; every row alone: batch invariant).
 torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& sc, const torch::Tensor& mn,
                    int64_t group, bool q4) {
-  return gemm_any(x, qs, sc, mn, group, q4, true);
+  TORCH_CHECK(x.dim() == 2, "x must be float32 [M, K]");
+  return gemm_any(x, {{qs, sc, mn, x.size(1)}}, group, q4, true);
+}
+
+// The sum of pieces' products over consecutive column ranges of x, in piece order, in one pass
+// (gemm_impl); the pieces share one layout.
+torch::Tensor gemm_pieces(const torch::Tensor& x, const std::vector<PieceArgs>& pieces, int64_t group, bool q4) {
+  return gemm_any(x, pieces, group, q4, true);
 }
 
 }  // namespace mb_quant
@@ -467,7 +519,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "gemm with a bound PackedMat");
   m.def("gemm_scalar", [](const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& sc,
                           const torch::Tensor& mn, int64_t group, bool q4) {
-    return gemm_any(x, qs, sc, mn, group, q4, false);
+    TORCH_CHECK(x.dim() == 2, "x must be float32 [M, K]");
+    return gemm_any(x, {{qs, sc, mn, x.size(1)}}, group, q4, false);
   }, "gemm by the scalar fallback (the no-AVX2 build's path), in any build: its bits are gemm's");
   m.def("dequant", &dequant, "W as float32 into out [N, K]");
   mb_cpu_ops::register_ops(m);
