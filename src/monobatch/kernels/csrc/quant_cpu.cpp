@@ -17,6 +17,8 @@
 //            "int16 activations"). Each output row is computed by the same sequence of operations
 //            whatever M is and whatever the other rows hold (batch invariance; --deterministic
 //            relies on it).
+// gemm_pieces: the deterministic mode's row-parallel pieces (weights over consecutive column
+//            ranges of x): each piece's gemm product, summed in piece order, in one pass.
 // dequant:   W[n0:n1, :] as float32, fma(q, scale, min) per element: one rounding, the bits of
 //            gguf-py's dequantization (see formats.py).
 #include <torch/extension.h>
