@@ -52,11 +52,14 @@ def as_flag(error: MonobatchError, argv: list[str]) -> str:
     return flag + message[len(param):]
 
 
-def _did_you_mean(parser: argparse.ArgumentParser, command: str | None, extras: list[str]) -> str:
-    """``"; did you mean --max-tokens?"`` for the first unknown flag close to one of the command's
-    (difflib's ratio, at least 0.8: a letter missing or swapped); else, for a flag another command
-    has, ``"; --logprobs is a flag of monobatch generate"`` (its value, given after it, was read
-    as this command's argument); else ``""``."""
+def _did_you_mean(parser: argparse.ArgumentParser, command: str | None, extras: list[str],
+                  argv: list[str]) -> tuple[list[str], str]:
+    """What to name as unrecognized, and a hint: ``"; did you mean --max-tokens?"`` for the first
+    unknown flag close to one of the command's (difflib's ratio, at least 0.8: a letter missing or
+    swapped); else, for a flag another command has, ``"; --logprobs is a flag of monobatch
+    generate"`` — and where that flag takes a value, the flag and the value as typed (argparse read
+    the value as this command's argument, so the word after it looked extra: ``run --logprobs 3
+    hi`` names ``--logprobs 3``, not ``--logprobs hi``); else ``extras`` and ``""``."""
     subs = next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
     sub = subs.get(command) if command else None
     known = list((sub or parser)._option_string_actions)
@@ -64,12 +67,16 @@ def _did_you_mean(parser: argparse.ArgumentParser, command: str | None, extras: 
     for flag in flags:
         close = difflib.get_close_matches(flag, known, n=1, cutoff=0.8)
         if close:
-            return f"; did you mean {close[0]}?"
+            return extras, f"; did you mean {close[0]}?"
     for flag in flags:
         owners = [name for name, p in subs.items() if name != command and flag in p._option_string_actions]
         if owners:
-            return f"; {flag} is a flag of {' and '.join(f'monobatch {o}' for o in owners[:2])}"
-    return ""
+            hint = f"; {flag} is a flag of {' and '.join(f'monobatch {o}' for o in owners[:2])}"
+            takes = subs[owners[0]]._option_string_actions[flag].nargs != 0
+            if takes and flag in argv and argv.index(flag) + 1 < len(argv):
+                return [flag, argv[argv.index(flag) + 1]], hint
+            return extras, hint
+    return extras, ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     if extras:  # argparse would name only `monobatch`; name the command the flag was given to
         prog = f"monobatch {ns.command}" if getattr(ns, "command", None) else "monobatch"
-        hint = _did_you_mean(parser, getattr(ns, "command", None), extras)
-        print(f"{prog}: error: unrecognized arguments: {' '.join(extras)}{hint} (see --help)", file=sys.stderr)
+        shown, hint = _did_you_mean(parser, getattr(ns, "command", None), extras, argv)
+        print(f"{prog}: error: unrecognized arguments: {' '.join(shown)}{hint} (see --help)", file=sys.stderr)
         return 2
     if not getattr(ns, "func", None):
         parser.print_help(sys.stderr)
