@@ -768,19 +768,15 @@ if triton is not None:
         return acc0, acc1, acc2, acc3
 
     @triton.jit
-    def _dp4a_load(w_rows, s_rows, m_rows, d_rows, nmask, g0, g_hi, j, NG: tl.constexpr, EVEN: tl.constexpr,
-                   Q4: tl.constexpr, GROUP: tl.constexpr, SCALES: tl.constexpr, MINS: tl.constexpr,
-                   SUB: tl.constexpr):
+    def _dp4a_load(w_rows, s_rows, m_rows, d_rows, nmask, g0, g_hi, j, NG: tl.constexpr, WPG: tl.constexpr,
+                   EVEN: tl.constexpr, Q4: tl.constexpr, GROUP: tl.constexpr, SCALES: tl.constexpr,
+                   MINS: tl.constexpr, SUB: tl.constexpr):
         # A K step's words (positions g0, g_hi: 32-column groups, WPG words each) -> (WL, WH, scale,
         # min, the x groups' mask [NG]). Q4 [BN, NG * 4] as two words of 4 unsigned bytes each (word
         # p of group g: the low nibbles of bytes 4p..4p+3, columns 32g + 4p + b, and the high ones,
         # 32g + 16 + 4p + b); Q8 [BN, NG * 8] as loaded (word p: int8 of columns 4p .. 4p + 3), WH
         # the same (unused). Scales and mins [BN, NGW] of the NGW = NG * 32 / GROUP weight groups
         # (_group_scales; SUB weight groups a super-block).
-        if Q4:
-            WPG: tl.constexpr = 4
-        else:
-            WPG: tl.constexpr = 8
         R: tl.constexpr = 32 // GROUP
         if EVEN:
             w = tl.load(w_rows[:, None] + (g0 * WPG + j)[None, :])
@@ -824,14 +820,14 @@ if triton is not None:
         acc0 = tl.zeros((BLOCK_N, NGW), tl.float32)
         acc1, acc2, acc3 = acc0, acc0, acc0
         # The first step's words are loaded before the PDL wait (no kernel writes weights), x after it.
-        WL, WH, s, m, gmask = _dp4a_load(w_rows, s_rows, m_rows, d_rows, nmask, g_lo, g_hi, j, NG, EVEN, Q4, GROUP,
-                                         SCALES, MINS, SUB)
+        WL, WH, s, m, gmask = _dp4a_load(w_rows, s_rows, m_rows, d_rows, nmask, g_lo, g_hi, j, NG, WPG, EVEN, Q4,
+                                         GROUP, SCALES, MINS, SUB)
         pdl.wait_prior(PDL)
         acc0, acc1, acc2, acc3 = _dp4a_step(acc0, acc1, acc2, acc3, WL, WH, s, m, X, stride_xm, g_lo + offs_g, gmask,
                                             K, ROWS, BLOCK_N, NG, GATED, Q4, GROUP, MINS, ASM)
         for g0 in tl.range(g_lo + NG, g_hi, NG, num_stages=STAGES):
-            WL, WH, s, m, gmask = _dp4a_load(w_rows, s_rows, m_rows, d_rows, nmask, g0, g_hi, j, NG, EVEN, Q4, GROUP,
-                                             SCALES, MINS, SUB)
+            WL, WH, s, m, gmask = _dp4a_load(w_rows, s_rows, m_rows, d_rows, nmask, g0, g_hi, j, NG, WPG, EVEN, Q4,
+                                             GROUP, SCALES, MINS, SUB)
             acc0, acc1, acc2, acc3 = _dp4a_step(acc0, acc1, acc2, acc3, WL, WH, s, m, X, stride_xm, g0 + offs_g,
                                                 gmask, K, ROWS, BLOCK_N, NG, GATED, Q4, GROUP, MINS, ASM)
         acc = tl.zeros((BLOCK_N, M_PAD), tl.float32)  # reduce over the groups once; column r <- row r
