@@ -161,3 +161,40 @@ def sm90_compile_problem() -> str | None:
     except Exception as e:  # pragma: no cover - depends on the install
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def step_logits(engine, prompts: list[list[int]], n: int) -> list[torch.Tensor]:
+    """Every logits tensor the model returns over greedy runs of ``prompts`` together (n tokens each)."""
+    from monobatch.engine.params import SamplingParams
+    from monobatch.engine.scheduler import BatchScheduler
+    from monobatch.engine.sequence import Request
+
+    got: list[torch.Tensor] = []
+    hook = engine.model.register_forward_hook(lambda m, i, o: got.append(o.clone()))
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    for _ in BatchScheduler(engine).run([Request(f"r{i}", ids, params) for i, ids in enumerate(prompts)]):
+        pass
+    hook.remove()
+    return got
+
+
+def padded_deterministic_matches(loaded, prompts: list[list[int]], n: int = 6) -> None:
+    """The deterministic mode of a model whose rows are independent (packed CPU weights: unpadded
+    tiles of up to 16 rows, the fused routes and the layer chain where the family has them) gives
+    every logits tensor of a prompt step, batched decode steps and ``prompt_logits`` bitwise as
+    padded 8-row tiles through the unfused layers do (the mode before those kernels took it)."""
+    from monobatch.engine.engine import Engine, EngineConfig
+    from monobatch.models.layers import CpuRoute
+
+    fast = Engine(loaded, EngineConfig(kv_storage="paged", deterministic=True))
+    assert not fast.row_pad and fast.row_tile == 16 and "deterministic (row-independent CPU kernels)" in fast.describe()
+    slow = Engine(loaded, EngineConfig(kv_storage="paged", deterministic=True))
+    slow.row_pad, slow.row_tile = True, 8
+    for m in slow.model.modules():
+        if isinstance(getattr(m, "cpu_route", None), CpuRoute):
+            m.cpu_route.call = False  # the unfused layers: norms, GEMVs, RoPE, activations and sums one call each
+    assert "deterministic (row tiles of 8)" in slow.describe()
+    a, b = step_logits(fast, prompts, n), step_logits(slow, prompts, n)
+    assert len(a) == len(b) >= n and all(torch.equal(x, y) for x, y in zip(a, b))
+    assert torch.equal(fast.prompt_logits(prompts[0], all_positions=True),
+                       slow.prompt_logits(prompts[0], all_positions=True))

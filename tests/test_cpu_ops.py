@@ -273,21 +273,6 @@ def test_layer_chain_is_the_layers_loop_bitwise(loaded):
             prompts = [p + [17 + s] if s in rows else p for s, p in enumerate(prompts)]
 
 
-def _step_logits(engine, prompts: list[list[int]], n: int) -> list[torch.Tensor]:
-    """Every logits tensor the model returns over greedy runs of ``prompts`` together (n tokens each)."""
-    from monobatch.engine.params import SamplingParams
-    from monobatch.engine.scheduler import BatchScheduler
-    from monobatch.engine.sequence import Request
-
-    got: list[torch.Tensor] = []
-    hook = engine.model.register_forward_hook(lambda m, i, o: got.append(o.clone()))
-    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    for _ in BatchScheduler(engine).run([Request(f"r{i}", ids, params) for i, ids in enumerate(prompts)]):
-        pass
-    hook.remove()
-    return got
-
-
 @pytest.mark.usefixtures("one_cpu_thread_in_test")
 def test_deterministic_cpu_steps_without_padding_are_the_padded_unfused_steps_bitwise(loaded):
     """The deterministic mode on the bundled model (packed CPU weights: every row-wise op computes
@@ -295,23 +280,10 @@ def test_deterministic_cpu_steps_without_padding_are_the_padded_unfused_steps_bi
     chain; every logits tensor of a prompt step (tiles of 16 and a remainder), of batched decode
     steps and of a scratch prompt (prompt_logits) is bitwise what the padded row tiles of 8
     through the unfused layers give (the mode before the fused routes took its pieces)."""
-    from monobatch.engine.engine import Engine, EngineConfig
-    from monobatch.models.layers import CpuRoute
+    from helpers import padded_deterministic_matches
 
-    fast = Engine(loaded, EngineConfig(kv_storage="paged", deterministic=True))
-    assert not fast.row_pad and fast.row_tile == 16 and "deterministic (row-independent CPU kernels)" in fast.describe()
-    slow = Engine(loaded, EngineConfig(kv_storage="paged", deterministic=True))
-    slow.row_pad, slow.row_tile = True, 8
-    for m in slow.model.modules():
-        if isinstance(getattr(m, "cpu_route", None), CpuRoute):
-            m.cpu_route.call = False  # the unfused layers: norms, GEMVs, RoPE, SiLU and sums one call each
-    assert "deterministic (row tiles of 8)" in slow.describe()
-    prompts = [loaded.tokenizer.encode(t) for t in
-               ("Once upon a time, in a small village by the sea, there lived an old fisherman who " * 2, "Hi")]
-    a, b = _step_logits(fast, prompts, 6), _step_logits(slow, prompts, 6)
-    assert len(a) == len(b) >= 6 and all(torch.equal(x, y) for x, y in zip(a, b))
-    assert torch.equal(fast.prompt_logits(prompts[0], all_positions=True),
-                       slow.prompt_logits(prompts[0], all_positions=True))
+    padded_deterministic_matches(loaded, [loaded.tokenizer.encode(t) for t in (
+        "Once upon a time, in a small village by the sea, there lived an old fisherman who " * 2, "Hi")])
 
 
 def test_rowwise_joins_a_list_of_outputs_as_a_tuple():

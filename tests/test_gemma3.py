@@ -165,3 +165,12 @@ def test_long_sequence_holds_window_sized_kv(gemma):
     gemma.model(batch, kv)
     kv.commit(batch)
     assert kv.usage().used_bytes <= window_bytes + kv.block_bytes * len(kv.groups)
+
+
+def test_deterministic_mode_needs_no_padding(gemma, prompts):
+    """Gemma's block on packed CPU weights computes each row alone (the int16 GEMV, the C++
+    norms and GeGLU, elementwise RoPE and scale): the deterministic mode runs unpadded tiles of up
+    to 16 rows, with the bits of padded 8-row tiles (ADR 0002, "On CPU")."""
+    from helpers import padded_deterministic_matches
+
+    padded_deterministic_matches(gemma, [prompts[3] * 3, prompts[1]], n=4)

@@ -74,6 +74,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return quant_cpu.module().silu_mul(gate_up)
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` of gate_up float32 ``[T, 2F]`` (gate first) -> new ``[T, F]``: GeGLU with
+    HF's ``gelu_pytorch_tanh``, computed as ``g / (1 + e^(-2u))``, ``u = sqrt(2/pi) (g + 0.044715 g^3)``
+    (``(1 + tanh(u)) / 2`` is ``sigmoid(2u)``); within a few float32 ulp of torch's, every element
+    by the same operations wherever it lies (batch invariant)."""
+    return quant_cpu.module().gelu_tanh_mul(gate_up)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               write: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor, block_size: int, window: int,
               out: torch.Tensor | None) -> torch.Tensor:

@@ -36,7 +36,8 @@ from monobatch.batch import StepBatch
 from monobatch.errors import UnsupportedModelError
 from monobatch.kv.store import KvStore
 from monobatch.models.args import ModelArgs
-from monobatch.models.layers import Attention, DecoderModel, GatedMLP, RMSNorm, gelu_tanh, make_rope, rowwise
+from monobatch.models.layers import (Attention, DecoderModel, GatedMLP, RMSNorm, fused_cpu_linears, gelu_tanh,
+                                     make_rope, plain_norm, rowwise)
 
 #: GGUF ``general.architecture`` values of this family -> HF ``model_type``.
 GGUF_ARCHITECTURES = {"gemma3": "gemma3_text"}
@@ -217,6 +218,17 @@ class DecoderLayer(nn.Module):
                                     pad=pad)
         out = kv.attend(self.self_attn.layer, q, k, v, batch)  # (T, H, hd)
         return rowwise(tile, self._attn_add_mlp, residual, out.flatten(1), pad=pad)
+
+    def rows_independent(self) -> bool:
+        """Whether this block computes each row alone by construction
+        (:meth:`DecoderModel.rows_independent`): its four products packed on the CPU (the int16
+        GEMV), its six norms the C++ RMSNorm, GeGLU the C++ op; RoPE and the query scale are
+        elementwise products and sums, each correctly rounded wherever the element lies."""
+        attn = self.self_attn
+        norms = (self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
+                 self.post_feedforward_layernorm, attn.q_norm, attn.k_norm)
+        return (self.mlp.act is gelu_tanh and all(n is None or plain_norm(n) for n in norms)
+                and fused_cpu_linears(attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj))
 
     def _project(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  delta: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:

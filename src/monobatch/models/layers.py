@@ -184,6 +184,13 @@ def packed_mat(lin: nn.Module):
     return combined_mat([p.mat() for p in lin.weight.parts])
 
 
+def fused_cpu_linears(*lins: nn.Module) -> bool:
+    """Whether every one of ``lins`` has a ``PackedMat`` handle (:func:`packed_mat`: packed CPU
+    weights without bias, this process's whole product): products whose every output element is
+    computed alone (:func:`row_independent`)."""
+    return cpu_ops.available() and all(packed_mat(lin) is not None for lin in lins)
+
+
 def plain_norm(norm: nn.Module) -> bool:
     """Whether ``norm`` is a plain :class:`RMSNorm` (the fused routes' norm) on a float32 CPU weight."""
     return type(norm) is RMSNorm and norm.weight.dtype is torch.float32 and norm.weight.is_cpu
@@ -375,6 +382,8 @@ class GatedMLP(nn.Module):
             return self.down_proj(fused.silu_mul(gate_up))
         if self.act is F.silu and cpu_ops.enabled(gate_up):  # silu(gate) * up in one call on CPU
             return self.down_proj(cpu_ops.silu_mul(gate_up))
+        if self.act is gelu_tanh and cpu_ops.enabled(gate_up):  # GeGLU likewise
+            return self.down_proj(cpu_ops.gelu_tanh_mul(gate_up))
         gate, up = gate_up.split(self.ffn, dim=-1)  # (T, F) each
         return self.down_proj(self.act(gate) * up)
 
@@ -479,12 +488,13 @@ class DecoderModel(nn.Module):
 
     def rows_independent(self) -> bool:
         """Whether every row-wise operation of this model's steps computes each row alone, with
-        the same bits whatever other rows the call holds, by construction: every layer on its
-        fused CPU routes (``cpu_routes``: the C++ norms, RoPE, SwiGLU and the packed GEMV, each
-        row alone, csrc/cpu_ops.cpp), the final norm a plain RMSNorm on the CPU and the LM head
-        packed on the CPU (:func:`row_independent`). Then the deterministic mode needs no padded
-        row tiles (:func:`rowwise`'s ``pad``) and runs its steps through :meth:`chained`
-        (ADR 0002). A family without routes, dense weights, CUDA: False."""
+        the same bits whatever other rows the call holds, by construction: every layer's
+        (its ``rows_independent``: the C++ norms, RoPE, SwiGLU / GeGLU and the packed GEMV, each
+        row alone, csrc/cpu_ops.cpp, and elementwise IEEE products and sums), the final norm a
+        plain RMSNorm on the CPU and the LM head packed on the CPU (:func:`row_independent`).
+        Then the deterministic mode needs no padded row tiles (:func:`rowwise`'s ``pad``; a
+        family with a layer chain runs its steps through :meth:`chained`; ADR 0002). A family
+        without the method, dense weights, CUDA: False."""
         if not cpu_ops.available() or not len(self.layers) or not plain_norm(self.norm):
             return False
         if "vocab_parallel" in self._modules:
@@ -493,7 +503,7 @@ class DecoderModel(nn.Module):
             heads = [(self.embed_tokens, None)] if self.lm_head is None else [(self.lm_head.weight, self.lm_head.bias)]
         if not all(row_independent(w) and b is None for w, b in heads):
             return False
-        return all(getattr(layer, "cpu_routes", lambda: None)() is not None for layer in self.layers)
+        return all(getattr(layer, "rows_independent", lambda: False)() for layer in self.layers)
 
     def build_rope_tables(self, length: int, dtype: torch.dtype, grow: bool = False) -> None:
         """Precompute cos/sin of positions ``0 .. length-1`` for every RoPE (:meth:`RotaryEmbedding.build_table`;

@@ -88,6 +88,11 @@ class DecoderLayer(nn.Module):
         ffn = mlp.cpu_route.resolve(mlp._cpu_forward, attn.o_proj, self.post_attention_layernorm)
         return (project, ffn) if project and ffn else None
 
+    def rows_independent(self) -> bool:
+        """Whether this block computes each row alone by construction (both fused CPU routes
+        apply: :meth:`DecoderModel.rows_independent`)."""
+        return self.cpu_routes() is not None
+
     def chain_args(self, kv: KvStore) -> tuple | None:
         """This block's arguments of the C++ ``LayerChain.add`` (:meth:`DecoderModel.layer_chain`):
         its two fused CPU routes' fixed arguments around ``kv``'s attention inputs of the layer

@@ -8,6 +8,7 @@
 //       residual add s = x + d folded in;
 //   rope_qk_: HF's rotate_half RoPE of q and k in place, inside the packed qkv projection;
 //   silu_mul: silu(g) * u of the packed gate/up projection (SwiGLU, Shazeer 2020);
+//   gelu_tanh_mul: gelu_tanh(g) * u of it (GeGLU: Gemma);
 //   attention: store a step's new K/V rows in the cache, then causal attention of query rows
 //       over their sequence's keys read in place through a block table (no gather, no copy).
 // Every output row is computed alone, by the same operations in the same order whatever the
@@ -219,6 +220,43 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
       }
 #endif
       for (; i < F; ++i) o[i] = g[i] / (1.0f + exp_scalar(-g[i])) * u[i];
+    }
+  });
+  return y;
+}
+
+// GeGLU's product (Gemma): gate_up float32 [T, 2F] (gate then up) -> gelu_tanh(gate) * up, new
+// [T, F]; gelu_tanh(g) = g / 2 (1 + tanh(u)) = g / (1 + e^(-2u)), u = sqrt(2/pi) (g + 0.044715 g^3)
+// (HF's gelu_pytorch_tanh; 1/2 (1 + tanh(u)) = sigmoid(2u) exactly, so e^ is the only function).
+// The AVX2 lanes and the scalar tail make the same operations: an element's bits do not depend
+// on its place in the row or on the row count.
+torch::Tensor gelu_tanh_mul(const torch::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  const int64_t T = gate_up.size(0), F = gate_up.size(1) / 2, sg = gate_up.stride(0);
+  TORCH_CHECK(gate_up.size(1) == 2 * F, "gate_up must have an even width");
+  auto y = torch::empty({T, F}, gate_up.options());
+  const float* pg = gate_up.data_ptr<float>();
+  float* py = y.data_ptr<float>();
+  constexpr float K0 = -1.5957691216057308f, K1 = 0.044715f;  // -2 sqrt(2/pi), the cubic's coefficient
+  at::parallel_for(0, T, grain_for(16 * F), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float *g = pg + t * sg, *u = g + F;
+      float* o = py + t * F;
+      int64_t i = 0;
+#ifdef MBO_AVX2
+      const __m256 one = _mm256_set1_ps(1.0f), k0 = _mm256_set1_ps(K0), k1 = _mm256_set1_ps(K1);
+      for (; i + 8 <= F; i += 8) {
+        const __m256 vg = _mm256_loadu_ps(g + i);
+        // -2u = K0 * (g + K1 * g^3): g^3 as (g * g) * g, then the multiply-add and the multiply
+        const __m256 c = _mm256_mul_ps(_mm256_mul_ps(vg, vg), vg);
+        const __m256 e = exp8(_mm256_mul_ps(k0, _mm256_fmadd_ps(k1, c, vg)));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(vg, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+      }
+#endif
+      for (; i < F; ++i) {
+        const float c = (g[i] * g[i]) * g[i];
+        o[i] = g[i] / (1.0f + exp_scalar(K0 * std::fma(K1, c, g[i]))) * u[i];
+      }
     }
   });
   return y;
@@ -466,6 +504,7 @@ void register_ops(pybind11::module& m) {
   m.def("add_rms_norm", &add_rms_norm, "(x + d, RMSNorm(x + d)) (float32)");
   m.def("rope_qk_", &rope_qk_, "RoPE of q and k inside the packed qkv rows, in place (float32)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of the packed gate/up rows (float32)");
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up of the packed gate/up rows (float32)");
   m.def("add_norm_qkv_rope", &add_norm_qkv_rope, "(x + d or x, RoPE(rms_norm(.) @ Wqkv^T)) (float32)");
   m.def("o_add_norm_mlp", &o_add_norm_mlp, "(x + a @ Wo^T, SwiGLU MLP of its RMSNorm) (float32)");
   m.def("attention", &attention, "store new K/V, then causal attention over a block-table cache (float32)");
