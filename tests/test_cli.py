@@ -203,8 +203,8 @@ def test_a_prompt_argument_that_is_not_utf8_keeps_the_prompts_message(argv, caps
 
     rc = main(argv)
     assert rc == (2 if argv[0] == "parity" else 1)
-    assert capsys.readouterr().err == (f"monobatch {argv[0]}: error: the prompt is not valid UTF-8 text (an unpaired "
-                                       "surrogate, U+DCFF, at character 1)\n")
+    assert capsys.readouterr().err == (f"monobatch {argv[0]}: error: the prompt is not valid UTF-8 text (byte 0xFF at "
+                                       "character 1)\n")
 
 
 def test_a_text_flag_that_is_not_utf8_on_a_real_command_line():
@@ -491,3 +491,23 @@ def test_a_busy_machine_gets_a_one_line_threads_note_on_a_terminal(monkeypatch, 
         assert "-t 1" in err
     else:
         assert err == ""
+
+
+@pytest.mark.parametrize("load, shown", [(2.4, True), (1.2, False)])
+def test_serve_on_a_busy_machine_logs_the_threads_warning(monkeypatch, capsys, caplog, load, shown):
+    """``serve`` with the default threads on a busy machine: a warning in its log whether or not
+    stderr is a terminal (a server's log is where its operator looks; a new user's server decoded
+    at 1 tok/s beside a test suite without a word)."""
+    import logging
+
+    from monobatch.cli import args
+
+    monkeypatch.setattr(args.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(args.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(args.sys.stderr, "isatty", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="monobatch"):
+        args.busy_machine_hint("serve", 2)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert capsys.readouterr().err == ""
+    assert warned == (["this machine is busy (load average 2.4 on 2 cores): with 2 threads decode may wait for the "
+                       "CPU; -t 1 can be many times faster"] if shown else [])

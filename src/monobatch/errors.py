@@ -68,17 +68,31 @@ def first_non_utf8(text: str) -> int | None:
     return None
 
 
-def require_utf8(text: str, param: str, what: str = "the prompt") -> None:
+def where_not_utf8(text: str, escaped_bytes: bool = False) -> str | None:
+    """Where ``text`` stops being UTF-8 text — ``an unpaired surrogate, U+D800, at character 1``
+    (0-based), or with ``escaped_bytes`` (text read from bytes with ``surrogateescape``: a terminal,
+    a file, a pipe) ``byte 0xFF at character 1`` for the code points U+DC80..U+DCFF such a read
+    makes of a byte that is not UTF-8 — or None when it is valid."""
+    at = first_non_utf8(text)
+    if at is None:
+        return None
+    code = ord(text[at])
+    if escaped_bytes and 0xDC80 <= code <= 0xDCFF:
+        return f"byte 0x{code - 0xDC00:02X} at character {at}"
+    return f"an unpaired surrogate, U+{code:04X}, at character {at}"
+
+
+def require_utf8(text: str, param: str, what: str = "the prompt", escaped_bytes: bool = False) -> None:
     """Refuse text that has no UTF-8 form: a lone surrogate, which JSON can carry (``"\\ud800"``)
-    and a terminal's undecodable bytes become (``surrogateescape``); the tokenizer takes only UTF-8.
+    and a terminal's undecodable bytes become (``surrogateescape``; ``escaped_bytes``: name those
+    as the bytes they were, :func:`where_not_utf8`); the tokenizer takes only UTF-8.
 
     Raises:
         InvalidRequestError: ``text`` holds a code point UTF-8 cannot encode (names ``param``).
     """
-    at = first_non_utf8(text)
-    if at is not None:
-        raise InvalidRequestError(f"{what} is not valid UTF-8 text (an unpaired surrogate, U+{ord(text[at]):04X}, "
-                                  f"at character {at})", param)
+    where = where_not_utf8(text, escaped_bytes)
+    if where is not None:
+        raise InvalidRequestError(f"{what} is not valid UTF-8 text ({where})", param)
 
 
 def json_kind(value: object) -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from monobatch import defaults
-from monobatch.errors import InvalidRequestError, first_non_utf8, require_file_name, require_utf8
+from monobatch.errors import InvalidRequestError, require_file_name, require_utf8, where_not_utf8
 
 if TYPE_CHECKING:
     from monobatch.engine.constraint import StructuredOutput
@@ -66,15 +66,10 @@ PROMPT_DESTS = frozenset({"prompt", "prompt_flag", "positional_prompt"})
 
 
 def not_utf8(text: str) -> str | None:
-    """Where ``text`` stops being UTF-8 (``byte 0xFF at character 1`` for a byte Python read as a
-    lone surrogate, ``an unpaired surrogate, U+D800, at character 1`` otherwise; 0-based, as the
-    prompt's message counts), or None when it is valid UTF-8 text."""
-    at = first_non_utf8(text)
-    if at is None:
-        return None
-    code = ord(text[at])
-    what = f"byte 0x{code - 0xDC00:02X}" if 0xDC80 <= code <= 0xDCFF else f"an unpaired surrogate, U+{code:04X},"
-    return f"{what} at character {at}"
+    """Where ``text`` (read with ``surrogateescape``) stops being UTF-8: ``byte 0xFF at character
+    1``, ``an unpaired surrogate, U+D800, at character 1`` (:func:`monobatch.errors.where_not_utf8`),
+    or None when it is valid UTF-8 text."""
+    return where_not_utf8(text, escaped_bytes=True)
 
 
 class _NoLayerOffload(argparse.Action):
@@ -121,7 +116,7 @@ def read_prompt(positional: str | None, flag: str | None, hint: str, file: str |
             raise InvalidRequestError(f"no prompt: {hint}", "prompt")
         text = sys.stdin.buffer.read().decode("utf-8", errors="surrogateescape")
         text = text.removesuffix("\n").removesuffix("\r")
-    require_utf8(text, "prompt")
+    require_utf8(text, "prompt", escaped_bytes=True)
     return text
 
 
@@ -401,19 +396,25 @@ def open_engine(ns: argparse.Namespace, loaded: "LoadedModel | None" = None) -> 
 
 
 def busy_machine_hint(command: str | None, threads: int) -> None:
-    """Print one note on a terminal's stderr where the default threads meet a machine already busy
-    on about all its cores (the 1-minute load average at least the core count - 0.5): torch's
-    OpenMP threads then wait on each other for the CPU, and ``-t 1`` can decode several times
-    faster (README, "Threads"; ADR 0006). Only on a terminal: piped and captured stderr (scripts,
-    tests) stays as it was."""
+    """Say once where the default threads meet a machine already busy on about all its cores (the
+    1-minute load average at least the core count - 0.5): torch's OpenMP threads then wait on each
+    other for the CPU, and ``-t 1`` can decode many times faster (README, "Threads"; ADR 0006).
+    ``serve``: a warning in its log (a server runs on for hours; its log is where an operator
+    looks). Other commands: a note on a terminal's stderr only, so piped and captured stderr
+    (scripts, tests) stays as it was."""
     try:
         load, cores = os.getloadavg()[0], os.cpu_count() or 1
     except OSError:  # no load average on this platform
         return
-    if threads > 1 and load >= cores - 0.5 and sys.stderr.isatty():
+    if threads <= 1 or load < cores - 0.5:
+        return
+    text = (f"this machine is busy (load average {load:.1f} on {cores} cores): with {threads} threads decode "
+            "may wait for the CPU; -t 1 can be many times faster")
+    if command == "serve":
+        logging.getLogger("monobatch").warning("%s", text)
+    elif sys.stderr.isatty():
         prog = f"monobatch {command}" if command else "monobatch"
-        print(f"{prog}: note: this machine is busy (load average {load:.1f} on {cores} cores): with {threads} "
-              "threads decode may wait for the CPU; -t 1 can be several times faster", file=sys.stderr)
+        print(f"{prog}: note: {text}", file=sys.stderr)
 
 
 def check_writable(path: str, flag: str) -> None:

@@ -218,7 +218,7 @@ def repl(session: Session, conversation: Conversation, read_line: Callable[[str]
         if not text.strip():
             continue
         try:
-            require_utf8(text, "prompt", "the message")
+            require_utf8(text, "prompt", "the message", escaped_bytes=True)
         except InvalidRequestError as exc:  # refused as run refuses such a prompt: not sent, the turn failed
             print(f"monobatch chat: error: {exc}; it was not sent", file=sys.stderr, flush=True)
             conversation.failures += 1

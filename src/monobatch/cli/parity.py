@@ -76,7 +76,7 @@ def check_flags(ns: argparse.Namespace) -> tuple[str, ...]:
     if ns.prompt is not None and not ns.prompt.strip():
         raise InvalidRequestError("--prompt is empty", "prompt")
     if ns.prompt is not None:
-        require_utf8(ns.prompt, "prompt")  # the prompt's own message, as generate's and run's
+        require_utf8(ns.prompt, "prompt", escaped_bytes=True)  # the prompt's own message, as generate's and run's
     engine_settings(ns)
     from monobatch.loader import resolve_model_path  # torch: only once the plain values are good (seconds)
     from monobatch.tokenizer.chat_template import load_chat_template
