@@ -1,8 +1,11 @@
-"""Greedy tokens on CUDA (bfloat16) against CPU (float32) for the bundled model.
+"""Greedy tokens of one model loaded two ways: by default CUDA (bfloat16) against CPU (float32).
 
-For each prompt: generate N greedy tokens through the engine on both devices, report how many
+For each prompt: generate N greedy tokens through the engine on both sides, report how many
 match and, at the first divergence, both token ids and each side's top-2 logit margin there.
-Usage: PYTHONPATH=src python scripts/compare_devices.py [--model PATH] [-n 64] [--json OUT]
+A side is ``DEVICE:DTYPE[:WEIGHTS]`` (WEIGHTS ``packed`` or ``dequant``; default: the loader's),
+e.g. ``--a cuda:bfloat16:dequant --b cuda:bfloat16:packed`` for issue 17's packed-vs-dequant
+check on the GPU (with ``MONOBATCH_CUDA_PACKED=1``; ``MONOBATCH_PACKED_GEMV`` picks the GEMV).
+Usage: PYTHONPATH=src python scripts/compare_devices.py [--model PATH] [-n 64] [--a SIDE] [--b SIDE] [--json OUT]
 """
 
 from __future__ import annotations
@@ -30,10 +33,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model")
     ap.add_argument("-n", type=int, default=64)
+    ap.add_argument("--a", default="cpu:float32", help="the reference side, DEVICE:DTYPE[:WEIGHTS]")
+    ap.add_argument("--b", default="cuda:bfloat16", help="the compared side, DEVICE:DTYPE[:WEIGHTS]")
     ap.add_argument("--json")
     ns = ap.parse_args()
-    cpu = load_model(ns.model, "cpu", "float32", progress=False)
-    gpu = load_model(ns.model, "cuda", "bfloat16", progress=False)
+
+    def side(spec: str):
+        device, dtype, *weights = spec.split(":")
+        return load_model(ns.model, device, dtype, progress=False, weights=weights[0] if weights else None)
+
+    cpu, gpu = side(ns.a), side(ns.b)
+    print(json.dumps({"a": ns.a, "a_weights": cpu.weights, "b": ns.b, "b_weights": gpu.weights}))
     rows = []
     for text in PROMPTS:
         ids = cpu.tokenizer.encode_chat([{"role": "user", "content": text}])
@@ -42,9 +52,9 @@ def main() -> None:
         i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
         row = {"prompt": text, "tokens": ns.n, "matching_prefix": ns.n if i is None else i}
         if i is not None:
-            row |= {"cpu_token": a[i], "cuda_token": b[i],
-                    "cpu_top2_margin": Engine(cpu).top2_margin(ids + a[:i]),
-                    "cuda_top2_margin": Engine(gpu).top2_margin(ids + a[:i])}
+            row |= {"a_token": a[i], "b_token": b[i],
+                    "a_top2_margin": Engine(cpu).top2_margin(ids + a[:i]),
+                    "b_top2_margin": Engine(gpu).top2_margin(ids + a[:i])}
         rows.append(row)
         print(json.dumps(row))
     if ns.json:

@@ -17,7 +17,7 @@ BAD = {
     "MONOBATCH_TRITON_GEMV": ("x", "is not 0 or 1: using 1"),
     "MONOBATCH_TRITON_ARGMAX": ("x", "is not 0 or 1: using 1"),
     "MONOBATCH_FORCED_DRAWS": ("x", "is not 0 or 1: using 1"),
-    "MONOBATCH_DET_GLU": ("x", "is not 0 or 1: using 0"),
+    "MONOBATCH_DET_GLU": ("x", "is not 0 or 1: using 1"),
     "MONOBATCH_CPU_KERNELS": ("x", "is not 0 or 1: using 1"),
     "MONOBATCH_PACKED_GEMV": ("foo", "is not one of fma, dot, dp4a: using fma"),
     "MONOBATCH_PACKED_DEQUANT_M": ("x", "is not an integer: using 17"),

@@ -960,8 +960,13 @@ def dp4a_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     M, K = x.shape
     xg = x.float().reshape(M, K // 32, 32)
     amax = xg.abs().amax(-1, keepdim=True)
-    d = amax / 127.0
-    inv = torch.where(amax > 0, 127.0 / amax.clamp_min(1e-30), torch.zeros_like(amax))
+    # The IEEE float32 quotients, as the kernel's div_rn rounds them: a float64 quotient of float32
+    # operands rounded to float32 is the correctly rounded float32 one (53 >= 2 * 24 + 2). Not
+    # ``127.0 / amax`` (torch computes it as ``amax.reciprocal() * 127``: 8 of 24 groups one ulp
+    # off on the H100's test row, one xi off by one) nor, on CUDA, ``amax / 127.0`` (a product with
+    # the scalar's reciprocal).
+    d = (amax.double() / 127.0).float()
+    inv = torch.where(amax > 0, (127.0 / amax.clamp_min(1e-30).double()).float(), torch.zeros_like(amax))
     v = xg * inv
     r = torch.floor(v.abs() + 0.5)
     xi = torch.where(v < 0, -r, r)
