@@ -19,7 +19,7 @@ BAD = {
     "MONOBATCH_FORCED_DRAWS": ("x", "is not 0 or 1: using 1"),
     "MONOBATCH_DET_GLU": ("x", "is not 0 or 1: using 1"),
     "MONOBATCH_CPU_KERNELS": ("x", "is not 0 or 1: using 1"),
-    "MONOBATCH_PACKED_GEMV": ("foo", "is not one of fma, dot, dp4a: using fma"),
+    "MONOBATCH_PACKED_GEMV": ("foo", "is not one of fma, dot, dp4a: using dp4a"),
     "MONOBATCH_PACKED_DEQUANT_M": ("x", "is not an integer: using 17"),
     "MONOBATCH_CPU_MIN_THREAD_WORK": ("abc", "is not a positive integer: using the default"),
     "MONOBATCH_TP_TIMEOUT": ("abc", "is not a positive number of seconds: using 300.0"),

@@ -23,7 +23,7 @@ by the tile, like any other). No shuffle of nibbles into column order is needed.
 * :func:`gemv` (decode rows, M <= :data:`MAX_M`), three variants (:func:`gemv_config` picks;
   ``MONOBATCH_PACKED_GEMV=fma|dot|dp4a``, read at import, :data:`VARIANT`, is the A/B switch):
 
-  - **FMA** (M <= :data:`FMA_MAX_M` = 4, the default for M <= :data:`FMA_DEFAULT_M` = 2; CUDA
+  - **FMA** (M <= :data:`FMA_MAX_M` = 4; with ``MONOBATCH_PACKED_GEMV=fma`` taken for M <= :data:`FMA_DEFAULT_M` = 2; CUDA
     cores; ADR 0006, "the FMA GEMV as integer-weighted group sums"): the packed bytes are read as
     int32 words (``QW``: ``qs.view(torch.int32)``), a K step's ``[BLOCK_N, NG * GW]`` words in
     16-byte loads (GW: a group's words). Each 4- or 8-bit field becomes a float with one masked
@@ -33,19 +33,19 @@ by the tile, like any other). No shuffle of nibbles into column order is needed.
     ``[BLOCK_N, NG]`` fp32 accumulator a row of x (unrolled), reduced over NG after the K loop.
     No weight is rounded to bf16 (the results differ from the DOT and dequantized bf16 paths by
     the weights' bf16 rounding, closer to the fp32 product).
-  - **DOT** (every M, 1..16; the default above FMA_DEFAULT_M): the ``[BLOCK_N, BLOCK_K]`` tile
+  - **DOT** (every M, 1..16; the default above FMA_MAX_M, with ``fma`` above FMA_DEFAULT_M): the ``[BLOCK_N, BLOCK_K]`` tile
     rounded to x's dtype (bf16: the dequant path's weights exactly, which are rounded to bf16 at
     load) times x^T padded to 16 columns on the tensor cores, fp32 accumulation.
 
-  - **DP4A** (opt-in, ``MONOBATCH_PACKED_GEMV=dp4a``, untimed on a GPU: every layout, Q4/32,
+  - **DP4A** (the default, ``MONOBATCH_PACKED_GEMV=dp4a``; every layout, Q4/32,
     Q8/32 and Q8/16, at M <= :data:`FMA_MAX_M`; M above it as ``fma``; ADR 0006, "CUDA: a dp4a
     GEMV"): llama.cpp's MMVQ scheme. Each program rounds the x columns of its K slice to int8
     per 32-column group whatever the weights' group (q8_1: ``d = amax / 127``,
     ``xi = x (127 / amax)`` rounded half away from zero, so ``|x - d xi| <= d / 2`` up to two
     float32 roundings; a NaN in a group makes its output NaN), every row on its own (one config
     for every M, so a row's bits should not depend on M or on the other rows: so in the
-    interpreter, on the GPU pending ``test_dp4a_rows_cuda``, since ``tl.sum`` trees follow the
-    compiled layout; no extra launch, so the CUDA graphs are as before). Q4:
+    interpreter and on the H100, ``test_dp4a_rows_cuda``; no extra launch, so the CUDA graphs
+    are as before). Q4:
     the nibbles become unsigned bytes (``w & 0x0F0F0F0F``, ``(w >> 4) & 0x0F0F0F0F``) against x's
     words in the nibbles' column order, ``dp4a.u32.s32``; Q8: the int8 words as they are (4
     consecutive columns a word) against x's words in column order, ``dp4a.s32.s32``. ``dp4a``
@@ -114,11 +114,12 @@ FMA_MAX_M = 4
 #: and about tied at M = 2 for Q4; the 2026-12-03 kernel is 1.7-2.5x DOT at M = 1 (not yet timed
 #: at M = 2..4, so the bound is kept).
 FMA_DEFAULT_M = 2
-#: ``MONOBATCH_PACKED_GEMV`` (read once, at import): ``fma`` (the default: the FMA variant for
-#: M <= FMA_DEFAULT_M, DOT above), ``dot`` (the DOT variant for every M; the A/B switch) or
-#: ``dp4a`` (opt-in, untimed: the DP4A variant for every layout at M <= :data:`FMA_MAX_M`, what
-#: ``fma`` picks above).
-VARIANT = env.choice("MONOBATCH_PACKED_GEMV", "fma", ("fma", "dot", "dp4a"))
+#: ``MONOBATCH_PACKED_GEMV`` (read once, at import): ``dp4a`` (the default since 2026-12-05: the
+#: DP4A variant for every layout at M <= :data:`FMA_MAX_M`, what ``fma`` picks above; faster than
+#: the FMA variant end to end on the three Q4 files of the H100 lease, ADR 0006), ``fma`` (the FMA
+#: variant for M <= FMA_DEFAULT_M, DOT above: no int8 rounding of the activations) or ``dot``
+#: (the DOT variant for every M); the A/B switch.
+VARIANT = env.choice("MONOBATCH_PACKED_GEMV", "dp4a", ("fma", "dot", "dp4a"))
 #: The sixth element of a GEMV config naming the DP4A variant (False: FMA, True: DOT). An integer,
 #: not a bool, so a tuned table's entry (:func:`entry_problem`: FMA configs only) can never be one.
 DP4A = 2
@@ -237,10 +238,12 @@ def _pow2(n: int) -> int:
 def gemv_config(N: int, K: int, M: int, layout: Layout, variant: str | None = None,
                 device: torch.device | None = None, table: bool = True) -> tuple[int, int, int, int, int, bool]:
     """``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, DOT)`` for an ``[M, K] x [N, K]^T``
-    product on ``layout`` (BLOCK_K in weights, a power of two times 32). ``DOT`` False: the FMA
-    variant (CUDA cores), taken for M <= :data:`FMA_DEFAULT_M` unless ``MONOBATCH_PACKED_GEMV=dot``
-    (:data:`VARIANT`); else the DOT variant (tensor cores, x^T padded to 16 columns). ``variant``
-    "fma" (any M <= :data:`FMA_MAX_M`) or "dot" overrides both, for A/B runs and the probe.
+    product on ``layout`` (BLOCK_K in weights, a power of two times 32). By default
+    (:data:`VARIANT` "dp4a") the DP4A variant for M <= :data:`FMA_MAX_M` (below); with
+    ``MONOBATCH_PACKED_GEMV=fma`` the FMA variant (``DOT`` False: CUDA cores) for M <=
+    :data:`FMA_DEFAULT_M`; else, and for every M with ``dot``, the DOT variant (tensor cores, x^T
+    padded to 16 columns). ``variant`` "fma" (any M <= :data:`FMA_MAX_M`), "dot" or "dp4a"
+    overrides :data:`VARIANT`, for A/B runs and the probe.
 
     DOT configs: from the H200 sweep of 2026-12-01 (``scripts/bench_packed_cuda.py --sweep``,
     llama-1b's five weight shapes at M = 1, docs/benchmarks): 64-row tiles of 128 weights, K in 4
@@ -256,8 +259,8 @@ def gemv_config(N: int, K: int, M: int, layout: Layout, variant: str | None = No
     (``table=False``: the rule alone, the probe's baseline).
 
     ``variant`` (or :data:`VARIANT`) "dp4a": every layout (Q4/32, Q8/32, Q8/16) at M <=
-    :data:`FMA_MAX_M` takes :func:`dp4a_config` (sixth element :data:`DP4A`); M > FMA_MAX_M what
-    the default setting (:data:`VARIANT` "fma") gives it: the DOT variant."""
+    :data:`FMA_MAX_M` takes :func:`dp4a_config` (sixth element :data:`DP4A`); M > FMA_MAX_M the
+    DOT variant."""
     chosen = variant or VARIANT
     if chosen == "dp4a" and M <= FMA_MAX_M:
         return dp4a_config(N, K, layout)  # (never the tuned table: its entries are FMA configs)
