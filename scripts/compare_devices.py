@@ -39,22 +39,25 @@ def main() -> None:
     ns = ap.parse_args()
 
     def side(spec: str):
-        device, dtype, *weights = spec.split(":")
-        return load_model(ns.model, device, dtype, progress=False, weights=weights[0] if weights else None)
+        """``DEVICE:DTYPE[:WEIGHTS]`` (DEVICE may hold its own colon: ``cuda:1:bfloat16``) -> a model."""
+        parts = spec.split(":")
+        weights = parts.pop() if parts[-1] in ("packed", "dequant") else None
+        dtype = parts.pop()
+        return load_model(ns.model, ":".join(parts), dtype, progress=False, weights=weights)
 
-    cpu, gpu = side(ns.a), side(ns.b)
-    print(json.dumps({"a": ns.a, "a_weights": cpu.weights, "b": ns.b, "b_weights": gpu.weights}))
+    left, right = side(ns.a), side(ns.b)
+    print(json.dumps({"a": ns.a, "a_weights": left.weights, "b": ns.b, "b_weights": right.weights}))
     rows = []
     for text in PROMPTS:
-        ids = cpu.tokenizer.encode_chat([{"role": "user", "content": text}])
-        a = greedy(BatchScheduler(Engine(cpu)), ids, ns.n)
-        b = greedy(BatchScheduler(Engine(gpu)), ids, ns.n)
+        ids = left.tokenizer.encode_chat([{"role": "user", "content": text}])
+        a = greedy(BatchScheduler(Engine(left)), ids, ns.n)
+        b = greedy(BatchScheduler(Engine(right)), ids, ns.n)
         i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
         row = {"prompt": text, "tokens": ns.n, "matching_prefix": ns.n if i is None else i}
         if i is not None:
             row |= {"a_token": a[i], "b_token": b[i],
-                    "a_top2_margin": Engine(cpu).top2_margin(ids + a[:i]),
-                    "b_top2_margin": Engine(gpu).top2_margin(ids + a[:i])}
+                    "a_top2_margin": Engine(left).top2_margin(ids + a[:i]),
+                    "b_top2_margin": Engine(right).top2_margin(ids + a[:i])}
         rows.append(row)
         print(json.dumps(row))
     if ns.json:

@@ -347,7 +347,7 @@ def bench(shapes: list[str], types: list[T], cfgs: list, dev: torch.device, dead
                 ref = xq_float(xq) @ w.T
                 dense = w.to(torch.bfloat16)
                 del w
-                fcfg = Q.gemv_config(N, K, 1, part.layout, device=x.device)
+                fcfg = Q.gemv_config(N, K, 1, part.layout, "fma", device=x.device)  # (the FMA baseline: dp4a is the default)
                 fma_us = round(time_us(lambda: Q.gemv(x, part, config=fcfg)), 2)
                 dense_us = round(time_us(lambda: F.linear(x, dense)), 2)
                 del dense

@@ -188,13 +188,20 @@ def padded_deterministic_matches(loaded, prompts: list[list[int]], n: int = 6) -
 
     fast = Engine(loaded, EngineConfig(kv_storage="paged", deterministic=True))
     assert not fast.row_pad and fast.row_tile == 16 and "deterministic (row-independent CPU kernels)" in fast.describe()
+    a, a_prompt = step_logits(fast, prompts, n), fast.prompt_logits(prompts[0], all_positions=True)
+    # the slow engine after the fast one has run: an unsharded model's module tree is both engines'
+    # (the routes switched off below would otherwise be the fast engine's too), restored after
     slow = Engine(loaded, EngineConfig(kv_storage="paged", deterministic=True))
     slow.row_pad, slow.row_tile = True, 8
-    for m in slow.model.modules():
-        if isinstance(getattr(m, "cpu_route", None), CpuRoute):
-            m.cpu_route.call = False  # the unfused layers: norms, GEMVs, RoPE, activations and sums one call each
-    assert "deterministic (row tiles of 8)" in slow.describe()
-    a, b = step_logits(fast, prompts, n), step_logits(slow, prompts, n)
+    routes = [m.cpu_route for m in slow.model.modules() if isinstance(getattr(m, "cpu_route", None), CpuRoute)]
+    saved = [r.call for r in routes]
+    try:
+        for r in routes:
+            r.call = False  # the unfused layers: norms, GEMVs, RoPE, activations and sums one call each
+        assert "deterministic (row tiles of 8)" in slow.describe()
+        b, b_prompt = step_logits(slow, prompts, n), slow.prompt_logits(prompts[0], all_positions=True)
+    finally:
+        for r, call in zip(routes, saved):
+            r.call = call
     assert len(a) == len(b) >= n and all(torch.equal(x, y) for x, y in zip(a, b))
-    assert torch.equal(fast.prompt_logits(prompts[0], all_positions=True),
-                       slow.prompt_logits(prompts[0], all_positions=True))
+    assert torch.equal(a_prompt, b_prompt)

@@ -99,6 +99,20 @@ def test_a_mistyped_flag_gets_a_suggestion(command, args, hint):
     assert len(res.stderr.splitlines()) == 1
 
 
+@pytest.mark.parametrize("args,named", [
+    (["--logprobs", "3", "hi", "--bogus"], "--logprobs 3 --bogus"),  # the other unknown flag still named
+    (["--logprobs", "--bogus", "hi"], "--logprobs --bogus"),  # a flag after it is no value of it
+    (["--logprobs", "-1", "hi"], "--logprobs -1"),  # a negative number is
+])
+def test_another_commands_flag_is_named_with_its_value_and_the_rest(args, named):
+    """Another command's flag given a value is named with the value as typed, beside every other
+    unknown flag; the word after it is taken as its value only where it is not itself a flag."""
+    res = monobatch("run", *args, timeout=60)
+    assert res.returncode == 2, res
+    assert res.stderr.endswith(f"unrecognized arguments: {named}; --logprobs is a flag of monobatch generate (see --help)\n"), \
+        res.stderr
+
+
 def test_every_parser_refuses_abbreviations():
     """Every parser and subparser of the command (a new one too) has prefix matching off."""
     import argparse

@@ -253,8 +253,11 @@ def check_fma_gemv() -> str:
             x = torch.randn(M, k, generator=g)
             ref = x.double() @ w.T
             cfgs = [(16, step, 1, 4, 2, False), (32, 64, 2 if M % 2 else 3, 4, 3, False)]
-            if Q.VARIANT != "dp4a":  # (dp4a: the DP4A kernel's, test_dp4a_configs)
-                assert Q.gemv_config(n, k, M, rep.layout)[5] is (Q.VARIANT == "dot" or M > Q.FMA_DEFAULT_M)
+            for variant in ("dp4a", "fma", "dot"):  # what MONOBATCH_PACKED_GEMV picks at this M
+                with gemv_variant(variant):
+                    kind = Q.gemv_config(n, k, M, rep.layout)[5]
+                want = Q.DP4A if variant == "dp4a" else (variant == "dot" or M > Q.FMA_DEFAULT_M)
+                assert kind == want and type(kind) is type(want), (variant, M, kind)
             for cfg in cfgs:
                 assert _rel(Q.gemv(x, *args, config=cfg), ref) <= REL_TOL, (qtype.name, M, cfg)
             if M in (1, 3, Q.FMA_MAX_M):
@@ -487,15 +490,16 @@ def test_configs_are_valid():
     from monobatch.quant.formats import Q4, Q8, Q8_16
     for N, K in ((3072, 2048), (2048, 8192), (16384, 2048), (49152, 576), (28672, 4096), (4096, 14336), (40, 64)):
         for layout in (Q4, Q8, Q8_16):
-            for M in range(1, Q.MAX_M + 1):
-                bn, bk, splits, warps, stages, dot = Q.gemv_config(N, K, M, layout)
+            for M, variant in ((M, v) for M in range(1, Q.MAX_M + 1) for v in ("dp4a", "fma", "dot")):
+                with gemv_variant(variant):  # each setting of MONOBATCH_PACKED_GEMV
+                    bn, bk, splits, warps, stages, dot = Q.gemv_config(N, K, M, layout)
                 assert bk % 32 == 0 and bn & (bn - 1) == 0 and (bn >= 16 if dot else M <= Q.FMA_MAX_M) and splits >= 1
                 bw = bk // (2 if layout.q4 else 1)
                 assert bw & (bw - 1) == 0 and (dot or bw >= (16 if layout.q4 else layout.group))
-                if Q.VARIANT == "dp4a" and M <= Q.FMA_MAX_M:
+                if variant == "dp4a" and M <= Q.FMA_MAX_M:
                     assert dot == Q.DP4A
                 else:
-                    assert dot == (M > Q.FMA_DEFAULT_M or Q.VARIANT == "dot")
+                    assert dot == (M > Q.FMA_DEFAULT_M or variant == "dot")
                 fma = Q.gemv_config(N, K, M, layout, "fma")
                 assert (not fma[5]) == (M <= Q.FMA_MAX_M) and fma[2] >= 1 and fma[1] % 32 == 0
                 k_per, s = Q._slices(K, bk, splits)

@@ -73,10 +73,23 @@ def _did_you_mean(parser: argparse.ArgumentParser, command: str | None, extras: 
         if owners:
             hint = f"; {flag} is a flag of {' and '.join(f'monobatch {o}' for o in owners[:2])}"
             takes = subs[owners[0]]._option_string_actions[flag].nargs != 0
-            if takes and flag in argv and argv.index(flag) + 1 < len(argv):
-                return [flag, argv[argv.index(flag) + 1]], hint
+            at = argv.index(flag) + 1 if flag in argv else len(argv)
+            if takes and at < len(argv) and not _is_flag(argv[at]):
+                others = [e for e in extras if e.startswith("-") and e.split("=", 1)[0] != flag]
+                return [flag, argv[at], *others], hint  # (the other unknown flags still named)
             return extras, hint
     return extras, ""
+
+
+def _is_flag(word: str) -> bool:
+    """Whether a command-line word is a flag (``-x``, ``--name``), not a value such as ``-1``."""
+    if not word.startswith("-"):
+        return False
+    try:
+        float(word)
+    except ValueError:
+        return True
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,7 @@ from torch import nn
 
 from monobatch.distributed.comm import TpGroup
 from monobatch.distributed.plan import TensorParallelPlan
-from monobatch.models.layers import (Attention, DecoderModel, GatedMLP, Linear, combined_mat, hold_packed, matmul,
+from monobatch.models.layers import (Attention, CpuRoute, DecoderModel, GatedMLP, Linear, combined_mat, hold_packed, matmul,
                                      packed_mat, row_independent)
 from monobatch.quant.packed import PackedPart, PackedWeight
 
@@ -367,7 +367,11 @@ def _row(lin: Linear, cols: list[tuple[int, int]], pieces: bool, plan: TensorPar
 
 
 def attach(model: nn.Module, group: TpGroup | None) -> None:
-    """Give every parallel layer of a shard this process's group (None: no collectives)."""
+    """Give every parallel layer of a shard this process's group (None: no collectives), and forget
+    every fused CPU route decided before (``RowParallelLinear.fused_mat`` reads the group: a route
+    decided without it would skip the all-reduce)."""
     for m in model.modules():
         if isinstance(m, (RowParallelLinear, VocabParallel)):
             m.group = group
+        if isinstance(getattr(m, "cpu_route", None), CpuRoute):
+            m.cpu_route.call = None

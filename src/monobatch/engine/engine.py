@@ -246,9 +246,11 @@ class Engine:
                          if self.config.deterministic and not self.invariant else 0)
         # ... not padded where every row-wise op computes each row alone (CPU, packed weights, the
         # fused routes): the step then runs as the fast mode's does (the layer chain, no wasted rows)
+        # (world == 1 first: at TP > 1 no route is decided before the shards' groups are attached,
+        # so RowParallelLinear.fused_mat never sees a layer without its all-reduce)
         self.row_pad = not (self.row_tile and world == 1 and self.model.rows_independent())
         if not self.row_pad:
-            self.row_tile = GEMV_ROWS
+            self.row_tile = GEMV_ROWS  # (at most: above it the packed products dequantize, row_independent)
         self.kv.batch_invariant = self.invariant
         if world > 1:  # spawn ranks 1..N-1; the KV store becomes the mirror that replays its calls there
             from monobatch.distributed.runtime import TensorParallelDriver

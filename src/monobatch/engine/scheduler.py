@@ -46,6 +46,7 @@ prompt and generated ids and its :class:`RequestMetrics` — on the thread that 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from collections import deque
@@ -389,8 +390,7 @@ class BatchScheduler:
                     # counted here, not at the launch: a void row (recomputed next step) or the row of
                     # a sequence that ended at ``pending`` is not one of its sequence's steps
                     self._account(seq, n)
-            self.kv.commit(StepBatch(ahead.batch.token_ids, ahead.batch.positions, ahead.batch.seq_ids,
-                                     ahead.batch.logit_rows, tuple(live), ahead.batch.row_tile))
+            self.kv.commit(dataclasses.replace(ahead.batch, chunks=tuple(live), position_bound=None, decode_only=None))
         return self._after_step(step_outputs)
 
     @staticmethod

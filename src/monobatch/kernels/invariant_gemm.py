@@ -278,7 +278,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 #: :func:`glu_linear` for the deterministic mode's decode rows, on by default since 2026-12-05
 #: (third session, H100): its bits equal the two launches' at the llama gate/up shapes
 #: (test_glu_linear_cuda), check_batching --deterministic on llama-1b holds with it (alone =
-#: batched = chunked = cache hit), and it moves the deterministic B=1 decode from 0.80x to 0.82x
+#: batched = chunked = cache hit), and it moves the deterministic B=1 decode from 0.803x to 0.822x
 #: of the default mode's at p256. ``MONOBATCH_DET_GLU=0`` (read at import) is the A/B switch: the
 #: gate/up GEMM then fused.silu_mul, as before.
 GLU = env.flag("MONOBATCH_DET_GLU", True)

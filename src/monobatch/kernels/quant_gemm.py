@@ -109,7 +109,8 @@ if triton is not None:
 MAX_M = 16
 #: Most rows the FMA variant of the GEMV takes (a config asking for it, or ``variant="fma"``).
 FMA_MAX_M = 4
-#: Most rows :func:`gemv_config` gives the FMA variant by default: on the H200 (2026-12-02,
+#: Most rows :func:`gemv_config` gives the FMA variant with ``MONOBATCH_PACKED_GEMV=fma`` (the
+#: default, "dp4a", takes the DP4A variant up to FMA_MAX_M): on the H200 (2026-12-02,
 #: ``scripts/probe_quant_cuda.py``) the earlier FMA kernel beat the DOT variant at M = 1 (1.1-2x)
 #: and about tied at M = 2 for Q4; the 2026-12-03 kernel is 1.7-2.5x DOT at M = 1 (not yet timed
 #: at M = 2..4, so the bound is kept).
@@ -282,7 +283,8 @@ def gemv_config(N: int, K: int, M: int, layout: Layout, variant: str | None = No
 def dp4a_config(N: int, K: int, layout: Layout) -> tuple[int, int, int, int, int, int]:
     """The DP4A GEMV's config ``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, DP4A)`` for an
     ``[M <= FMA_MAX_M, K] x [N, K]^T`` product on ``layout``: the probe's best guess for Q4
-    (``scripts/probe_dp4a_gemv.py``, untimed): 64-row tiles, steps of 512 weights (Q4) or 256
+    (``scripts/probe_dp4a_gemv.py``; not swept: on the H100 of 2026-12-05 it ran 0.95-1.99x the
+    FMA rule's speed at llama-1b/8b's products, docs/benchmarks): 64-row tiles, steps of 512 weights (Q4) or 256
     (Q8: a word holds 4 weights, not 8, so the same 64 words a row and step; the FMA rule's
     steps), K split as the FMA rule splits it (until ~528 programs), 4 warps, one stage. The same
     for every M, so a row's bits do not depend on the rows beside it (one K order, one split, one

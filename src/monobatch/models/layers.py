@@ -152,8 +152,11 @@ def row_independent(w: torch.Tensor | PackedWeight) -> bool:
     hold, by construction: the packed CPU kernel computes each output element alone
     (``parallel_for`` over the weight's rows, one dot product each; :mod:`monobatch.kernels.quant_cpu`),
     so a column-parallel layer's pieces can share one call in deterministic mode and that mode
-    needs no padded row tiles around it (:meth:`DecoderModel.rows_independent`). A library GEMM
-    (MKL, cuBLAS, Triton tiles) promises nothing across M or N."""
+    needs no padded row tiles around it (:meth:`DecoderModel.rows_independent`). Up to
+    :data:`~monobatch.quant.packed.GEMV_ROWS` rows a call: above, :meth:`PackedWeight.matmul`
+    dequantizes and calls a library GEMM, so the deterministic mode's unpadded tiles are at most
+    that many rows (``Engine.row_tile``). A library GEMM (MKL, cuBLAS, Triton tiles) promises
+    nothing across M or N."""
     return isinstance(w, PackedWeight) and w.device.type == "cpu"
 
 
@@ -162,7 +165,9 @@ def combined_mat(mats: list, widths: list[int] | None = None):
     consecutive output rows (``widths`` None: their products concatenated, as
     :meth:`PackedWeight.matmul` does); pieces over consecutive input columns of ``widths`` (their
     products summed in piece order, as :class:`~monobatch.distributed.sharding.RowParallelLinear`
-    does in deterministic mode). The same calls in the same order: the same bits."""
+    does in deterministic mode). The same calls in the same order: the same bits, for up to
+    :data:`~monobatch.quant.packed.GEMV_ROWS` rows of x (the C++ handle always takes the GEMV; the
+    Python products dequantize above that; :func:`row_independent`)."""
     if not mats or any(m is None for m in mats):
         return None
     if len(mats) == 1:
