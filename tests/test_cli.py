@@ -113,6 +113,25 @@ def test_another_commands_flag_is_named_with_its_value_and_the_rest(args, named)
         res.stderr
 
 
+def test_a_model_given_as_the_prompt_is_named(tmp_path):
+    """vLLM's and Ollama's habit, the model first: a positional prompt that names a model (a .gguf
+    file, an HF folder, a model's name) is refused with -m named, not generated from; words after
+    the prompt get the hint that a command takes one prompt and a model with -m."""
+    gguf, hf = tmp_path / "m.gguf", tmp_path / "hf"
+    gguf.write_bytes(b"GGUF")
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    for command, args in (("generate", [str(gguf), "-n", "2"]), ("run", ["gemma3"]), ("generate", [str(hf)])):
+        res = monobatch(command, *args, timeout=60)
+        assert res.returncode == 1 and res.stdout == "", res
+        assert f"names a model, not a prompt: give the model with -m {args[0]}" in res.stderr, res.stderr
+        assert len(res.stderr.splitlines()) == 1, res.stderr
+    res = monobatch("run", "smollm2", "Why is the sky blue?", timeout=60)
+    assert res.returncode == 2 and res.stderr.endswith(
+        "unrecognized arguments: Why is the sky blue?; monobatch run takes one prompt (quote it) and a model "
+        "with -m MODEL (see --help)\n"), res.stderr
+
+
 def test_every_parser_refuses_abbreviations():
     """Every parser and subparser of the command (a new one too) has prefix matching off."""
     import argparse

