@@ -197,70 +197,65 @@ void rope_qk_(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor&
   });
 }
 
-// SwiGLU's product: gate_up float32 [T, 2F] (gate then up) -> silu(gate) * up, new [T, F];
-// silu(g) = g / (1 + e^-g).
-torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+// A gated product: gate_up float32 [T, 2F] (gate then up) -> act(gate) * up, new [T, F], where
+// Act::lanes (8 AVX2 lanes) and Act::one (the scalar tail) compute act by the same operations, so an
+// element's bits do not depend on its place in the row or on the row count; Act::work: the flops an
+// element (the parallel grain).
+template <class Act>
+torch::Tensor gated_mul(const torch::Tensor& gate_up) {
   check_rows(gate_up, "gate_up");
   const int64_t T = gate_up.size(0), F = gate_up.size(1) / 2, sg = gate_up.stride(0);
   TORCH_CHECK(gate_up.size(1) == 2 * F, "gate_up must have an even width");
   auto y = torch::empty({T, F}, gate_up.options());
   const float* pg = gate_up.data_ptr<float>();
   float* py = y.data_ptr<float>();
-  at::parallel_for(0, T, grain_for(8 * F), [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, T, grain_for(Act::work * F), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const float *g = pg + t * sg, *u = g + F;
       float* o = py + t * F;
       int64_t i = 0;
 #ifdef MBO_AVX2
-      const __m256 one = _mm256_set1_ps(1.0f);
-      for (; i + 8 <= F; i += 8) {
-        const __m256 vg = _mm256_loadu_ps(g + i);
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), vg));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(vg, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
-      }
+      for (; i + 8 <= F; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(Act::lanes(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
 #endif
-      for (; i < F; ++i) o[i] = g[i] / (1.0f + exp_scalar(-g[i])) * u[i];
+      for (; i < F; ++i) o[i] = Act::one(g[i]) * u[i];
     }
   });
   return y;
 }
 
-// GeGLU's product (Gemma): gate_up float32 [T, 2F] (gate then up) -> gelu_tanh(gate) * up, new
-// [T, F]; gelu_tanh(g) = g / 2 (1 + tanh(u)) = g / (1 + e^(-2u)), u = sqrt(2/pi) (g + 0.044715 g^3)
-// (HF's gelu_pytorch_tanh; 1/2 (1 + tanh(u)) = sigmoid(2u) exactly, so e^ is the only function).
-// The AVX2 lanes and the scalar tail make the same operations: an element's bits do not depend
-// on its place in the row or on the row count.
-torch::Tensor gelu_tanh_mul(const torch::Tensor& gate_up) {
-  check_rows(gate_up, "gate_up");
-  const int64_t T = gate_up.size(0), F = gate_up.size(1) / 2, sg = gate_up.stride(0);
-  TORCH_CHECK(gate_up.size(1) == 2 * F, "gate_up must have an even width");
-  auto y = torch::empty({T, F}, gate_up.options());
-  const float* pg = gate_up.data_ptr<float>();
-  float* py = y.data_ptr<float>();
-  constexpr float K0 = -1.5957691216057308f, K1 = 0.044715f;  // -2 sqrt(2/pi), the cubic's coefficient
-  at::parallel_for(0, T, grain_for(16 * F), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const float *g = pg + t * sg, *u = g + F;
-      float* o = py + t * F;
-      int64_t i = 0;
+// SiLU (SwiGLU's gate): silu(g) = g / (1 + e^-g).
+struct Silu {
+  static constexpr int64_t work = 8;
 #ifdef MBO_AVX2
-      const __m256 one = _mm256_set1_ps(1.0f), k0 = _mm256_set1_ps(K0), k1 = _mm256_set1_ps(K1);
-      for (; i + 8 <= F; i += 8) {
-        const __m256 vg = _mm256_loadu_ps(g + i);
-        // -2u = K0 * (g + K1 * g^3): g^3 as (g * g) * g, then the multiply-add and the multiply
-        const __m256 c = _mm256_mul_ps(_mm256_mul_ps(vg, vg), vg);
-        const __m256 e = exp8(_mm256_mul_ps(k0, _mm256_fmadd_ps(k1, c, vg)));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(vg, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
-      }
+  static __m256 lanes(__m256 g) {
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+  }
 #endif
-      for (; i < F; ++i) {
-        const float c = (g[i] * g[i]) * g[i];
-        o[i] = g[i] / (1.0f + exp_scalar(K0 * std::fma(K1, c, g[i]))) * u[i];
-      }
-    }
-  });
-  return y;
-}
+  static float one(float g) { return g / (1.0f + exp_scalar(-g)); }
+};
+
+// gelu_tanh (Gemma's GeGLU gate, HF's gelu_pytorch_tanh): g / 2 (1 + tanh(u)) = g / (1 + e^(-2u)),
+// u = sqrt(2/pi) (g + 0.044715 g^3) (1/2 (1 + tanh(u)) = sigmoid(2u) exactly, so e^ is the only
+// function); -2u = K0 * (g + K1 * g^3): g^3 as (g * g) * g, then the multiply-add and the multiply.
+struct GeluTanh {
+  static constexpr int64_t work = 16;
+  static constexpr float K0 = -1.5957691216057308f, K1 = 0.044715f;  // -2 sqrt(2/pi), the cubic's coefficient
+#ifdef MBO_AVX2
+  static __m256 lanes(__m256 g) {
+    const __m256 c = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+    const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(K0), _mm256_fmadd_ps(_mm256_set1_ps(K1), c, g)));
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+  }
+#endif
+  static float one(float g) { return g / (1.0f + exp_scalar(K0 * std::fma(K1, (g * g) * g, g))); }
+};
+
+// SwiGLU's product: gate_up float32 [T, 2F] (gate then up) -> silu(gate) * up, new [T, F].
+torch::Tensor silu_mul(const torch::Tensor& gate_up) { return gated_mul<Silu>(gate_up); }
+
+// GeGLU's product (Gemma): gate_up float32 [T, 2F] (gate then up) -> gelu_tanh(gate) * up, new [T, F].
+torch::Tensor gelu_tanh_mul(const torch::Tensor& gate_up) { return gated_mul<GeluTanh>(gate_up); }
 
 // Store a step's new K/V rows, then attend query rows over the cache in place.
 //   q      float32 [T, H, hd] (head rows contiguous; any token stride), H = g * KV heads;
