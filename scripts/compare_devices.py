@@ -42,6 +42,8 @@ def main() -> None:
         """``DEVICE:DTYPE[:WEIGHTS]`` (DEVICE may hold its own colon: ``cuda:1:bfloat16``) -> a model."""
         parts = spec.split(":")
         weights = parts.pop() if parts[-1] in ("packed", "dequant") else None
+        if len(parts) < 2 or parts[-1] not in ("float32", "bfloat16", "float16"):
+            ap.error(f"{spec!r}: a side is DEVICE:DTYPE[:WEIGHTS], e.g. cuda:bfloat16:packed")
         dtype = parts.pop()
         return load_model(ns.model, ":".join(parts), dtype, progress=False, weights=weights)
 

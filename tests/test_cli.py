@@ -114,22 +114,36 @@ def test_another_commands_flag_is_named_with_its_value_and_the_rest(args, named)
 
 
 def test_a_model_given_as_the_prompt_is_named(tmp_path):
-    """vLLM's and Ollama's habit, the model first: a positional prompt that names a model (a .gguf
-    file, an HF folder, a model's name) is refused with -m named, not generated from; words after
-    the prompt get the hint that a command takes one prompt and a model with -m."""
+    """vLLM's and Ollama's habit, the model first: a positional prompt that names a model file (a
+    .gguf file, an HF folder) is refused with -m named, not generated from; words after the prompt
+    of a command that takes one get the hint that it takes one prompt and a model with -m; other
+    extras (serve's, an unknown short flag) do not."""
     gguf, hf = tmp_path / "m.gguf", tmp_path / "hf"
     gguf.write_bytes(b"GGUF")
     hf.mkdir()
     (hf / "config.json").write_text("{}")
-    for command, args in (("generate", [str(gguf), "-n", "2"]), ("run", ["gemma3"]), ("generate", [str(hf)])):
+    for command, args in (("generate", [str(gguf), "-n", "2"]), ("run", [str(gguf)]), ("generate", [str(hf)])):
         res = monobatch(command, *args, timeout=60)
         assert res.returncode == 1 and res.stdout == "", res
-        assert f"names a model, not a prompt: give the model with -m {args[0]}" in res.stderr, res.stderr
+        assert f"names a model, not a prompt: give the model with -m {args[0]} (a prompt of that text with -p)" \
+            in res.stderr, res.stderr
         assert len(res.stderr.splitlines()) == 1, res.stderr
+    hint = "takes one prompt (quote it) and a model with -m MODEL"
     res = monobatch("run", "smollm2", "Why is the sky blue?", timeout=60)
     assert res.returncode == 2 and res.stderr.endswith(
-        "unrecognized arguments: Why is the sky blue?; monobatch run takes one prompt (quote it) and a model "
-        "with -m MODEL (see --help)\n"), res.stderr
+        f"unrecognized arguments: Why is the sky blue?; monobatch run {hint} (see --help)\n"), res.stderr
+    for command, args in (("serve", ["smollm2", "extra"]), ("run", ["-z", "hi"])):
+        res = monobatch(command, *args, timeout=60)
+        assert res.returncode == 2 and "unrecognized arguments" in res.stderr and hint not in res.stderr, res.stderr
+
+
+def test_a_positional_prompt_imports_no_torch():
+    """The thin client (run --server-base) reads a positional prompt without the loader or torch."""
+    code = ("import sys; from monobatch.cli.args import read_prompt; read_prompt('hi', None, ''); "
+            "print(sorted(m for m in ('torch', 'fastapi', 'uvicorn') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert out.stdout.strip() == "[]", out.stderr
 
 
 def test_every_parser_refuses_abbreviations():

