@@ -40,8 +40,8 @@ from torch import nn
 
 from monobatch.distributed.comm import TpGroup
 from monobatch.distributed.plan import TensorParallelPlan
-from monobatch.models.layers import (Attention, CpuRoute, DecoderModel, GatedMLP, Linear, combined_mat, hold_packed, matmul,
-                                     packed_mat, row_independent)
+from monobatch.models.layers import (Attention, CpuRoute, DecoderModel, GatedMLP, Linear, combined_mat, hold_packed,
+                                     matmul, packed_mat, row_independent)
 from monobatch.quant.packed import PackedPart, PackedWeight
 
 log = logging.getLogger(__name__)

@@ -23,9 +23,9 @@ by the tile, like any other). No shuffle of nibbles into column order is needed.
 * :func:`gemv` (decode rows, M <= :data:`MAX_M`), three variants (:func:`gemv_config` picks;
   ``MONOBATCH_PACKED_GEMV=fma|dot|dp4a``, read at import, :data:`VARIANT`, is the A/B switch):
 
-  - **FMA** (M <= :data:`FMA_MAX_M` = 4; with ``MONOBATCH_PACKED_GEMV=fma`` taken for M <= :data:`FMA_DEFAULT_M` = 2; CUDA
-    cores; ADR 0006, "the FMA GEMV as integer-weighted group sums"): the packed bytes are read as
-    int32 words (``QW``: ``qs.view(torch.int32)``), a K step's ``[BLOCK_N, NG * GW]`` words in
+  - **FMA** (M <= :data:`FMA_MAX_M` = 4; with ``MONOBATCH_PACKED_GEMV=fma`` taken for M <=
+    :data:`FMA_DEFAULT_M` = 2; CUDA cores; ADR 0006, "the FMA GEMV as integer-weighted group
+    sums"): the packed bytes are read as int32 words (``QW``: ``qs.view(torch.int32)``), a K step's ``[BLOCK_N, NG * GW]`` words in
     16-byte loads (GW: a group's words). Each 4- or 8-bit field becomes a float with one masked
     AND of ``w | 0x4B000000`` (2^23's exponent) and one exact subtract — the field's integer times
     2^offset; x at the field's column is taken times 2^-offset, so every product is ``q * x``
@@ -33,12 +33,12 @@ by the tile, like any other). No shuffle of nibbles into column order is needed.
     ``[BLOCK_N, NG]`` fp32 accumulator a row of x (unrolled), reduced over NG after the K loop.
     No weight is rounded to bf16 (the results differ from the DOT and dequantized bf16 paths by
     the weights' bf16 rounding, closer to the fp32 product).
-  - **DOT** (every M, 1..16; the default above FMA_MAX_M, with ``fma`` above FMA_DEFAULT_M): the ``[BLOCK_N, BLOCK_K]`` tile
-    rounded to x's dtype (bf16: the dequant path's weights exactly, which are rounded to bf16 at
-    load) times x^T padded to 16 columns on the tensor cores, fp32 accumulation.
+  - **DOT** (every M, 1..16; the default above FMA_MAX_M, with ``fma`` above FMA_DEFAULT_M): the
+    ``[BLOCK_N, BLOCK_K]`` tile rounded to x's dtype (bf16: the dequant path's weights exactly,
+    which are rounded to bf16 at load) times x^T padded to 16 columns on the tensor cores, fp32 accumulation.
 
   - **DP4A** (the default, ``MONOBATCH_PACKED_GEMV=dp4a``; every layout, Q4/32,
-    Q8/32 and Q8/16, at M <= :data:`FMA_MAX_M`; M above it as ``fma``; ADR 0006, "CUDA: a dp4a
+    Q8/32 and Q8/16, at M <= :data:`FMA_MAX_M`; M above it the DOT variant; ADR 0006, "CUDA: a dp4a
     GEMV"): llama.cpp's MMVQ scheme. Each program rounds the x columns of its K slice to int8
     per 32-column group whatever the weights' group (q8_1: ``d = amax / 127``,
     ``xi = x (127 / amax)`` rounded half away from zero, so ``|x - d xi| <= d / 2`` up to two
