@@ -1099,9 +1099,7 @@ def check_dp4a_dispatch(device: str = "cpu") -> str:
     from monobatch.kernels import quant_gemm as Q
     g = torch.Generator().manual_seed(19)
     dt = torch.float32 if device == "cpu" else torch.bfloat16
-    saved = Q.VARIANT
-    try:
-        Q.VARIANT = "dp4a"
+    with gemv_variant("dp4a"):
         for qtype in (T.Q4_0, T.Q4_K, T.Q8_0, T.Q6_K):
             n, k = 40, 512
             rep, _ = _parts(qtype, n, k, seed=3, device=device)
@@ -1110,8 +1108,6 @@ def check_dp4a_dispatch(device: str = "cpu") -> str:
             fma = Q.gemv(x, rep, config=Q.gemv_config(n, k, 1, rep.layout, "fma"))
             assert torch.equal(y, Q.gemv(x, rep, config=Q.dp4a_config(n, k, rep.layout))), qtype.name
             assert not torch.equal(y, fma), qtype.name
-    finally:
-        Q.VARIANT = saved
     return "ok"
 
 
