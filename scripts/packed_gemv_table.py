@@ -1,4 +1,4 @@
-"""Turn a ``scripts/probe_quant_cuda.py`` run's ``"best"`` rows into the packed FMA GEMV's tuned
+"""Turn a ``scripts/probe_quant_cuda.py`` run's ``"best"`` rows into the packed GEMV's tuned
 table for the GPU it ran on (:func:`monobatch.kernels.quant_gemm.tuned_configs`).
 
 A product enters the table only where the sweep's best config beat the rule's
@@ -13,6 +13,15 @@ timing: an entry near the threshold is within that bias, so re-time close picks 
         --sweep-shapes llama-1b,llama-8b > probe.jsonl
     python3 scripts/packed_gemv_table.py probe.jsonl --device "NVIDIA H200" \\
         -o src/monobatch/kernels/configs/packed_gemv_NVIDIA_H200.json
+
+The DP4A GEMV's rows (``probe_quant_cuda.py --variant dp4a``, M = 1) give ``"<layout> <N>x<K> dp4a"``
+entries, which serve every M <= FMA_MAX_M. ``--merge`` starts from an existing table (its other
+entries kept; a product timed again takes the new result)::
+
+    PROBE_MS=1 PROBE_TYPES=Q4_K,Q6_K python3 scripts/probe_quant_cuda.py --variant dp4a --only bench \\
+        --shapes llama-8b --sweep-shapes llama-8b > dp4a.jsonl
+    python3 scripts/packed_gemv_table.py dp4a.jsonl --device "NVIDIA H100 80GB HBM3" --merge \\
+        -o src/monobatch/kernels/configs/packed_gemv_NVIDIA_H100_80GB_HBM3.json
 
 Prints one line a product (the rule's and the best time) and writes the JSON file.
 """
@@ -35,7 +44,10 @@ def table(lines: list[str], min_gain: float) -> tuple[dict[str, list], list[str]
         if not isinstance(row, dict) or not row.get("best") or not row.get("rule_us"):
             continue
         gain = row["rule_us"] / row["us"] - 1
-        key = f"{row['layout']} {row['N']}x{row['K']} M{row['M']}"
+        dp4a = row.get("variant") == "dp4a"
+        if dp4a and row["M"] != 1:
+            continue  # a DP4A entry serves every M: chosen at M = 1, decode's row count
+        key = f"{row['layout']} {row['N']}x{row['K']} " + ("dp4a" if dp4a else f"M{row['M']}")
         keep = gain >= min_gain
         report.append(f"{'TABLE' if keep else 'rule '} {key:32} {row['shape']:9} {row['layer']:8} "
                       f"rule {row['rule_us']:8.2f} us  best {row['us']:8.2f} us  ({gain:+.1%})  {row['cfg']}")
@@ -50,10 +62,18 @@ def main() -> int:
     ap.add_argument("--device", required=True, help="the GPU's name, as torch.cuda.get_device_name() gives it")
     ap.add_argument("--min-gain", type=float, default=0.03)
     ap.add_argument("-o", "--output", required=True)
+    ap.add_argument("--merge", action="store_true", help="keep the other entries of the table at -o, if there is one")
     ns = ap.parse_args()
     with open(ns.probe, encoding="utf-8") as f:
         configs, report = table(f.read().splitlines(), ns.min_gain)
     print("\n".join(report))
+    if ns.merge:
+        try:
+            with open(ns.output, encoding="utf-8") as f:
+                old = json.load(f)["configs"]
+        except FileNotFoundError:
+            old = {}
+        configs = dict(sorted({**old, **configs}.items()))
     doc = {"device": ns.device, "source": "scripts/probe_quant_cuda.py + scripts/packed_gemv_table.py",
            "min_gain": ns.min_gain, "configs": configs}
     with open(ns.output, "w", encoding="utf-8") as f:

@@ -14,6 +14,8 @@ checks it, then times it beside the DOT variant and the dense bf16 GEMV.
     shapes also a sweep of FMA configs (:data:`SWEEP`: tile, bytes a step, warps, stages, each with
     and without split-K). One JSON object a line: ``"bench"`` rows, and ``"best"`` rows (the
     fastest FMA config per layout, shape and M, with the rule's time) after each product's rows.
+    ``--variant dp4a --only bench``: the DP4A GEMV instead (its rule, ``dp4a_config``, and on the
+    sweep shapes :data:`DP4A_SWEEP`), for its table entries (``scripts/packed_gemv_table.py``).
 
 The check and every compile the bench needs run first in ``--jobs`` processes (spawned, sharing
 the GPU and Triton's on-disk cache: the ~150 kernel variants compile in parallel), then one process
@@ -55,8 +57,9 @@ def model_shapes(name: str) -> dict[str, tuple[int, int, bool]]:
     h, inter = c["hidden_size"], c["intermediate_size"]
     hd = c.get("head_dim", h // c["num_attention_heads"])
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-    return {"qkv": (q + 2 * kv, h, False), "o": (h, q, False), "gate_up": (2 * inter, h, False),
-            "down": (h, inter, True), "lm_head": (c["vocab_size"], h, False)}
+    # qk and v: a Q4_K_M file's fused qkv as two parts (llama.cpp gives attn_v more bits: Q6_K)
+    return {"qkv": (q + 2 * kv, h, False), "qk": (q + kv, h, False), "v": (kv, h, False), "o": (h, q, False),
+            "gate_up": (2 * inter, h, False), "down": (h, inter, True), "lm_head": (c["vocab_size"], h, False)}
 
 
 CHECK_TYPES = (T.Q4_0, T.Q4_K, T.Q8_0, T.Q6_K)
@@ -72,11 +75,24 @@ SWEEP = [(64, 512, 4, 3), (32, 512, 4, 3), (128, 512, 4, 3), (64, 256, 4, 3), (1
          (64, 512, 8, 3), (128, 256, 8, 2), (32, 256, 2, 3), (128, 1024, 8, 3),
          # 2026-12-05, for llama-8b's long rows: unpipelined and two-stage tiles of more bytes a program
          (64, 512, 4, 2), (128, 512, 4, 1), (128, 512, 8, 1), (64, 1024, 8, 1), (32, 1024, 4, 1), (256, 256, 8, 1)]
+#: PROBE_VARIANT=dp4a (``--variant dp4a``): the bench times the DP4A GEMV's rule (``dp4a_config``)
+#: and, on the sweep shapes, these tiles (BLOCK_N, BLOCK_K for Q4 (Q8: half), num_warps,
+#: num_stages), each at SPLIT_K 1, half, once and twice the rule's split (runtime arguments: no extra
+#: compile): the tiles of at most quant_gemm.DP4A_MAX_BYTES weight bytes a thread a step, which
+#: ptxas compiles without spills at 4 rows (a DP4A table entry serves every M <= FMA_MAX_M).
+DP4A_SWEEP = [(64, 512, 4, 1), (32, 512, 4, 1), (32, 1024, 4, 1), (64, 512, 4, 2), (64, 256, 4, 1), (128, 512, 8, 1),
+              (64, 1024, 8, 1), (16, 1024, 4, 1), (32, 512, 2, 1), (16, 512, 2, 1), (32, 2048, 8, 1), (64, 512, 8, 1),
+              (128, 256, 4, 1), (256, 256, 8, 1)]
+VARIANT = os.environ.get("PROBE_VARIANT", "fma")
+#: do_bench_cudagraph's ``rep`` (ms a measurement; PROBE_REP)
+REP = int(os.environ.get("PROBE_REP", "20"))
 #: |y - reference| / max |reference| allowed for the float32 output (tests/test_quant_cuda.FP32_TOL).
 FP32_TOL = 1e-4
 
 
 def sweep_configs(N: int, K: int, M: int, layout) -> list[tuple]:
+    if VARIANT == "dp4a":
+        return dp4a_sweep_configs(N, K, layout)
     out = []
     for bn, bk4, warps, stages in SWEEP:
         if M > 1 and bn * bk4 > 32768:  # the larger tiles spill registers at M > 1 (sm_90 SASS)
@@ -88,10 +104,24 @@ def sweep_configs(N: int, K: int, M: int, layout) -> list[tuple]:
     return out
 
 
+def dp4a_sweep_configs(N: int, K: int, layout) -> list[tuple]:
+    """:data:`DP4A_SWEEP`'s configs for one product, each that quant_gemm.entry_problem takes."""
+    out = []
+    for bn, bk4, warps, stages in DP4A_SWEEP:
+        bk = max(32, min(bk4 if layout.q4 else bk4 // 2, Q._pow2(K)))
+        steps = -(-K // bk)
+        wide = max(1, min(steps, -(-528 // -(-N // bn))))
+        for splits in sorted({1, max(1, wide // 2), wide, min(steps, 2 * wide)}):
+            cfg = (bn, bk, splits, warps, stages, Q.DP4A)
+            if Q.entry_problem(Q.dp4a_key(N, K, layout), cfg) is None and cfg not in out:
+                out.append(cfg)
+    return out
+
+
 def time_us(fn) -> float:
     """Median microseconds of a replayed CUDA graph of ``fn``."""
     import triton
-    return triton.testing.do_bench_cudagraph(fn, rep=20) * 1e3
+    return triton.testing.do_bench_cudagraph(fn, rep=REP) * 1e3
 
 
 def check_case(shape: str, layer: str, qtype: T, dev: torch.device, gen: torch.Generator) -> tuple[list[str], int]:
@@ -118,9 +148,13 @@ def check_case(shape: str, layer: str, qtype: T, dev: torch.device, gen: torch.G
 
 
 def bench_configs(shape: str, N: int, K: int, M: int, layout, sweep_shapes: list[str]) -> dict[str, tuple]:
-    """name -> config of what the bench times for one product."""
-    cfgs = {"fma": Q.gemv_config(N, K, M, layout, "fma", table=False),  # the rule, whatever table is installed
-            "dot": Q.gemv_config(N, K, M, layout, "dot")}
+    """name -> config of what the bench times for one product (the first: the rule the best is
+    measured against)."""
+    if VARIANT == "dp4a":
+        cfgs = {"dp4a": Q.gemv_config(N, K, M, layout, "dp4a", table=False)}
+    else:
+        cfgs = {"fma": Q.gemv_config(N, K, M, layout, "fma", table=False),  # the rule, whatever table is installed
+                "dot": Q.gemv_config(N, K, M, layout, "dot")}
     if shape in sweep_shapes:
         cfgs.update({f"sweep{i}": c for i, c in enumerate(sweep_configs(N, K, M, layout))})
     return cfgs
@@ -217,7 +251,7 @@ def bench(shapes: list[str], sweep_shapes: list[str], dev: torch.device, gen: to
                         if name != "dot":
                             key = (t.name, part.layout.name, shape, layer, M)
                             if key not in best or us < best[key][0]:
-                                best[key] = (us, cfg, N, K, row.get(f"{t.name}_fma_us"))
+                                best[key] = (us, cfg, N, K, row.get(f"{t.name}_{VARIANT}_us"))
                 print(json.dumps(row), flush=True)
             for key in [k for k in best if k[2:4] == (shape, layer)]:  # this product's best, as soon as known
                 _print_best(key, best.pop(key))
@@ -228,8 +262,9 @@ def bench(shapes: list[str], sweep_shapes: list[str], dev: torch.device, gen: to
 
 def _print_best(key: tuple, value: tuple) -> None:
     (tname, lname, shape, layer, M), (us, cfg, N, K, rule_us) = key, value
-    print(json.dumps({"best": True, "type": tname, "layout": lname, "shape": shape, "layer": layer, "M": M,
-                      "N": N, "K": K, "cfg": list(cfg), "us": round(us, 2), "rule_us": rule_us}), flush=True)
+    print(json.dumps({"best": True, "variant": VARIANT, "type": tname, "layout": lname, "shape": shape,
+                      "layer": layer, "M": M, "N": N, "K": K, "cfg": list(cfg), "us": round(us, 2),
+                      "rule_us": rule_us}), flush=True)
 
 
 def main() -> int:
@@ -238,7 +273,14 @@ def main() -> int:
     p.add_argument("--sweep-shapes", default="llama-1b", help="shapes whose FMA configs are swept ('' none)")
     p.add_argument("--only", choices=("check", "bench"))
     p.add_argument("--jobs", type=int, default=8, help="processes for the check and the compiles (GPU)")
+    p.add_argument("--variant", choices=("fma", "dp4a"), help="the GEMV swept and timed (PROBE_VARIANT; default "
+                   "fma); dp4a: its rule and DP4A_SWEEP, timed only (no check: tests/test_quant_cuda.py's dp4a tests)")
     ns = p.parse_args()
+    global VARIANT
+    if ns.variant:
+        os.environ["PROBE_VARIANT"] = VARIANT = ns.variant  # (the spawned workers read the environment)
+    if VARIANT == "dp4a" and ns.only != "bench":
+        p.error("--variant dp4a times only: add --only bench")
     from monobatch.quant import packed
     packed.CUDA_PACKED = True
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"

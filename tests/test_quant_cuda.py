@@ -883,7 +883,8 @@ def test_tuned_table_overrides_the_rule(tmp_path, monkeypatch, capsys):
 def test_packaged_tuned_tables_are_valid():
     """Every packaged table (kernels/configs/packed_gemv_*.json) names real layouts and gives
     configs gemv() takes: BLOCK_N and BLOCK_K / (2 for Q4) powers of two, BLOCK_K a multiple of
-    32, at most K, split-K within K's steps, the FMA variant, M <= FMA_MAX_M."""
+    32, at most K, split-K within K's steps, the FMA variant at M <= FMA_MAX_M (``M<M>`` keys) or
+    the DP4A one (``dp4a`` keys)."""
     import json
     import re
     from pathlib import Path
@@ -903,6 +904,15 @@ def test_packaged_tuned_tables_are_valid():
     assert Q.entry_problem("Q4/32:f8 64x64 M1", (32, 1024, 1, 4, 1, False)) == "BLOCK_N or BLOCK_K off"
     assert Q.entry_problem("Q4/32 64x4096 M8", (32, 1024, 1, 4, 1, False)).startswith("not an FMA")
     assert Q.entry_problem("Q4/32 64x4096", (32, 1024, 1, 4, 1, False)).startswith("not a")
+    # DP4A entries: "... dp4a" keys only, BLOCK_K / 32 a power of two, at most DP4A_MAX_BYTES a thread
+    assert Q.entry_problem("Q4/32 4096x4096 dp4a", (64, 512, 8, 4, 1, Q.DP4A)) is None
+    assert Q.entry_problem("Q8/16:k0 4096x4096 dp4a", (64, 256, 8, 4, 1, Q.DP4A)) is None
+    assert Q.entry_problem("Q4/32 4096x4096 dp4a", (64, 512, 8, 4, 1, False)) == "not a DP4A config"
+    assert Q.entry_problem("Q4/32 4096x4096 dp4a", (64, 512, 8, 4, 1, True)) == "not a DP4A config"
+    assert Q.entry_problem("Q4/32 4096x4096 M1", (64, 512, 8, 4, 1, Q.DP4A)).startswith("not an FMA")
+    assert Q.entry_problem("Q4/32 4096x4096 dp4a", (64, 96, 8, 4, 1, Q.DP4A)).startswith("BLOCK_K / 32")
+    assert "spills" in Q.entry_problem("Q4/32 4096x4096 dp4a", (128, 512, 8, 4, 1, Q.DP4A))
+    assert "spills" in Q.entry_problem("Q8/16:k0 4096x4096 dp4a", (64, 512, 8, 4, 1, Q.DP4A))
 
 
 def test_packed_gemv_table_script():
@@ -925,6 +935,11 @@ def test_packed_gemv_table_script():
     configs, report = mod.table(lines, 0.03)
     assert configs == {"Q4/32:k 4096x14336 M1": [64, 512, 1, 4, 1, False]}
     assert len(report) == 3 and report[2].startswith("rule ")
+    # the DP4A GEMV's rows (--variant dp4a): one entry for every M, from the M = 1 row
+    dp4a = dict(row, variant="dp4a", cfg=[32, 1024, 4, 4, 1, 2], us=80.0, rule_us=100.0)
+    configs, _ = mod.table(lines + [json.dumps(dp4a), json.dumps({**dp4a, "M": 2, "us": 50.0})], 0.03)
+    assert configs == {"Q4/32:k 4096x14336 M1": [64, 512, 1, 4, 1, False],
+                       "Q4/32:k 4096x14336 dp4a": [32, 1024, 4, 4, 1, 2]}
 
 
 #: A GGUF type of each compact layout name (the tuned tables' keys; device_repack's layouts).
@@ -933,36 +948,45 @@ TABLE_TYPES = {layout.name: qtype for qtype, layout in reversed(DEVICE_LAYOUTS.i
 
 def check_table_configs(device: str = "cpu") -> str:
     """Every tile the packaged tuned tables give (kernels/configs/*.json: BLOCK_N, BLOCK_K, warps,
-    stages, on its layout) computes the FMA GEMV (M = 1) to the float64 reference, unsplit and
-    split, on an N off the tile and on whole tiles (the unmasked loads, as every tabled product),
-    K of two steps; on CUDA also every entry at its own N x K with its own split, bf16 x."""
+    stages, on its layout) computes its GEMV to the float64 reference, unsplit and split, on an N
+    off the tile and on whole tiles (the unmasked loads, as every tabled product), K of two steps:
+    an FMA entry's at M = 1; a DP4A entry's (``... dp4a``: every M <= FMA_MAX_M) at M = 1 and 4,
+    against x after its int8 round trip (:func:`dp4a_x`, DP4A_TOL); on CUDA also every entry at its
+    own N x K with its own split, bf16 x."""
     import json
     from pathlib import Path
 
     from monobatch.kernels import quant_gemm as Q
-    tiles = set()
-    for f in sorted((Path(Q.__file__).parent / "configs").glob("packed_gemv_*.json")):
-        for key, (bn, bk, _splits, warps, stages, _dot) in json.loads(f.read_text())["configs"].items():
-            tiles.add((key.split()[0], bn, bk, warps, stages))
+
+    def ref_tol(x, w, dp4a):
+        return ((dp4a_x(x)[0] if dp4a else x.double()) @ w.T), (DP4A_TOL if dp4a else tol)
+
+    tables = [json.loads(f.read_text())["configs"] for f in sorted((Path(Q.__file__).parent / "configs").glob(
+        "packed_gemv_*.json"))]
+    tiles = {(key.split()[0], bn, bk, warps, stages, dot) for t in tables
+             for key, (bn, bk, _splits, warps, stages, dot) in t.items()}
     g = torch.Generator().manual_seed(11)
     dt, tol = (torch.float32, REL_TOL) if device == "cpu" else (torch.bfloat16, BF16_TOL)
-    for i, (layout, bn, bk, warps, stages) in enumerate(sorted(tiles)):
+    for i, (layout, bn, bk, warps, stages, dot) in enumerate(sorted(tiles)):
         qtype = TABLE_TYPES[layout]
         for n in (bn + 8, 2 * bn):
             k = 2 * max(bk, 256)
             rep, w = _parts(qtype, n, k, seed=60 + i, device=device)
             assert rep.layout.name == layout, (rep.layout.name, layout)
-            x = torch.randn(1, k, generator=g).to(device, dt)
-            for splits in (1, 2):
-                got = Q.gemv(x, rep, config=(bn, bk, splits, warps, stages, False), out_dtype=torch.float32)
-                assert _rel(got, x.double() @ w.T) <= tol, (layout, n, bn, bk, splits, warps, stages)
+            for m in (1, Q.FMA_MAX_M) if dot == Q.DP4A else (1,):
+                x = torch.randn(m, k, generator=g).to(device, dt)
+                ref, bound = ref_tol(x, w, dot == Q.DP4A)
+                for splits in (1, 2):
+                    got = Q.gemv(x, rep, config=(bn, bk, splits, warps, stages, dot), out_dtype=torch.float32)
+                    assert _rel(got, ref) <= bound, (layout, n, m, bn, bk, splits, warps, stages, dot)
     if device != "cpu":  # every entry at its product's own shape (8b's: up to 128256 x 4096)
-        for f in sorted((Path(Q.__file__).parent / "configs").glob("packed_gemv_*.json")):
-            for key, cfg in json.loads(f.read_text())["configs"].items():
+        for t in tables:
+            for key, cfg in t.items():
                 layout, n, k = key.split()[0], *map(int, key.split()[1].split("x"))
                 rep, w = _parts(TABLE_TYPES[layout], n, k, seed=7, device=device)
                 x = torch.randn(1, k, generator=g).to(device, dt)
-                assert _rel(Q.gemv(x, rep, config=tuple(cfg), out_dtype=torch.float32), x.double() @ w.T) <= tol, key
+                ref, bound = ref_tol(x, w, cfg[5] == Q.DP4A)
+                assert _rel(Q.gemv(x, rep, config=tuple(cfg), out_dtype=torch.float32), ref) <= bound, key
                 del rep, w
     return "ok"
 
@@ -1165,9 +1189,9 @@ def test_dp4a_dispatch_cuda():
 
 def test_dp4a_configs(monkeypatch):
     """gemv_config with the "dp4a" variant (argument or VARIANT): every layout at M <= FMA_MAX_M gets
-    dp4a_config (the same for every M, 512-weight steps for Q4, 256 for Q8; never a tuned table's
-    entry, which is an FMA config), M > FMA_MAX_M what "fma" gives it; a table cannot hold a DP4A
-    config."""
+    dp4a_config (the same for every M, 512-weight steps for Q4, 256 for Q8) unless the tuned table
+    has a DP4A entry for the product (``... dp4a``, then that entry for every such M; never an FMA
+    entry), M > FMA_MAX_M what "fma" gives it; an FMA key cannot hold a DP4A config."""
     from monobatch.kernels import quant_gemm as Q
     from monobatch.quant.formats import DEVICE_LAYOUTS, Q4, Q8, Q8_16
     for N, K in ((3072, 2048), (4096, 14336), (128256, 4096), (40, 64)):
@@ -1190,6 +1214,14 @@ def test_dp4a_configs(monkeypatch):
     assert Q.gemv_config(4096, 14336, 1, Q8) == Q.dp4a_config(4096, 14336, Q8)
     assert Q.gemv_config(4096, 14336, Q.FMA_MAX_M + 1, Q8)[5] is True
     assert Q.entry_problem(Q.table_key(4096, 14336, 1, Q4), (64, 512, 1, 4, 1, Q.DP4A)) is not None
+    tuned = (32, 1024, 7, 4, 1, Q.DP4A)
+    monkeypatch.setattr(Q, "tuned_configs", lambda device=None: {Q.dp4a_key(4096, 14336, Q4): tuned})
+    for M in range(1, Q.FMA_MAX_M + 1):
+        assert Q.gemv_config(4096, 14336, M, Q4) == tuned
+        assert Q.gemv_config(4096, 14336, M, Q4, table=False) == Q.dp4a_config(4096, 14336, Q4)
+        assert Q.gemv_config(4096, 14336, M, Q4, "fma") == Q.gemv_config(4096, 14336, M, Q4, "fma", table=False)
+    assert Q.gemv_config(4096, 4096, 1, Q4) == Q.dp4a_config(4096, 4096, Q4)  # not listed
+    assert Q.gemv_config(4096, 14336, Q.FMA_MAX_M + 1, Q4)[5] is True
 
 
 @pytest.mark.parametrize("case", ["f32", "Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K"])

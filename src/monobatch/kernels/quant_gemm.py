@@ -124,15 +124,22 @@ VARIANT = env.choice("MONOBATCH_PACKED_GEMV", "dp4a", ("fma", "dot", "dp4a"))
 #: The sixth element of a GEMV config naming the DP4A variant (False: FMA, True: DOT). An integer,
 #: not a bool, so a tuned table's entry (:func:`entry_problem`: FMA configs only) can never be one.
 DP4A = 2
+#: Most weight bytes a thread loads a K step (BLOCK_N x BLOCK_K's bytes / threads) in a DP4A config
+#: of the tuned table: Triton 3.6's sm_90 SASS of the kernel spills registers above it at 4 rows
+#: (ptxas, 2026-12-05: 64 x 512 Q4 weights on 4 warps, 128 bytes a thread, none; twice that, 784-3,104
+#: bytes of spills), and a DP4A entry serves every M <= FMA_MAX_M.
+DP4A_MAX_BYTES = 128
 #: The DP4A kernel's dp4a: PTX inline assembly when compiled, integer ops in the interpreter (which
 #: runs no inline assembly; the same int32 results).
 _DP4A_ASM = os.environ.get("TRITON_INTERPRET") != "1"
-#: Tuned FMA GEMV configs, per GPU model: ``kernels/configs/packed_gemv_<device name>.json`` (spaces
+#: Tuned GEMV configs, per GPU model: ``kernels/configs/packed_gemv_<device name>.json`` (spaces
 #: as ``_``; vLLM's per-device tables of fused-MoE configs are the model), written by
 #: ``scripts/packed_gemv_table.py`` from a ``scripts/probe_quant_cuda.py`` sweep on that GPU. Its
-#: ``configs`` map ``"<layout name> <N>x<K> M<M>"`` to a :func:`gemv_config` tuple; a product the
-#: table lacks takes the rule below. ``MONOBATCH_PACKED_GEMV_CONFIGS``: another table file, or
-#: ``""`` for none (the rule alone: the A/B switch and the probe's baseline).
+#: ``configs`` map ``"<layout name> <N>x<K> M<M>"`` to an FMA config (:func:`table_key`) and
+#: ``"<layout name> <N>x<K> dp4a"`` to a DP4A config for every M <= :data:`FMA_MAX_M`
+#: (:func:`dp4a_key`: one config whatever M, so a row's bits never depend on the rows beside it);
+#: a product the table lacks takes the rule below. ``MONOBATCH_PACKED_GEMV_CONFIGS``: another
+#: table file, or ``""`` for none (the rule alone: the A/B switch and the probe's baseline).
 TABLE_ENV = "MONOBATCH_PACKED_GEMV_CONFIGS"
 _TABLES: dict[str, dict[str, tuple]] = {}
 
@@ -147,14 +154,15 @@ def table_path(device_name: str) -> str | None:
 
 
 def tuned_configs(device: torch.device | None = None) -> dict[str, tuple]:
-    """The tuned FMA GEMV configs of ``device``'s GPU model (default: the current CUDA device;
+    """The tuned GEMV configs of ``device``'s GPU model (default: the current CUDA device;
     :data:`TABLE_ENV`), read once a model; ``{}`` without CUDA or a table. A table that cannot be
     read is reported once on stderr and ignored (``MONOBATCH_PACKED_GEMV_CONFIGS`` naming a missing
     or unreadable file: one ``monobatch: warning:`` line naming the variable); an entry :func:`entry_problem` refuses is dropped
     with one warning (a bad entry would otherwise fail inside a decode step or a graph capture).
 
     Returns:
-        ``"<layout name> <N>x<K> M<M>"`` -> ``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, False)``.
+        ``"<layout name> <N>x<K> M<M>"`` -> ``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, False)``
+        (FMA) and ``"<layout name> <N>x<K> dp4a"`` -> ``(..., DP4A)``.
     """
     name = _gpu_name(device)
     if name not in _TABLES:
@@ -189,18 +197,27 @@ def tuned_configs(device: torch.device | None = None) -> dict[str, tuple]:
 
 def entry_problem(key: str, cfg: tuple) -> str | None:
     """Why a tuned-table entry cannot run, or None: its key must be ``"<layout> <N>x<K> M<M>"``
-    with M <= :data:`FMA_MAX_M`, its config six integers, the FMA variant, BLOCK_N and BLOCK_K's
-    bytes powers of two, BLOCK_K a multiple of 32 and at most K rounded up to a power of two, 1 to
-    K's steps splits, 1-8 warps (a power of two) and at least one stage."""
-    m = re.fullmatch(r"(Q[48])/(\d+)(:\S*)? (\d+)x(\d+) M(\d+)", key)
+    with M <= :data:`FMA_MAX_M` and an FMA config, or ``"<layout> <N>x<K> dp4a"`` and a DP4A
+    config (sixth element :data:`DP4A`; BLOCK_K / 32 a power of two: the kernel's groups a step);
+    either six integers, BLOCK_N and BLOCK_K's bytes powers of two, BLOCK_K a multiple of 32 and
+    at most K rounded up to a power of two, 1 to K's steps splits, 1-8 warps (a power of two) and
+    at least one stage."""
+    m = re.fullmatch(r"(Q[48])/(\d+)(:\S*)? (\d+)x(\d+) (M(\d+)|dp4a)", key)
     if m is None:
-        return "not a '<layout> <N>x<K> M<M>' key"
+        return "not a '<layout> <N>x<K> M<M>' or '<layout> <N>x<K> dp4a' key"
     if len(cfg) != 6 or not all(isinstance(v, (int, bool)) for v in cfg):
         return "not six integers"
-    q4, k, rows = m.group(1) == "Q4", int(m.group(5)), int(m.group(6))
+    q4, k, rows = m.group(1) == "Q4", int(m.group(5)), m.group(7)
     bn, bk, splits, warps, stages, dot = cfg
     bw = bk // (2 if q4 else 1)
-    if dot or not 1 <= rows <= FMA_MAX_M:
+    if rows is None:
+        if isinstance(dot, bool) or dot != DP4A:
+            return "not a DP4A config"
+        if bk < 32 or (bk // 32) & (bk // 32 - 1):
+            return "BLOCK_K / 32 not a power of two"
+        if warps in (1, 2, 4, 8) and bn * (bk // (2 if q4 else 1)) > DP4A_MAX_BYTES * warps * 32:
+            return f"more than {DP4A_MAX_BYTES} weight bytes a thread a step (spills at {FMA_MAX_M} rows)"
+    elif dot or not 1 <= int(rows) <= FMA_MAX_M:
         return f"not an FMA config of 1..{FMA_MAX_M} rows"
     if bk < 32 or bk % 32 or bw & (bw - 1) or bn < 1 or bn & (bn - 1) or bk > _pow2(k):
         return "BLOCK_N or BLOCK_K off"
@@ -224,8 +241,13 @@ def _gpu_name(device: torch.device | None = None) -> str:
 
 
 def table_key(N: int, K: int, M: int, layout: Layout) -> str:
-    """A product's key in the tuned table (:func:`tuned_configs`)."""
+    """A product's FMA key in the tuned table (:func:`tuned_configs`)."""
     return f"{layout.name} {N}x{K} M{M}"
+
+
+def dp4a_key(N: int, K: int, layout: Layout) -> str:
+    """A product's DP4A key in the tuned table: one entry for every M <= :data:`FMA_MAX_M`."""
+    return f"{layout.name} {N}x{K} dp4a"
 
 
 #: ``(BM, BN, BK, num_warps, num_stages)`` of every product in batch-invariant mode, any M.
@@ -260,11 +282,14 @@ def gemv_config(N: int, K: int, M: int, layout: Layout, variant: str | None = No
     (``table=False``: the rule alone, the probe's baseline).
 
     ``variant`` (or :data:`VARIANT`) "dp4a": every layout (Q4/32, Q8/32, Q8/16) at M <=
-    :data:`FMA_MAX_M` takes :func:`dp4a_config` (sixth element :data:`DP4A`); M > FMA_MAX_M the
-    DOT variant."""
+    :data:`FMA_MAX_M` takes the tuned table's DP4A entry for the product (:func:`dp4a_key`, the
+    same for every such M), else :func:`dp4a_config` (sixth element :data:`DP4A` either way);
+    M > FMA_MAX_M the DOT variant."""
     chosen = variant or VARIANT
     if chosen == "dp4a" and M <= FMA_MAX_M:
-        return dp4a_config(N, K, layout)  # (never the tuned table: its entries are FMA configs)
+        if table and (tuned := tuned_configs(device).get(dp4a_key(N, K, layout))) is not None:
+            return tuned
+        return dp4a_config(N, K, layout)
     fma = M <= FMA_MAX_M if variant == "fma" else chosen in ("fma", "dp4a") and M <= FMA_DEFAULT_M
     if fma and table and (tuned := tuned_configs(device).get(table_key(N, K, M, layout))) is not None:
         return tuned
@@ -281,8 +306,9 @@ def gemv_config(N: int, K: int, M: int, layout: Layout, variant: str | None = No
 
 
 def dp4a_config(N: int, K: int, layout: Layout) -> tuple[int, int, int, int, int, int]:
-    """The DP4A GEMV's config ``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, DP4A)`` for an
-    ``[M <= FMA_MAX_M, K] x [N, K]^T`` product on ``layout``: the probe's best guess for Q4
+    """The DP4A GEMV's rule ``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, DP4A)`` for an
+    ``[M <= FMA_MAX_M, K] x [N, K]^T`` product on ``layout`` that the GPU's tuned table does not
+    list (:func:`gemv_config`): the probe's best guess for Q4
     (``scripts/probe_dp4a_gemv.py``; not swept: on the H100 of 2026-12-05 it ran 0.95-1.99x the
     FMA rule's speed at llama-1b/8b's products, docs/benchmarks): 64-row tiles, steps of 512 weights (Q4) or 256
     (Q8: a word holds 4 weights, not 8, so the same 64 words a row and step; the FMA rule's
