@@ -82,7 +82,10 @@ SWEEP = [(64, 512, 4, 3), (32, 512, 4, 3), (128, 512, 4, 3), (64, 256, 4, 3), (1
 #: ptxas compiles without spills at 4 rows (a DP4A table entry serves every M <= FMA_MAX_M).
 DP4A_SWEEP = [(64, 512, 4, 1), (32, 512, 4, 1), (32, 1024, 4, 1), (64, 512, 4, 2), (64, 256, 4, 1), (128, 512, 8, 1),
               (64, 1024, 8, 1), (16, 1024, 4, 1), (32, 512, 2, 1), (16, 512, 2, 1), (32, 2048, 8, 1), (64, 512, 8, 1),
-              (128, 256, 4, 1), (256, 256, 8, 1)]
+              (128, 256, 4, 1), (256, 256, 8, 1),
+              # pipelined (two or three stages; ptxas: no spills at 4 rows either)
+              (64, 256, 4, 2), (32, 512, 4, 2), (64, 256, 4, 3), (32, 512, 4, 3), (128, 256, 8, 2), (64, 512, 8, 2),
+              (32, 1024, 8, 2), (16, 512, 2, 2), (32, 256, 2, 2)]
 VARIANT = os.environ.get("PROBE_VARIANT", "fma")
 #: do_bench_cudagraph's ``rep`` (ms a measurement; PROBE_REP)
 REP = int(os.environ.get("PROBE_REP", "20"))
