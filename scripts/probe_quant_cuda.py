@@ -21,7 +21,9 @@ The check and every compile the bench needs run first in ``--jobs`` processes (s
 the GPU and Triton's on-disk cache: the ~150 kernel variants compile in parallel), then one process
 times everything in turn, reading the compiled kernels from that cache.
 
-Usage (repo root, one GPU; 4 min 20 s on an H200, 2 min 10 s with ``--sweep-shapes ''``)::
+Usage (repo root, one GPU; 4 min 20 s on an H200 before the qk and v products were added, 2 min
+10 s with ``--sweep-shapes ''``; ``--variant dp4a --only bench`` at M = 1 on the H100: 72 s at
+llama-8b for Q4_K and Q6_K, 42 s at llama-1b for three types)::
 
     PYTHONPATH=src python3 scripts/probe_quant_cuda.py > probe.txt
 
@@ -87,6 +89,8 @@ DP4A_SWEEP = [(64, 512, 4, 1), (32, 512, 4, 1), (32, 1024, 4, 1), (64, 512, 4, 2
               (64, 256, 4, 2), (32, 512, 4, 2), (64, 256, 4, 3), (32, 512, 4, 3), (128, 256, 8, 2), (64, 512, 8, 2),
               (32, 1024, 8, 2), (16, 512, 2, 2), (32, 256, 2, 2)]
 VARIANT = os.environ.get("PROBE_VARIANT", "fma")
+if VARIANT not in ("fma", "dp4a"):
+    sys.exit(f"PROBE_VARIANT={VARIANT!r}: expected fma or dp4a")
 #: do_bench_cudagraph's ``rep`` (ms a measurement; PROBE_REP)
 REP = int(os.environ.get("PROBE_REP", "20"))
 #: |y - reference| / max |reference| allowed for the float32 output (tests/test_quant_cuda.FP32_TOL).
@@ -101,7 +105,7 @@ def sweep_configs(N: int, K: int, M: int, layout) -> list[tuple]:
         if M > 1 and bn * bk4 > 32768:  # the larger tiles spill registers at M > 1 (sm_90 SASS)
             continue
         bk = max(32, min(bk4 if layout.q4 else bk4 // 2, Q._pow2(K)))
-        wide = max(1, min(-(-K // bk), -(-528 // -(-N // bn))))
+        wide = Q.wide_split(N, K, bn, bk)
         for splits in sorted({1, wide}):
             out.append((bn, bk, splits, warps, stages, False))
     return out
@@ -113,7 +117,7 @@ def dp4a_sweep_configs(N: int, K: int, layout) -> list[tuple]:
     for bn, bk4, warps, stages in DP4A_SWEEP:
         bk = max(32, min(bk4 if layout.q4 else bk4 // 2, Q._pow2(K)))
         steps = -(-K // bk)
-        wide = max(1, min(steps, -(-528 // -(-N // bn))))
+        wide = Q.wide_split(N, K, bn, bk)
         for splits in sorted({1, max(1, wide // 2), wide, min(steps, 2 * wide)}):
             cfg = (bn, bk, splits, warps, stages, Q.DP4A)
             if Q.entry_problem(Q.dp4a_key(N, K, layout), cfg) is None and cfg not in out:
@@ -273,7 +277,8 @@ def _print_best(key: tuple, value: tuple) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="llama-1b,llama-8b")
-    p.add_argument("--sweep-shapes", default="llama-1b", help="shapes whose FMA configs are swept ('' none)")
+    p.add_argument("--sweep-shapes", default="llama-1b", help="shapes whose configs (FMA, or DP4A with --variant "
+                   "dp4a) are swept ('' none)")
     p.add_argument("--only", choices=("check", "bench"))
     p.add_argument("--jobs", type=int, default=8, help="processes for the check and the compiles (GPU)")
     p.add_argument("--variant", choices=("fma", "dp4a"), help="the GEMV swept and timed (PROBE_VARIANT; default "
@@ -284,6 +289,8 @@ def main() -> int:
         os.environ["PROBE_VARIANT"] = VARIANT = ns.variant  # (the spawned workers read the environment)
     if VARIANT == "dp4a" and ns.only != "bench":
         p.error("--variant dp4a times only: add --only bench")
+    if VARIANT == "dp4a" and max(BENCH_MS) > Q.FMA_MAX_M:
+        p.error(f"--variant dp4a: PROBE_MS up to {Q.FMA_MAX_M} (the DP4A GEMV's rows)")
     from monobatch.quant import packed
     packed.CUDA_PACKED = True
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"

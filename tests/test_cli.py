@@ -493,6 +493,13 @@ def test_serve_takes_the_model_as_vllm_does(tmp_path):
     assert_one_line_error(monobatch("serve", missing, "--port", "0"), "absent.gguf")
     assert_one_line_error(monobatch("serve", missing, "-m", str(tmp_path / "other.gguf"), "--port", "0"),
                           "give the model once")
+    # --served-model-name takes every word after it: a model given after it is refused, not served as a name
+    # beside the bundled model (a new user's trial, 2026-12-05)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")  # a safetensors folder's mark (args.names_a_model)
+    for model in (missing, str(tmp_path / "hf")):
+        assert_one_line_error(monobatch("serve", "--served-model-name", "foo", model, "--port", "0"),
+                              f"--served-model-name took {model!r} as a name and no model was given")
 
 
 @pytest.mark.parametrize("pattern,cause", [("[0-9", "unclosed character class"), ("(ab", "unclosed group"),

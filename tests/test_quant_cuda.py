@@ -844,14 +844,16 @@ def test_kv_pool_leaves_the_dequant_temporary(monkeypatch):
 
 def test_tuned_table_overrides_the_rule(tmp_path, monkeypatch, capsys):
     """A GPU's tuned table (quant_gemm.tuned_configs) gives the FMA GEMV's config of the products it
-    lists, the rule the others'; the DOT rows (M > FMA_DEFAULT_M) never read it; ``''`` = no table;
-    an unreadable table is a warning and the rule."""
+    lists (``M<M>`` keys), the rule the others'; the DOT rows (M > FMA_DEFAULT_M) never read it; ``''`` =
+    no table; an unreadable table is a warning and the rule. A file holding both kinds of entries
+    gives each variant its own (``dp4a`` keys: the DP4A GEMV at every M <= FMA_MAX_M); a bad DP4A
+    entry is dropped with the warning."""
     import json
 
     from monobatch.kernels import quant_gemm as Q
     from monobatch.quant.formats import Q4, Q8_16
 
-    monkeypatch.setattr(Q, "VARIANT", "fma")  # (the table holds FMA configs: MONOBATCH_PACKED_GEMV=fma)
+    monkeypatch.setattr(Q, "VARIANT", "fma")  # (the M<M> entries are FMA configs: MONOBATCH_PACKED_GEMV=fma)
     monkeypatch.setattr(Q, "_gpu_name", lambda device=None: "Fake GPU")
     monkeypatch.setattr(Q, "_TABLES", {})
     monkeypatch.setenv(Q.TABLE_ENV, "")
@@ -864,7 +866,7 @@ def test_tuned_table_overrides_the_rule(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(Q.TABLE_ENV, str(path))
     assert Q.gemv_config(4096, 14336, 1, Q4) == tuple(tuned) != rule[0]
     assert Q.gemv_config(4096, 4096, 1, Q4) == rule[1]  # not listed
-    assert Q.gemv_config(4096, 14336, 4, Q4) == rule[2]  # a DOT row: the table is the FMA variant's
+    assert Q.gemv_config(4096, 14336, 4, Q4) == rule[2]  # a DOT row: the M<M> entries are the FMA variant's
     assert Q.gemv_config(4096, 14336, 1, Q4, table=False) == rule[0]  # the probe's baseline
     path.write_text("{not json")
     monkeypatch.setattr(Q, "_TABLES", {})
@@ -878,6 +880,15 @@ def test_tuned_table_overrides_the_rule(tmp_path, monkeypatch, capsys):
     assert Q.gemv_config(4096, 256, 1, Q4) == Q.gemv_config(4096, 256, 1, Q4, table=False)
     err = capsys.readouterr().err
     assert "1 entries dropped" in err and "tuned on 'Other GPU'" in err
+    dp4a, spills = [32, 1024, 7, 4, 1, Q.DP4A], [128, 1024, 7, 4, 1, Q.DP4A]
+    path.write_text(json.dumps({"configs": {Q.table_key(4096, 14336, 1, Q4): tuned, Q.dp4a_key(4096, 14336, Q4): dp4a,
+                                            Q.dp4a_key(4096, 4096, Q4): spills}}))
+    monkeypatch.setattr(Q, "_TABLES", {})
+    assert Q.gemv_config(4096, 14336, 1, Q4) == tuple(tuned)
+    for M in range(1, Q.FMA_MAX_M + 1):
+        assert Q.gemv_config(4096, 14336, M, Q4, "dp4a") == tuple(dp4a)
+    assert Q.gemv_config(4096, 4096, 1, Q4, "dp4a") == Q.dp4a_config(4096, 4096, Q4)  # dropped: the rule
+    assert "1 entries dropped" in capsys.readouterr().err
 
 
 def test_packaged_tuned_tables_are_valid():
@@ -910,7 +921,9 @@ def test_packaged_tuned_tables_are_valid():
     assert Q.entry_problem("Q4/32 4096x4096 dp4a", (64, 512, 8, 4, 1, False)) == "not a DP4A config"
     assert Q.entry_problem("Q4/32 4096x4096 dp4a", (64, 512, 8, 4, 1, True)) == "not a DP4A config"
     assert Q.entry_problem("Q4/32 4096x4096 M1", (64, 512, 8, 4, 1, Q.DP4A)).startswith("not an FMA")
-    assert Q.entry_problem("Q4/32 4096x4096 dp4a", (64, 96, 8, 4, 1, Q.DP4A)).startswith("BLOCK_K / 32")
+    assert Q.entry_problem("Q4/32 4096x4096 dp4a", (64, 96, 8, 4, 1, Q.DP4A)) == "BLOCK_N or BLOCK_K off"
+    assert Q.entry_problem("Q4/32 4096x4096 dp4a", (64, 512, 8, True, 1, Q.DP4A)) == "not six integers"
+    assert Q.entry_problem("Q4/32 4096x4096 M1", (64, 512, 8, 4, 1, 0)).startswith("not an FMA")
     assert "spills" in Q.entry_problem("Q4/32 4096x4096 dp4a", (128, 512, 8, 4, 1, Q.DP4A))
     assert "spills" in Q.entry_problem("Q8/16:k0 4096x4096 dp4a", (64, 512, 8, 4, 1, Q.DP4A))
 
@@ -932,14 +945,19 @@ def test_packed_gemv_table_script():
              json.dumps({**row, "shape": "other", "cfg": [64, 512, 1, 4, 1, False], "us": 70.0, "rule_us": 100.0}),
              json.dumps({**row, "N": 2048, "cfg": [32, 512, 1, 4, 1, False], "us": 99.0, "rule_us": 100.0}),
              json.dumps({"bench": True})]
-    configs, report = mod.table(lines, 0.03)
+    configs, report, timed = mod.table(lines, 0.03)
     assert configs == {"Q4/32:k 4096x14336 M1": [64, 512, 1, 4, 1, False]}
     assert len(report) == 3 and report[2].startswith("rule ")
+    assert timed == {"Q4/32:k 4096x14336 M1", "Q4/32:k 2048x14336 M1"}
     # the DP4A GEMV's rows (--variant dp4a): one entry for every M, from the M = 1 row
     dp4a = dict(row, variant="dp4a", cfg=[32, 1024, 4, 4, 1, 2], us=80.0, rule_us=100.0)
-    configs, _ = mod.table(lines + [json.dumps(dp4a), json.dumps({**dp4a, "M": 2, "us": 50.0})], 0.03)
+    configs, _, timed = mod.table(lines + [json.dumps(dp4a), json.dumps({**dp4a, "M": 2, "us": 50.0})], 0.03)
     assert configs == {"Q4/32:k 4096x14336 M1": [64, 512, 1, 4, 1, False],
                        "Q4/32:k 4096x14336 dp4a": [32, 1024, 4, 4, 1, 2]}
+    # merging into a GPU's file: untimed products kept, a re-timed one takes the new result (the rule: gone)
+    old = {"Q4/32:k 2048x14336 M1": [16, 512, 1, 4, 1, False], "Q4/32:k 1x1 M1": [8, 64, 1, 1, 1, False],
+           "Q4/32:k 4096x14336 dp4a": [64, 256, 9, 4, 1, 2]}
+    assert mod.merge(old, configs, timed) == {**configs, "Q4/32:k 1x1 M1": [8, 64, 1, 1, 1, False]}
 
 
 #: A GGUF type of each compact layout name (the tuned tables' keys; device_repack's layouts).
@@ -952,8 +970,10 @@ def check_table_configs(device: str = "cpu") -> str:
     off the tile and on whole tiles (the unmasked loads, as every tabled product), K of two steps:
     an FMA entry's at M = 1; a DP4A entry's (``... dp4a``: every M <= FMA_MAX_M) at M = 1 and 4,
     against x after its int8 round trip (:func:`dp4a_x`, DP4A_TOL); on CUDA also every entry at its
-    own N x K with its own split, bf16 x."""
+    own N x K with its own split, bf16 x (DP4A entries at M = 1 and 4). The table that
+    ``MONOBATCH_PACKED_GEMV_CONFIGS`` names, when set, is checked beside the packaged ones."""
     import json
+    import os
     from pathlib import Path
 
     from monobatch.kernels import quant_gemm as Q
@@ -961,8 +981,10 @@ def check_table_configs(device: str = "cpu") -> str:
     def ref_tol(x, w, dp4a):
         return ((dp4a_x(x)[0] if dp4a else x.double()) @ w.T), (DP4A_TOL if dp4a else tol)
 
-    tables = [json.loads(f.read_text())["configs"] for f in sorted((Path(Q.__file__).parent / "configs").glob(
-        "packed_gemv_*.json"))]
+    files = sorted((Path(Q.__file__).parent / "configs").glob("packed_gemv_*.json"))
+    if os.environ.get(Q.TABLE_ENV):
+        files.append(Path(os.environ[Q.TABLE_ENV]))
+    tables = [json.loads(f.read_text())["configs"] for f in files]
     tiles = {(key.split()[0], bn, bk, warps, stages, dot) for t in tables
              for key, (bn, bk, _splits, warps, stages, dot) in t.items()}
     g = torch.Generator().manual_seed(11)
@@ -984,9 +1006,10 @@ def check_table_configs(device: str = "cpu") -> str:
             for key, cfg in t.items():
                 layout, n, k = key.split()[0], *map(int, key.split()[1].split("x"))
                 rep, w = _parts(TABLE_TYPES[layout], n, k, seed=7, device=device)
-                x = torch.randn(1, k, generator=g).to(device, dt)
-                ref, bound = ref_tol(x, w, cfg[5] == Q.DP4A)
-                assert _rel(Q.gemv(x, rep, config=tuple(cfg), out_dtype=torch.float32), ref) <= bound, key
+                for m in (1, Q.FMA_MAX_M) if cfg[5] == Q.DP4A else (1,):
+                    x = torch.randn(m, k, generator=g).to(device, dt)
+                    ref, bound = ref_tol(x, w, cfg[5] == Q.DP4A)
+                    assert _rel(Q.gemv(x, rep, config=tuple(cfg), out_dtype=torch.float32), ref) <= bound, (key, m)
                 del rep, w
     return "ok"
 
@@ -1222,6 +1245,38 @@ def test_dp4a_configs(monkeypatch):
         assert Q.gemv_config(4096, 14336, M, Q4, "fma") == Q.gemv_config(4096, 14336, M, Q4, "fma", table=False)
     assert Q.gemv_config(4096, 4096, 1, Q4) == Q.dp4a_config(4096, 4096, Q4)  # not listed
     assert Q.gemv_config(4096, 14336, Q.FMA_MAX_M + 1, Q4)[5] is True
+
+
+def test_table_dp4a_tiles_compile_without_spills():
+    """Every DP4A tile of the packaged tuned tables (``dp4a`` entries serve every M <= FMA_MAX_M)
+    compiles for sm_90 at 4 rows, plain and with the gated input (the down projection), without
+    register spills (ptxas): what ``entry_problem``'s DP4A_MAX_BYTES bound stands for."""
+    import json
+    import os
+    from pathlib import Path
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter compiles nothing")
+    from helpers import sm90_compile_problem
+    from monobatch.kernels import quant_gemm as Q
+    if Q.triton is None:
+        pytest.skip("Triton not installed")
+    if sm90_compile_problem():
+        pytest.skip(sm90_compile_problem())
+    tiles = set()
+    for f in sorted((Path(Q.__file__).parent / "configs").glob("packed_gemv_*.json")):
+        for key, (bn, bk, _splits, warps, stages, dot) in json.loads(f.read_text())["configs"].items():
+            if dot == Q.DP4A:
+                tiles.add((TABLE_TYPES[key.split()[0]].name, bn, bk, warps, stages))
+    for case, bn, bk, warps, stages in sorted(tiles):
+        layout, scale_sig, codes = _scale_case(case)
+        for gated in (False, True):
+            c = dict(HAS_BIAS=False, ROWS=Q.FMA_MAX_M, M_PAD=Q._pow2(Q.FMA_MAX_M), BLOCK_N=bn, NG=bk // 32,
+                     STAGES=stages, Q4=layout.q4, GROUP=layout.group, GATED=gated, EVEN=True, SUB=256 // layout.group,
+                     ASM=True, PDL=True, **codes)
+            ptx = _sm90(Q._gemv_dp4a_kernel, c, {**_PTRS, **scale_sig, "QW": "*i32"}, num_warps=warps,
+                        num_stages=stages, launch_pdl=True)
+            regs, spills = _ptxas_usage(ptx)
+            assert spills == 0, (case, bn, bk, warps, stages, gated, regs, spills)
 
 
 @pytest.mark.parametrize("case", ["f32", "Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K"])

@@ -15,7 +15,7 @@ import sys
 
 from monobatch import defaults
 from monobatch.chat_output import REASONING_FORMATS
-from monobatch.cli.args import add_model_args, add_sampling_args, engine_settings, sampling_flags
+from monobatch.cli.args import add_model_args, add_sampling_args, engine_settings, names_a_model, sampling_flags
 from monobatch.errors import InvalidRequestError, MonobatchError, require_api_key
 
 #: Environment variable read when --api-key is not given (keeps the key out of `ps`).
@@ -84,6 +84,13 @@ def check_flags(ns: argparse.Namespace) -> None:
         if ns.model is not None and ns.model != ns.model_tag:
             raise InvalidRequestError(f"give the model once: {ns.model_tag!r} or -m {ns.model!r}, not both", "model")
         ns.model = ns.model_tag
+    names = ns.served_model_name or []
+    if ns.model is None and len(names) > 1 and (names_a_model(names[-1]) or names[-1].lower().endswith(".gguf")):
+        # --served-model-name takes every word after it: `serve --served-model-name foo MODEL` would
+        # serve the bundled model under two names, one of them the path
+        raise InvalidRequestError(f"--served-model-name took {names[-1]!r} as a name and no model was given: put the "
+                                  f"model first (serve MODEL --served-model-name ...) or give it with -m",
+                                  "served_model_name")
     if ns.max_model_len is not None:
         if ns.ctx_size and ns.ctx_size != ns.max_model_len:
             raise InvalidRequestError("give --max-model-len or -c/--ctx-size, not both", "max_model_len")

@@ -81,11 +81,13 @@ The packed integers become floats by the exact "magic number" trick (``2^23 + q`
 mantissa bits; subtracting ``2^23`` is exact), not by int-to-float instructions (a quarter of the
 FMA rate on Hopper).
 
-The configs are fixed functions of (N, K, M, layout) (:func:`gemv_config`, :func:`gemm_config`),
-never timed at run time: the DOT GEMV's from one H200 sweep at M = 1 (``scripts/bench_packed_cuda.py
---sweep``), the FMA GEMV's at M <= 2 from one H200 run of ``scripts/probe_quant_cuda.py`` (which
-checks the FMA GEMV at the model shapes and sweeps its configs), where a GPU's tuned table lists a
-product (:func:`tuned_configs`, written from such a sweep) the table's, the GEMM's untuned.
+The configs are fixed functions of (N, K, M, layout) and the GPU model (:func:`gemv_config`,
+:func:`gemm_config`), never timed at run time: the DOT GEMV's from one H200 sweep at M = 1
+(``scripts/bench_packed_cuda.py --sweep``), the FMA GEMV's rule at M <= 2 from one H200 run of
+``scripts/probe_quant_cuda.py`` (which checks the FMA GEMV at the model shapes and sweeps its
+configs), the DP4A GEMV's rule the dp4a probe's guess (:func:`dp4a_config`); where the GPU's tuned
+table lists a product (:func:`tuned_configs`, written from such a sweep: ``--variant dp4a`` for the
+DP4A entries) the table's; the GEMM's untuned.
 """
 
 from __future__ import annotations
@@ -122,12 +124,13 @@ FMA_DEFAULT_M = 2
 #: (the DOT variant for every M); the A/B switch.
 VARIANT = env.choice("MONOBATCH_PACKED_GEMV", "dp4a", ("fma", "dot", "dp4a"))
 #: The sixth element of a GEMV config naming the DP4A variant (False: FMA, True: DOT). An integer,
-#: not a bool, so a tuned table's entry (:func:`entry_problem`: FMA configs only) can never be one.
+#: not a bool, so no FMA or DOT config can be taken for one (:func:`entry_problem` keeps a table's
+#: FMA entries, ``M<M>`` keys, and DP4A entries, ``dp4a`` keys, apart by it).
 DP4A = 2
 #: Most weight bytes a thread loads a K step (BLOCK_N x BLOCK_K's bytes / threads) in a DP4A config
 #: of the tuned table: Triton 3.6's sm_90 SASS of the kernel spills registers above it at 4 rows
-#: (ptxas, 2026-12-05: 64 x 512 Q4 weights on 4 warps, 128 bytes a thread, none; twice that, 784-3,104
-#: bytes of spills), and a DP4A entry serves every M <= FMA_MAX_M.
+#: (ptxas, 2026-12-05, one and two stages: 64 x 512 Q4 weights on 4 warps, 128 bytes a thread, none;
+#: over it, 8-3,104 bytes of spills), and a DP4A entry serves every M <= FMA_MAX_M.
 DP4A_MAX_BYTES = 128
 #: The DP4A kernel's dp4a: PTX inline assembly when compiled, integer ops in the interpreter (which
 #: runs no inline assembly; the same int32 results).
@@ -205,19 +208,17 @@ def entry_problem(key: str, cfg: tuple) -> str | None:
     m = re.fullmatch(r"(Q[48])/(\d+)(:\S*)? (\d+)x(\d+) (M(\d+)|dp4a)", key)
     if m is None:
         return "not a '<layout> <N>x<K> M<M>' or '<layout> <N>x<K> dp4a' key"
-    if len(cfg) != 6 or not all(isinstance(v, (int, bool)) for v in cfg):
+    if len(cfg) != 6 or not all(type(v) is int for v in cfg[:5]) or not isinstance(cfg[5], int):
         return "not six integers"
     q4, k, rows = m.group(1) == "Q4", int(m.group(5)), m.group(7)
     bn, bk, splits, warps, stages, dot = cfg
-    bw = bk // (2 if q4 else 1)
+    bw = bk // (2 if q4 else 1)  # bytes of a row's K step (a power of two: bk / 32 groups a step)
     if rows is None:
         if isinstance(dot, bool) or dot != DP4A:
             return "not a DP4A config"
-        if bk < 32 or (bk // 32) & (bk // 32 - 1):
-            return "BLOCK_K / 32 not a power of two"
-        if warps in (1, 2, 4, 8) and bn * (bk // (2 if q4 else 1)) > DP4A_MAX_BYTES * warps * 32:
+        if warps in (1, 2, 4, 8) and bn * bw > DP4A_MAX_BYTES * warps * 32:
             return f"more than {DP4A_MAX_BYTES} weight bytes a thread a step (spills at {FMA_MAX_M} rows)"
-    elif dot or not 1 <= int(rows) <= FMA_MAX_M:
+    elif dot is not False or not 1 <= int(rows) <= FMA_MAX_M:
         return f"not an FMA config of 1..{FMA_MAX_M} rows"
     if bk < 32 or bk % 32 or bw & (bw - 1) or bn < 1 or bn & (bn - 1) or bk > _pow2(k):
         return "BLOCK_N or BLOCK_K off"
@@ -296,13 +297,17 @@ def gemv_config(N: int, K: int, M: int, layout: Layout, variant: str | None = No
     if fma:
         block_n, block_k = (64 if M == 1 else 32), (512 if layout.q4 else 256)
         block_k = max(32, min(block_k, _pow2(K)))
-        steps = -(-K // block_k)
-        tiles = -(-N // block_n)
-        return block_n, block_k, max(1, min(steps, -(-528 // tiles))), 4, (1 if M == 1 else 3), False
+        return block_n, block_k, wide_split(N, K, block_n, block_k), 4, (1 if M == 1 else 3), False
     wide_q8 = not layout.q4 and N > 8192
     block_n, block_k, splits, warps, stages = (64, 256, 1, 4, 3) if wide_q8 else (64, 128, 4, 4, 4)
     block_k = max(32, min(block_k, _pow2(K)))
     return block_n, block_k, splits, warps, stages, True
+
+
+def wide_split(N: int, K: int, block_n: int, block_k: int) -> int:
+    """The FMA and DP4A rules' SPLIT_K: K cut until the grid has ~528 programs (4 a multiprocessor
+    on the H200's 132), at most K's steps, at least 1."""
+    return max(1, min(-(-K // block_k), -(-528 // -(-N // block_n))))
 
 
 def dp4a_config(N: int, K: int, layout: Layout) -> tuple[int, int, int, int, int, int]:
@@ -316,8 +321,7 @@ def dp4a_config(N: int, K: int, layout: Layout) -> tuple[int, int, int, int, int
     for every M, so a row's bits do not depend on the rows beside it (one K order, one split, one
     reduction layout)."""
     block_n, block_k = 64, max(32, min(512 if layout.q4 else 256, _pow2(K)))
-    steps, tiles = -(-K // block_k), -(-N // block_n)
-    return block_n, block_k, max(1, min(steps, -(-528 // tiles))), 4, 1, DP4A
+    return block_n, block_k, wide_split(N, K, block_n, block_k), 4, 1, DP4A
 
 
 def gemm_config(M: int, N: int) -> tuple[int, int, int, int, int]:
@@ -1023,7 +1027,7 @@ def gemv(x: torch.Tensor, w, bias: torch.Tensor | None = None, out_dtype: torch.
         config: ``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, DOT)``; None: :func:`gemv_config`.
             DOT False: the FMA variant (M <= :data:`FMA_MAX_M`; BLOCK_K of Q8/32 at least 32 weights,
             a step of whole groups); True: the DOT variant; :data:`DP4A`: the DP4A variant (any
-            layout, M <= FMA_MAX_M; :func:`dp4a_config`). Its numerics: each row of x rounded to
+            layout, M <= FMA_MAX_M; the tuned table's ``dp4a`` entry or :func:`dp4a_config`). Its numerics: each row of x rounded to
             int8 per 32 columns (``d = amax / 127`` in float32, ``xi = x * (127 / amax)`` rounded
             half away from zero; ``|x - d xi| <= d / 2``), exact int32 dots ``sumi`` of each
             weight group's integers and xi (Q8/16: two weight groups a 32-column x group), and a

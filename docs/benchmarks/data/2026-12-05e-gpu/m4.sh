@@ -1,4 +1,4 @@
-# call 4 (an H200: the machine): llama.cpp CUDA + the Q4 GGUFs in the background; the DP4A GEMV swept
+# call 4 (an H200, the machine, or else an H100): llama.cpp CUDA + the Q4 GGUFs in the background; the DP4A GEMV swept
 # at llama-8b's products -> this GPU's table (merged into the packaged one); then llama-8b Q4_K_M on both
 # engines (tg128 at depth 256, pp2048; monobatch table vs rule, two rounds), then the 1b files if time is left
 source .device/common.sh
@@ -7,9 +7,9 @@ GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); TB=src/monob
 GGUF_SHAPES="llama-8b llama-1b" QUANTS="llama-8b:Q4_K_M llama-1b:Q4_0 llama-1b:Q4_K_M" W=/tmp/gs nice -n 19 bash scripts/gpu_serving.sh start $OUT/gs >/dev/null 2>&1
 export MONOBATCH_CUDA_PACKED=1
 PR="python3 scripts/probe_quant_cuda.py --variant dp4a --only bench"
-PROBE_MS=1 PROBE_TYPES=Q4_K,Q6_K PROBE_REP=10 timeout 200 $PR --shapes llama-8b --sweep-shapes llama-8b > $OUT/sweep-8b.jsonl 2>>$OUT/err.txt; log "sweep 8b rc=$?"
+PROBE_MS=1 PROBE_TYPES=Q4_K PROBE_REP=10 timeout 150 $PR --shapes llama-8b --sweep-shapes llama-8b > $OUT/sweep-8b.jsonl 2>>$OUT/err.txt; log "sweep 8b rc=$?"
 rm -f /tmp/gs/table.json; [ -f $TB ] && cp $TB /tmp/gs/table.json
-python3 scripts/packed_gemv_table.py $OUT/sweep-8b.jsonl --device "$GPU" --merge -o /tmp/gs/table.json > $OUT/table.txt 2>&1; log "table rc=$? $(tail -1 $OUT/table.txt)"
+python3 scripts/packed_gemv_table.py $OUT/sweep-8b.jsonl --device "$GPU" -o /tmp/gs/table.json > $OUT/table.txt 2>&1; log "table rc=$? $(tail -1 $OUT/table.txt)"
 cp /tmp/gs/table.json $OUT/table.json
 for i in $(seq 80); do [ -f /tmp/gs/llama-8b-Q4_K_M.gguf ] && [ -f /tmp/gs/build.rc ] && ! pgrep -f "llama-quantize /tmp/gs/llama-8b" >/dev/null && break; sleep 5; done
 log "build rc=$(cat /tmp/gs/build.rc 2>/dev/null) 8b $(ls -la /tmp/gs/llama-8b-Q4_K_M.gguf 2>&1 | cut -c1-80)"
@@ -25,4 +25,6 @@ for q in llama-8b-Q4_K_M llama-1b-Q4_0 llama-1b-Q4_K_M; do
     MONOBATCH_PACKED_GEMV_CONFIGS= tt 60 rule-$q-r$r $MB
   done
 done
+# what is left: one 8b decode step's GPU timeline (random packed Q4_K weights, the table installed)
+MONOBATCH_PACKED_GEMV_CONFIGS=/tmp/gs/table.json tt 60 profile-8b python3 scripts/profile_decode.py --shape llama-8b --quant Q4_K --no-profile -n 32 --trace /tmp/gs/q4k8.json
 tail -c 1500 $OUT/err.txt
