@@ -135,6 +135,10 @@ def test_a_model_given_as_the_prompt_is_named(tmp_path):
     for command, args in (("serve", ["smollm2", "extra"]), ("run", ["-z", "hi"])):
         res = monobatch(command, *args, timeout=60)
         assert res.returncode == 2 and "unrecognized arguments" in res.stderr and hint not in res.stderr, res.stderr
+    res = monobatch("chat", "hi", timeout=60)  # chat takes its prompts at its own prompt or from stdin
+    assert res.returncode == 2 and res.stderr.endswith(
+        'unrecognized arguments: hi; monobatch chat takes no prompt argument (type at its prompt, or pipe lines '
+        'in); for one prompt: monobatch run "..." (see --help)\n'), res.stderr
 
 
 def test_a_positional_prompt_imports_no_torch():
@@ -332,6 +336,18 @@ def test_progress_bar_on_a_terminal():
 def test_missing_model():
     res = monobatch("generate", "-p", "hi", "-m", "/nonexistent/model.gguf")
     assert_one_line_error(res, "model not found", "/nonexistent/model.gguf")
+    assert "downloads nothing" not in res.stderr
+
+
+def test_a_hugging_face_repo_id_says_nothing_is_downloaded():
+    """``-m org/name`` (vLLM's habit) that is no local path: the one line says monobatch downloads
+    nothing and what to give instead (a new user's trial, 2026-12-05)."""
+    from monobatch.errors import ModelNotFoundError
+    from monobatch.loader import resolve_model_path
+
+    with pytest.raises(ModelNotFoundError, match="model not found: HuggingFaceTB/SmolLM2-135M-Instruct; "
+                                                 "monobatch downloads nothing: give a local GGUF file"):
+        resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
 
 
 def test_not_a_gguf(tmp_path):

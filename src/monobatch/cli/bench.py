@@ -4,14 +4,14 @@
 Prompts are synthesized text cut to the exact token count, generation is greedy with EOS
 ignored, and the prefix cache is bypassed. Every path x prompt length x batch size is measured
 (one warm-up, then --runs timed runs, medians). On the bundled model by default, or random
-weights of a named shape with ``--dummy-weights --shape NAME`` (no download).
+weights of a named shape with --dummy-weights --shape NAME (no download).
 
   monobatch bench -p 256,8064 -n 128
   monobatch bench --path engine,server,http -p 256
   monobatch bench --dummy-weights --shape llama-1b --device cuda --batch-size 1,8,32,64,128 --json
   monobatch bench --dummy-weights --shape llama-1b --quant Q4_K --device cuda   # random packed weights
 
-``--json`` prints one JSON object per line, one per configuration (``label`` names it).
+--json prints one JSON object per line, one per configuration (its "label" names it).
 """
 
 from __future__ import annotations

@@ -61,7 +61,8 @@ def _did_you_mean(parser: argparse.ArgumentParser, command: str | None, extras: 
     the value as this command's argument, so the word after it looked extra: ``run --logprobs 3
     hi`` names ``--logprobs 3``, not ``--logprobs hi``); else, where only words are extra to a
     command that takes a prompt, a hint that it takes one (``run smollm2 "Why ..."``: a model given
-    first, as vLLM and Ollama take it); else ``extras`` and ``""``."""
+    first, as vLLM and Ollama take it), or to ``chat``, that it takes none (``run`` does); else
+    ``extras`` and ``""``."""
     subs = next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
     sub = subs.get(command) if command else None
     known = list((sub or parser)._option_string_actions)
@@ -83,6 +84,9 @@ def _did_you_mean(parser: argparse.ArgumentParser, command: str | None, extras: 
     takes_prompt = sub is not None and any(not a.option_strings and a.dest in PROMPT_DESTS for a in sub._actions)
     if takes_prompt and not any(_is_flag(e) for e in extras):  # words after the prompt: a model given first
         return extras, f"; monobatch {command} takes one prompt (quote it) and a model with -m MODEL"
+    if command == "chat" and not any(_is_flag(e) for e in extras):  # `chat hi`: a prompt where none is taken
+        return extras, "; monobatch chat takes no prompt argument (type at its prompt, or pipe lines in); " \
+                       "for one prompt: monobatch run \"...\""
     return extras, ""
 
 

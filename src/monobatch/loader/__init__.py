@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import re
 import shlex
 import sys
 import time
@@ -110,7 +111,11 @@ def resolve_model_path(model: str | Path | None) -> Path:
         from monobatch.loader.named import named_model_path  # -m gemma3: a model by name
         named = named_model_path(str(model))
         if named is None:
-            raise ModelNotFoundError(f"model not found: {path}")
+            text = str(model)
+            repo_id = re.fullmatch(r"[\w.-]+/[\w.-]+", text) is not None and not text.startswith((".", "~"))
+            hint = ("; monobatch downloads nothing: give a local GGUF file or a Hugging Face folder (config.json "
+                    "beside the safetensors), e.g. one `huggingface-cli download` wrote" if repo_id else "")
+            raise ModelNotFoundError(f"model not found: {path}{hint}")
         return named
     return path
 
