@@ -671,6 +671,21 @@ def test_tiny_gguf_packed_on_cuda(tmp_path):
         assert ((got - want).abs().max() / want.abs().max()).item() < 3e-2
 
 
+def _sm90_quant_gemm(check_ptxas: bool = True):
+    """quant_gemm for the sm_90 compile tests, or a skip: the interpreter compiles nothing, Triton
+    absent, or (``check_ptxas``) this Triton unable to compile for sm_90 here."""
+    import os
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter compiles nothing")
+    from monobatch.kernels import quant_gemm as Q
+    if Q.triton is None:
+        pytest.skip("Triton not installed")
+    from helpers import sm90_compile_problem
+    if check_ptxas and sm90_compile_problem():
+        pytest.skip(sm90_compile_problem())
+    return Q
+
+
 def _sm90(fn, constexprs: dict, signature: dict, **options) -> str:
     """PTX of a quant_gemm kernel compiled for sm_90 (Triton's bundled ptxas, no GPU needed)."""
     triton = pytest.importorskip("triton")
@@ -737,12 +752,7 @@ def test_kernels_compile_for_sm90(case, variant):
     interpreter does not compile) on every scale layout of CUDA; the GEMV with PDL touches nothing
     before ``griddepcontrol.wait`` but its first weight tile (loads only: kernels/pdl.py's rule).
     The FMA GEMV: below."""
-    import os
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("the interpreter compiles nothing")
-    from monobatch.kernels import quant_gemm as Q
-    if Q.triton is None:
-        pytest.skip("Triton not installed")
+    Q = _sm90_quant_gemm(check_ptxas=False)
     layout, scale_sig, codes = _scale_case(case)
     q4, group = layout.q4, layout.group
     sig = {**_PTRS, **scale_sig, "QS": "*u8" if q4 else "*i8"}
@@ -775,16 +785,8 @@ def test_fma_gemv_compiles_for_sm90(case, rows):
     compiles for sm_90 on every scale layout of CUDA with no register spills, its packed bytes in
     16-byte loads (``cp.async`` of 16 bytes into a pipeline's buffers, ``ld.global.v4`` for the
     tile before the loop), no int-to-float conversion (the factored scales' bytes too), and PDL's rule."""
-    import os
     import re
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("the interpreter compiles nothing")
-    from helpers import sm90_compile_problem
-    from monobatch.kernels import quant_gemm as Q
-    if Q.triton is None:
-        pytest.skip("Triton not installed")
-    if sm90_compile_problem():
-        pytest.skip(sm90_compile_problem())
+    Q = _sm90_quant_gemm()
     layout, scale_sig, codes = _scale_case(case)
     q4, group = layout.q4, layout.group
     bn, bk, _, warps, stages, _ = Q.gemv_config(16384, 2048, rows, layout, "fma")
@@ -897,7 +899,6 @@ def test_packaged_tuned_tables_are_valid():
     32, at most K, split-K within K's steps, the FMA variant at M <= FMA_MAX_M (``M<M>`` keys) or
     the DP4A one (``dp4a`` keys)."""
     import json
-    import re
     from pathlib import Path
 
     from monobatch.kernels import quant_gemm as Q
@@ -1252,16 +1253,8 @@ def test_table_dp4a_tiles_compile_without_spills():
     compiles for sm_90 at 4 rows, plain and with the gated input (the down projection), without
     register spills (ptxas): what ``entry_problem``'s DP4A_MAX_BYTES bound stands for."""
     import json
-    import os
     from pathlib import Path
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("the interpreter compiles nothing")
-    from helpers import sm90_compile_problem
-    from monobatch.kernels import quant_gemm as Q
-    if Q.triton is None:
-        pytest.skip("Triton not installed")
-    if sm90_compile_problem():
-        pytest.skip(sm90_compile_problem())
+    Q = _sm90_quant_gemm()
     tiles = set()
     for f in sorted((Path(Q.__file__).parent / "configs").glob("packed_gemv_*.json")):
         for key, (bn, bk, _splits, warps, stages, dot) in json.loads(f.read_text())["configs"].items():
@@ -1286,16 +1279,8 @@ def test_dp4a_gemv_compiles_for_sm90(case, rows):
     CUDA, Q8_0's (Q8/32) and Q6_K's (Q8/16) (rows 4: the gated input, bias): a dp4a a word of 4
     weights and row (Q4: two dp4a.u32.s32 a word, Q8: one dp4a.s32.s32) in the step before the
     loop and in the loop (the PTX's count), no int-to-float conversion, no register spills, PDL's rule."""
-    import os
     import re
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("the interpreter compiles nothing")
-    from helpers import sm90_compile_problem
-    from monobatch.kernels import quant_gemm as Q
-    if Q.triton is None:
-        pytest.skip("Triton not installed")
-    if sm90_compile_problem():
-        pytest.skip(sm90_compile_problem())
+    Q = _sm90_quant_gemm()
     layout, scale_sig, codes = _scale_case(case)
     bn, bk, _, warps, stages, _ = Q.dp4a_config(4096, 14336, layout)
     c = dict(HAS_BIAS=rows == 4, ROWS=rows, M_PAD=Q._pow2(rows), BLOCK_N=bn, NG=bk // 32, STAGES=stages,
