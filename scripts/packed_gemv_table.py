@@ -15,13 +15,13 @@ timing: an entry near the threshold is within that bias, so re-time close picks 
         -o src/monobatch/kernels/configs/packed_gemv_NVIDIA_H200.json
 
 The DP4A GEMV's rows (``probe_quant_cuda.py --variant dp4a``, M = 1) give ``"<layout> <N>x<K> dp4a"``
-entries, which serve every M <= FMA_MAX_M (chosen at M = 1: their time at 2-4 rows is not
-compared). The FMA and DP4A entries share a GPU's file, so the table at ``-o`` is merged into by
+entries, which serve every M <= FMA_MAX_M (chosen at M = 1; with the probe's ``PROBE_MS=1,4``
+among the configs not slower than the rule at 4 rows, its ``dp4a_best``). The FMA and DP4A entries share a GPU's file, so the table at ``-o`` is merged into by
 default: its entries of products this run did not time are kept, a product timed again takes this
 run's result (a new best, or the rule: its old entry is dropped); ``--replace`` writes only this
 run's entries::
 
-    PROBE_MS=1 PROBE_TYPES=Q4_K,Q6_K python3 scripts/probe_quant_cuda.py --variant dp4a --only bench \\
+    PROBE_MS=1,4 PROBE_TYPES=Q4_K,Q6_K python3 scripts/probe_quant_cuda.py --variant dp4a --only bench \\
         --shapes llama-8b --sweep-shapes llama-8b > dp4a.jsonl
     python3 scripts/packed_gemv_table.py dp4a.jsonl --device "NVIDIA H100 80GB HBM3" \\
         -o src/monobatch/kernels/configs/packed_gemv_NVIDIA_H100_80GB_HBM3.json

@@ -15,7 +15,9 @@ checks it, then times it beside the DOT variant and the dense bf16 GEMV.
     and without split-K). One JSON object a line: ``"bench"`` rows, and ``"best"`` rows (the
     fastest FMA config per layout, shape and M, with the rule's time) after each product's rows.
     ``--variant dp4a --only bench``: the DP4A GEMV instead (its rule, ``dp4a_config``, and on the
-    sweep shapes :data:`DP4A_SWEEP`), for its table entries (``scripts/packed_gemv_table.py``).
+    sweep shapes :data:`DP4A_SWEEP`), for its table entries (``scripts/packed_gemv_table.py``); with
+    ``PROBE_MS=1,4`` the M = 1 best only among the configs not slower than the rule at 4 rows
+    (:func:`dp4a_best`: an entry serves every M).
 
 The check and every compile the bench needs run first in ``--jobs`` processes (spawned, sharing
 the GPU and Triton's on-disk cache: the ~150 kernel variants compile in parallel), then one process
@@ -232,9 +234,29 @@ def check_inline(shapes: list[str], dev: torch.device, gen: torch.Generator) -> 
     return fails
 
 
+#: ``--variant dp4a`` with more than one M in PROBE_MS (e.g. ``1,4``): a DP4A entry serves every M <=
+#: FMA_MAX_M, so the M = 1 best is taken among the configs at most this much slower than the rule at
+#: each other timed M (the rule wins a product where none is).
+DP4A_OTHER_M_SLACK = 0.03
+
+
+def dp4a_best(times: dict[tuple, dict[int, float]], rule: tuple) -> tuple[tuple, dict[int, list]] | None:
+    """The M = 1 best of one product's DP4A configs, ``times``: config -> {M: us}, among those within
+    :data:`DP4A_OTHER_M_SLACK` of ``rule``'s time at every other M; with ``{M: [its us, the rule's]}``
+    for those other Ms. None without an M = 1 time."""
+    others = sorted(m for m in times.get(rule, {}) if m != 1)
+    ok = [cfg for cfg, t in times.items() if 1 in t and all(
+        m in t and t[m] <= times[rule][m] * (1 + DP4A_OTHER_M_SLACK) for m in others)]
+    if not ok:
+        return None
+    cfg = min(ok, key=lambda c: times[c][1])
+    return cfg, {m: [round(times[cfg][m], 2), round(times[rule][m], 2)] for m in others}
+
+
 def bench(shapes: list[str], sweep_shapes: list[str], dev: torch.device, gen: torch.Generator) -> None:
     timing = dev.type == "cuda"
     best: dict[tuple, tuple[float, tuple]] = {}
+    times: dict[tuple, dict[tuple, dict[int, float]]] = {}  # (type, layout, shape, layer) -> cfg -> {M: us}
     for shape in shapes:
         for layer, (N, K, gated) in model_shapes(shape).items():
             dense = torch.randn(N, K, device=dev, generator=gen).to(torch.bfloat16 if timing else torch.float32) * 0.02
@@ -259,19 +281,32 @@ def bench(shapes: list[str], sweep_shapes: list[str], dev: torch.device, gen: to
                             key = (t.name, part.layout.name, shape, layer, M)
                             if key not in best or us < best[key][0]:
                                 best[key] = (us, cfg, N, K, row.get(f"{t.name}_{VARIANT}_us"))
+                            times.setdefault(key[:4], {}).setdefault(cfg, {})[M] = us
                 print(json.dumps(row), flush=True)
             for key in [k for k in best if k[2:4] == (shape, layer)]:  # this product's best, as soon as known
-                _print_best(key, best.pop(key))
+                value, other_m = best.pop(key), None
+                if VARIANT == "dp4a" and key[4] == 1 and len(BENCH_MS) > 1:
+                    layout = next(p.layout for t, p in parts.items() if t.name == key[0])
+                    rule = Q.gemv_config(N, K, 1, layout, "dp4a", table=False)
+                    picked = dp4a_best(times[key[:4]], rule)
+                    if picked is not None:
+                        cfg, other_m = picked
+                        value = (times[key[:4]][cfg][1], cfg, *value[2:])
+                _print_best(key, value, other_m)
+            for key in [k for k in times if k[2:4] == (shape, layer)]:
+                del times[key]
             del dense, parts
             if timing:
                 torch.cuda.empty_cache()
 
 
-def _print_best(key: tuple, value: tuple) -> None:
+def _print_best(key: tuple, value: tuple, other_m: dict | None = None) -> None:
     (tname, lname, shape, layer, M), (us, cfg, N, K, rule_us) = key, value
-    print(json.dumps({"best": True, "variant": VARIANT, "type": tname, "layout": lname, "shape": shape,
-                      "layer": layer, "M": M, "N": N, "K": K, "cfg": list(cfg), "us": round(us, 2),
-                      "rule_us": rule_us}), flush=True)
+    row = {"best": True, "variant": VARIANT, "type": tname, "layout": lname, "shape": shape, "layer": layer,
+           "M": M, "N": N, "K": K, "cfg": list(cfg), "us": round(us, 2), "rule_us": rule_us}
+    if other_m is not None:  # dp4a: the pick's and the rule's us at the other Ms ({M: [pick, rule]})
+        row["other_m_us"] = other_m
+    print(json.dumps(row), flush=True)
 
 
 def main() -> int:

@@ -961,6 +961,27 @@ def test_packed_gemv_table_script():
     assert mod.merge(old, configs, timed) == {**configs, "Q4/32:k 1x1 M1": [8, 64, 1, 1, 1, False]}
 
 
+def test_probe_dp4a_best_keeps_the_other_rows():
+    """scripts/probe_quant_cuda.py's DP4A pick (PROBE_MS=1,4): the fastest config at M = 1 among
+    those not more than DP4A_OTHER_M_SLACK slower than the rule at every other timed M (a DP4A
+    entry serves every M <= 4); the rule itself where nothing else qualifies."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "probe_quant_cuda", Path(__file__).resolve().parents[1] / "scripts" / "probe_quant_cuda.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rule, fast_1 = (64, 512, 8, 4, 1, 2), (32, 2048, 1, 8, 1, 2)
+    fast_both, slow_4 = (32, 512, 4, 4, 1, 2), (16, 512, 1, 2, 1, 2)
+    times = {rule: {1: 10.0, 4: 20.0}, fast_1: {1: 6.0, 4: 25.0}, fast_both: {1: 8.0, 4: 20.5},
+             slow_4: {1: 7.0, 4: 40.0}}
+    assert mod.dp4a_best(times, rule) == (fast_both, {4: [20.5, 20.0]})
+    assert mod.dp4a_best({rule: {1: 10.0, 4: 20.0}, fast_1: {1: 6.0, 4: 25.0}}, rule) == (rule, {4: [20.0, 20.0]})
+    assert mod.dp4a_best({rule: {1: 10.0}, fast_1: {1: 6.0}}, rule) == (fast_1, {})  # M = 1 alone: the fastest
+    assert mod.dp4a_best({rule: {4: 20.0}}, rule) is None
+
+
 #: A GGUF type of each compact layout name (the tuned tables' keys; device_repack's layouts).
 TABLE_TYPES = {layout.name: qtype for qtype, layout in reversed(DEVICE_LAYOUTS.items())}
 

@@ -7,7 +7,7 @@ GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); TB=src/monob
 GGUF_SHAPES="llama-8b llama-1b" QUANTS="llama-8b:Q4_K_M llama-1b:Q4_0 llama-1b:Q4_K_M" W=/tmp/gs nice -n 19 bash scripts/gpu_serving.sh start $OUT/gs >/dev/null 2>&1
 export MONOBATCH_CUDA_PACKED=1
 PR="python3 scripts/probe_quant_cuda.py --variant dp4a --only bench"
-PROBE_MS=1 PROBE_TYPES=Q4_K PROBE_REP=10 timeout 150 $PR --shapes llama-8b --sweep-shapes llama-8b > $OUT/sweep-8b.jsonl 2>>$OUT/err.txt; log "sweep 8b rc=$?"
+PROBE_MS=1,4 PROBE_TYPES=Q4_K PROBE_REP=10 timeout 150 $PR --shapes llama-8b --sweep-shapes llama-8b > $OUT/sweep-8b.jsonl 2>>$OUT/err.txt; log "sweep 8b rc=$?"
 rm -f /tmp/gs/table.json; [ -f $TB ] && cp $TB /tmp/gs/table.json
 python3 scripts/packed_gemv_table.py $OUT/sweep-8b.jsonl --device "$GPU" -o /tmp/gs/table.json > $OUT/table.txt 2>&1; log "table rc=$? $(tail -1 $OUT/table.txt)"
 cp /tmp/gs/table.json $OUT/table.json

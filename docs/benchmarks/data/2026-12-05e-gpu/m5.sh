@@ -6,7 +6,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv > $OUT/gpu.txt
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); TB=src/monobatch/kernels/configs/packed_gemv_${GPU// /_}.json
 export MONOBATCH_CUDA_PACKED=1
 mkdir -p /tmp/gs
-PROBE_MS=1 PROBE_TYPES=Q4_K PROBE_REP=10 timeout 80 python3 scripts/probe_quant_cuda.py --variant dp4a --only bench --shapes llama-8b --sweep-shapes llama-8b > $OUT/sweep-8b.jsonl 2>>$OUT/err.txt; log "sweep rc=$?"
+PROBE_MS=1,4 PROBE_TYPES=Q4_K PROBE_REP=10 timeout 80 python3 scripts/probe_quant_cuda.py --variant dp4a --only bench --shapes llama-8b --sweep-shapes llama-8b > $OUT/sweep-8b.jsonl 2>>$OUT/err.txt; log "sweep rc=$?"
 rm -f /tmp/gs/table.json; [ -f $TB ] && cp $TB /tmp/gs/table.json
 python3 scripts/packed_gemv_table.py $OUT/sweep-8b.jsonl --device "$GPU" -o /tmp/gs/table.json > $OUT/table.txt 2>&1; log "table rc=$? $(tail -1 $OUT/table.txt)"
 cp /tmp/gs/table.json $OUT/table.json
