@@ -348,6 +348,9 @@ def test_a_hugging_face_repo_id_says_nothing_is_downloaded():
     with pytest.raises(ModelNotFoundError, match="model not found: HuggingFaceTB/SmolLM2-135M-Instruct; "
                                                  "monobatch downloads nothing: give a local GGUF file"):
         resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
+    with pytest.raises(ModelNotFoundError) as missing:
+        resolve_model_path("models/absent.gguf")  # a relative path, not a repo id
+    assert "downloads nothing" not in str(missing.value)
 
 
 def test_not_a_gguf(tmp_path):
