@@ -16,10 +16,10 @@ timing: an entry near the threshold is within that bias, so re-time close picks 
 
 The DP4A GEMV's rows (``probe_quant_cuda.py --variant dp4a``, M = 1) give ``"<layout> <N>x<K> dp4a"``
 entries, which serve every M <= FMA_MAX_M (chosen at M = 1; with the probe's ``PROBE_MS=1,4``
-among the configs not slower than the rule at 4 rows, its ``dp4a_best``). The FMA and DP4A entries share a GPU's file, so the table at ``-o`` is merged into by
-default: its entries of products this run did not time are kept, a product timed again takes this
-run's result (a new best, or the rule: its old entry is dropped); ``--replace`` writes only this
-run's entries::
+among the configs at most 3 % slower than the rule at 4 rows: its ``dp4a_best``). The FMA and
+DP4A entries share a GPU's file, so the table at ``-o`` is merged into by default: its entries of products this run did not time are kept, a product timed again takes this
+run's result (a new best, or the rule: its old entry is dropped); a file tuned on another GPU
+(its ``device``) is refused; ``--replace`` writes only this run's entries::
 
     PROBE_MS=1,4 PROBE_TYPES=Q4_K,Q6_K python3 scripts/probe_quant_cuda.py --variant dp4a --only bench \\
         --shapes llama-8b --sweep-shapes llama-8b > dp4a.jsonl
@@ -81,10 +81,12 @@ def main() -> int:
     if not ns.replace:
         try:
             with open(ns.output, encoding="utf-8") as f:
-                old = json.load(f)["configs"]
+                old = json.load(f)
         except FileNotFoundError:
-            old = {}
-        configs = merge(old, configs, timed)
+            old = {"configs": {}}
+        if old.get("device") not in (None, ns.device):
+            ap.error(f"{ns.output} was tuned on {old['device']!r}, not {ns.device!r}: another -o, or --replace")
+        configs = merge(old["configs"], configs, timed)
     doc = {"device": ns.device, "source": "scripts/probe_quant_cuda.py + scripts/packed_gemv_table.py",
            "min_gain": ns.min_gain, "configs": configs}
     with open(ns.output, "w", encoding="utf-8") as f:

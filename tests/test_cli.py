@@ -138,7 +138,7 @@ def test_a_model_given_as_the_prompt_is_named(tmp_path):
     res = monobatch("chat", "hi", timeout=60)  # chat takes its prompts at its own prompt or from stdin
     assert res.returncode == 2 and res.stderr.endswith(
         'unrecognized arguments: hi; monobatch chat takes no prompt argument (type at its prompt, or pipe lines '
-        'in); for one prompt: monobatch run "..." (see --help)\n'), res.stderr
+        'in) and a model with -m MODEL; for one prompt: monobatch run "..." (see --help)\n'), res.stderr
 
 
 def test_a_positional_prompt_imports_no_torch():
@@ -516,7 +516,7 @@ def test_serve_takes_the_model_as_vllm_does(tmp_path):
     # beside the bundled model (a new user's trial, 2026-12-05)
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")  # a safetensors folder's mark (args.names_a_model)
-    for model in (missing, str(tmp_path / "hf")):
+    for model in (missing, str(tmp_path / "hf"), "gemma3"):  # a path, a folder, a model by name
         assert_one_line_error(monobatch("serve", "--served-model-name", "foo", model, "--port", "0"),
                               f"--served-model-name took {model!r} as a name and no model was given")
 

@@ -882,7 +882,7 @@ def test_tuned_table_overrides_the_rule(tmp_path, monkeypatch, capsys):
     assert Q.gemv_config(4096, 256, 1, Q4) == Q.gemv_config(4096, 256, 1, Q4, table=False)
     err = capsys.readouterr().err
     assert "1 entries dropped" in err and "tuned on 'Other GPU'" in err
-    dp4a, spills = [32, 1024, 7, 4, 1, Q.DP4A], [128, 1024, 7, 4, 1, Q.DP4A]
+    dp4a, spills = [32, 1024, 7, 4, 1, Q.DP4A], [128, 1024, 2, 4, 1, Q.DP4A]  # (spills: valid but for its bytes)
     path.write_text(json.dumps({"configs": {Q.table_key(4096, 14336, 1, Q4): tuned, Q.dp4a_key(4096, 14336, Q4): dp4a,
                                             Q.dp4a_key(4096, 4096, Q4): spills}}))
     monkeypatch.setattr(Q, "_TABLES", {})
@@ -961,6 +961,34 @@ def test_packed_gemv_table_script():
     assert mod.merge(old, configs, timed) == {**configs, "Q4/32:k 1x1 M1": [8, 64, 1, 1, 1, False]}
 
 
+def test_packed_gemv_table_script_merges_into_one_gpus_file(tmp_path):
+    """The script end to end: it merges into the table at -o (an untimed product's entry kept), and
+    refuses a file tuned on another GPU unless --replace."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "packed_gemv_table.py"
+    probe, out = tmp_path / "probe.jsonl", tmp_path / "t.json"
+    probe.write_text(json.dumps(dict(best=True, variant="dp4a", type="Q4_K", layout="Q4/32:k", shape="s", layer="l",
+                                     M=1, N=64, K=4096, cfg=[32, 1024, 2, 4, 1, 2], us=8.0, rule_us=10.0)) + "\n")
+    kept = {"Q4/32:k 64x64 M1": [64, 64, 1, 4, 1, False]}
+    out.write_text(json.dumps({"device": "GPU A", "configs": kept}))
+
+    def run(*args):
+        return subprocess.run([sys.executable, str(script), str(probe), "-o", str(out), *args], capture_output=True,
+                              text=True, timeout=60)
+
+    res = run("--device", "GPU B")
+    assert res.returncode == 2 and "was tuned on 'GPU A', not 'GPU B'" in res.stderr, res.stderr
+    assert run("--device", "GPU A").returncode == 0
+    assert json.loads(out.read_text())["configs"] == {**kept, "Q4/32:k 64x4096 dp4a": [32, 1024, 2, 4, 1, 2]}
+    assert run("--device", "GPU B", "--replace").returncode == 0
+    assert json.loads(out.read_text()) == {"device": "GPU B", "source": json.loads(out.read_text())["source"],
+                                           "min_gain": 0.03, "configs": {"Q4/32:k 64x4096 dp4a": [32, 1024, 2, 4, 1, 2]}}
+
+
 def test_probe_dp4a_best_keeps_the_other_rows():
     """scripts/probe_quant_cuda.py's DP4A pick (PROBE_MS=1,4): the fastest config at M = 1 among
     those not more than DP4A_OTHER_M_SLACK slower than the rule at every other timed M (a DP4A
@@ -1004,7 +1032,7 @@ def check_table_configs(device: str = "cpu") -> str:
         return ((dp4a_x(x)[0] if dp4a else x.double()) @ w.T), (DP4A_TOL if dp4a else tol)
 
     files = sorted((Path(Q.__file__).parent / "configs").glob("packed_gemv_*.json"))
-    if os.environ.get(Q.TABLE_ENV):
+    if os.environ.get(Q.TABLE_ENV) and Path(os.environ[Q.TABLE_ENV]).resolve() not in {f.resolve() for f in files}:
         files.append(Path(os.environ[Q.TABLE_ENV]))
     tables = [json.loads(f.read_text())["configs"] for f in files]
     tiles = {(key.split()[0], bn, bk, warps, stages, dot) for t in tables

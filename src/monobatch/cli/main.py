@@ -84,9 +84,9 @@ def _did_you_mean(parser: argparse.ArgumentParser, command: str | None, extras: 
     takes_prompt = sub is not None and any(not a.option_strings and a.dest in PROMPT_DESTS for a in sub._actions)
     if takes_prompt and not any(_is_flag(e) for e in extras):  # words after the prompt: a model given first
         return extras, f"; monobatch {command} takes one prompt (quote it) and a model with -m MODEL"
-    if command == "chat" and not any(_is_flag(e) for e in extras):  # `chat hi`: a prompt where none is taken
-        return extras, "; monobatch chat takes no prompt argument (type at its prompt, or pipe lines in); " \
-                       "for one prompt: monobatch run \"...\""
+    if command == "chat" and not any(_is_flag(e) for e in extras):  # `chat hi` or `chat MODEL` (Ollama's habit)
+        return extras, ("; monobatch chat takes no prompt argument (type at its prompt, or pipe lines in) and a "
+                        "model with -m MODEL; for one prompt: monobatch run \"...\"")
     return extras, ""
 
 

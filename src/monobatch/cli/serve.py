@@ -84,13 +84,6 @@ def check_flags(ns: argparse.Namespace) -> None:
         if ns.model is not None and ns.model != ns.model_tag:
             raise InvalidRequestError(f"give the model once: {ns.model_tag!r} or -m {ns.model!r}, not both", "model")
         ns.model = ns.model_tag
-    names = ns.served_model_name or []
-    if ns.model is None and len(names) > 1 and (names_a_model(names[-1]) or names[-1].lower().endswith(".gguf")):
-        # --served-model-name takes every word after it: `serve --served-model-name foo MODEL` would
-        # serve the bundled model under two names, one of them the path
-        raise InvalidRequestError(f"--served-model-name took {names[-1]!r} as a name and no model was given: put the "
-                                  f"model first (serve MODEL --served-model-name ...) or give it with -m",
-                                  "served_model_name")
     if ns.max_model_len is not None:
         if ns.ctx_size and ns.ctx_size != ns.max_model_len:
             raise InvalidRequestError("give --max-model-len or -c/--ctx-size, not both", "max_model_len")
@@ -104,6 +97,16 @@ def check_flags(ns: argparse.Namespace) -> None:
     ns.api_key = api_key_of(ns.api_key)
     engine_settings(ns)
     from monobatch.loader import resolve_model_path  # these import torch (seconds): after the plain checks
+    from monobatch.loader.named import NAMED_MODELS
+    names = ns.served_model_name or []
+    last = names[-1] if names else None
+    if ns.model is None and last and (names_a_model(last) or last in NAMED_MODELS or (
+            len(names) > 1 and last.lower().endswith(".gguf"))):
+        # --served-model-name takes every word after it: `serve --served-model-name foo MODEL` would
+        # serve the bundled model under the model's path or name
+        raise InvalidRequestError(f"--served-model-name took {last!r} as a name and no model was given: put the "
+                                  f"model first (serve MODEL --served-model-name ...) or give it with -m",
+                                  "served_model_name")
     from monobatch.server.runner import settings_from_args
 
     settings_from_args(ns)

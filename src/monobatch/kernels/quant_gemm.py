@@ -1027,7 +1027,8 @@ def gemv(x: torch.Tensor, w, bias: torch.Tensor | None = None, out_dtype: torch.
         config: ``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, DOT)``; None: :func:`gemv_config`.
             DOT False: the FMA variant (M <= :data:`FMA_MAX_M`; BLOCK_K of Q8/32 at least 32 weights,
             a step of whole groups); True: the DOT variant; :data:`DP4A`: the DP4A variant (any
-            layout, M <= FMA_MAX_M; the tuned table's ``dp4a`` entry or :func:`dp4a_config`). Its numerics: each row of x rounded to
+            layout, M <= FMA_MAX_M; the tuned table's ``dp4a`` entry or :func:`dp4a_config`). Its
+            numerics: each row of x rounded to
             int8 per 32 columns (``d = amax / 127`` in float32, ``xi = x * (127 / amax)`` rounded
             half away from zero; ``|x - d xi| <= d / 2``), exact int32 dots ``sumi`` of each
             weight group's integers and xi (Q8/16: two weight groups a 32-column x group), and a

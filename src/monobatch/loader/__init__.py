@@ -112,7 +112,7 @@ def resolve_model_path(model: str | Path | None) -> Path:
         named = named_model_path(str(model))
         if named is None:
             text = str(model)
-            repo_id = (re.fullmatch(r"[\w.-]+/[\w.-]+", text) is not None and not text.startswith((".", "~"))
+            repo_id = (re.fullmatch(r"[\w.-]+/[\w.-]+", text) is not None and not text.startswith(".")
                        and not text.lower().endswith(".gguf"))  # (models/x.gguf: a relative path)
             hint = ("; monobatch downloads nothing: give a local GGUF file or a Hugging Face folder (config.json "
                     "beside the safetensors), e.g. one `huggingface-cli download` wrote" if repo_id else "")
