@@ -1,6 +1,7 @@
 """The PDL rule of kernels/pdl.py checked on the compiled code: every decode kernel, compiled for
 sm_90 with PDL on, stores and updates nothing before ``griddepcontrol.wait``, and the kernels that
-take no weights load nothing before it either (the GEMV and the norms may load their weights).
+take no weights load nothing before it either (the GEMV and the norms may load their weights, the
+decode attention the lengths, the block table and its first key tile: nothing the previous kernel writes).
 
 Compiling needs Triton >= 3.4 (its bundled ptxas) but no GPU, so it runs wherever such a Triton is
 installed (the GPU machine: scripts/gpu_check.sh); elsewhere (CI's CPU torch has no Triton) it
@@ -71,10 +72,10 @@ KERNELS = {
     "silu_mul": (fused._silu_mul_kernel, dict(BLOCK=1024), False),
     "store_kv": (paged_decode._store_kv_kernel, dict(NKV=8, NKV_PAD=8, HD=64), False),
     "attention": (paged_decode._partition_kernel, dict(NKV=8, G=4, G_PAD=16, HD=64, BS=16, SPLITS=64, BN=64,
-                                                       MIN_PART=256, IEEE=False, STAGES=2, STORE=False), False),
+                                                       MIN_PART=256, IEEE=False, STAGES=2, STORE=False), True),
     "attention_store": (paged_decode._partition_kernel, dict(NKV=8, G=4, G_PAD=16, HD=64, BS=16, SPLITS=64,
                                                              BN=64, MIN_PART=256, IEEE=False, STAGES=2,
-                                                             STORE=True), False),
+                                                             STORE=True), True),
 }
 
 

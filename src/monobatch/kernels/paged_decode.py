@@ -129,6 +129,25 @@ def paged_decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 if triton is not None:
 
     @triton.jit
+    def _attend_tile(q, k, v, nmask, m, l_sum, acc, scale, IEEE: tl.constexpr):
+        # one key tile of the online softmax: q (G_PAD, HD), k and v (BN, HD), nmask (BN,) ->
+        # (m, l_sum, acc) updated
+        if IEEE:  # float32 inputs: full-precision products, as the eager path (not TF32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (G_PAD, BN) float32
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_sum, acc
+
+    @triton.jit
     def _partition_kernel(Q, K, V, TABLES, LENS, O_PART, LSE_PART, OUT, CNT, K_NEW, V_NEW, SLOTS,
                           stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, stride_knb, stride_knh,
                           stride_vnb, stride_vnh,
@@ -139,7 +158,11 @@ if triton is not None:
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         part = tl.program_id(2)
-        pdl.wait_prior(PDL)
+        # Before the PDL wait: the length, the block table and the partition's first key tile. No
+        # kernel of the step writes them but the newest key and value (the previous kernel's: the
+        # RoPE's store, store_kv, or this launch's STORE), which are taken after the wait and put
+        # in place of the tile's row (kernels/pdl.py's rule: the lengths and tables are the host's
+        # copies, the older keys earlier steps' writes, all finished before the previous kernel).
         seq_len = tl.load(LENS + b)
         # keys lo .. seq_len - 1: all of them, or a sliding window's last `window` (ADR 0005)
         lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
@@ -152,46 +175,49 @@ if triton is not None:
         offs_d = tl.arange(0, HD)
         heads = kvh * G + offs_g
         gmask = offs_g < G
+        last = seq_len - 1  # the newest token's position
+        has_last = (start <= last) & (last < end)
+        offs_n = start + tl.arange(0, BN)
+        nmask = offs_n < end
+        blk = tl.load(TABLES + b * stride_tb + offs_n // BS, mask=nmask, other=0).to(tl.int64)
+        kv_off = (blk * BS + offs_n % BS)[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
+        k0 = tl.load(K + kv_off, mask=nmask[:, None], other=0.0)  # (BN, HD)
+        v0 = tl.load(V + kv_off, mask=nmask[:, None], other=0.0)
+        if not STORE:  # the newest row's slot (its key and value are read after the wait)
+            last_blk = tl.load(TABLES + b * stride_tb + last // BS, mask=has_last, other=0).to(tl.int64)
+            last_off = (last_blk * BS + last % BS) * stride_ks + kvh * stride_kh + offs_d
+        pdl.wait_prior(PDL)
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None], other=0.0)
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         l_sum = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, HD], tl.float32)
-        last = seq_len - 1  # the newest token's position
+        dmask = has_last & (offs_d >= 0)
         if STORE:  # the step's new K/V row: the program whose partition holds it writes it to its slot
             k_new = tl.load(K_NEW + b * stride_knb + kvh * stride_knh + offs_d)
             v_new = tl.load(V_NEW + b * stride_vnb + kvh * stride_vnh + offs_d)
-            if (start <= last) & (last < end):
+            if has_last:
                 slot = tl.load(SLOTS + b).to(tl.int64)
                 tl.store(K + slot * stride_ks + kvh * stride_kh + offs_d, k_new)
                 tl.store(V + slot * stride_ks + kvh * stride_kh + offs_d, v_new)
-        # software-pipelined (STAGES): the block ids, K and V of later iterations are loaded while
-        # this one computes; V is loaded with K, not after the softmax that needs K
-        for n in tl.range(start, end, BN, num_stages=STAGES):
+        else:  # the newest row as the previous kernel stored it
+            k_new = tl.load(K + last_off, mask=dmask, other=0.0)
+            v_new = tl.load(V + last_off, mask=dmask, other=0.0)
+        if start < end:  # the first tile (loaded before the wait), its newest row replaced
+            is_new = (offs_n == last)[:, None]
+            m, l_sum, acc = _attend_tile(q, tl.where(is_new, k_new[None, :], k0), tl.where(is_new, v_new[None, :], v0),
+                                         nmask, m, l_sum, acc, scale, IEEE)
+        # the partition's other tiles, software-pipelined (STAGES): the block ids, K and V of later
+        # iterations are loaded while this one computes; V is loaded with K, not after the softmax
+        for n in tl.range(start + BN, end, BN, num_stages=STAGES):
             offs_n = n + tl.arange(0, BN)
             nmask = offs_n < end
             blk = tl.load(TABLES + b * stride_tb + offs_n // BS, mask=nmask, other=0).to(tl.int64)
-            slots = blk * BS + offs_n % BS
-            kv_off = slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
+            kv_off = (blk * BS + offs_n % BS)[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
             k = tl.load(K + kv_off, mask=nmask[:, None], other=0.0)  # (BN, HD)
             v = tl.load(V + kv_off, mask=nmask[:, None], other=0.0)
-            if STORE:  # the newest key and value from the inputs (the same bits as from the slot)
-                is_new = (offs_n == last)[:, None]
-                k = tl.where(is_new, k_new[None, :], k)
-                v = tl.where(is_new, v_new[None, :], v)
-            if IEEE:  # float32 inputs: full-precision products, as the eager path (not TF32)
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (G_PAD, BN) float32
-            else:
-                s = tl.dot(q, tl.trans(k)) * scale
-            s = tl.where(nmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            l_sum = l_sum * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+            is_new = (offs_n == last)[:, None]  # the newest key and value from after the wait
+            m, l_sum, acc = _attend_tile(q, tl.where(is_new, k_new[None, :], k), tl.where(is_new, v_new[None, :], v),
+                                         nmask, m, l_sum, acc, scale, IEEE)
         has = l_sum > 0
         out = acc / tl.where(has, l_sum, 1.0)[:, None]
         if start < seq_len:
