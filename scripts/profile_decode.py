@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ast
 import cProfile
+import hashlib
 import importlib
 import json
 import pstats
@@ -94,8 +95,8 @@ def main() -> None:
     engine.finisher.apply = stamp("finish_out", engine.finisher.apply)
     params = SamplingParams(max_tokens=ns.n, temperature=0.0, ignore_eos=True)
     prompt = list(range(1, ns.p + 1))
-    for _ in sched.run([Request("warm", prompt, params, bypass_prefix_cache=True)]):
-        pass
+    warm_tokens = [t for out in sched.run([Request("warm", prompt, params, bypass_prefix_cache=True)])
+                   for t in out.token_ids]
     timed_forward.events.clear()
     sched.add_request(Request("r", prompt, params, bypass_prefix_cache=True))
     sched.step()  # prefill
@@ -143,6 +144,8 @@ def main() -> None:
         "steps": len(walls), "step_wall_ms_median": round(statistics.median(walls), 4),
         "forward_gpu_ms_median": round(statistics.median(gpu_ms), 4) if gpu_ms else None,
         "decode_tok_s": round(1000 / statistics.median(walls), 1), "describe": engine.describe(),
+        # the warm-up request's greedy tokens (compare runs of one shape and seed: A/B arms must agree)
+        "tokens_sha1": hashlib.sha1(json.dumps(warm_tokens).encode()).hexdigest()[:12],
         **{name: round(statistics.median(v), 4) for name, v in seg.items() if v},
     }))
 

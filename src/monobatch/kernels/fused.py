@@ -38,7 +38,7 @@ if triton is not None:
         offs = tl.arange(0, BLOCK)
         mask = offs < n
         w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait (kernels/pdl.py)
-        pdl.wait_prior(PDL)
+        pdl.wait_prior_small(PDL)
         x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
         x32 = x.to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / n + eps)
@@ -52,7 +52,7 @@ if triton is not None:
         offs = tl.arange(0, BLOCK)
         mask = offs < n
         w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
-        pdl.wait_prior(PDL)
+        pdl.wait_prior_small(PDL)
         x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
         d = tl.load(D + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32)
         s = (x.to(tl.float32) + d).to(x.dtype)  # torch's add: fp32, rounded once to the dtype
@@ -91,7 +91,7 @@ if triton is not None:
                      HALF: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         t = tl.program_id(0)
         h = tl.program_id(1)
-        pdl.wait_prior(PDL)
+        pdl.wait_prior_small(PDL)
         y1, y2 = _rotate(X + t * stride_xt + h * stride_xh, COS, SIN, t, stride_ct, HALF, BLOCK)
         _store_halves(Y + t * stride_yt + h * stride_yh, y1, y2, HALF, BLOCK)
 
@@ -104,7 +104,7 @@ if triton is not None:
         # KV pool at token t's slot (store_kv's copies, the same bits) instead of into K
         t = tl.program_id(0)
         h = tl.program_id(1)
-        pdl.wait_prior(PDL)
+        pdl.wait_prior_small(PDL)
         y1, y2 = _rotate(QKV + t * stride_t + h * HD, COS, SIN, t, stride_ct, HALF, BLOCK)
         if h < NQ:
             _store_halves(Q + t * stride_qt + h * HD, y1, y2, HALF, BLOCK)
@@ -133,7 +133,7 @@ if triton is not None:
         row = tl.program_id(0)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = col < F
-        pdl.wait_prior(PDL)
+        pdl.wait_prior_small(PDL)
         g = tl.load(GU + row * stride_g + col, mask=mask, other=0.0)
         u = tl.load(GU + row * stride_g + F + col, mask=mask, other=0.0)
         tl.store(Y + row * stride_y + col, silu_mul_math(g, u), mask=mask)

@@ -16,6 +16,15 @@ it writes, may be touched before :func:`wait_prior`; every program calls it (als
 then do nothing), so a grid completes only after the one before it. Kernels that do not follow
 the rule (torch's, the argmax) are launched without PDL and so wait for the previous kernel's end.
 
+When a kernel lets the next one launch is ``MONOBATCH_PDL_TRIGGER``'s (:data:`TRIGGER`): ``wait``
+(the rule above: right after its wait), ``small`` (the small kernels between the projections, the
+norms and the RoPE, call it before their wait: the kernel after one of them, a GEMV or the
+attention, then launches while the kernel before it still runs, and loads its weights, or its key
+tile, meanwhile) or ``all`` (every kernel before its wait). Safe either way: a kernel's wait is for
+the previous grid's completion, and that grid completed only after its own wait, so everything
+before it is complete too; a grid launches only when every program of the one before it has
+started, so no grid waits on programs that cannot be scheduled.
+
 ``MONOBATCH_PDL=0`` turns it off (A/B runs; the kernels are then launched normally and the wait
 compiles to nothing). A Triton without ``gdc_wait`` (before 3.4) or an older CUDA driver turns
 it off too. Where it is on, the GEMV takes its tiles from ``gemv.PDL_CONFIGS`` (measured with
@@ -32,6 +41,8 @@ from monobatch import env
 from monobatch.kernels.common import tl, triton
 
 ON = env.flag("MONOBATCH_PDL", True)
+#: When a kernel lets the next one launch: "wait", "small" or "all" (the module docstring).
+TRIGGER = env.choice("MONOBATCH_PDL_TRIGGER", "wait", ("wait", "small", "all"))
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _CAPABLE: dict[int, bool] = {}
 
@@ -80,10 +91,28 @@ def launch(device: torch.device) -> dict:
 
 if triton is not None:
 
+    _EARLY_ALL = tl.constexpr(TRIGGER == "all")
+    _EARLY_SMALL = tl.constexpr(TRIGGER in ("small", "all"))
+
+    @triton.jit
+    def _wait(PDL: tl.constexpr, EARLY: tl.constexpr):
+        # Wait for the previous grid (its writes visible) and let the next one launch: after the
+        # wait, or before it where EARLY. PDL is True only where enabled() found the helpers (the
+        # names are resolved when this compiles).
+        if PDL:
+            if EARLY:
+                gdc_launch_dependents()
+                gdc_wait()
+            else:
+                gdc_wait()
+                gdc_launch_dependents()
+
     @triton.jit
     def wait_prior(PDL: tl.constexpr):
-        # Wait for the previous grid (its writes visible), then let the next one launch. PDL is
-        # True only where enabled() found the helpers (the name is resolved when this compiles).
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
+        # every kernel's wait but the small ones' (TRIGGER "all": the next grid launched first)
+        _wait(PDL, _EARLY_ALL)
+
+    @triton.jit
+    def wait_prior_small(PDL: tl.constexpr):
+        # the norms' and the RoPE's wait (TRIGGER "small" or "all": the next grid launched first)
+        _wait(PDL, _EARLY_SMALL)
