@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -27,7 +30,7 @@ except ImportError:
     pytest.skip("this Triton has no griddepcontrol helpers", allow_module_level=True)
 
 from helpers import sm90_compile_problem  # noqa: E402
-from monobatch.kernels import fused, gemv, paged_decode  # noqa: E402
+from monobatch.kernels import fused, gemv, paged_decode, pdl  # noqa: E402
 
 #: Pointer arguments that are not the model dtype.
 _POINTERS = {"WS": "*fp32", "O_PART": "*fp32", "LSE_PART": "*fp32", "CNT": "*i32", "TABLES": "*i32",
@@ -81,19 +84,55 @@ KERNELS = {
 
 
 
-@pytest.mark.parametrize("name", list(KERNELS))
-def test_nothing_touched_before_the_wait(name):
-    """Before the wait: no store, atomic or async copy (cp.async: a pipelined load, whose
-    operand could be an activation), and for the kernels without weights no load at all."""
-    if (why := sm90_compile_problem()) is not None:
-        pytest.skip(f"cannot compile for sm_90 here: {why}")
+#: The kernels that let the next grid launch before their wait under MONOBATCH_PDL_TRIGGER=small.
+SMALL = {"rms_norm", "add_rms_norm", "rope", "rope_qk", "rope_qk_store", "silu_mul"}
+
+
+def _check(name: str) -> None:
+    """One kernel's PTX under this process's ``pdl.TRIGGER``: one wait; before it no store, atomic
+    or async copy (cp.async: a pipelined load, whose operand could be an activation), and for the
+    kernels without weights no load at all; one launch_dependents, before the wait where the
+    trigger makes this kernel early, else after it; no griddepcontrol with PDL off."""
     fn, constexprs, has_weights = KERNELS[name]
     ptx = _ptx(fn, {**constexprs, "PDL": True}, num_warps=4, launch_pdl=True)
     assert ptx.count("griddepcontrol.wait") == 1, name
+    assert ptx.count("griddepcontrol.launch_dependents") == 1, name
     before, after = ptx.split("griddepcontrol.wait", 1)
     assert not re.search(r"\bst\.global|\batom\.|\bred\.|\bcp\.async", before), name
     if not has_weights:
         assert "ld.global" not in before, name
-    assert "griddepcontrol.launch_dependents" in after, name
+    early = pdl.TRIGGER == "all" or (pdl.TRIGGER == "small" and name in SMALL)
+    assert ("griddepcontrol.launch_dependents" in before) == early, (name, pdl.TRIGGER)
     plain = _ptx(fn, {**constexprs, "PDL": False}, num_warps=4)
     assert "griddepcontrol" not in plain, name
+
+
+def check_every_kernel() -> str:
+    """:func:`_check` on every kernel (run in a subprocess per trigger); returns "ok"."""
+    for name in KERNELS:
+        _check(name)
+    return "ok"
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_nothing_touched_before_the_wait(name):
+    """:func:`_check` under the default trigger ("wait": every kernel lets the next one launch
+    right after its wait)."""
+    if (why := sm90_compile_problem()) is not None:
+        pytest.skip(f"cannot compile for sm_90 here: {why}")
+    assert pdl.TRIGGER == "wait" or os.environ.get("MONOBATCH_PDL_TRIGGER"), "the default trigger changed"
+    _check(name)
+
+
+@pytest.mark.parametrize("trigger", ["wait", "small", "all"])
+def test_trigger_modes(trigger):
+    """Each ``MONOBATCH_PDL_TRIGGER`` (read at import, so in a fresh process): the small kernels,
+    or every kernel, let the next grid launch before their wait and still touch nothing before it."""
+    if (why := sm90_compile_problem()) is not None:
+        pytest.skip(f"cannot compile for sm_90 here: {why}")
+    root = Path(__file__).resolve().parents[1]
+    code = (f"import sys; sys.path[:0] = [{str(root / 'src')!r}, {str(root / 'tests')!r}]; "
+            "from test_pdl_ptx import check_every_kernel; print(check_every_kernel())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=root,
+                          env={**os.environ, "MONOBATCH_PDL_TRIGGER": trigger})
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
