@@ -75,10 +75,13 @@ KERNELS = {
     "silu_mul": (fused._silu_mul_kernel, dict(BLOCK=1024), False),
     "store_kv": (paged_decode._store_kv_kernel, dict(NKV=8, NKV_PAD=8, HD=64), False),
     "attention": (paged_decode._partition_kernel, dict(NKV=8, G=4, G_PAD=16, HD=64, BS=16, SPLITS=64, BN=64,
-                                                       MIN_PART=256, IEEE=False, STAGES=2, STORE=False), True),
+                                                       MIN_PART=256, IEEE=False, STAGES=2, STORE=False, LATE=False), True),
     "attention_store": (paged_decode._partition_kernel, dict(NKV=8, G=4, G_PAD=16, HD=64, BS=16, SPLITS=64,
                                                              BN=64, MIN_PART=256, IEEE=False, STAGES=2,
-                                                             STORE=True), True),
+                                                             STORE=True, LATE=False), True),
+    "attention_late": (paged_decode._partition_kernel, dict(NKV=8, G=4, G_PAD=16, HD=64, BS=16, SPLITS=64, BN=64,
+                                                            MIN_PART=256, IEEE=False, STAGES=2, STORE=False,
+                                                            LATE=True), True),
 }
 
 
@@ -86,6 +89,10 @@ KERNELS = {
 
 #: The kernels that let the next grid launch before their wait under MONOBATCH_PDL_TRIGGER=small.
 SMALL = {"rms_norm", "add_rms_norm", "rope", "rope_qk", "rope_qk_store", "silu_mul"}
+
+
+#: The kernels that let the next grid launch at their end (MONOBATCH_DECODE_LATE_TRIGGER=1), whatever the trigger.
+LATE = {"attention_late"}
 
 
 def _check(name: str) -> None:
@@ -101,8 +108,10 @@ def _check(name: str) -> None:
     assert not re.search(r"\bst\.global|\batom\.|\bred\.|\bcp\.async", before), name
     if not has_weights:
         assert "ld.global" not in before, name
-    early = pdl.TRIGGER == "all" or (pdl.TRIGGER == "small" and name in SMALL)
+    early = (pdl.TRIGGER == "all" or (pdl.TRIGGER == "small" and name in SMALL)) and name not in LATE
     assert ("griddepcontrol.launch_dependents" in before) == early, (name, pdl.TRIGGER)
+    if name in LATE:  # after the last store (the merge's output and the counter's reset)
+        assert not re.search(r"\bst\.global", after.split("griddepcontrol.launch_dependents", 1)[1]), name
     plain = _ptx(fn, {**constexprs, "PDL": False}, num_warps=4)
     assert "griddepcontrol" not in plain, name
 

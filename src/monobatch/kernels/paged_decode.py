@@ -72,6 +72,10 @@ if MIN_PART % BLOCK_N:
 KV_STAGES = env.fatal_integer("MONOBATCH_DECODE_STAGES", 2)
 #: Warps of one program of the Triton kernel. ``MONOBATCH_DECODE_WARPS`` overrides it (A/B runs).
 NUM_WARPS = env.fatal_integer("MONOBATCH_DECODE_WARPS", 4, maximum=32, power_of_two=True)
+#: Let the next kernel (the o projection) launch only at the end of each program, not right after
+#: the PDL wait: its early programs then neither hold SM slots nor queue weight loads while the
+#: attention's programs still work. ``MONOBATCH_DECODE_LATE_TRIGGER=1`` (A/B runs).
+LATE_TRIGGER = env.flag("MONOBATCH_DECODE_LATE_TRIGGER", False)
 #: Store a step's new K/V rows inside the attention launch (:func:`paged_decode_attention`);
 #: False: a separate :func:`store_kv` launch first (A/B runs).
 FOLD_STORE = True
@@ -154,7 +158,8 @@ if triton is not None:
                           stride_ob, stride_oh, stride_op, stride_lb, stride_lh, stride_outb, stride_outh,
                           scale, window, NKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
                           BS: tl.constexpr, SPLITS: tl.constexpr, BN: tl.constexpr, MIN_PART: tl.constexpr,
-                          IEEE: tl.constexpr, STAGES: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
+                          IEEE: tl.constexpr, STAGES: tl.constexpr, STORE: tl.constexpr, LATE: tl.constexpr,
+                          PDL: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         part = tl.program_id(2)
@@ -186,7 +191,10 @@ if triton is not None:
         if not STORE:  # the newest row's slot (its key and value are read after the wait)
             last_blk = tl.load(TABLES + b * stride_tb + last // BS, mask=has_last, other=0).to(tl.int64)
             last_off = (last_blk * BS + last % BS) * stride_ks + kvh * stride_kh + offs_d
-        pdl.wait_prior(PDL)
+        if LATE:
+            pdl.wait_only(PDL)
+        else:
+            pdl.wait_prior(PDL)
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None], other=0.0)
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         l_sum = tl.zeros([G_PAD], tl.float32)
@@ -256,6 +264,8 @@ if triton is not None:
                         merged = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
                         tl.store(OUT + b * stride_outb + h * stride_outh + offs_d, merged.to(OUT.dtype.element_ty))
                     tl.store(cnt, 0)  # zeroed for the next launch (graph replays reuse the buffer)
+        if LATE:
+            pdl.launch_next(PDL)
 
     @triton.jit
     def _store_kv_kernel(K, V, K_CACHE, V_CACHE, SLOTS, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -327,7 +337,7 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), 1.0 / math.sqrt(hd), int(window), NKV=n_kv, G=g,
         G_PAD=max(16, triton.next_power_of_2(g)), HD=hd, BS=block_size, SPLITS=parts, BN=BLOCK_N, MIN_PART=MIN_PART,
-        IEEE=q.dtype == torch.float32, STAGES=KV_STAGES, STORE=store, num_warps=NUM_WARPS, **pdl.launch(q.device))
+        IEEE=q.dtype == torch.float32, STAGES=KV_STAGES, STORE=store, LATE=LATE_TRIGGER, num_warps=NUM_WARPS, **pdl.launch(q.device))
     return out
 
 

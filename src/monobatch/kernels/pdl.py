@@ -117,6 +117,18 @@ if triton is not None:
         _wait(PDL, _EARLY_ALL)
 
     @triton.jit
+    def wait_only(PDL: tl.constexpr):
+        # the wait alone: the kernel lets the next grid launch itself, at its end (launch_next)
+        if PDL:
+            gdc_wait()
+
+    @triton.jit
+    def launch_next(PDL: tl.constexpr):
+        # a kernel that waited with wait_only lets the next grid launch (its programs' last step)
+        if PDL:
+            gdc_launch_dependents()
+
+    @triton.jit
     def wait_prior_small(PDL: tl.constexpr):
         # the norms' and the RoPE's wait (TRIGGER "small" or "all": the next grid launched first)
         _wait(PDL, _EARLY_SMALL)
