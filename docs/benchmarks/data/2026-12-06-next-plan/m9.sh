@@ -1,0 +1,47 @@
+# call 9 (the issue's machine, an H200; END ~560; carry .whl .llama-cpp .device): issue 17's llama-8b row, same run.
+# llama.cpp CUDA + the Q4 files built in the background; meanwhile the decode attention's A/B knobs at llama-8b
+# (random packed Q4_K, profile_decode; the fastest knob >= 1 % over the default becomes a third arm); then llama-8b
+# Q4_K_M on both engines (tg128 at depth 256, pp2048; monobatch: the default, MONOBATCH_PDL_TRIGGER=wait, the knob;
+# two rounds), then the 1b files if time is left
+source .device/common.sh
+nvidia-smi --query-gpu=name,driver_version --format=csv > $OUT/gpu.txt
+GGUF_SHAPES="llama-8b llama-1b" QUANTS="llama-8b:Q4_K_M llama-1b:Q4_0 llama-1b:Q4_K_M" W=/tmp/gs nice -n 19 bash scripts/gpu_serving.sh start $OUT/gs >/dev/null 2>&1
+export MONOBATCH_CUDA_PACKED=1
+P="python3 scripts/profile_decode.py --no-profile -n 64 --shape llama-8b --quant Q4_K"
+declare -A KNOB=([base]="" [late]="MONOBATCH_DECODE_LATE_TRIGGER=1" [splits8]="MONOBATCH_DECODE_SPLITS=8,2"
+  [splits16]="MONOBATCH_DECODE_SPLITS=16,2" [bn32]="MONOBATCH_DECODE_BLOCK_N=32" [warps8]="MONOBATCH_DECODE_WARPS=8"
+  [stages1]="MONOBATCH_DECODE_STAGES=1" [wait]="MONOBATCH_PDL_TRIGGER=wait" [base2]="")
+for k in base late splits8 splits16 bn32 warps8 stages1 wait base2; do env ${KNOB[$k]} timeout 90 $P > $OUT/ab-$k.txt 2>>$OUT/err.txt; log "ab $k rc=$? $(tail -1 $OUT/ab-$k.txt | cut -c1-150)"; done
+MONOBATCH_PDL=0 timeout 90 $P --trace /tmp/gs/nopdl.json > $OUT/ab-nopdl-trace.txt 2>>$OUT/err.txt; log "nopdl trace rc=$?"
+BEST=$(python3 - $OUT <<'PY'
+import json, sys, glob, os
+rate = {}
+for f in glob.glob(sys.argv[1] + "/ab-*.txt"):
+    try:
+        rate[os.path.basename(f)[3:-4]] = json.loads(open(f).read().strip().splitlines()[-1])["decode_tok_s"]
+    except Exception:
+        pass
+base = rate.get("base", 0)
+best = max((k for k in rate if k not in ("base", "base2", "wait", "nopdl-trace")), key=rate.get, default=None)
+print(best if best and base and rate[best] >= 1.01 * base else "")
+PY
+); log "best knob: '${BEST}'"
+for i in $(seq 80); do [ -f /tmp/gs/llama-8b-Q4_K_M.gguf ] && [ -f /tmp/gs/build.rc ] && ! pgrep -f "llama-quantize /tmp/gs/llama-8b" >/dev/null && break; sleep 5; done
+log "build rc=$(cat /tmp/gs/build.rc 2>/dev/null) 8b $(ls -la /tmp/gs/llama-8b-Q4_K_M.gguf 2>&1 | cut -c1-80)"
+LB=/tmp/gs/build/bin
+bench_file() { local q=$1
+  f=/tmp/gs/$q.gguf; [ -f $f ] || { log "no $f"; return; }
+  for i in $(seq 12); do pgrep -f "llama-quantize /tmp/gs/${q%-Q4*}" >/dev/null || break; sleep 5; done
+  tt 40 lb-$q $LB/llama-bench -m $f -ngl 99 -fa on -p 0 -n 128 -d 256 -r 3 -o jsonl
+  case $q in llama-8b*) tt 40 lbpp-$q $LB/llama-bench -m $f -ngl 99 -fa on -p 2048 -n 0 -r 3 -o jsonl ;; esac
+  MB="python3 -m monobatch bench -m $f --device cuda --json --no-progress --weights packed -p 256,2048 -n 128 -r 3"
+  for r in 1 2; do
+    tt 60 default-$q-r$r $MB
+    MONOBATCH_PDL_TRIGGER=wait tt 60 wait-$q-r$r $MB
+    [ -n "$BEST" ] && ( export ${KNOB[$BEST]}; tt 60 $BEST-$q-r$r $MB )
+  done
+}
+bench_file llama-8b-Q4_K_M
+bench_file llama-1b-Q4_0
+bench_file llama-1b-Q4_K_M
+tail -c 1500 $OUT/err.txt
