@@ -90,6 +90,12 @@ DP4A_SWEEP = [(64, 512, 4, 1), (32, 512, 4, 1), (32, 1024, 4, 1), (64, 512, 4, 2
               # pipelined (two or three stages; ptxas: no spills at 4 rows either)
               (64, 256, 4, 2), (32, 512, 4, 2), (64, 256, 4, 3), (32, 512, 4, 3), (128, 256, 8, 2), (64, 512, 8, 2),
               (32, 1024, 8, 2), (16, 512, 2, 2), (32, 256, 2, 2)]
+#: PROBE_DP4A_TILES="BN,BK,WARPS,STAGES;..." replaces DP4A_SWEEP (a short sweep: a fresh machine
+#: compiles every tile at every product's layout and row count, ~170 s for all of them at llama-8b)
+if os.environ.get("PROBE_DP4A_TILES"):
+    DP4A_SWEEP = [tuple(int(v) for v in t.split(",")) for t in os.environ["PROBE_DP4A_TILES"].split(";") if t.strip()]
+    if any(len(t) != 4 for t in DP4A_SWEEP):
+        sys.exit("PROBE_DP4A_TILES: expected BN,BK,WARPS,STAGES tiles separated by ';'")
 VARIANT = os.environ.get("PROBE_VARIANT", "fma")
 if VARIANT not in ("fma", "dp4a"):
     sys.exit(f"PROBE_VARIANT={VARIANT!r}: expected fma or dp4a")

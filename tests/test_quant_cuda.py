@@ -1010,6 +1010,33 @@ def test_probe_dp4a_best_keeps_the_other_rows():
     assert mod.dp4a_best({rule: {4: 20.0}}, rule) is None
 
 
+def test_probe_dp4a_tiles_variable(monkeypatch):
+    """PROBE_DP4A_TILES replaces the probe's DP4A tiles (a short sweep), and a malformed value stops it."""
+    import importlib.util
+    from pathlib import Path
+
+    from monobatch.kernels import quant_gemm as Q
+    from monobatch.quant.formats import DEVICE_LAYOUTS
+
+    def load():
+        spec = importlib.util.spec_from_file_location(
+            "probe_quant_cuda", Path(__file__).resolve().parents[1] / "scripts" / "probe_quant_cuda.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    monkeypatch.setenv("PROBE_DP4A_TILES", "64,256,4,1; 32,512,2,1")
+    monkeypatch.setenv("PROBE_VARIANT", "dp4a")
+    mod = load()
+    assert mod.DP4A_SWEEP == [(64, 256, 4, 1), (32, 512, 2, 1)]
+    configs = mod.dp4a_sweep_configs(4096, 14336, DEVICE_LAYOUTS[T.Q4_K])
+    assert configs and {c[:2] + c[3:5] for c in configs} == {(64, 256, 4, 1), (32, 512, 2, 1)}
+    assert all(c[5] == Q.DP4A for c in configs)
+    monkeypatch.setenv("PROBE_DP4A_TILES", "64,256,4")
+    with pytest.raises(SystemExit, match="PROBE_DP4A_TILES"):
+        load()
+
+
 #: A GGUF type of each compact layout name (the tuned tables' keys; device_repack's layouts).
 TABLE_TYPES = {layout.name: qtype for qtype, layout in reversed(DEVICE_LAYOUTS.items())}
 

@@ -1,8 +1,8 @@
 # call 9 (the issue's machine, an H200; END ~560; carry .whl .llama-cpp .device): issue 17's llama-8b row, same run.
 # llama.cpp CUDA + the Q4 files built in the background; meanwhile the decode attention's A/B knobs at llama-8b
 # (random packed Q4_K, profile_decode; the fastest knob >= 1 % over the default becomes a third arm); then llama-8b
-# Q4_K_M on both engines (tg128 at depth 256, pp2048; monobatch: the default, MONOBATCH_PDL_TRIGGER=wait, the knob;
-# two rounds), then the 1b files if time is left
+# Q4_K_M on both engines (tg128 at depth 256, pp2048; monobatch: a short DP4A sweep's table merged into the
+# packaged one, the packaged one alone, the knob with the table; two rounds), then the 1b files if time is left
 source .device/common.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv > $OUT/gpu.txt
 GGUF_SHAPES="llama-8b llama-1b" QUANTS="llama-8b:Q4_K_M llama-1b:Q4_0 llama-1b:Q4_K_M" W=/tmp/gs nice -n 19 bash scripts/gpu_serving.sh start $OUT/gs >/dev/null 2>&1
@@ -10,8 +10,9 @@ export MONOBATCH_CUDA_PACKED=1
 P="python3 scripts/profile_decode.py --no-profile -n 64 --shape llama-8b --quant Q4_K"
 declare -A KNOB=([base]="" [late]="MONOBATCH_DECODE_LATE_TRIGGER=1" [splits8]="MONOBATCH_DECODE_SPLITS=8,2"
   [splits16]="MONOBATCH_DECODE_SPLITS=16,2" [bn32]="MONOBATCH_DECODE_BLOCK_N=32" [warps8]="MONOBATCH_DECODE_WARPS=8"
-  [stages1]="MONOBATCH_DECODE_STAGES=1" [wait]="MONOBATCH_PDL_TRIGGER=wait" [base2]="")
-for k in base late splits8 splits16 bn32 warps8 stages1 wait base2; do env ${KNOB[$k]} timeout 90 $P > $OUT/ab-$k.txt 2>>$OUT/err.txt; log "ab $k rc=$? $(tail -1 $OUT/ab-$k.txt | cut -c1-150)"; done
+  [stages1]="MONOBATCH_DECODE_STAGES=1" [wait]="MONOBATCH_PDL_TRIGGER=wait" [base2]="" [splits4]="MONOBATCH_DECODE_SPLITS=4,2"
+  [late_s8]="MONOBATCH_DECODE_LATE_TRIGGER=1 MONOBATCH_DECODE_SPLITS=8,2")
+for k in base late splits4 splits8 splits16 late_s8 bn32 warps8 stages1 wait base2; do env ${KNOB[$k]} timeout 90 $P > $OUT/ab-$k.txt 2>>$OUT/err.txt; log "ab $k rc=$? $(tail -1 $OUT/ab-$k.txt | cut -c1-150)"; done
 MONOBATCH_PDL=0 timeout 90 $P --trace /tmp/gs/nopdl.json > $OUT/ab-nopdl-trace.txt 2>>$OUT/err.txt; log "nopdl trace rc=$?"
 BEST=$(python3 - $OUT <<'PY'
 import json, sys, glob, os
@@ -26,6 +27,15 @@ best = max((k for k in rate if k not in ("base", "base2", "wait", "nopdl-trace")
 print(best if best and base and rate[best] >= 1.01 * base else "")
 PY
 ); log "best knob: '${BEST}'"
+# a short DP4A sweep at llama-8b's Q4_K and Q6_K products (the tiles the H100's table chose there, and three
+# more), merged into this GPU's table (the packaged one: FMA entries only on the H200)
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); TB=src/monobatch/kernels/configs/packed_gemv_${GPU// /_}.json
+PROBE_DP4A_TILES="32,1024,4,1;32,512,2,1;128,256,4,1;64,256,4,1;16,512,2,1;32,2048,8,1;64,512,4,1;64,256,4,2;32,512,4,2" \
+  PROBE_MS=1,4 PROBE_TYPES=Q4_K,Q6_K PROBE_REP=10 timeout 120 python3 scripts/probe_quant_cuda.py --variant dp4a --only bench \
+  --shapes llama-8b --sweep-shapes llama-8b > $OUT/sweep-8b.jsonl 2>>$OUT/err.txt; log "sweep rc=$?"
+rm -f /tmp/gs/table.json; [ -f $TB ] && cp $TB /tmp/gs/table.json
+python3 scripts/packed_gemv_table.py $OUT/sweep-8b.jsonl --device "$GPU" -o /tmp/gs/table.json > $OUT/table.txt 2>&1; log "table rc=$? $(tail -1 $OUT/table.txt)"
+cp /tmp/gs/table.json $OUT/table.json
 for i in $(seq 80); do [ -f /tmp/gs/llama-8b-Q4_K_M.gguf ] && [ -f /tmp/gs/build.rc ] && ! pgrep -f "llama-quantize /tmp/gs/llama-8b" >/dev/null && break; sleep 5; done
 log "build rc=$(cat /tmp/gs/build.rc 2>/dev/null) 8b $(ls -la /tmp/gs/llama-8b-Q4_K_M.gguf 2>&1 | cut -c1-80)"
 LB=/tmp/gs/build/bin
@@ -36,9 +46,9 @@ bench_file() { local q=$1
   case $q in llama-8b*) tt 40 lbpp-$q $LB/llama-bench -m $f -ngl 99 -fa on -p 2048 -n 0 -r 3 -o jsonl ;; esac
   MB="python3 -m monobatch bench -m $f --device cuda --json --no-progress --weights packed -p 256,2048 -n 128 -r 3"
   for r in 1 2; do
-    tt 60 default-$q-r$r $MB
-    MONOBATCH_PDL_TRIGGER=wait tt 60 wait-$q-r$r $MB
-    [ -n "$BEST" ] && ( export ${KNOB[$BEST]}; tt 60 $BEST-$q-r$r $MB )
+    MONOBATCH_PACKED_GEMV_CONFIGS=/tmp/gs/table.json tt 60 table-$q-r$r $MB
+    tt 60 packaged-$q-r$r $MB
+    [ -n "$BEST" ] && ( export ${KNOB[$BEST]} MONOBATCH_PACKED_GEMV_CONFIGS=/tmp/gs/table.json; tt 60 $BEST-$q-r$r $MB )
   done
 }
 bench_file llama-8b-Q4_K_M
