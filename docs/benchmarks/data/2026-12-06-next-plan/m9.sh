@@ -13,6 +13,7 @@ declare -A KNOB=([base]="" [late]="MONOBATCH_DECODE_LATE_TRIGGER=1" [splits8]="M
   [stages1]="MONOBATCH_DECODE_STAGES=1" [wait]="MONOBATCH_PDL_TRIGGER=wait" [base2]="" [splits4]="MONOBATCH_DECODE_SPLITS=4,2"
   [late_s8]="MONOBATCH_DECODE_LATE_TRIGGER=1 MONOBATCH_DECODE_SPLITS=8,2")
 for k in base late splits4 splits8 splits16 late_s8 bn32 warps8 stages1 wait base2; do env ${KNOB[$k]} timeout 90 $P > $OUT/ab-$k.txt 2>>$OUT/err.txt; log "ab $k rc=$? $(tail -1 $OUT/ab-$k.txt | cut -c1-150)"; done
+for m in small wait small2; do MONOBATCH_PDL_TRIGGER=${m%2} timeout 60 python3 scripts/profile_decode.py --no-profile -n 64 --shape llama-1b > $OUT/bf16-1b-$m.txt 2>>$OUT/err.txt; log "1b bf16 $m rc=$? $(tail -1 $OUT/bf16-1b-$m.txt | cut -c1-150)"; done
 MONOBATCH_PDL=0 timeout 90 $P --trace /tmp/gs/nopdl.json > $OUT/ab-nopdl-trace.txt 2>>$OUT/err.txt; log "nopdl trace rc=$?"
 BEST=$(python3 - $OUT <<'PY'
 import json, sys, glob, os
