@@ -152,6 +152,18 @@ if triton is not None:
         return m_new, l_sum, acc
 
     @triton.jit
+    def _key_tile(K, V, table, n, end, kvh, stride_ks, stride_kh, offs_d, BS: tl.constexpr, BN: tl.constexpr):
+        # keys n .. n + BN - 1 of one sequence (``table``: its block table row), KV head kvh ->
+        # (positions (BN,), their mask (< end), k and v (BN, HD), 0 past the mask)
+        offs_n = n + tl.arange(0, BN)
+        nmask = offs_n < end
+        blk = tl.load(table + offs_n // BS, mask=nmask, other=0).to(tl.int64)
+        kv_off = (blk * BS + offs_n % BS)[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
+        k = tl.load(K + kv_off, mask=nmask[:, None], other=0.0)
+        v = tl.load(V + kv_off, mask=nmask[:, None], other=0.0)
+        return offs_n, nmask, k, v
+
+    @triton.jit
     def _partition_kernel(Q, K, V, TABLES, LENS, O_PART, LSE_PART, OUT, CNT, K_NEW, V_NEW, SLOTS,
                           stride_qb, stride_qh, stride_ks, stride_kh, stride_tb, stride_knb, stride_knh,
                           stride_vnb, stride_vnh,
@@ -182,12 +194,8 @@ if triton is not None:
         gmask = offs_g < G
         last = seq_len - 1  # the newest token's position
         has_last = (start <= last) & (last < end)
-        offs_n = start + tl.arange(0, BN)
-        nmask = offs_n < end
-        blk = tl.load(TABLES + b * stride_tb + offs_n // BS, mask=nmask, other=0).to(tl.int64)
-        kv_off = (blk * BS + offs_n % BS)[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
-        k0 = tl.load(K + kv_off, mask=nmask[:, None], other=0.0)  # (BN, HD)
-        v0 = tl.load(V + kv_off, mask=nmask[:, None], other=0.0)
+        offs_n, nmask, k0, v0 = _key_tile(K, V, TABLES + b * stride_tb, start, end, kvh, stride_ks, stride_kh, offs_d,
+                                          BS, BN)
         if not STORE:  # the newest row's slot (its key and value are read after the wait)
             last_blk = tl.load(TABLES + b * stride_tb + last // BS, mask=has_last, other=0).to(tl.int64)
             last_off = (last_blk * BS + last % BS) * stride_ks + kvh * stride_kh + offs_d
@@ -217,12 +225,8 @@ if triton is not None:
         # the partition's other tiles, software-pipelined (STAGES): the block ids, K and V of later
         # iterations are loaded while this one computes; V is loaded with K, not after the softmax
         for n in tl.range(start + BN, end, BN, num_stages=STAGES):
-            offs_n = n + tl.arange(0, BN)
-            nmask = offs_n < end
-            blk = tl.load(TABLES + b * stride_tb + offs_n // BS, mask=nmask, other=0).to(tl.int64)
-            kv_off = (blk * BS + offs_n % BS)[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
-            k = tl.load(K + kv_off, mask=nmask[:, None], other=0.0)  # (BN, HD)
-            v = tl.load(V + kv_off, mask=nmask[:, None], other=0.0)
+            offs_n, nmask, k, v = _key_tile(K, V, TABLES + b * stride_tb, n, end, kvh, stride_ks, stride_kh, offs_d,
+                                            BS, BN)
             is_new = (offs_n == last)[:, None]  # the newest key and value from after the wait
             m, l_sum, acc = _attend_tile(q, tl.where(is_new, k_new[None, :], k), tl.where(is_new, v_new[None, :], v),
                                          nmask, m, l_sum, acc, scale, IEEE)
