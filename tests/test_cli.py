@@ -88,13 +88,15 @@ def test_an_abbreviated_flag_is_an_unknown_flag(command, args, flag):
     ("run", ["--logprobs"], "; --logprobs is a flag of monobatch generate"),  # another command's flag
     # its value was read as run's prompt and the prompt looked extra: the flag and its value are named
     ("run", ["--logprobs", "3", "hi"], "; --logprobs is a flag of monobatch generate"),
+    # a flag of several other commands: every one named
+    ("generate", ["--api-key", "x", "-p", "hi"], "; --api-key is a flag of monobatch bench-serve, serve, run and chat"),
 ])
 def test_a_mistyped_flag_gets_a_suggestion(command, args, hint):
     """An unknown flag a letter away from one of the command's is refused with that flag named
     (difflib's closest, ratio >= 0.8), still one line and exit 2; a flag near none gets no hint."""
     res = monobatch(command, *args, timeout=60)
     assert res.returncode == 2, res
-    named = "--logprobs 3" if args[:2] == ["--logprobs", "3"] else args[0]
+    named = " ".join(args[:2]) if args[:2] in (["--logprobs", "3"], ["--api-key", "x"]) else args[0]
     assert res.stderr.endswith(f"{named}{hint} (see --help)\n"), res.stderr
     assert len(res.stderr.splitlines()) == 1
 

@@ -56,8 +56,8 @@ def _did_you_mean(parser: argparse.ArgumentParser, command: str | None, extras: 
                   argv: list[str]) -> tuple[list[str], str]:
     """What to name as unrecognized, and a hint: ``"; did you mean --max-tokens?"`` for the first
     unknown flag close to one of the command's (difflib's ratio, at least 0.8: a letter missing or
-    swapped); else, for a flag another command has, ``"; --logprobs is a flag of monobatch
-    generate"`` — and where that flag takes a value, the flag and the value as typed (argparse read
+    swapped); else, for a flag other commands have, ``"; --logprobs is a flag of monobatch
+    generate"`` (every such command named) — and where that flag takes a value, the flag and the value as typed (argparse read
     the value as this command's argument, so the word after it looked extra: ``run --logprobs 3
     hi`` names ``--logprobs 3``, not ``--logprobs hi``); else, where only words are extra to a
     command that takes a prompt, a hint that it takes one (``run smollm2 "Why ..."``: a model given
@@ -74,7 +74,8 @@ def _did_you_mean(parser: argparse.ArgumentParser, command: str | None, extras: 
     for flag in flags:
         owners = [name for name, p in subs.items() if name != command and flag in p._option_string_actions]
         if owners:
-            hint = f"; {flag} is a flag of {' and '.join(f'monobatch {o}' for o in owners[:2])}"
+            names = " and ".join([", ".join(owners[:-1]), owners[-1]] if len(owners) > 1 else owners)
+            hint = f"; {flag} is a flag of monobatch {names}"
             takes = subs[owners[0]]._option_string_actions[flag].nargs != 0
             at = argv.index(flag) + 1 if flag in argv else len(argv)
             if takes and at < len(argv) and not _is_flag(argv[at]):
