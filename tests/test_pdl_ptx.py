@@ -1,7 +1,7 @@
 """The PDL rule of kernels/pdl.py checked on the compiled code: every decode kernel, compiled for
-sm_90 with PDL on, stores and updates nothing before ``griddepcontrol.wait``, and the kernels that
-take no weights load nothing before it either (the GEMV and the norms may load their weights, the
-decode attention the lengths, the block table and its first key tile: nothing the previous kernel writes).
+sm_90 with PDL on, stores and updates nothing before ``griddepcontrol.wait`` and loads before it only what no kernel
+of the step writes (:data:`KERNELS`: the GEMV's and the norms' weights; the decode attention's
+lengths, block table and first key tile, its newest row read again after the wait).
 
 Compiling needs Triton >= 3.4 (its bundled ptxas) but no GPU, so it runs wherever such a Triton is
 installed (the GPU machine: scripts/gpu_check.sh); elsewhere (CI's CPU torch has no Triton) it
@@ -39,9 +39,10 @@ _FLOATS = {"eps", "scale"}
 _INTS = {"_gemv_kernel": {"M", "N", "K"}, "_silu_mul_kernel": {"F"}}  # upper-case sizes, per kernel
 
 
-def _ptx(fn, constexprs: dict, **options) -> str:
-    """PTX of ``fn`` for sm_90: upper-case arguments are pointers (but the sizes in :data:`_INTS`), the
-    rest 32-bit integers divisible by 16 (as Triton specializes them at run time)."""
+def _compiled(fn, constexprs: dict, **options) -> dict:
+    """The compiled stages of ``fn`` for sm_90 (``asm``: "ttir", "ptx", ...): upper-case arguments
+    are pointers (but the sizes in :data:`_INTS`), the rest 32-bit integers divisible by 16 (as
+    Triton specializes them at run time)."""
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -55,7 +56,35 @@ def _ptx(fn, constexprs: dict, **options) -> str:
             sig[name] = "i32"
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm
+
+
+def _ptx(fn, constexprs: dict, **options) -> str:
+    """PTX of ``fn`` for sm_90 (:func:`_compiled`)."""
+    return _compiled(fn, constexprs, **options)["ptx"]
+
+
+def _loaded_before_the_wait(ttir: str) -> set[str]:
+    """The kernel arguments (names) whose memory a ``tt.load`` before ``griddepcontrol.wait`` reads:
+    each load's pointer traced back through ``tt.addptr`` / ``splat`` / ``broadcast`` /
+    ``expand_dims`` / ``reshape`` to its base (a pointer computed otherwise is named by its op)."""
+    body = ttir.split("griddepcontrol.wait", 1)[0]
+    defs = {}
+    for line in body.splitlines():
+        m = re.match(r"\s*(%[\w.#]+)(?::\d+)? = (\S+) (.*)", line)
+        if m:
+            defs[m.group(1)] = (m.group(2), m.group(3))
+
+    def base(value: str, depth: int = 0) -> str:
+        if value not in defs or depth > 64:
+            return value.lstrip("%")
+        op, rest = defs[value]
+        operands = re.findall(r"%[\w.#]+", rest)
+        if op in ("tt.addptr", "tt.splat", "tt.broadcast", "tt.expand_dims", "tt.reshape") and operands:
+            return base(operands[0], depth + 1)
+        return f"{op} {value}"
+
+    return {base(m.group(1)) for m in re.finditer(r"tt\.load (%[\w.#]+)", body)}
 
 
 def _gemv(**kw):
@@ -63,55 +92,60 @@ def _gemv(**kw):
     return gemv._gemv_kernel, {**base, **kw}
 
 
+def _attention(**kw):
+    base = dict(NKV=8, G=4, G_PAD=16, HD=64, BS=16, SPLITS=64, BN=64, MIN_PART=256, IEEE=False, STAGES=2,
+                STORE=False, LATE=False)
+    return paged_decode._partition_kernel, {**base, **kw}
+
+
+#: What a kernel may read before its wait: nothing another kernel of the step writes. The GEMV
+#: and the norms their weights; the decode attention the lengths, the block table and its first
+#: key and value tile (older keys; the newest row, which the kernel before it may be writing, is
+#: read again after the wait and put in its place); the others nothing.
+WEIGHTS, ATTENTION = {"W"}, {"LENS", "TABLES", "K", "V"}
 KERNELS = {
-    "gemv_fma": (*_gemv(), True),
-    "gemv_fma_gated_pipelined": (*_gemv(BLOCK_N=8, BLOCK_K=512, STAGES=3, GATED=True), True),
-    "gemv_dot_bias": (*_gemv(HAS_BIAS=True, M_PAD=16, BLOCK_N=64, BLOCK_K=128, STAGES=3, DOT=True), True),
-    "rms_norm": (fused._rms_norm_kernel, dict(BLOCK=2048), True),
-    "add_rms_norm": (fused._add_rms_norm_kernel, dict(BLOCK=2048), True),
-    "rope": (fused._rope_kernel, dict(HALF=32, BLOCK=32), False),
-    "rope_qk": (fused._rope_qk_kernel, dict(NQ=32, NKV=8, HD=64, HALF=32, BLOCK=32, STORE=False), False),
-    "rope_qk_store": (fused._rope_qk_kernel, dict(NQ=32, NKV=8, HD=64, HALF=32, BLOCK=32, STORE=True), False),
-    "silu_mul": (fused._silu_mul_kernel, dict(BLOCK=1024), False),
-    "store_kv": (paged_decode._store_kv_kernel, dict(NKV=8, NKV_PAD=8, HD=64), False),
-    "attention": (paged_decode._partition_kernel, dict(NKV=8, G=4, G_PAD=16, HD=64, BS=16, SPLITS=64, BN=64,
-                                                       MIN_PART=256, IEEE=False, STAGES=2, STORE=False, LATE=False), True),
-    "attention_store": (paged_decode._partition_kernel, dict(NKV=8, G=4, G_PAD=16, HD=64, BS=16, SPLITS=64,
-                                                             BN=64, MIN_PART=256, IEEE=False, STAGES=2,
-                                                             STORE=True, LATE=False), True),
-    "attention_late": (paged_decode._partition_kernel, dict(NKV=8, G=4, G_PAD=16, HD=64, BS=16, SPLITS=64, BN=64,
-                                                            MIN_PART=256, IEEE=False, STAGES=2, STORE=False,
-                                                            LATE=True), True),
+    "gemv_fma": (*_gemv(), WEIGHTS),
+    "gemv_fma_gated_pipelined": (*_gemv(BLOCK_N=8, BLOCK_K=512, STAGES=3, GATED=True), WEIGHTS),
+    "gemv_dot_bias": (*_gemv(HAS_BIAS=True, M_PAD=16, BLOCK_N=64, BLOCK_K=128, STAGES=3, DOT=True), WEIGHTS),
+    "rms_norm": (fused._rms_norm_kernel, dict(BLOCK=2048), WEIGHTS),
+    "add_rms_norm": (fused._add_rms_norm_kernel, dict(BLOCK=2048), WEIGHTS),
+    "rope": (fused._rope_kernel, dict(HALF=32, BLOCK=32), set()),
+    "rope_qk": (fused._rope_qk_kernel, dict(NQ=32, NKV=8, HD=64, HALF=32, BLOCK=32, STORE=False), set()),
+    "rope_qk_store": (fused._rope_qk_kernel, dict(NQ=32, NKV=8, HD=64, HALF=32, BLOCK=32, STORE=True), set()),
+    "silu_mul": (fused._silu_mul_kernel, dict(BLOCK=1024), set()),
+    "store_kv": (paged_decode._store_kv_kernel, dict(NKV=8, NKV_PAD=8, HD=64), set()),
+    "attention": (*_attention(), ATTENTION),
+    "attention_store": (*_attention(STORE=True), ATTENTION),
+    "attention_late": (*_attention(LATE=True), ATTENTION),
 }
-
-
-
-
 #: The kernels that let the next grid launch before their wait under MONOBATCH_PDL_TRIGGER=small.
 SMALL = {"rms_norm", "add_rms_norm", "rope", "rope_qk", "rope_qk_store", "silu_mul"}
-
-
-#: The kernels that let the next grid launch at their end (MONOBATCH_DECODE_LATE_TRIGGER=1), whatever the trigger.
+#: The kernels that never let the next grid launch (it launches as their programs exit:
+#: MONOBATCH_DECODE_LATE_TRIGGER=1), whatever the trigger.
 LATE = {"attention_late"}
 
 
 def _check(name: str) -> None:
-    """One kernel's PTX under this process's ``pdl.TRIGGER``: one wait; before it no store, atomic
-    or async copy (cp.async: a pipelined load, whose operand could be an activation), and for the
-    kernels without weights no load at all; one launch_dependents, before the wait where the
-    trigger makes this kernel early, else after it; no griddepcontrol with PDL off."""
-    fn, constexprs, has_weights = KERNELS[name]
-    ptx = _ptx(fn, {**constexprs, "PDL": True}, num_warps=4, launch_pdl=True)
+    """One kernel under this process's ``pdl.TRIGGER``: one wait; before it no store, atomic or
+    async copy (cp.async: a pipelined load, whose operand could be an activation), and loads only
+    of the arguments :data:`KERNELS` allows (traced in Triton's IR; none at all in the PTX where
+    it allows none); one launch_dependents, before the wait where the trigger makes this kernel
+    early, else after it (none for :data:`LATE`); no griddepcontrol with PDL off."""
+    fn, constexprs, allowed = KERNELS[name]
+    asm = _compiled(fn, {**constexprs, "PDL": True}, num_warps=4, launch_pdl=True)
+    ptx = asm["ptx"]
     assert ptx.count("griddepcontrol.wait") == 1, name
-    assert ptx.count("griddepcontrol.launch_dependents") == 1, name
     before, after = ptx.split("griddepcontrol.wait", 1)
     assert not re.search(r"\bst\.global|\batom\.|\bred\.|\bcp\.async", before), name
-    if not has_weights:
+    assert _loaded_before_the_wait(asm["ttir"]) <= allowed, (name, _loaded_before_the_wait(asm["ttir"]))
+    if not allowed:
         assert "ld.global" not in before, name
-    early = (pdl.TRIGGER == "all" or (pdl.TRIGGER == "small" and name in SMALL)) and name not in LATE
-    assert ("griddepcontrol.launch_dependents" in before) == early, (name, pdl.TRIGGER)
-    if name in LATE:  # after the last store (the merge's output and the counter's reset)
-        assert not re.search(r"\bst\.global", after.split("griddepcontrol.launch_dependents", 1)[1]), name
+    if name in LATE:
+        assert "griddepcontrol.launch_dependents" not in ptx, name
+    else:
+        assert ptx.count("griddepcontrol.launch_dependents") == 1, name
+        early = pdl.TRIGGER == "all" or (pdl.TRIGGER == "small" and name in SMALL)
+        assert ("griddepcontrol.launch_dependents" in before) == early, (name, pdl.TRIGGER)
     plain = _ptx(fn, {**constexprs, "PDL": False}, num_warps=4)
     assert "griddepcontrol" not in plain, name
 

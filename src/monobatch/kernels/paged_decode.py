@@ -72,9 +72,9 @@ if MIN_PART % BLOCK_N:
 KV_STAGES = env.fatal_integer("MONOBATCH_DECODE_STAGES", 2)
 #: Warps of one program of the Triton kernel. ``MONOBATCH_DECODE_WARPS`` overrides it (A/B runs).
 NUM_WARPS = env.fatal_integer("MONOBATCH_DECODE_WARPS", 4, maximum=32, power_of_two=True)
-#: Let the next kernel (the o projection) launch only at the end of each program, not right after
-#: the PDL wait: its early programs then neither hold SM slots nor queue weight loads while the
-#: attention's programs still work. ``MONOBATCH_DECODE_LATE_TRIGGER=1`` (A/B runs).
+#: Let the next kernel (the o projection) launch only as the programs exit (no trigger), not right
+#: after the PDL wait: its early programs then neither hold SM slots nor queue weight loads while
+#: the attention's programs still work. ``MONOBATCH_DECODE_LATE_TRIGGER=1`` (A/B runs).
 LATE_TRIGGER = env.flag("MONOBATCH_DECODE_LATE_TRIGGER", False)
 #: Store a step's new K/V rows inside the attention launch (:func:`paged_decode_attention`);
 #: False: a separate :func:`store_kv` launch first (A/B runs).
@@ -176,10 +176,10 @@ if triton is not None:
         kvh = tl.program_id(1)
         part = tl.program_id(2)
         # Before the PDL wait: the length, the block table and the partition's first key tile. No
-        # kernel of the step writes them but the newest key and value (the previous kernel's: the
-        # RoPE's store, store_kv, or this launch's STORE), which are taken after the wait and put
-        # in place of the tile's row (kernels/pdl.py's rule: the lengths and tables are the host's
-        # copies, the older keys earlier steps' writes, all finished before the previous kernel).
+        # kernel of the step writes them but the newest key and value row, which is taken after the
+        # wait (STORE: from this launch's inputs, which it then stores; else from the pool, where
+        # the kernel before stored it) and put in place of the tile's row (kernels/pdl.py's rule:
+        # the lengths and tables are the host's copies, the older keys earlier steps' writes).
         seq_len = tl.load(LENS + b)
         # keys lo .. seq_len - 1: all of them, or a sliding window's last `window` (ADR 0005)
         lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
@@ -199,7 +199,7 @@ if triton is not None:
         if not STORE:  # the newest row's slot (its key and value are read after the wait)
             last_blk = tl.load(TABLES + b * stride_tb + last // BS, mask=has_last, other=0).to(tl.int64)
             last_off = (last_blk * BS + last % BS) * stride_ks + kvh * stride_kh + offs_d
-        if LATE:
+        if LATE:  # no trigger: the next grid launches as this one's programs exit
             pdl.wait_only(PDL)
         else:
             pdl.wait_prior(PDL)
@@ -207,7 +207,6 @@ if triton is not None:
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         l_sum = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, HD], tl.float32)
-        dmask = has_last & (offs_d >= 0)
         if STORE:  # the step's new K/V row: the program whose partition holds it writes it to its slot
             k_new = tl.load(K_NEW + b * stride_knb + kvh * stride_knh + offs_d)
             v_new = tl.load(V_NEW + b * stride_vnb + kvh * stride_vnh + offs_d)
@@ -215,9 +214,10 @@ if triton is not None:
                 slot = tl.load(SLOTS + b).to(tl.int64)
                 tl.store(K + slot * stride_ks + kvh * stride_kh + offs_d, k_new)
                 tl.store(V + slot * stride_ks + kvh * stride_kh + offs_d, v_new)
-        else:  # the newest row as the previous kernel stored it
-            k_new = tl.load(K + last_off, mask=dmask, other=0.0)
-            v_new = tl.load(V + last_off, mask=dmask, other=0.0)
+        else:  # the newest row as the kernel before stored it (from L2: .cg, never a line cached before the wait)
+            dmask = has_last & (offs_d >= 0)
+            k_new = tl.load(K + last_off, mask=dmask, other=0.0, cache_modifier=".cg")
+            v_new = tl.load(V + last_off, mask=dmask, other=0.0, cache_modifier=".cg")
         if start < end:  # the first tile (loaded before the wait), its newest row replaced
             is_new = (offs_n == last)[:, None]
             m, l_sum, acc = _attend_tile(q, tl.where(is_new, k_new[None, :], k0), tl.where(is_new, v_new[None, :], v0),
@@ -268,8 +268,6 @@ if triton is not None:
                         merged = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
                         tl.store(OUT + b * stride_outb + h * stride_outh + offs_d, merged.to(OUT.dtype.element_ty))
                     tl.store(cnt, 0)  # zeroed for the next launch (graph replays reuse the buffer)
-        if LATE:
-            pdl.launch_next(PDL)
 
     @triton.jit
     def _store_kv_kernel(K, V, K_CACHE, V_CACHE, SLOTS, stride_kt, stride_kh, stride_vt, stride_vh,

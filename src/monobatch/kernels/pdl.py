@@ -8,12 +8,16 @@ running: it computes its addresses and loads what no kernel writes (the GEMV's f
 tile, a norm's weight) first, then waits at ``griddepcontrol.wait`` until the previous grid has
 finished and its memory is visible, and only then reads or writes activations. Right after that
 wait, or before it for the small kernels (:data:`TRIGGER`, below), it lets the next kernel start
-(``griddepcontrol.launch_dependents``). (NVIDIA CUDA programming guide, "Programmatic Dependent
+(``griddepcontrol.launch_dependents``; the decode attention with ``MONOBATCH_DECODE_LATE_TRIGGER=1``
+not at all: the next starts as its programs exit, :func:`wait_only`). (NVIDIA CUDA programming guide, "Programmatic Dependent
 Launch"; TensorRT-LLM and FlashInfer use it for the same reason.)
 
 Rule for every kernel launched with PDL: nothing it reads that another kernel writes, and nothing
 it writes, may be touched before :func:`wait_prior`; every program calls it (also programs that
-then do nothing), so a grid completes only after the one before it. Kernels that do not follow
+then do nothing), so a grid completes only after the one before it. One exception: the decode
+attention (kernels/paged_decode.py) loads its first key and value tile before the wait, the
+newest row included, which the kernel before it may be writing; it reads that row again after
+the wait and uses it in the tile's place, so a value read early is never used. Kernels that do not follow
 the rule (torch's, the argmax) are launched without PDL and so wait for the previous kernel's end.
 
 When a kernel lets the next one launch is ``MONOBATCH_PDL_TRIGGER``'s (:data:`TRIGGER`): ``small``
@@ -25,8 +29,7 @@ wait). Measured on the H200 (2026-12-06, llama-8b, random packed Q4_K weights, B
 ``small`` 368.1 / 368.2 tok/s, ``all`` 367.4 / 367.2, ``wait`` 363.8 / 364.1, the same tokens.
 Safe either way: a kernel's wait is for the previous grid's completion, and that grid completed
 only after its own wait, so everything before it is complete too (what a kernel touches before
-its wait is never written by any kernel of the step, but the decode attention's newest key row,
-read with its first tile and replaced by the one read after the wait); a grid launches only when every program of
+its wait is never written by any kernel of the step, but the attention's newest row, above); a grid launches only when every program of
 the one before it has started, so no grid waits on programs that cannot be scheduled.
 
 ``MONOBATCH_PDL=0`` turns it off (A/B runs; the kernels are then launched normally and the wait
@@ -118,17 +121,11 @@ if triton is not None:
 
     @triton.jit
     def wait_only(PDL: tl.constexpr):
-        # the wait alone: the kernel lets the next grid launch itself, at its end (launch_next)
+        # the wait alone, no trigger: the next grid launches as this one's programs exit
         if PDL:
             gdc_wait()
 
     @triton.jit
-    def launch_next(PDL: tl.constexpr):
-        # a kernel that waited with wait_only lets the next grid launch (its programs' last step)
-        if PDL:
-            gdc_launch_dependents()
-
-    @triton.jit
     def wait_prior_small(PDL: tl.constexpr):
-        # the norms' and the RoPE's wait (TRIGGER "small" or "all": the next grid launched first)
+        # the norms', the RoPE's and the SiLU's wait (TRIGGER "small" or "all": the next grid launched first)
         _wait(PDL, _EARLY_SMALL)
