@@ -93,9 +93,13 @@ DP4A_SWEEP = [(64, 512, 4, 1), (32, 512, 4, 1), (32, 1024, 4, 1), (64, 512, 4, 2
 #: PROBE_DP4A_TILES="BN,BK,WARPS,STAGES;..." replaces DP4A_SWEEP (a short sweep: a fresh machine
 #: compiles every tile at every product's layout and row count, ~170 s for all of them at llama-8b)
 if os.environ.get("PROBE_DP4A_TILES"):
-    DP4A_SWEEP = [tuple(int(v) for v in t.split(",")) for t in os.environ["PROBE_DP4A_TILES"].split(";") if t.strip()]
-    if any(len(t) != 4 for t in DP4A_SWEEP):
-        sys.exit("PROBE_DP4A_TILES: expected BN,BK,WARPS,STAGES tiles separated by ';'")
+    try:
+        DP4A_SWEEP = [tuple(int(v) for v in t.split(",")) for t in os.environ["PROBE_DP4A_TILES"].split(";")
+                      if t.strip()]
+    except ValueError:
+        DP4A_SWEEP = []
+    if not DP4A_SWEEP or any(len(t) != 4 for t in DP4A_SWEEP):
+        sys.exit("PROBE_DP4A_TILES: expected BN,BK,WARPS,STAGES tiles of integers separated by ';'")
 VARIANT = os.environ.get("PROBE_VARIANT", "fma")
 if VARIANT not in ("fma", "dp4a"):
     sys.exit(f"PROBE_VARIANT={VARIANT!r}: expected fma or dp4a")

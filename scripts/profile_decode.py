@@ -182,35 +182,31 @@ def print_timeline(path: str) -> None:
         return
     a, b = marks[-3], marks[-2]
     t0, prev_end, rows = gpu[a + 1]["ts"], gpu[a]["ts"] + gpu[a]["dur"], []
+    # per kernel name: launches, their summed durations (PDL launches a kernel before the one it
+    # waits for ends, so these overlap) and the time each adds to the step: its end minus the
+    # latest end before it (any idle gap before it included), summed
+    per: dict[str, list[float]] = {}
     for e in gpu[a + 1:b + 1]:
-        gap, prev_end = e["ts"] - prev_end, max(prev_end, e["ts"] + e["dur"])
+        end = e["ts"] + e["dur"]
+        gap, added, prev_end = e["ts"] - prev_end, max(0.0, end - prev_end), max(prev_end, end)
+        kernel = per.setdefault(e["name"][:60], [0, 0.0, 0.0])
+        kernel[0], kernel[1], kernel[2] = kernel[0] + 1, kernel[1] + e["dur"], kernel[2] + added
         if e["name"].startswith("_") and rows and rows[-1]["triton"]:
             r = rows[-1]
             r["n"] += 1
             r["busy"] += e["dur"]
-            r["end"] = max(r["end"], e["ts"] + e["dur"])
+            r["end"] = max(r["end"], end)
         else:
-            rows.append({"name": e["name"][:70], "ts": e["ts"], "end": e["ts"] + e["dur"], "gap": gap, "n": 1,
+            rows.append({"name": e["name"][:70], "ts": e["ts"], "end": end, "gap": gap, "n": 1,
                          "busy": e["dur"], "triton": e["name"].startswith("_")})
     print(f"one decode step, GPU: {gpu[b]['ts'] + gpu[b]['dur'] - t0:.1f} µs from its first op to its copy back")
     for r in rows:
         name = f"{r['n']} Triton kernels (busy {r['busy']:.1f})" if r["n"] > 1 else r["name"]
         print(f"  +{r['ts'] - t0:8.1f}  dur {r['end'] - r['ts']:7.1f}  gap {r['gap']:6.1f}  {name}")
-    # Per kernel name: launches, their summed durations (PDL launches a kernel before the one it
-    # waits for ends, so these overlap) and the time each adds to the step: its end minus the
-    # latest end before it (any idle gap before it included), summed.
-    per: dict[str, list[float]] = {}
-    last_end = gpu[a]["ts"] + gpu[a]["dur"]
-    for e in gpu[a + 1:b + 1]:
-        end = e["ts"] + e["dur"]
-        row = per.setdefault(e["name"][:60], [0, 0.0, 0.0])
-        row[0] += 1
-        row[1] += e["dur"]
-        row[2] += max(0.0, end - last_end)
-        last_end = max(last_end, end)
     print("  per kernel: launches, summed duration, time added to the step (µs)")
     for name, (n, dur, added) in sorted(per.items(), key=lambda kv: -kv[1][2]):
         print(f"  {n:5d} {dur:9.1f} {added:9.1f}  {name}")
+
 
 if __name__ == "__main__":
     main()

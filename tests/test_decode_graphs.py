@@ -155,6 +155,83 @@ def test_triton_kernel_on_cuda(dtype):
         _check_fused_store(lens, dtype, "cuda")
 
 
+try:  # for the slow writer below (the CUDA test; CPU-only installs have no Triton)
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _now(z):
+        # the GPU's nanosecond clock (%globaltimer), one value per element of z
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [z], dtype=tl.int64, is_pure=False,
+                                         pack=1)
+
+    @triton.jit
+    def _slow_writer(SRC, DST, IDX, W, stride_d, NS: tl.constexpr, BLOCK: tl.constexpr):
+        # Launched with PDL: lets the next grid launch at once, waits for the one before it, spins NS
+        # nanoseconds, and only then copies row r of SRC ([R, W]) to row IDX[r] of DST (row stride
+        # stride_d): a producer that writes late while the kernel after it already runs.
+        r = tl.program_id(0)
+        gdc_launch_dependents()
+        gdc_wait()
+        z = tl.zeros([1], tl.int32)
+        t0 = tl.sum(_now(z), 0)
+        t = t0
+        while t - t0 < NS:
+            t = tl.sum(_now(z), 0)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < W
+        row = tl.load(IDX + r).to(tl.int64)
+        tl.store(DST + row * stride_d + offs, tl.load(SRC + r * W + offs, mask=mask), mask=mask)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+@pytest.mark.parametrize("store", [False, True])
+def test_attention_waits_for_a_slow_writer(store):
+    """The decode attention loads its lengths, block table and first key tile before its PDL wait
+    (kernels/pdl.py's one exception): everything a kernel before it writes — the query, and the
+    newest key and value row (in the pool, or as this launch's inputs with ``store``) — must be
+    read after the wait. Two slow writers (PDL, triggering at once, spinning 50 µs before they
+    write) put the real query and newest rows in place of stale ones while the attention has
+    already launched; its output must equal the output on inputs written beforehand, bit for bit."""
+    from monobatch.kernels import pdl
+    from monobatch.kernels.paged_decode import paged_decode_triton, triton_usable
+    dev = torch.device("cuda")
+    if not triton_usable(dev, 64) or not pdl.enabled(dev):
+        pytest.skip("needs Triton and PDL (Hopper, CUDA >= 12.3)")
+    writer = _slow_writer
+    lens = [1, 5, 17, 64, 300]
+    q, k, v, tables, seq_lens = _paged_case(len(lens), 32, 8, 64, 16, lens, torch.bfloat16, "cuda", seed=5)
+    B = len(lens)
+    slots = torch.stack([tables[b, (n - 1) // 16].long() * 16 + (n - 1) % 16 for b, n in enumerate(lens)])
+    g = torch.Generator().manual_seed(6)
+    k_new, v_new = (torch.randn(B, 8, 64, generator=g).to(dev, torch.bfloat16) for _ in range(2))
+    k[slots], v[slots] = k_new, v_new
+    args = (k_new, v_new, slots) if store else ()
+    want = paged_decode_triton(q, k.clone(), v.clone(), tables, seq_lens, 16, *args)
+    stale = lambda t: torch.randn(t.shape, generator=g).to(dev, t.dtype)  # noqa: E731
+    rows = torch.arange(B, device=dev)
+    for _ in range(3):
+        q2, k2, v2 = stale(q), k.clone(), v.clone()
+        k2[slots], v2[slots] = stale(k_new), stale(v_new)  # the newest rows stale in the pool too
+        if store:  # the inputs: query, new key, new value in one buffer, one late copy
+            late = torch.cat([q, k_new, v_new], dim=1).reshape(B, -1)
+            buf = stale(late)
+            q_in, k_in, v_in = (part for part in buf.view(B, 48, 64).split([32, 8, 8], dim=1))
+            writer[(B,)](late, buf, rows, late.shape[1], buf.stride(0), NS=50_000, BLOCK=4096, launch_pdl=True)
+            out = paged_decode_triton(q_in, k2, v2, tables, seq_lens, 16, k_in, v_in, slots)
+        else:  # the query, then the pool's newest key and value rows (row = slot), each late
+            writer[(B,)](q, q2, rows, q[0].numel(), q2.stride(0), NS=50_000, BLOCK=2048, launch_pdl=True)
+            writer[(B,)](k_new, k2, slots, 512, k2.stride(0), NS=20_000, BLOCK=512, launch_pdl=True)
+            writer[(B,)](v_new, v2, slots, 512, v2.stride(0), NS=20_000, BLOCK=512, launch_pdl=True)
+            out = paged_decode_triton(q2, k2, v2, tables, seq_lens, 16)
+        assert torch.equal(out, want)
+
+
 def _run(scheduler, prompts, n=12):
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     reqs = [Request(f"r{i}", p, params, bypass_prefix_cache=True) for i, p in enumerate(prompts)]

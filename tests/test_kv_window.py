@@ -230,7 +230,8 @@ def test_static_decode_steps_read_the_window():
 def check_decode_kernel(device: str = "cpu") -> str:
     """The Triton paged decode kernel (interpreter, CPU tensors) with a window: equal to the torch
     reference; block-table entries before each row's window point at a NaN block, which neither
-    reads; with the step's new K/V stored by the same launch, and several partitions (splits)."""
+    reads; with the step's new K/V stored by the same launch, and several partitions (splits);
+    and the same bits with those rows already in the pool (no store)."""
     from monobatch.kernels.paged_decode import paged_decode_torch, paged_decode_triton
 
     g = torch.Generator().manual_seed(5)
@@ -256,6 +257,9 @@ def check_decode_kernel(device: str = "cpu") -> str:
     got = paged_decode_triton(*dev[:5], bs, *dev[5:], window=window)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(dev[1][dev[7]].cpu(), k_new)  # stored by the launch
+    # the newest rows already in the pool (the kernel before stored them): the same result
+    stored = [t.to(device) for t in (q, kc, vc, tables, lens)]
+    assert torch.equal(paged_decode_triton(*stored, bs, window=window), got)
     return "ok"
 
 

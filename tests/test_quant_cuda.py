@@ -1032,9 +1032,10 @@ def test_probe_dp4a_tiles_variable(monkeypatch):
     configs = mod.dp4a_sweep_configs(4096, 14336, DEVICE_LAYOUTS[T.Q4_K])
     assert configs and {c[:2] + c[3:5] for c in configs} == {(64, 256, 4, 1), (32, 512, 2, 1)}
     assert all(c[5] == Q.DP4A for c in configs)
-    monkeypatch.setenv("PROBE_DP4A_TILES", "64,256,4")
-    with pytest.raises(SystemExit, match="PROBE_DP4A_TILES"):
-        load()
+    for bad in ("64,256,4", "64,256,four,1", ";"):
+        monkeypatch.setenv("PROBE_DP4A_TILES", bad)
+        with pytest.raises(SystemExit, match="PROBE_DP4A_TILES"):
+            load()
 
 
 #: A GGUF type of each compact layout name (the tuned tables' keys; device_repack's layouts).

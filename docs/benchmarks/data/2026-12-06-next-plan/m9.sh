@@ -8,13 +8,24 @@ nvidia-smi --query-gpu=name,driver_version --format=csv > $OUT/gpu.txt
 GGUF_SHAPES="llama-8b llama-1b" QUANTS="llama-8b:Q4_K_M llama-1b:Q4_0 llama-1b:Q4_K_M" W=/tmp/gs nice -n 19 bash scripts/gpu_serving.sh start $OUT/gs >/dev/null 2>&1
 export MONOBATCH_CUDA_PACKED=1
 P="python3 scripts/profile_decode.py --no-profile -n 64 --shape llama-8b --quant Q4_K"
-declare -A KNOB=([base]="" [late]="MONOBATCH_DECODE_LATE_TRIGGER=1" [splits8]="MONOBATCH_DECODE_SPLITS=8,2"
-  [splits16]="MONOBATCH_DECODE_SPLITS=16,2" [bn32]="MONOBATCH_DECODE_BLOCK_N=32" [warps8]="MONOBATCH_DECODE_WARPS=8"
-  [stages1]="MONOBATCH_DECODE_STAGES=1" [wait]="MONOBATCH_PDL_TRIGGER=wait" [base2]="" [splits4]="MONOBATCH_DECODE_SPLITS=4,2"
-  [late_s8]="MONOBATCH_DECODE_LATE_TRIGGER=1 MONOBATCH_DECODE_SPLITS=8,2")
-for k in base late splits4 splits8 splits16 late_s8 bn32 warps8 stages1 wait base2; do env ${KNOB[$k]} timeout 90 $P > $OUT/ab-$k.txt 2>>$OUT/err.txt; log "ab $k rc=$? $(tail -1 $OUT/ab-$k.txt | cut -c1-150)"; done
-for m in small wait small2; do MONOBATCH_PDL_TRIGGER=${m%2} timeout 60 python3 scripts/profile_decode.py --no-profile -n 64 --shape llama-1b > $OUT/bf16-1b-$m.txt 2>>$OUT/err.txt; log "1b bf16 $m rc=$? $(tail -1 $OUT/bf16-1b-$m.txt | cut -c1-150)"; done
-MONOBATCH_PDL=0 timeout 90 $P --trace /tmp/gs/nopdl.json > $OUT/ab-nopdl-trace.txt 2>>$OUT/err.txt; log "nopdl trace rc=$?"
+# the attention kernel before 2026-12-06 (its first tile after the wait): `git show 09a1c2c:src/monobatch/kernels/paged_decode.py
+# > .device/paged_decode_old.py` before the call
+rm -rf /tmp/oldsrc; [ -f .device/paged_decode_old.py ] && cp -r src /tmp/oldsrc && cp .device/paged_decode_old.py /tmp/oldsrc/monobatch/kernels/paged_decode.py
+declare -A KNOB=([base]="" [base2]="" [late]="MONOBATCH_DECODE_LATE_TRIGGER=1" [splits4]="MONOBATCH_DECODE_SPLITS=4,2"
+  [splits8]="MONOBATCH_DECODE_SPLITS=8,2" [splits16]="MONOBATCH_DECODE_SPLITS=16,2"
+  [late_s8]="MONOBATCH_DECODE_LATE_TRIGGER=1 MONOBATCH_DECODE_SPLITS=8,2" [bn32]="MONOBATCH_DECODE_BLOCK_N=32"
+  [warps8]="MONOBATCH_DECODE_WARPS=8" [stages1]="MONOBATCH_DECODE_STAGES=1" [wait]="MONOBATCH_PDL_TRIGGER=wait"
+  [oldattn]="PYTHONPATH=/tmp/site:/tmp/oldsrc")
+# ab TAG CMD...: CMD's stdout to $OUT/ab-TAG.txt, under 90 s and before AB_UNTIL (the build's window: ~370 s)
+AB_UNTIL=290
+ab() { local tag=$1; shift; local left=$((AB_UNTIL - (SECONDS - T0))); ((left < 25)) && { log "SKIP ab $tag"; return; }
+  timeout $((left < 90 ? left : 90)) "$@" > $OUT/ab-$tag.txt 2>>$OUT/err.txt; log "ab $tag rc=$? $(tail -1 $OUT/ab-$tag.txt | cut -c1-150)"; }
+for k in base late splits8 stages1 oldattn splits4 splits16 late_s8 bn32 warps8 wait base2; do
+  [ $k = oldattn ] && [ ! -d /tmp/oldsrc ] && continue
+  ab $k env ${KNOB[$k]} $P
+done
+for m in small wait small2; do ab 1b-bf16-$m env MONOBATCH_PDL_TRIGGER=${m%2} python3 scripts/profile_decode.py --no-profile -n 64 --shape llama-1b; done
+AB_UNTIL=310 ab nopdl-trace env MONOBATCH_PDL=0 $P --trace /tmp/gs/nopdl.json
 BEST=$(python3 - $OUT <<'PY'
 import json, sys, glob, os
 rate = {}
@@ -23,8 +34,9 @@ for f in glob.glob(sys.argv[1] + "/ab-*.txt"):
         rate[os.path.basename(f)[3:-4]] = json.loads(open(f).read().strip().splitlines()[-1])["decode_tok_s"]
     except Exception:
         pass
-base = rate.get("base", 0)
-best = max((k for k in rate if k not in ("base", "base2", "wait", "nopdl-trace")), key=rate.get, default=None)
+base = max(rate.get("base", 0), rate.get("base2", 0))
+knobs = [k for k in rate if k in ("late", "splits4", "splits8", "splits16", "late_s8", "bn32", "warps8", "stages1")]
+best = max(knobs, key=rate.get, default=None)
 print(best if best and base and rate[best] >= 1.01 * base else "")
 PY
 ); log "best knob: '${BEST}'"
@@ -32,8 +44,9 @@ PY
 # more), merged into this GPU's table (the packaged one: FMA entries only on the H200)
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); TB=src/monobatch/kernels/configs/packed_gemv_${GPU// /_}.json
 PROBE_DP4A_TILES="32,1024,4,1;32,512,2,1;128,256,4,1;64,256,4,1;16,512,2,1;32,2048,8,1;64,512,4,1;64,256,4,2;32,512,4,2" \
-  PROBE_MS=1,4 PROBE_TYPES=Q4_K,Q6_K PROBE_REP=10 timeout 120 python3 scripts/probe_quant_cuda.py --variant dp4a --only bench \
-  --shapes llama-8b --sweep-shapes llama-8b > $OUT/sweep-8b.jsonl 2>>$OUT/err.txt; log "sweep rc=$?"
+  PROBE_MS=1,4 PROBE_TYPES=Q4_K,Q6_K PROBE_REP=10 timeout $((420 - (SECONDS - T0) > 60 ? 420 - (SECONDS - T0) : 60)) \
+  python3 scripts/probe_quant_cuda.py --variant dp4a --only bench --shapes llama-8b --sweep-shapes llama-8b > $OUT/sweep-8b.jsonl 2>>$OUT/err.txt
+log "sweep rc=$?"
 rm -f /tmp/gs/table.json; [ -f $TB ] && cp $TB /tmp/gs/table.json
 python3 scripts/packed_gemv_table.py $OUT/sweep-8b.jsonl --device "$GPU" -o /tmp/gs/table.json > $OUT/table.txt 2>&1; log "table rc=$? $(tail -1 $OUT/table.txt)"
 cp /tmp/gs/table.json $OUT/table.json
