@@ -66,6 +66,10 @@ bench_file() { local q=$1
   done
 }
 bench_file llama-8b-Q4_K_M
+# the decode attention's CUDA tests (the slow PDL writers: q and the newest rows read after the wait) and the PTX checks
+PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests timeout 90 python3 -m pytest -p no:cacheprovider -o addopts= --tb=short -q \
+  tests/test_decode_graphs.py tests/test_kv_window.py tests/test_pdl_ptx.py -k "cuda or slow or trigger or touched" > $OUT/tests.txt 2>&1
+log "tests rc=$? $(tail -1 $OUT/tests.txt)"
 bench_file llama-1b-Q4_0
 bench_file llama-1b-Q4_K_M
 tail -c 1500 $OUT/err.txt
