@@ -696,7 +696,8 @@ def _sm90(fn, constexprs: dict, signature: dict, **options) -> str:
         pytest.skip("this Triton cannot compile ahead of time")
     sig = {name: ("constexpr" if name in constexprs else signature.get(name, "i32")) for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if name not in constexprs and name not in ("M", "N", "K", "splits", "k_per")}
+             if name not in constexprs and name not in ("M", "N", "K", "splits", "k_per", "N_A", "N_B", "splits_a",
+                                                            "splits_b", "tiles_a")}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
@@ -1236,6 +1237,75 @@ def check_dp4a_dispatch(device: str = "cpu") -> str:
     return "ok"
 
 
+def check_dp4a_pair(device: str = "cpu") -> str:
+    """Two parts of one weight in one DP4A launch (quant_gemm.gemv_pair, MONOBATCH_PACKED_GEMV_PAIR=1;
+    a Q4_K_M file's qkv: Q4_K q and k, Q6_K v): each part's columns have the bits of its own launch
+    (the same config, split and warps) at M = 1..3, split and unsplit parts, with bias and a gated
+    input, and through
+    PackedWeight.cuda_matmul; it declines (False) with the switch off, above PAIR_MAX_M rows, one part,
+    or configs of other warps."""
+    from monobatch.kernels import quant_gemm as Q
+    from monobatch.quant.packed import PackedPart, PackedWeight
+    g = torch.Generator().manual_seed(23)
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    saved, Q.PAIR = Q.PAIR, True
+    try:
+        with gemv_variant("dp4a"):
+            for (ta, na), (tb, nb), k in (((T.Q4_K, 80), (T.Q6_K, 48), 512), ((T.Q4_0, 64), (T.Q8_0, 40), 768)):
+                a, _ = _parts(ta, na, k, seed=61, device=device)
+                b, _ = _parts(tb, nb, k, seed=62, device=device)
+                bias = torch.randn(na + nb, generator=g).to(device)
+                for M in (1, 2, 3):
+                    gated = M == 3
+                    x = torch.randn(M, 2 * k if gated else k, generator=g).to(device, dt)
+                    bb = bias if M == 2 else None
+                    y = torch.full((M, na + nb), 7.0, device=device, dtype=dt)
+                    assert Q.gemv_pair(x, [a, b], y, bb, gated), (ta.name, M)
+                    ya = Q.gemv(x, a, None if bb is None else bb[:na], gated=gated)
+                    yb = Q.gemv(x, b, None if bb is None else bb[na:], gated=gated)
+                    assert torch.equal(y[:, :na], ya) and torch.equal(y[:, na:], yb), (ta.name, tb.name, M)
+                w = PackedWeight([PackedPart(**_part_fields(a)), PackedPart(**_part_fields(b))], k, (ta.name, tb.name))
+                x = torch.randn(1, k, generator=g).to(device, dt)
+                y = torch.empty(1, na + nb, device=device, dtype=dt)
+                assert Q.gemv_pair(x, [a, b], y)
+                assert torch.equal(w.cuda_matmul(x), y)  # (the CUDA route, also on the interpreter's CPU tensors)
+                assert not Q.gemv_pair(torch.zeros(Q.PAIR_MAX_M + 1, k, device=device, dtype=dt), [a, b],
+                                       torch.empty(Q.PAIR_MAX_M + 1, na + nb, device=device, dtype=dt))
+                assert not Q.gemv_pair(x, [a], torch.empty(1, na, device=device, dtype=dt))
+                with pytest.raises(ValueError):
+                    Q.gemv_pair(x, [a, b], torch.empty(1, na, device=device, dtype=dt))
+            # configs of other warps: declined (one launch has one warps)
+            table = {Q.dp4a_key(na, k, a.layout): (64, 512, 1, 8, 1, Q.DP4A)}
+            saved_table = Q._TABLES.copy()
+            Q._TABLES.clear()
+            Q._TABLES.update({Q._gpu_name(x.device): table})
+            try:
+                assert Q.gemv_config(na, k, 1, a.layout, "dp4a", device=x.device)[3] == 8
+                assert not Q.gemv_pair(x, [a, b], y)
+            finally:
+                Q._TABLES.clear()
+                Q._TABLES.update(saved_table)
+        Q.PAIR = False
+        assert not Q.gemv_pair(x, [a, b], y)
+    finally:
+        Q.PAIR = saved
+    return "ok"
+
+
+def _part_fields(rep) -> dict:
+    """A repacked part's fields as :class:`PackedPart`'s keyword arguments."""
+    return dict(layout=rep.layout, qs=rep.qs, scale=rep.scale, minimum=rep.minimum, sup=rep.sup)
+
+
+def test_dp4a_pair_in_interpreter():
+    run_in_triton_interpreter("test_quant_cuda", "check_dp4a_pair")
+
+
+def test_dp4a_pair_cuda():
+    _cuda()
+    assert check_dp4a_pair("cuda") == "ok"
+
+
 def check_dp4a_gemv_q4_0() -> str:
     return check_dp4a_gemv(types=(T.Q4_0,))
 
@@ -1347,6 +1417,32 @@ def test_table_dp4a_tiles_compile_without_spills():
                         num_stages=stages, launch_pdl=True)
             regs, spills = _ptxas_usage(ptx)
             assert spills == 0, (case, bn, bk, warps, stages, gated, regs, spills)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_dp4a_pair_compiles_for_sm90(rows):
+    """The two-part DP4A launch (gemv_pair) at llama-8b's mixed qkv (q and k Q4_K 5120 x 4096, v Q6_K
+    1024 x 4096, each at its default config: the same warps) compiles for sm_90 without register
+    spills at its rows (PAIR_MAX_M); before its first PDL wait it stores and updates nothing."""
+    import re
+    Q = _sm90_quant_gemm()
+    from monobatch.quant.formats import DEVICE_LAYOUTS
+    sig, const = {"X": "*bf16"}, dict(ROWS=rows, M_PAD=Q._pow2(rows), GATED=False, ASM=True, PDL=True)
+    for part, (qtype, n) in zip("AB", ((T.Q4_K, 5120), (T.Q6_K, 1024))):
+        layout, scale_sig, codes = _scale_case(qtype.name)
+        bn, bk, _, warps, stages, dot = Q.gemv_config(n, 4096, rows, layout, "dp4a")
+        assert dot == Q.DP4A and (part == "A" or (warps, stages) == (const_warps, const_stages))  # noqa: F821
+        const_warps, const_stages = warps, stages
+        sig.update({f"{k}_{part}": v for k, v in {**_PTRS, **scale_sig, "QW": "*i32"}.items() if k != "X"})
+        const.update({f"{k}_{part}": v for k, v in dict(HAS_BIAS=False, BLOCK_N=bn, NG=bk // 32, STAGES=stages,
+                                                        Q4=layout.q4, GROUP=layout.group, EVEN=True,
+                                                        SUB=256 // layout.group, **codes).items()})
+    ptx = _sm90(Q._gemv_dp4a_pair_kernel, const, sig, num_warps=const_warps, num_stages=const_stages,
+                launch_pdl=True)
+    before = ptx.split("griddepcontrol.wait", 1)[0]
+    assert not re.search(r"\bst\.global|\batom\.|\bred\.|\bcp\.async", before)
+    regs, spills = _ptxas_usage(ptx)
+    assert spills == 0 and regs <= 255, (regs, spills)
 
 
 @pytest.mark.parametrize("case", ["f32", "Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K"])

@@ -57,6 +57,9 @@ by the tile, like any other). No shuffle of nibbles into column order is needed.
     4.30, Q4_K 2.09 / 4.66, Q8_0 1.66 / 5.12, Q5_K 2.23 / 5.67, Q6_K 1.93 / 5.41); its results
     differ from the FMA variant's by x's int8 rounding (~1e-2 of max |y|).
 
+  :func:`gemv_pair` (``MONOBATCH_PACKED_GEMV_PAIR=1``, an A/B switch): a weight's two parts
+  of other layouts (a Q4_K_M file's qkv) in one DP4A launch, each part's programs its own launch's.
+
   All three: split-K as :mod:`monobatch.kernels.gemv`'s (partials in a workspace, the last slice of a
   tile sums them in slice order: deterministic), and PDL (the first weight tile is loaded before
   :func:`monobatch.kernels.pdl.wait_prior`). One launch, no host sync, no data-dependent
@@ -603,8 +606,13 @@ if triton is not None:
         # rows offs_n [BLOCK_N] and x rows offs_m [M_PAD] with their masks, its K slice's positions
         # g_lo .. g_hi (groups, or bytes for DOT), and each weight row's pointers: packed data,
         # scales, mins, super-block (d, dmin))
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
+        return _gemv_tile_at(tl.program_id(0), tl.program_id(1), QW, S, MN, SUP, M, N, NG_ROW, g_per, stride_wn,
+                             stride_sn, stride_dn, BLOCK_N, M_PAD)
+
+    @triton.jit
+    def _gemv_tile_at(pid_n, pid_k, QW, S, MN, SUP, M, N, NG_ROW, g_per, stride_wn, stride_sn, stride_dn,
+                      BLOCK_N: tl.constexpr, M_PAD: tl.constexpr):
+        # _gemv_tile of tile (pid_n, pid_k) (the two-part DP4A launch's tiles are not its program ids)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, M_PAD)
         g_lo = pid_k * g_per
@@ -827,29 +835,30 @@ if triton is not None:
         else:
             return w, w, s, m, gmask
 
-    @triton.jit(do_not_specialize=["M", "splits"])
-    def _gemv_dp4a_kernel(X, QW, S, MN, SUP, B, Y, WS, CNT, M, N, K, NG_ROW, g_per, splits, stride_xm, stride_wn,
-                          stride_sn, stride_dn, stride_ym, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
-                          M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NG: tl.constexpr, STAGES: tl.constexpr,
-                          Q4: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr, EVEN: tl.constexpr,
-                          SCALES: tl.constexpr, MINS: tl.constexpr, SUB: tl.constexpr, ASM: tl.constexpr,
-                          PDL: tl.constexpr):
-        # The DP4A variant (every layout, M = ROWS <= 4): integer dot products of the weights'
-        # integers with x rounded to int8 per 32 columns, quantized here (each program the groups
-        # of its K slice it reads, every row on its own: no extra launch, and a row's bits do not
-        # depend on the others). QW: the packed bytes as int32 words, 4 (Q4) or 8 (Q8) a 32-column
-        # group; positions are 32-column groups: NG_ROW a row, NG a K step, g_per a K slice (as
-        # _gemv_fma_kernel, whose epilogue this is). Order: a float32 accumulator column per weight
-        # group of the step (NGW = NG * 32 / GROUP: Q4 and Q8/32 one a x group, Q8/16 two), each
-        # adding its group's s d sumi (+ m d sum xi) step after step in ascending K; after the loop
-        # the NGW columns are summed (one fixed reduction tree), the slices in slice order.
+    @triton.jit
+    def _dp4a_program(pid_n, pid_k, X, QW, S, MN, SUP, B, Y, WS, CNT, M, N, K, NG_ROW, g_per, splits, stride_xm,
+                      stride_wn, stride_sn, stride_dn, stride_ym, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
+                      M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NG: tl.constexpr, STAGES: tl.constexpr,
+                      Q4: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr, EVEN: tl.constexpr,
+                      SCALES: tl.constexpr, MINS: tl.constexpr, SUB: tl.constexpr, ASM: tl.constexpr,
+                      PDL: tl.constexpr):
+        # One program of the DP4A variant, tile (pid_n, pid_k) (every layout, M = ROWS <= 4):
+        # integer dot products of the weights' integers with x rounded to int8 per 32 columns,
+        # quantized here (each program the groups of its K slice it reads, every row on its own: no
+        # extra launch, and a row's bits do not depend on the others). QW: the packed bytes as int32
+        # words, 4 (Q4) or 8 (Q8) a 32-column group; positions are 32-column groups: NG_ROW a row,
+        # NG a K step, g_per a K slice (as _gemv_fma_kernel, whose epilogue this is). Order: a
+        # float32 accumulator column per weight group of the step (NGW = NG * 32 / GROUP: Q4 and
+        # Q8/32 one a x group, Q8/16 two), each adding its group's s d sumi (+ m d sum xi) step after
+        # step in ascending K; after the loop the NGW columns are summed (one fixed reduction tree),
+        # the slices in slice order.
         if Q4:
             WPG: tl.constexpr = 4
         else:
             WPG: tl.constexpr = 8
         NGW: tl.constexpr = NG * 32 // GROUP
-        pid_n, pid_k, offs_n, offs_m, nmask, mmask, g_lo, g_hi, w_rows, s_rows, m_rows, d_rows = _gemv_tile(
-            QW, S, MN, SUP, M, N, NG_ROW, g_per, stride_wn, stride_sn, stride_dn, BLOCK_N, M_PAD)
+        pid_n, pid_k, offs_n, offs_m, nmask, mmask, g_lo, g_hi, w_rows, s_rows, m_rows, d_rows = _gemv_tile_at(
+            pid_n, pid_k, QW, S, MN, SUP, M, N, NG_ROW, g_per, stride_wn, stride_sn, stride_dn, BLOCK_N, M_PAD)
         offs_g = tl.arange(0, NG)
         j = tl.arange(0, NG * WPG)
         acc0 = tl.zeros((BLOCK_N, NGW), tl.float32)
@@ -874,6 +883,57 @@ if triton is not None:
         if ROWS > 3:
             acc = _put_row(acc, acc3, offs_m, 3)
         split_k_store(acc, WS, CNT, B, Y, M, N, pid_n, pid_k, splits, offs_m, offs_n, mmask, nmask, stride_ym, HAS_BIAS)
+
+    @triton.jit(do_not_specialize=["M", "splits"])
+    def _gemv_dp4a_kernel(X, QW, S, MN, SUP, B, Y, WS, CNT, M, N, K, NG_ROW, g_per, splits, stride_xm, stride_wn,
+                          stride_sn, stride_dn, stride_ym, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
+                          M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NG: tl.constexpr, STAGES: tl.constexpr,
+                          Q4: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr, EVEN: tl.constexpr,
+                          SCALES: tl.constexpr, MINS: tl.constexpr, SUB: tl.constexpr, ASM: tl.constexpr,
+                          PDL: tl.constexpr):
+        # The DP4A variant: one program a (tile, K slice), _dp4a_program.
+        _dp4a_program(tl.program_id(0), tl.program_id(1), X, QW, S, MN, SUP, B, Y, WS, CNT, M, N, K, NG_ROW, g_per,
+                      splits, stride_xm, stride_wn, stride_sn, stride_dn, stride_ym, HAS_BIAS, ROWS, M_PAD, BLOCK_N,
+                      NG, STAGES, Q4, GROUP, GATED, EVEN, SCALES, MINS, SUB, ASM, PDL)
+
+    @triton.jit(do_not_specialize=["M", "tiles_a", "splits_a", "splits_b"])
+    def _gemv_dp4a_pair_kernel(X, M, K, NG_ROW, stride_xm, stride_ym, tiles_a,
+                               QW_A, S_A, MN_A, SUP_A, B_A, Y_A, WS_A, CNT_A, N_A, g_per_a, splits_a, stride_wn_a,
+                               stride_sn_a, stride_dn_a,
+                               QW_B, S_B, MN_B, SUP_B, B_B, Y_B, WS_B, CNT_B, N_B, g_per_b, splits_b, stride_wn_b,
+                               stride_sn_b, stride_dn_b,
+                               ROWS: tl.constexpr, M_PAD: tl.constexpr, GATED: tl.constexpr,
+                               ASM: tl.constexpr, PDL: tl.constexpr,
+                               HAS_BIAS_A: tl.constexpr, BLOCK_N_A: tl.constexpr, NG_A: tl.constexpr,
+                               STAGES_A: tl.constexpr, Q4_A: tl.constexpr, GROUP_A: tl.constexpr,
+                               EVEN_A: tl.constexpr, SCALES_A: tl.constexpr, MINS_A: tl.constexpr,
+                               SUB_A: tl.constexpr,
+                               HAS_BIAS_B: tl.constexpr, BLOCK_N_B: tl.constexpr, NG_B: tl.constexpr,
+                               STAGES_B: tl.constexpr, Q4_B: tl.constexpr, GROUP_B: tl.constexpr,
+                               EVEN_B: tl.constexpr, SCALES_B: tl.constexpr, MINS_B: tl.constexpr,
+                               SUB_B: tl.constexpr):
+        # Two parts of one weight in one launch (gemv_pair): programs 0 .. tiles_a - 1 (along
+        # axis 0) are part A's tiles, the rest part B's, each part with its own config and split,
+        # its _dp4a_program the same as its own launch's but for the shared warps; a program past
+        # its part's split does nothing but the PDL wait (every program waits).
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        if pid_n < tiles_a:
+            if pid_k < splits_a:
+                _dp4a_program(pid_n, pid_k, X, QW_A, S_A, MN_A, SUP_A, B_A, Y_A, WS_A, CNT_A, M, N_A, K, NG_ROW,
+                              g_per_a, splits_a, stride_xm, stride_wn_a, stride_sn_a, stride_dn_a, stride_ym,
+                              HAS_BIAS_A, ROWS, M_PAD, BLOCK_N_A, NG_A, STAGES_A, Q4_A, GROUP_A, GATED, EVEN_A,
+                              SCALES_A, MINS_A, SUB_A, ASM, PDL)
+            else:
+                pdl.wait_prior(PDL)
+        else:
+            if pid_k < splits_b:
+                _dp4a_program(pid_n - tiles_a, pid_k, X, QW_B, S_B, MN_B, SUP_B, B_B, Y_B, WS_B, CNT_B, M, N_B, K,
+                              NG_ROW, g_per_b, splits_b, stride_xm, stride_wn_b, stride_sn_b, stride_dn_b, stride_ym,
+                              HAS_BIAS_B, ROWS, M_PAD, BLOCK_N_B, NG_B, STAGES_B, Q4_B, GROUP_B, GATED, EVEN_B,
+                              SCALES_B, MINS_B, SUB_B, ASM, PDL)
+            else:
+                pdl.wait_prior(PDL)
 
     @triton.jit
     def _gemm_kernel(X, QS, S, MN, SUP, B, Y, M, N, NB, stride_xm, stride_qn, stride_sn, stride_dn, stride_ym,
@@ -1073,12 +1133,9 @@ def gemv(x: torch.Tensor, w, bias: torch.Tensor | None = None, out_dtype: torch.
     scale, minimum, sup, stride_sn, stride_dn = _scale_args(w)
     if dot == DP4A:
         _gemv_dp4a_kernel[(tiles, splits)](
-            x, qs.view(torch.int32), scale, minimum, sup, b, y, ws, cnt, M, N, K, K // 32, k_per // 32, splits,
-            x.stride(0), qs.stride(0) // 4, stride_sn, stride_dn, y.stride(0), HAS_BIAS=bias is not None, ROWS=M,
-            M_PAD=_pow2(M), BLOCK_N=block_n, NG=block_k // 32, STAGES=stages, Q4=layout.q4, GROUP=layout.group,
-            GATED=gated,
-            EVEN=N % block_n == 0 and K % block_k == 0, SCALES=layout.scales, MINS=layout.mins,
-            SUB=256 // layout.group, ASM=_DP4A_ASM, num_warps=warps, num_stages=stages, **pdl.launch(x.device))
+            X=x, M=M, K=K, NG_ROW=K // 32, stride_xm=x.stride(0), stride_ym=y.stride(0), ROWS=M, M_PAD=_pow2(M),
+            GATED=gated, ASM=_DP4A_ASM, **_dp4a_part(w, y, bias, ws, cnt, K, block_n, block_k, k_per, splits, stages),
+            num_warps=warps, num_stages=stages, **pdl.launch(x.device))
         return y
     if not dot:
         gw = 4 if layout.q4 else layout.group // 4  # int32 words a group
@@ -1097,6 +1154,80 @@ def gemv(x: torch.Tensor, w, bias: torch.Tensor | None = None, out_dtype: torch.
         M_PAD=16, BLOCK_N=block_n, BW=bw, STAGES=stages, IEEE=x.dtype == torch.float32, **_codes(w), GATED=gated,
         num_warps=warps, num_stages=stages, **pdl.launch(x.device))
     return y
+
+
+def _dp4a_part(w, y: torch.Tensor, bias: torch.Tensor | None, ws: torch.Tensor, cnt: torch.Tensor, K: int,
+               block_n: int, block_k: int, k_per: int, splits: int, stages: int) -> dict:
+    """One packed part's arguments of :func:`_dp4a_program` by name (those not shared by the parts
+    of one launch: :func:`gemv`, :func:`gemv_pair`): its words, scales, bias, output ``y``
+    (``[M, N]``, a column slice is fine), split-K workspace and counters, split and strides, and
+    its constexprs."""
+    layout, qs = w.layout, w.qs
+    scale, minimum, sup, stride_sn, stride_dn = _scale_args(w)
+    N = y.shape[1]
+    return dict(QW=qs.view(torch.int32), S=scale, MN=minimum, SUP=sup, B=y if bias is None else bias.contiguous(), Y=y,
+                WS=ws, CNT=cnt, N=N, g_per=k_per // 32, splits=splits, stride_wn=qs.stride(0) // 4,
+                stride_sn=stride_sn, stride_dn=stride_dn, HAS_BIAS=bias is not None, BLOCK_N=block_n,
+                NG=block_k // 32, STAGES=stages, Q4=layout.q4, GROUP=layout.group,
+                EVEN=N % block_n == 0 and K % block_k == 0, SCALES=layout.scales, MINS=layout.mins,
+                SUB=256 // layout.group)
+
+
+#: ``MONOBATCH_PACKED_GEMV_PAIR=1``: a weight of two packed parts (a Q4_K_M file's qkv: q and k in
+#: Q4_K, v in Q6_K) takes one DP4A launch for both (:func:`gemv_pair`) instead of one a part. Off
+#: by default until timed on a GPU (the A/B switch).
+PAIR = env.flag("MONOBATCH_PACKED_GEMV_PAIR", False)
+#: Most rows :func:`gemv_pair` takes: at 4 rows its kernel at llama-8b's qkv (two bodies of 128
+#: weight bytes a thread a step) spills 8 bytes on sm_90 (ptxas, 2026-12-06); 1-3 rows none.
+PAIR_MAX_M = 3
+
+
+def gemv_pair(x: torch.Tensor, parts: list, y: torch.Tensor, bias: torch.Tensor | None = None,
+              gated: bool = False) -> bool:
+    """Two packed parts of one weight by the DP4A GEMV in one launch: part 0 into ``y``'s first
+    ``N0`` columns, part 1 into the rest, each with the config, split and warps its own launch would
+    have (:func:`gemv_config`), so each part's columns have its own launch's bits.
+
+    Args:
+        x: ``[M, K]`` (``[M, 2K]`` with ``gated``), M <= :data:`PAIR_MAX_M`.
+        parts: the weight's parts, ``N0 + N1`` rows together.
+        y: ``[M, N0 + N1]``, unit stride along N, written.
+        bias: ``[N0 + N1]`` or None.
+
+    Returns:
+        True when launched; False where it does not apply (:data:`PAIR` off, not two parts, more
+        than PAIR_MAX_M rows, the batch-invariant mode, a part whose config is not DP4A, or configs
+        of other warps or stages): the caller then launches each part itself.
+
+    Raises:
+        RuntimeError: no Triton. ValueError: x, a part, y or bias that do not fit.
+    """
+    M = x.shape[0]
+    if not PAIR or len(parts) != 2 or M == 0 or M > PAIR_MAX_M or invariant_gemm.active():
+        return False
+    (n0, K), (n1, _) = (_check(x, p, gated) for p in parts)
+    if y.shape != (M, n0 + n1) or y.stride(1) != 1 or (bias is not None and bias.shape != (n0 + n1,)):
+        raise ValueError(f"y must be [{M}, {n0 + n1}] with unit stride along N (bias [{n0 + n1}])")
+    cfgs = [gemv_config(n, K, M, p.layout, device=x.device) for n, p in zip((n0, n1), parts)]
+    if any(c[5] != DP4A for c in cfgs) or cfgs[0][3:5] != cfgs[1][3:5]:  # (one launch: one warps, one stages)
+        return False
+    x = x if x.stride(1) == 1 else x.contiguous()
+    tiles = [-(-n // c[0]) for n, c in zip((n0, n1), cfgs)]
+    cnt = counters(x.device, sum(tiles))
+    args = {}
+    for i, (p, (block_n, block_k, splits, warps, stages, _), lo, hi) in enumerate(
+            zip(parts, cfgs, (0, n0), (n0, y.shape[1]))):
+        k_per, splits = _slices(K, block_k, splits)
+        n = hi - lo
+        ws = torch.empty((splits, M, n) if splits > 1 else (1,), dtype=torch.float32, device=x.device)
+        part = _dp4a_part(p, y[:, lo:hi], None if bias is None else bias[lo:hi], ws, cnt[tiles[0] * i:], K,
+                          block_n, block_k, k_per, splits, stages)
+        args.update({f"{k}_{'AB'[i] if k[0].isupper() else 'ab'[i]}": v for k, v in part.items()})
+    _gemv_dp4a_pair_kernel[(sum(tiles), max(args["splits_a"], args["splits_b"]))](
+        X=x, M=M, K=K, NG_ROW=K // 32, stride_xm=x.stride(0), stride_ym=y.stride(0), tiles_a=tiles[0], ROWS=M,
+        M_PAD=_pow2(M), GATED=gated, ASM=_DP4A_ASM, **args, num_warps=cfgs[0][3], num_stages=cfgs[0][4],
+        **pdl.launch(x.device))
+    return True
 
 
 def gemm(x: torch.Tensor, w, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,

@@ -234,7 +234,8 @@ class PackedWeight:
                     out_dtype: torch.dtype | None = None, gated: bool = False) -> torch.Tensor:
         """:meth:`matmul` on CUDA: x ``[..., K]`` (bf16/fp16, or fp32) -> ``[..., N]`` by
         :func:`monobatch.kernels.quant_gemm.matmul`, one launch a part, each writing its columns of
-        one output (no concatenation); where :func:`monobatch.kernels.quant_gemm.dequant_rows`
+        one output (no concatenation; two parts in one DP4A launch where
+        :func:`monobatch.kernels.quant_gemm.gemv_pair` applies); where :func:`monobatch.kernels.quant_gemm.dequant_rows`
         (prompts, batches), every part dequantized into one temporary and one cuBLAS product
         (:func:`monobatch.kernels.quant_gemm.dequant_matmul`: the dequant path's bits, fused
         weights included). Capturable in a CUDA graph. With ``gated``, x is ``[..., 2K]``
@@ -248,11 +249,12 @@ class PackedWeight:
             y = quant_gemm.matmul(x2, self.parts[0], bias, out_dtype, gated=gated)
         else:
             y = torch.empty(x2.shape[0], self.shape[0], dtype=out_dtype or x.dtype, device=x.device)
-            lo = 0
-            for p in self.parts:
-                hi = lo + p.rows
-                quant_gemm.matmul(x2, p, None if bias is None else bias[lo:hi], out=y[:, lo:hi], gated=gated)
-                lo = hi
+            if not quant_gemm.gemv_pair(x2, self.parts, y, bias, gated):  # else both parts in one launch
+                lo = 0
+                for p in self.parts:
+                    hi = lo + p.rows
+                    quant_gemm.matmul(x2, p, None if bias is None else bias[lo:hi], out=y[:, lo:hi], gated=gated)
+                    lo = hi
         return y.view(*lead, y.shape[-1])
 
     def dequant_gemm(self, x: torch.Tensor, part: PackedPart) -> torch.Tensor:

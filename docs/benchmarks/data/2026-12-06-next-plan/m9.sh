@@ -2,7 +2,8 @@
 # llama.cpp CUDA + the Q4 files built in the background; meanwhile the decode attention's A/B knobs at llama-8b
 # (random packed Q4_K, profile_decode; the fastest knob >= 1 % over the default becomes a third arm); then llama-8b
 # Q4_K_M on both engines (tg128 at depth 256, pp2048; monobatch: a short DP4A sweep's table merged into the
-# packaged one, the packaged one alone, the knob with the table; two rounds), then the 1b files if time is left
+# packaged one, the packaged one alone, the two-part qkv launch (MONOBATCH_PACKED_GEMV_PAIR=1) and the knob with
+# the table; two rounds), then the 1b files if time is left
 source .device/common.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv > $OUT/gpu.txt
 GGUF_SHAPES="llama-8b llama-1b" QUANTS="llama-8b:Q4_K_M llama-1b:Q4_0 llama-1b:Q4_K_M" W=/tmp/gs nice -n 19 bash scripts/gpu_serving.sh start $OUT/gs >/dev/null 2>&1
@@ -62,13 +63,15 @@ bench_file() { local q=$1
   for r in 1 2; do
     MONOBATCH_PACKED_GEMV_CONFIGS=/tmp/gs/table.json tt 60 table-$q-r$r $MB
     tt 60 packaged-$q-r$r $MB
+    case $q in llama-8b*) MONOBATCH_PACKED_GEMV_PAIR=1 MONOBATCH_PACKED_GEMV_CONFIGS=/tmp/gs/table.json tt 60 pair-$q-r$r $MB ;; esac
     [ -n "$BEST" ] && ( export ${KNOB[$BEST]} MONOBATCH_PACKED_GEMV_CONFIGS=/tmp/gs/table.json; tt 60 $BEST-$q-r$r $MB )
   done
 }
 bench_file llama-8b-Q4_K_M
 # the decode attention's CUDA tests (the slow PDL writers: q and the newest rows read after the wait) and the PTX checks
 PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests timeout 90 python3 -m pytest -p no:cacheprovider -o addopts= --tb=short -q \
-  tests/test_decode_graphs.py tests/test_kv_window.py tests/test_pdl_ptx.py -k "cuda or slow or trigger or touched" > $OUT/tests.txt 2>&1
+  tests/test_decode_graphs.py tests/test_kv_window.py tests/test_pdl_ptx.py tests/test_quant_cuda.py::test_dp4a_pair_cuda \
+  -k "cuda or slow or trigger or touched" > $OUT/tests.txt 2>&1
 log "tests rc=$? $(tail -1 $OUT/tests.txt)"
 bench_file llama-1b-Q4_0
 bench_file llama-1b-Q4_K_M
