@@ -339,7 +339,8 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), 1.0 / math.sqrt(hd), int(window), NKV=n_kv, G=g,
         G_PAD=max(16, triton.next_power_of_2(g)), HD=hd, BS=block_size, SPLITS=parts, BN=BLOCK_N, MIN_PART=MIN_PART,
-        IEEE=q.dtype == torch.float32, STAGES=KV_STAGES, STORE=store, LATE=LATE_TRIGGER, num_warps=NUM_WARPS, **pdl.launch(q.device))
+        IEEE=q.dtype == torch.float32, STAGES=KV_STAGES, STORE=store, LATE=LATE_TRIGGER, num_warps=NUM_WARPS,
+        **pdl.launch(q.device))
     return out
 
 

@@ -8,17 +8,19 @@ running: it computes its addresses and loads what no kernel writes (the GEMV's f
 tile, a norm's weight) first, then waits at ``griddepcontrol.wait`` until the previous grid has
 finished and its memory is visible, and only then reads or writes activations. Right after that
 wait, or before it for the small kernels (:data:`TRIGGER`, below), it lets the next kernel start
-(``griddepcontrol.launch_dependents``; the decode attention with ``MONOBATCH_DECODE_LATE_TRIGGER=1``
-not at all: the next starts as its programs exit, :func:`wait_only`). (NVIDIA CUDA programming guide, "Programmatic Dependent
-Launch"; TensorRT-LLM and FlashInfer use it for the same reason.)
+(``griddepcontrol.launch_dependents``; the decode attention with
+``MONOBATCH_DECODE_LATE_TRIGGER=1`` not at all: the next starts as its programs exit,
+:func:`wait_only`). (NVIDIA CUDA programming guide, "Programmatic Dependent Launch";
+TensorRT-LLM and FlashInfer use it for the same reason.)
 
 Rule for every kernel launched with PDL: nothing it reads that another kernel writes, and nothing
 it writes, may be touched before :func:`wait_prior`; every program calls it (also programs that
 then do nothing), so a grid completes only after the one before it. One exception: the decode
 attention (kernels/paged_decode.py) loads its first key and value tile before the wait, the
 newest row included, which the kernel before it may be writing; it reads that row again after
-the wait and uses it in the tile's place, so a value read early is never used. Kernels that do not follow
-the rule (torch's, the argmax) are launched without PDL and so wait for the previous kernel's end.
+the wait and uses it in the tile's place, so a value read early is never used. Kernels that do
+not follow the rule (torch's, the argmax) are launched without PDL and so wait for the previous
+kernel's end.
 
 When a kernel lets the next one launch is ``MONOBATCH_PDL_TRIGGER``'s (:data:`TRIGGER`): ``small``
 (the default: the small kernels between the projections, the norms, the RoPE and the SiLU, call it
@@ -29,8 +31,9 @@ wait). Measured on the H200 (2026-12-06, llama-8b, random packed Q4_K weights, B
 ``small`` 368.1 / 368.2 tok/s, ``all`` 367.4 / 367.2, ``wait`` 363.8 / 364.1, the same tokens.
 Safe either way: a kernel's wait is for the previous grid's completion, and that grid completed
 only after its own wait, so everything before it is complete too (what a kernel touches before
-its wait is never written by any kernel of the step, but the attention's newest row, above); a grid launches only when every program of
-the one before it has started, so no grid waits on programs that cannot be scheduled.
+its wait is never written by any kernel of the step, but the attention's newest row, above); a
+grid launches only when every program of the one before it has started, so no grid waits on
+programs that cannot be scheduled.
 
 ``MONOBATCH_PDL=0`` turns it off (A/B runs; the kernels are then launched normally and the wait
 compiles to nothing). A Triton without ``gdc_wait`` (before 3.4) or an older CUDA driver turns
