@@ -171,8 +171,8 @@ if triton is not None:
                                          pack=1)
 
     @triton.jit
-    def _slow_writer(SRC, DST, IDX, W, stride_d, NS: tl.constexpr, BLOCK: tl.constexpr):
-        # Launched with PDL: lets the next grid launch at once, waits for the one before it, spins NS
+    def _slow_writer(SRC, DST, IDX, W, stride_d, ns, BLOCK: tl.constexpr):
+        # Launched with PDL: lets the next grid launch at once, waits for the one before it, spins ns
         # nanoseconds, and only then copies row r of SRC ([R, W]) to row IDX[r] of DST (row stride
         # stride_d): a producer that writes late while the kernel after it already runs.
         r = tl.program_id(0)
@@ -181,7 +181,7 @@ if triton is not None:
         z = tl.zeros([1], tl.int32)
         t0 = tl.sum(_now(z), 0)
         t = t0
-        while t - t0 < NS:
+        while t - t0 < ns:
             t = tl.sum(_now(z), 0)
         offs = tl.arange(0, BLOCK)
         mask = offs < W
@@ -215,19 +215,26 @@ def test_attention_waits_for_a_slow_writer(store):
     want = paged_decode_triton(q, k.clone(), v.clone(), tables, seq_lens, 16, *args)
     stale = lambda t: torch.randn(t.shape, generator=g).to(dev, t.dtype)  # noqa: E731
     rows = torch.arange(B, device=dev)
+    for W, BLOCK in ((3072, 4096), (2048, 2048), (512, 512)):  # compiled before the timed launches
+        scratch = torch.empty(B, W, device=dev, dtype=torch.bfloat16)
+        writer[(B,)](scratch, scratch, rows, W, W, 16, BLOCK=BLOCK, launch_pdl=True)  # (ns as specialized below)
+    torch.cuda.synchronize()
     for _ in range(3):
+        # every launch below queues behind a 20 ms GPU sleep (a kernel without PDL), so the
+        # attention launches while the first writer still spins, whatever the host's pace
+        torch.cuda._sleep(40_000_000)
         q2, k2, v2 = stale(q), k.clone(), v.clone()
         k2[slots], v2[slots] = stale(k_new), stale(v_new)  # the newest rows stale in the pool too
         if store:  # the inputs: query, new key, new value in one buffer, one late copy
             late = torch.cat([q, k_new, v_new], dim=1).reshape(B, -1)
             buf = stale(late)
             q_in, k_in, v_in = (part for part in buf.view(B, 48, 64).split([32, 8, 8], dim=1))
-            writer[(B,)](late, buf, rows, late.shape[1], buf.stride(0), NS=50_000, BLOCK=4096, launch_pdl=True)
+            writer[(B,)](late, buf, rows, late.shape[1], buf.stride(0), 50_000, BLOCK=4096, launch_pdl=True)
             out = paged_decode_triton(q_in, k2, v2, tables, seq_lens, 16, k_in, v_in, slots)
         else:  # the query, then the pool's newest key and value rows (row = slot), each late
-            writer[(B,)](q, q2, rows, q[0].numel(), q2.stride(0), NS=50_000, BLOCK=2048, launch_pdl=True)
-            writer[(B,)](k_new, k2, slots, 512, k2.stride(0), NS=20_000, BLOCK=512, launch_pdl=True)
-            writer[(B,)](v_new, v2, slots, 512, v2.stride(0), NS=20_000, BLOCK=512, launch_pdl=True)
+            writer[(B,)](q, q2, rows, q[0].numel(), q2.stride(0), 50_000, BLOCK=2048, launch_pdl=True)
+            writer[(B,)](k_new, k2, slots, 512, k2.stride(0), 20_000, BLOCK=512, launch_pdl=True)
+            writer[(B,)](v_new, v2, slots, 512, v2.stride(0), 20_000, BLOCK=512, launch_pdl=True)
             out = paged_decode_triton(q2, k2, v2, tables, seq_lens, 16)
         assert torch.equal(out, want)
 

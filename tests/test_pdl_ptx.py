@@ -67,24 +67,31 @@ def _ptx(fn, constexprs: dict, **options) -> str:
 def _loaded_before_the_wait(ttir: str) -> set[str]:
     """The kernel arguments (names) whose memory a ``tt.load`` before ``griddepcontrol.wait`` reads:
     each load's pointer traced back through ``tt.addptr`` / ``splat`` / ``broadcast`` /
-    ``expand_dims`` / ``reshape`` to its base (a pointer computed otherwise is named by its op)."""
+    ``expand_dims`` / ``reshape`` to its base (a pointer computed otherwise is named by its op), in
+    one pass in program order (Triton reuses a value's name in the two branches of an ``if``: each
+    load is traced through the definitions before it). The wait must be one, at the function's top
+    level (a wait inside a branch would leave the other branch's loads unchecked)."""
+    assert ttir.count("griddepcontrol.wait") == 1, "one wait"
     body = ttir.split("griddepcontrol.wait", 1)[0]
-    defs = {}
-    for line in body.splitlines():
+    lines = body.splitlines()
+    func = next(i for i, line in enumerate(lines) if "tt.func" in line)
+    top = re.match(r"\s*", lines[func + 1]).group(0)
+    assert re.match(r"\s*", lines[-1]).group(0) == top, "the wait is at the function's top level"
+    bases: dict[str, str] = {}
+    loaded = set()
+    for line in lines[func + 1:]:
         m = re.match(r"\s*(%[\w.#]+)(?::\d+)? = (\S+) (.*)", line)
-        if m:
-            defs[m.group(1)] = (m.group(2), m.group(3))
-
-    def base(value: str, depth: int = 0) -> str:
-        if value not in defs or depth > 64:
-            return value.lstrip("%")
-        op, rest = defs[value]
+        if not m:
+            continue
+        name, op, rest = m.groups()
         operands = re.findall(r"%[\w.#]+", rest)
+        if op == "tt.load":
+            loaded.add(bases.get(operands[0], operands[0].lstrip("%")))
         if op in ("tt.addptr", "tt.splat", "tt.broadcast", "tt.expand_dims", "tt.reshape") and operands:
-            return base(operands[0], depth + 1)
-        return f"{op} {value}"
-
-    return {base(m.group(1)) for m in re.finditer(r"tt\.load (%[\w.#]+)", body)}
+            bases[name] = bases.get(operands[0], operands[0].lstrip("%"))
+        else:
+            bases[name] = f"{op} {name}"
+    return loaded
 
 
 def _gemv(**kw):

@@ -1244,6 +1244,7 @@ def check_dp4a_pair(device: str = "cpu") -> str:
     input, and through
     PackedWeight.cuda_matmul; it declines (False) with the switch off, above PAIR_MAX_M rows, one part,
     or configs of other warps."""
+    from monobatch.kernels import common
     from monobatch.kernels import quant_gemm as Q
     from monobatch.quant.packed import PackedPart, PackedWeight
     g = torch.Generator().manual_seed(23)
@@ -1251,7 +1252,8 @@ def check_dp4a_pair(device: str = "cpu") -> str:
     saved, Q.PAIR = Q.PAIR, True
     try:
         with gemv_variant("dp4a"):
-            for (ta, na), (tb, nb), k in (((T.Q4_K, 80), (T.Q6_K, 48), 512), ((T.Q4_0, 64), (T.Q8_0, 40), 768)):
+            for (ta, na), (tb, nb), k in (((T.Q4_K, 80), (T.Q6_K, 48), 512), ((T.Q4_0, 64), (T.Q8_0, 40), 768),
+                                          ((T.Q6_K, 48), (T.Q4_K, 80), 512)):  # (the first part split more)
                 a, _ = _parts(ta, na, k, seed=61, device=device)
                 b, _ = _parts(tb, nb, k, seed=62, device=device)
                 bias = torch.randn(na + nb, generator=g).to(device)
@@ -1264,6 +1266,8 @@ def check_dp4a_pair(device: str = "cpu") -> str:
                     ya = Q.gemv(x, a, None if bb is None else bb[:na], gated=gated)
                     yb = Q.gemv(x, b, None if bb is None else bb[na:], gated=gated)
                     assert torch.equal(y[:, :na], ya) and torch.equal(y[:, na:], yb), (ta.name, tb.name, M)
+                    cnt = common.COUNTERS.get(x.device)
+                    assert cnt is None or int(cnt.count_nonzero()) == 0  # the split counters left zeroed
                 w = PackedWeight([PackedPart(**_part_fields(a)), PackedPart(**_part_fields(b))], k, (ta.name, tb.name))
                 x = torch.randn(1, k, generator=g).to(device, dt)
                 y = torch.empty(1, na + nb, device=device, dtype=dt)
@@ -1423,7 +1427,8 @@ def test_table_dp4a_tiles_compile_without_spills():
 def test_dp4a_pair_compiles_for_sm90(rows):
     """The two-part DP4A launch (gemv_pair) at llama-8b's mixed qkv (q and k Q4_K 5120 x 4096, v Q6_K
     1024 x 4096, each at its default config: the same warps) compiles for sm_90 without register
-    spills at its rows (PAIR_MAX_M); before its first PDL wait it stores and updates nothing."""
+    spills at its rows (PAIR_MAX_M); before its first PDL wait (part A's branch; part B's is the
+    same function) it stores and updates nothing."""
     import re
     Q = _sm90_quant_gemm()
     from monobatch.quant.formats import DEVICE_LAYOUTS

@@ -896,8 +896,8 @@ if triton is not None:
                       splits, stride_xm, stride_wn, stride_sn, stride_dn, stride_ym, HAS_BIAS, ROWS, M_PAD, BLOCK_N,
                       NG, STAGES, Q4, GROUP, GATED, EVEN, SCALES, MINS, SUB, ASM, PDL)
 
-    @triton.jit(do_not_specialize=["M", "tiles_a", "splits_a", "splits_b"])
-    def _gemv_dp4a_pair_kernel(X, M, K, NG_ROW, stride_xm, stride_ym, tiles_a,
+    @triton.jit(do_not_specialize=["M", "tiles_a", "splits_a", "tiles_b", "splits_b"])
+    def _gemv_dp4a_pair_kernel(X, M, K, NG_ROW, stride_xm, stride_ym, tiles_a, tiles_b,
                                QW_A, S_A, MN_A, SUP_A, B_A, Y_A, WS_A, CNT_A, N_A, g_per_a, splits_a, stride_wn_a,
                                stride_sn_a, stride_dn_a,
                                QW_B, S_B, MN_B, SUP_B, B_B, Y_B, WS_B, CNT_B, N_B, g_per_b, splits_b, stride_wn_b,
@@ -912,28 +912,22 @@ if triton is not None:
                                STAGES_B: tl.constexpr, Q4_B: tl.constexpr, GROUP_B: tl.constexpr,
                                EVEN_B: tl.constexpr, SCALES_B: tl.constexpr, MINS_B: tl.constexpr,
                                SUB_B: tl.constexpr):
-        # Two parts of one weight in one launch (gemv_pair): programs 0 .. tiles_a - 1 (along
-        # axis 0) are part A's tiles, the rest part B's, each part with its own config and split,
-        # its _dp4a_program the same as its own launch's but for the shared warps; a program past
-        # its part's split does nothing but the PDL wait (every program waits).
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        if pid_n < tiles_a:
-            if pid_k < splits_a:
-                _dp4a_program(pid_n, pid_k, X, QW_A, S_A, MN_A, SUP_A, B_A, Y_A, WS_A, CNT_A, M, N_A, K, NG_ROW,
-                              g_per_a, splits_a, stride_xm, stride_wn_a, stride_sn_a, stride_dn_a, stride_ym,
-                              HAS_BIAS_A, ROWS, M_PAD, BLOCK_N_A, NG_A, STAGES_A, Q4_A, GROUP_A, GATED, EVEN_A,
-                              SCALES_A, MINS_A, SUB_A, ASM, PDL)
-            else:
-                pdl.wait_prior(PDL)
+        # Two parts of one weight in one launch (gemv_pair), a 1-D grid of exactly their programs:
+        # the first tiles_a * splits_a are part A's (tile, K slice) in _gemv_dp4a_kernel's order
+        # (tile fastest), the rest part B's; each part with its own config and split, its
+        # _dp4a_program the same as its own launch's.
+        pid = tl.program_id(0)
+        if pid < tiles_a * splits_a:
+            _dp4a_program(pid % tiles_a, pid // tiles_a, X, QW_A, S_A, MN_A, SUP_A, B_A, Y_A, WS_A, CNT_A, M, N_A, K,
+                          NG_ROW, g_per_a, splits_a, stride_xm, stride_wn_a, stride_sn_a, stride_dn_a, stride_ym,
+                          HAS_BIAS_A, ROWS, M_PAD, BLOCK_N_A, NG_A, STAGES_A, Q4_A, GROUP_A, GATED, EVEN_A,
+                          SCALES_A, MINS_A, SUB_A, ASM, PDL)
         else:
-            if pid_k < splits_b:
-                _dp4a_program(pid_n - tiles_a, pid_k, X, QW_B, S_B, MN_B, SUP_B, B_B, Y_B, WS_B, CNT_B, M, N_B, K,
-                              NG_ROW, g_per_b, splits_b, stride_xm, stride_wn_b, stride_sn_b, stride_dn_b, stride_ym,
-                              HAS_BIAS_B, ROWS, M_PAD, BLOCK_N_B, NG_B, STAGES_B, Q4_B, GROUP_B, GATED, EVEN_B,
-                              SCALES_B, MINS_B, SUB_B, ASM, PDL)
-            else:
-                pdl.wait_prior(PDL)
+            pid -= tiles_a * splits_a
+            _dp4a_program(pid % tiles_b, pid // tiles_b, X, QW_B, S_B, MN_B, SUP_B, B_B, Y_B, WS_B, CNT_B, M, N_B, K,
+                          NG_ROW, g_per_b, splits_b, stride_xm, stride_wn_b, stride_sn_b, stride_dn_b, stride_ym,
+                          HAS_BIAS_B, ROWS, M_PAD, BLOCK_N_B, NG_B, STAGES_B, Q4_B, GROUP_B, GATED, EVEN_B,
+                          SCALES_B, MINS_B, SUB_B, ASM, PDL)
 
     @triton.jit
     def _gemm_kernel(X, QS, S, MN, SUP, B, Y, M, N, NB, stride_xm, stride_qn, stride_sn, stride_dn, stride_ym,
@@ -1211,22 +1205,27 @@ def gemv_pair(x: torch.Tensor, parts: list, y: torch.Tensor, bias: torch.Tensor 
     cfgs = [gemv_config(n, K, M, p.layout, device=x.device) for n, p in zip((n0, n1), parts)]
     if any(c[5] != DP4A for c in cfgs) or cfgs[0][3:5] != cfgs[1][3:5]:  # (one launch: one warps, one stages)
         return False
+    for p, (block_n, block_k, *_) in zip(parts, cfgs):  # (gemv's check of a config)
+        bw = block_k // (2 if p.layout.q4 else 1)
+        if block_k % 32 or bw & (bw - 1) or block_n & (block_n - 1):
+            raise ValueError("BLOCK_K must be a power of two times 32, BLOCK_N a power of two")
     x = x if x.stride(1) == 1 else x.contiguous()
     tiles = [-(-n // c[0]) for n, c in zip((n0, n1), cfgs)]
-    cnt = counters(x.device, sum(tiles))
+    slices = [_slices(K, c[1], c[2]) for c in cfgs]  # (k_per, splits) a part
+    cnt = counters(x.device, sum(tiles)) if any(sp > 1 for _, sp in slices) else COUNTERS.get(x.device)
+    cnt = y.new_empty(1, dtype=torch.int32) if cnt is None else cnt  # unused without split-K
     args = {}
-    for i, (p, (block_n, block_k, splits, warps, stages, _), lo, hi) in enumerate(
-            zip(parts, cfgs, (0, n0), (n0, y.shape[1]))):
-        k_per, splits = _slices(K, block_k, splits)
-        n = hi - lo
-        ws = torch.empty((splits, M, n) if splits > 1 else (1,), dtype=torch.float32, device=x.device)
-        part = _dp4a_part(p, y[:, lo:hi], None if bias is None else bias[lo:hi], ws, cnt[tiles[0] * i:], K,
-                          block_n, block_k, k_per, splits, stages)
+    for i, (p, (block_n, block_k, _, _, stages, _), (k_per, splits), lo, hi) in enumerate(
+            zip(parts, cfgs, slices, (0, n0), (n0, n0 + n1))):
+        ws = torch.empty((splits, M, hi - lo) if splits > 1 else (1,), dtype=torch.float32, device=x.device)
+        part = _dp4a_part(p, y[:, lo:hi], None if bias is None else bias[lo:hi], ws,
+                          cnt[tiles[0] * i:] if cnt.numel() > 1 else cnt, K, block_n, block_k, k_per, splits, stages)
         args.update({f"{k}_{'AB'[i] if k[0].isupper() else 'ab'[i]}": v for k, v in part.items()})
-    _gemv_dp4a_pair_kernel[(sum(tiles), max(args["splits_a"], args["splits_b"]))](
-        X=x, M=M, K=K, NG_ROW=K // 32, stride_xm=x.stride(0), stride_ym=y.stride(0), tiles_a=tiles[0], ROWS=M,
-        M_PAD=_pow2(M), GATED=gated, ASM=_DP4A_ASM, **args, num_warps=cfgs[0][3], num_stages=cfgs[0][4],
-        **pdl.launch(x.device))
+    programs = tiles[0] * slices[0][1] + tiles[1] * slices[1][1]
+    _gemv_dp4a_pair_kernel[(programs,)](
+        X=x, M=M, K=K, NG_ROW=K // 32, stride_xm=x.stride(0), stride_ym=y.stride(0), tiles_a=tiles[0],
+        tiles_b=tiles[1], ROWS=M, M_PAD=_pow2(M), GATED=gated, ASM=_DP4A_ASM, **args, num_warps=cfgs[0][3],
+        num_stages=cfgs[0][4], **pdl.launch(x.device))
     return True
 
 
