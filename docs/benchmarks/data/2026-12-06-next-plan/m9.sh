@@ -19,7 +19,7 @@ declare -A KNOB=([base]="" [base2]="" [late]="MONOBATCH_DECODE_LATE_TRIGGER=1" [
   [warps8]="MONOBATCH_DECODE_WARPS=8" [stages1]="MONOBATCH_DECODE_STAGES=1" [wait]="MONOBATCH_PDL_TRIGGER=wait"
   [oldattn]="PYTHONPATH=/tmp/site:/tmp/oldsrc")
 # ab TAG CMD...: CMD's stdout to $OUT/ab-TAG.txt, under 90 s and before AB_UNTIL (the build's window: ~370 s)
-AB_UNTIL=290
+AB_UNTIL=240
 ab() { local tag=$1; shift; local left=$((AB_UNTIL - (SECONDS - T0))); ((left < 25)) && { log "SKIP ab $tag"; return; }
   timeout $((left < 90 ? left : 90)) "$@" > $OUT/ab-$tag.txt 2>>$OUT/err.txt; log "ab $tag rc=$? $(tail -1 $OUT/ab-$tag.txt | cut -c1-150)"; }
 for k in base late splits8 stages1 oldattn splits4 splits16 late_s8 bn32 warps8 wait base2; do
@@ -27,7 +27,7 @@ for k in base late splits8 stages1 oldattn splits4 splits16 late_s8 bn32 warps8 
   ab $k env ${KNOB[$k]} $P
 done
 for m in small wait small2; do ab 1b-bf16-$m env MONOBATCH_PDL_TRIGGER=${m%2} python3 scripts/profile_decode.py --no-profile -n 64 --shape llama-1b; done
-AB_UNTIL=310 ab nopdl-trace env MONOBATCH_PDL=0 $P --trace /tmp/gs/nopdl.json
+AB_UNTIL=260 ab nopdl-trace env MONOBATCH_PDL=0 $P --trace /tmp/gs/nopdl.json
 BEST=$(python3 - $OUT <<'PY'
 import json, sys, glob, os
 rate = {}
@@ -46,7 +46,7 @@ PY
 # more), merged into this GPU's table (the packaged one: FMA entries only on the H200)
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); TB=src/monobatch/kernels/configs/packed_gemv_${GPU// /_}.json
 PROBE_DP4A_TILES="32,1024,4,1;32,512,2,1;128,256,4,1;64,256,4,1;16,512,2,1;32,2048,8,1;64,512,4,1;64,256,4,2;32,512,4,2" \
-  PROBE_MS=1,4 PROBE_TYPES=Q4_K,Q6_K PROBE_REP=10 timeout $((420 - (SECONDS - T0) > 60 ? 420 - (SECONDS - T0) : 60)) \
+  PROBE_MS=1,4 PROBE_TYPES=Q4_K,Q6_K PROBE_REP=10 timeout $((370 - (SECONDS - T0) > 60 ? 370 - (SECONDS - T0) : 60)) \
   python3 scripts/probe_quant_cuda.py --variant dp4a --only bench --shapes llama-8b --sweep-shapes llama-8b > $OUT/sweep-8b.jsonl 2>>$OUT/err.txt
 log "sweep rc=$?"
 rm -f /tmp/gs/table.json; [ -f $TB ] && cp $TB /tmp/gs/table.json
@@ -54,7 +54,7 @@ python3 scripts/packed_gemv_table.py $OUT/sweep-8b.jsonl --device "$GPU" -o /tmp
 cp /tmp/gs/table.json $OUT/table.json
 # the decode attention's and the pair's CUDA tests while llama.cpp builds (the slow PDL writers: q and the newest
 # rows read after the wait; the two-part launch's bits), trimmed to the build's window
-left=$((440 - (SECONDS - T0))); ((left < 40)) && left=40
+left=$((400 - (SECONDS - T0))); ((left < 40)) && left=40
 PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests timeout $left python3 -m pytest -p no:cacheprovider -o addopts= --tb=short -q \
   tests/test_decode_graphs.py::test_attention_waits_for_a_slow_writer tests/test_decode_graphs.py::test_triton_kernel_on_cuda \
   tests/test_kv_window.py::test_window_kernels_cuda tests/test_quant_cuda.py::test_dp4a_pair_cuda > $OUT/tests.txt 2>&1
