@@ -1212,14 +1212,15 @@ def gemv_pair(x: torch.Tensor, parts: list, y: torch.Tensor, bias: torch.Tensor 
     x = x if x.stride(1) == 1 else x.contiguous()
     tiles = [-(-n // c[0]) for n, c in zip((n0, n1), cfgs)]
     slices = [_slices(K, c[1], c[2]) for c in cfgs]  # (k_per, splits) a part
-    cnt = counters(x.device, sum(tiles)) if any(sp > 1 for _, sp in slices) else COUNTERS.get(x.device)
+    split = any(sp > 1 for _, sp in slices)
+    cnt = counters(x.device, sum(tiles)) if split else COUNTERS.get(x.device)
     cnt = y.new_empty(1, dtype=torch.int32) if cnt is None else cnt  # unused without split-K
     args = {}
     for i, (p, (block_n, block_k, _, _, stages, _), (k_per, splits), lo, hi) in enumerate(
             zip(parts, cfgs, slices, (0, n0), (n0, n0 + n1))):
         ws = torch.empty((splits, M, hi - lo) if splits > 1 else (1,), dtype=torch.float32, device=x.device)
         part = _dp4a_part(p, y[:, lo:hi], None if bias is None else bias[lo:hi], ws,
-                          cnt[tiles[0] * i:] if cnt.numel() > 1 else cnt, K, block_n, block_k, k_per, splits, stages)
+                          cnt[tiles[0] * i:] if split else cnt, K, block_n, block_k, k_per, splits, stages)
         args.update({f"{k}_{'AB'[i] if k[0].isupper() else 'ab'[i]}": v for k, v in part.items()})
     programs = tiles[0] * slices[0][1] + tiles[1] * slices[1][1]
     _gemv_dp4a_pair_kernel[(programs,)](
