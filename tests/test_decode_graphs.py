@@ -220,15 +220,21 @@ def test_attention_waits_for_a_slow_writer(store):
         writer[(B,)](scratch, scratch, rows, W, W, 16, BLOCK=BLOCK, launch_pdl=True)  # (ns as specialized below)
     torch.cuda.synchronize()
     for _ in range(3):
-        # every launch below queues behind a 20 ms GPU sleep (a kernel without PDL), so the
-        # attention launches while the first writer still spins, whatever the host's pace
-        torch.cuda._sleep(40_000_000)
+        # the stale inputs made first (a copy from the host waits for the GPU); then every launch
+        # queues behind a 100 ms GPU sleep (a kernel without PDL), so the attention launches while
+        # the first writer still spins, whatever the host's pace; the sleep still running after the
+        # last launch shows they queued
         q2, k2, v2 = stale(q), k.clone(), v.clone()
         k2[slots], v2[slots] = stale(k_new), stale(v_new)  # the newest rows stale in the pool too
         if store:  # the inputs: query, new key, new value in one buffer, one late copy
             late = torch.cat([q, k_new, v_new], dim=1).reshape(B, -1)
             buf = stale(late)
             q_in, k_in, v_in = (part for part in buf.view(B, 48, 64).split([32, 8, 8], dim=1))
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)
+        slept = torch.cuda.Event()
+        slept.record()
+        if store:
             writer[(B,)](late, buf, rows, late.shape[1], buf.stride(0), 50_000, BLOCK=4096, launch_pdl=True)
             out = paged_decode_triton(q_in, k2, v2, tables, seq_lens, 16, k_in, v_in, slots)
         else:  # the query, then the pool's newest key and value rows (row = slot), each late
@@ -236,6 +242,7 @@ def test_attention_waits_for_a_slow_writer(store):
             writer[(B,)](k_new, k2, slots, 512, k2.stride(0), 20_000, BLOCK=512, launch_pdl=True)
             writer[(B,)](v_new, v2, slots, 512, v2.stride(0), 20_000, BLOCK=512, launch_pdl=True)
             out = paged_decode_triton(q2, k2, v2, tables, seq_lens, 16)
+        assert not slept.query(), "the launches did not queue behind the sleep"
         assert torch.equal(out, want)
 
 

@@ -1253,7 +1253,8 @@ def check_dp4a_pair(device: str = "cpu") -> str:
     try:
         with gemv_variant("dp4a"):
             for (ta, na), (tb, nb), k in (((T.Q4_K, 80), (T.Q6_K, 48), 512), ((T.Q4_0, 64), (T.Q8_0, 40), 768),
-                                          ((T.Q6_K, 48), (T.Q4_K, 80), 512)):  # (the first part split more)
+                                          ((T.Q6_K, 48), (T.Q4_K, 80), 512),  # (the first part split more)
+                                          ((T.Q4_K, 80), (T.Q4_0, 48), 512)):  # (neither split)
                 a, _ = _parts(ta, na, k, seed=61, device=device)
                 b, _ = _parts(tb, nb, k, seed=62, device=device)
                 bias = torch.randn(na + nb, generator=g).to(device)
