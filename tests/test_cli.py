@@ -304,6 +304,16 @@ def test_a_truncated_gguf_is_one_line(bundled_path, tmp_path):
                                "the file: the file has 50000000 bytes, a tensor's data runs to byte ")
 
 
+def test_serve_refuses_a_file_that_is_no_gguf_before_it_listens(tmp_path):
+    """``serve -m FILE`` with a file that is no GGUF: the loader's one line, before the server
+    listens (it loads on its own thread once listening, and would print its start-up lines first)."""
+    bad = tmp_path / "bad.gguf"
+    bad.write_text("not a gguf")
+    res = monobatch("serve", "--port", "0", "-m", str(bad), timeout=60)
+    assert_one_line_error(res, f"monobatch serve: error: {bad}: not a readable GGUF file (GGUF magic invalid)")
+    assert "listening" not in res.stderr
+
+
 def test_logprobs_needs_json_output():
     assert_one_line_error(monobatch("generate", "-p", "hi", "--logprobs", "2"), "--output-format json")
 

@@ -16,7 +16,7 @@ import sys
 from monobatch import defaults
 from monobatch.chat_output import REASONING_FORMATS
 from monobatch.cli.args import add_model_args, add_sampling_args, engine_settings, names_a_model, sampling_flags
-from monobatch.errors import InvalidRequestError, MonobatchError, require_api_key
+from monobatch.errors import InvalidRequestError, ModelNotFoundError, MonobatchError, require_api_key
 
 #: Environment variable read when --api-key is not given (keeps the key out of `ps`).
 API_KEY_ENV = "MONOBATCH_API_KEY"
@@ -111,7 +111,13 @@ def check_flags(ns: argparse.Namespace) -> None:
 
     settings_from_args(ns)
     resolve_sampling(None, sampling_flags(ns), entry_point="chat")
-    resolve_model_path(ns.model)
+    path = resolve_model_path(ns.model)
+    if path.is_file():  # a file that is no GGUF: one line now, not after the server started listening
+        from monobatch.loader.gguf_file import check_magic
+        try:
+            check_magic(path)
+        except OSError as e:
+            raise ModelNotFoundError(f"{path}: cannot read the model file ({e.strerror or e})") from e
     load_chat_template(ns.chat_template, ns.chat_template_file)
 
 

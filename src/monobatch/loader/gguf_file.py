@@ -364,6 +364,20 @@ _READER = MappedReader if (tuple(inspect.signature(GGUFReader._get).parameters) 
                            == _FIELD_PARTS_PARAMS) else GGUFReader
 
 
+def check_magic(path: str | Path) -> None:
+    """Refuse a file that does not start with GGUF's magic (its first 4 bytes, ``GGUF``), without
+    parsing it: ``serve``'s check before it listens (the load, on its own thread, parses it).
+
+    Raises:
+        UnsupportedModelError: another file (the message :func:`open_gguf` gives it).
+        OSError: the file cannot be read.
+    """
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != b"GGUF":
+        raise UnsupportedModelError(f"{path}: not a readable GGUF file (GGUF magic invalid)")
+
+
 def open_gguf(path: str | Path) -> GGUFReader:
     """Open a GGUF file (memory-mapped, read-only) with gguf-py (:class:`MappedReader`).
 
