@@ -1,13 +1,20 @@
 """The MONOBATCH_* knobs (monobatch.env): a bad value is one ``monobatch: warning:`` line naming it
 and the default is used, except the kernels' tile/split settings, which stop the command with the
-CLI's one-line error."""
+CLI's one-line error. A MONOBATCH_* name that is none of them is one warning line, with the
+closest known name; the registry of names is checked against the code and docs/cli.md."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
 from cli_util import cli_env, monobatch
 from monobatch import env
+from server_util import ROOT
+
+#: A name as the code writes it (the registry's test greps src/ and scripts/ for it).
+NAME_RE = re.compile(r"MONOBATCH_[A-Z0-9_]+")
 
 #: Bad values of every warning knob the CPU `generate` path reads, and the line each gives.
 BAD = {
@@ -108,10 +115,84 @@ def test_every_bad_knob_warns_once_and_generate_succeeds():
 
 def test_bad_tp_timeout_with_ranks_warns_once():
     """With -tp 2 (gloo on CPU): MONOBATCH_TP_TIMEOUT='abc' is one warning in the engine's process,
-    none from the worker rank (it re-imports the knob-reading modules), no traceback."""
+    none from the worker rank (it re-imports the knob-reading modules), no traceback; an unknown
+    name likewise."""
     res = monobatch("generate", "-p", "Hi", "-n", "1", "-t", "1", "-tp", "2", "--no-progress",
-                    env=cli_env(MONOBATCH_TP_TIMEOUT="abc", MONOBATCH_DET_GLU="x"))
+                    env=cli_env(MONOBATCH_TP_TIMEOUT="abc", MONOBATCH_DET_GLU="x", MONOBATCH_TP_TIMEOUTS="9"))
     assert res.returncode == 0, res.stderr
     assert "Traceback" not in res.stderr
     assert res.stderr.count("monobatch: warning: MONOBATCH_TP_TIMEOUT='abc' is not a positive number of seconds") == 1
     assert res.stderr.count("MONOBATCH_DET_GLU='x'") == 1, res.stderr
+    assert res.stderr.count("unknown environment variable MONOBATCH_TP_TIMEOUTS") == 1, res.stderr
+
+
+# -- unknown names and the registry -------------------------------------------------------------
+def test_unknown_names_warn_once_with_the_closest_known_name(capsys):
+    """Each unknown MONOBATCH_* name: one line, sorted, the closest known name where one is a
+    letter or two away, never the value; once per process; known and other variables: nothing."""
+    environ = {"MONOBATCH_PACKED_GMEV": "fma", "MONOBATCH_APIKEY": "secret", "MONOBATCH_DET_ROWS": "128",
+               "monobatch_pdl": "0", "MONOBATCH_PDL": "0", "MONOBATCH_API_KEY": "k", "PATH": "/bin",
+               "XMONOBATCH_PDL": "0"}
+    env.warn_unknown_names(environ)
+    env.warn_unknown_names(environ)  # the CLI's main, then resolve_device: said once
+    assert capsys.readouterr().err.splitlines() == [
+        "monobatch: warning: unknown environment variable MONOBATCH_APIKEY (did you mean MONOBATCH_API_KEY?)",
+        "monobatch: warning: unknown environment variable MONOBATCH_DET_ROWS",  # a removed knob: nothing close
+        "monobatch: warning: unknown environment variable MONOBATCH_PACKED_GMEV (did you mean MONOBATCH_PACKED_GEMV?)",
+        "monobatch: warning: unknown environment variable monobatch_pdl (did you mean MONOBATCH_PDL?)",
+    ]
+
+
+def test_the_python_api_warns_where_the_device_is_resolved(monkeypatch, capsys):
+    """LLM() and every other model builder pass through resolve_device: the warning is there."""
+    from monobatch.loader import resolve_device
+
+    monkeypatch.setenv("MONOBATCH_CUDA_PACKD", "1")
+    assert resolve_device("cpu").type == "cpu"
+    assert capsys.readouterr().err == ("monobatch: warning: unknown environment variable MONOBATCH_CUDA_PACKD "
+                                       "(did you mean MONOBATCH_CUDA_PACKED?)\n")
+
+
+def test_the_cli_warns_once_for_every_command():
+    """A command that loads a model (the CLI's main, then resolve_device) and one that loads none:
+    the line once, before the command's own output, which is unchanged."""
+    typo = cli_env(MONOBATCH_PACKED_GMEV="fma")
+    line = "monobatch: warning: unknown environment variable MONOBATCH_PACKED_GMEV (did you mean MONOBATCH_PACKED_GEMV?)"
+    res = monobatch("generate", "-p", "Hi", "-n", "1", "-t", "1", "--temperature", "0", "--no-progress", env=typo)
+    assert res.returncode == 0 and res.stdout, res.stderr
+    assert res.stderr.splitlines()[0] == line and res.stderr.count("unknown environment variable") == 1, res.stderr
+    res = monobatch("--version", env=typo)
+    assert res.returncode == 0 and res.stdout.startswith("monobatch ") and res.stderr == line + "\n"
+
+
+def _names_in(*folders: str, skip: tuple[str, ...] = ()) -> dict[str, set[str]]:
+    """Every MONOBATCH_* literal in the files under ``folders`` (text files; ``skip``: paths
+    relative to the root left out), with the files that write it."""
+    found: dict[str, set[str]] = {}
+    for folder in folders:
+        for path in sorted((ROOT / folder).rglob("*")):
+            rel = str(path.relative_to(ROOT))
+            if not path.is_file() or "__pycache__" in path.parts or rel in skip:
+                continue
+            for name in NAME_RE.findall(path.read_text(encoding="utf-8", errors="ignore")):
+                found.setdefault(name, set()).add(rel)
+    return found
+
+
+def test_the_registry_lists_every_name_the_code_writes():
+    """Every MONOBATCH_* literal in src/ and scripts/ is in env.KNOWN_NAMES, so a new knob cannot be
+    read without being registered (and then warned about as unknown)."""
+    found = _names_in("src", "scripts")
+    missing = {name: sorted(files) for name, files in found.items() if name not in env.KNOWN_NAMES}
+    assert not missing, f"add these to monobatch.env.KNOWN_NAMES (and docs/cli.md): {missing}"
+
+
+def test_every_registered_name_is_read_and_documented():
+    """...and the other way: each registered name is written somewhere besides the registry (a
+    removed knob leaves it), and the environment table of docs/cli.md lists exactly these."""
+    read = _names_in("src", "scripts", skip=("src/monobatch/env.py",))
+    assert sorted(env.KNOWN_NAMES - read.keys()) == [], "registered but read nowhere: remove them"
+    text = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    section = text.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    table = {name for line in section.splitlines() if line.startswith("|") for name in NAME_RE.findall(line)}
+    assert table == env.KNOWN_NAMES, (sorted(table - env.KNOWN_NAMES), sorted(env.KNOWN_NAMES - table))

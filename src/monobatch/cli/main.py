@@ -12,7 +12,7 @@ import sys
 
 from monobatch import __version__
 from monobatch.cli.args import PROMPT_DESTS, OneLineParser
-from monobatch.env import SettingError
+from monobatch.env import SettingError, warn_unknown_names
 from monobatch.errors import MonobatchError
 
 
@@ -105,6 +105,7 @@ def _is_flag(word: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script and ``python -m monobatch``; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
+    warn_unknown_names()  # a misspelt MONOBATCH_* variable, said before anything else (the command may fail for it)
     try:
         parser = build_parser()
         ns, extras = parser.parse_known_args(argv)

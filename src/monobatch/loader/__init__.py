@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from monobatch.env import warn_unknown_names
 from monobatch.errors import InvalidRequestError, ModelNotFoundError
 from monobatch.models import registry
 from monobatch.models.args import ModelArgs
@@ -122,11 +123,14 @@ def resolve_model_path(model: str | Path | None) -> Path:
 
 
 def resolve_device(device: str | None) -> torch.device:
-    """``auto``/None -> cuda when available, else cpu.
+    """``auto``/None -> cuda when available, else cpu. Every model built passes here first (the
+    CLI, the Python API, dummy weights), so this is also where a misspelt ``MONOBATCH_*``
+    variable is named (:func:`monobatch.env.warn_unknown_names`, once per process).
 
     Raises:
         InvalidRequestError: an unknown device or CUDA asked for without a GPU.
     """
+    warn_unknown_names()
     name = (device or "auto").lower()
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
