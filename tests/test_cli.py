@@ -314,6 +314,25 @@ def test_serve_refuses_a_file_that_is_no_gguf_before_it_listens(tmp_path):
     assert "listening" not in res.stderr
 
 
+def test_serve_whose_engine_cannot_be_built_ends_with_its_one_error_line():
+    """``serve --kv-cache-memory 1K``: the model loads (once listening: /health answers 503 while
+    it does), then the engine refuses the pool. stderr: the "listening on" line, the loader's INFO
+    lines (the default --log-level info), then exactly one error line, last — no uvicorn start-up or
+    shutdown lines, no duplicate ``ERROR: ... loading the model failed`` log line; exit 1."""
+    res = monobatch("serve", "--port", "0", "--no-progress", "-t", "1", "--kv-cache-memory", "1K")
+    assert res.returncode == 1, res.stderr
+    assert "Traceback" not in res.stderr and res.stdout == ""
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower()]
+    assert errors == [lines[-1]], res.stderr
+    assert lines[-1].startswith("monobatch serve: error: the KV cache memory (1,024 bytes) holds 0 tokens"), res.stderr
+    for uvicorn_says in ("Started server", "Uvicorn running", "Application startup", "Shutting down",
+                         "Finished server process"):
+        assert uvicorn_says not in res.stderr, res.stderr
+    assert lines[0].startswith("monobatch serve: listening on http://127.0.0.1:"), res.stderr
+    assert all(ln.startswith("INFO:     monobatch.") for ln in lines[1:-1]), res.stderr  # the loader's, nothing else
+
+
 def test_logprobs_needs_json_output():
     assert_one_line_error(monobatch("generate", "-p", "hi", "--logprobs", "2"), "--output-format json")
 

@@ -143,16 +143,39 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+class _WhileReady(logging.Filter):
+    """Lets uvicorn's own INFO lines (logger ``uvicorn.error``: "Started server process",
+    "Application startup complete", "Shutting down", ...) through only while the model is ready.
+    Before, "startup complete" would read as ready while the model still loads (monobatch says
+    when it is: "model ... ready"); after a failed load the caller's one error line is the whole
+    story (docs/cli.md, serve). Warnings and errors always pass."""
+
+    def __init__(self, state: ServerState) -> None:
+        super().__init__()
+        self.state = state
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno > logging.INFO or (self.state.ready.is_set() and self.state.load_error is None)
+
+
 def serve_foreground(app: FastAPI, sock: socket.socket, log_level: str = "info",
                      shutdown_timeout: float = SHUTDOWN_TIMEOUT) -> ServerState:
-    """Serve until SIGINT/SIGTERM (or until loading the model fails) on the calling (main) thread.
+    """Serve until SIGINT/SIGTERM (or until loading the model fails) on the calling (main) thread;
+    uvicorn's start-up and shutdown lines are printed only while the model is ready (:class:`_WhileReady`).
 
     Returns:
-        The app's state (``load_error`` is set when the model could not be loaded).
+        The app's state (``load_error`` is set when the model could not be loaded; nothing has
+        reported it: the caller does, in one line).
     """
     state: ServerState = app.state.monobatch
-    server = _Server(_config(app, log_level, shutdown_timeout), state)
-    server.run(sockets=[sock])  # re-raises the signal that stopped it (KeyboardInterrupt for SIGINT)...
+    server = _Server(_config(app, log_level, shutdown_timeout), state)  # (uvicorn's logging configured here)
+    quiet = _WhileReady(state)
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addFilter(quiet)
+    try:
+        server.run(sockets=[sock])  # re-raises the signal that stopped it (KeyboardInterrupt for SIGINT)...
+    finally:
+        uvicorn_log.removeFilter(quiet)
     sock.close()
     if server.stopped_by is not None:  # ...unless it was inherited ignored: end as the signal's default would
         sig = signal.Signals(server.stopped_by)

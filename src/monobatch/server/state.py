@@ -73,7 +73,8 @@ class ServerState:
 
     Attributes:
         on_fatal: called (on the event loop) with the error when loading fails; the runner
-            uses it to stop the server.
+            uses it to stop the server, and its caller reports the error (``serve``: in one line;
+            :meth:`ServerThread.wait_ready` raises it). Unset, the error is logged instead.
         load_error: that error, if any.
         ready: a threading.Event set once loading has ended (check ``load_error``).
     """
@@ -120,9 +121,10 @@ class ServerState:
     def _failed(self, exc: BaseException) -> None:
         self.load_error = exc
         self.ready.set()
-        log.error("loading the model failed: %s", exc)
         if self.on_fatal is not None:
             self.on_fatal(exc)
+        else:  # nobody to stop the server and report it: at least the log says why it stays 503
+            log.error("loading the model failed: %s", exc)
 
     def begin_shutdown(self, grace: float) -> None:
         """SIGINT/SIGTERM (event loop): requests in flight get most of ``grace`` seconds to
