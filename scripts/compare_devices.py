@@ -4,7 +4,7 @@ For each prompt: generate N greedy tokens through the engine on both sides, repo
 match and, at the first divergence, both token ids and each side's top-2 logit margin there.
 A side is ``DEVICE:DTYPE[:WEIGHTS]`` (WEIGHTS ``packed`` or ``dequant``; default: the loader's),
 e.g. ``--a cuda:bfloat16:dequant --b cuda:bfloat16:packed`` for issue 17's packed-vs-dequant
-check on the GPU (with ``MONOBATCH_CUDA_PACKED=1``; ``MONOBATCH_PACKED_GEMV`` picks the GEMV).
+check on the GPU (``MONOBATCH_PACKED_GEMV`` picks the GEMV).
 Usage: PYTHONPATH=src python scripts/compare_devices.py [--model PATH] [-n 64] [--a SIDE] [--b SIDE] [--json OUT]
 """
 

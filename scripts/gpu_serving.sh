@@ -272,13 +272,13 @@ packed_step() {
         t 60 "$BIN/llama-batched-bench" -m "$f" -ngl 99 -fa on -c 32768 -b 2048 -ub 512 -npp 128 -ntg 128 -npl 64 --output-format jsonl > "$W/stdout" 2>> "$T"
         keep_json "llama-batched-bench-$q" 1 ;; esac
     fi
-    # monobatch on the same file: packed (opt-in on CUDA, MONOBATCH_CUDA_PACKED=1) and dequantized at load
+    # monobatch on the same file: packed (the default) and dequantized at load
     for w in ${PACKED_ARMS:-packed dequant}; do
-      MONOBATCH_CUDA_PACKED=$([ $w = packed ] && echo 1 || echo 0) t $([ "${q%%:*}" = llama-8b ] && echo 240 || echo 120) \
+      t $([ "${q%%:*}" = llama-8b ] && echo 240 || echo 120) \
         python3 -m monobatch bench -m "$f" --device cuda \
         --json --no-progress --weights $w -p 256,2048 -n 128 -r 2 | sed "s/^{/{\"file\": \"$q $w\", /" >> "$OUT/packed.jsonl" 2>> "$LOG"
       case $q in *Q4_0)
-        MONOBATCH_CUDA_PACKED=$([ $w = packed ] && echo 1 || echo 0) t 90 python3 -m monobatch bench -m "$f" --device cuda \
+        t 90 python3 -m monobatch bench -m "$f" --device cuda \
           --json --no-progress --weights $w -p 128 -n 128 -r 1 --batch-size 64 | sed "s/^{/{\"file\": \"$q $w\", /" >> "$OUT/packed.jsonl" 2>> "$LOG" ;;
       esac
     done

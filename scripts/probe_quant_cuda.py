@@ -184,8 +184,6 @@ def warm(task: tuple) -> tuple[list[str], int]:
     kernel the bench will time called once (no timing), so that Triton's compiles of the whole run
     happen in parallel and land in its on-disk cache, which the timing process then reads."""
     shape, layer, tname, do_check, sweep_shapes, dense_too = task
-    from monobatch.quant import packed
-    packed.CUDA_PACKED = True
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # (cpu: TRITON_INTERPRET=1)
     gen = torch.Generator(device=dev).manual_seed(sum(map(ord, shape + layer + tname)))
     qtype = T[tname]
@@ -335,8 +333,6 @@ def main() -> int:
         p.error("--variant dp4a times only: add --only bench")
     if VARIANT == "dp4a" and max(BENCH_MS) > Q.FMA_MAX_M:
         p.error(f"--variant dp4a: PROBE_MS up to {Q.FMA_MAX_M} (the DP4A GEMV's rows)")
-    from monobatch.quant import packed
-    packed.CUDA_PACKED = True
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     dev = torch.device("cpu" if interpreted else "cuda")
     gen = torch.Generator(device=dev).manual_seed(0)

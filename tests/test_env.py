@@ -20,7 +20,6 @@ NAME_RE = re.compile(r"MONOBATCH_[A-Z0-9_]+")
 BAD = {
     "MONOBATCH_FUSED_KERNELS": ("maybe", "is not 0 or 1: using 1"),
     "MONOBATCH_PDL": ("maybe", "is not 0 or 1: using 1"),
-    "MONOBATCH_CUDA_PACKED": ("yes", "is not 0 or 1: using 0"),
     "MONOBATCH_TRITON_GEMV": ("x", "is not 0 or 1: using 1"),
     "MONOBATCH_TRITON_ARGMAX": ("x", "is not 0 or 1: using 1"),
     "MONOBATCH_FORCED_DRAWS": ("x", "is not 0 or 1: using 1"),
@@ -147,10 +146,10 @@ def test_the_python_api_warns_where_the_device_is_resolved(monkeypatch, capsys):
     """LLM() and every other model builder pass through resolve_device: the warning is there."""
     from monobatch.loader import resolve_device
 
-    monkeypatch.setenv("MONOBATCH_CUDA_PACKD", "1")
+    monkeypatch.setenv("MONOBATCH_TRITON_GEMW", "1")
     assert resolve_device("cpu").type == "cpu"
-    assert capsys.readouterr().err == ("monobatch: warning: unknown environment variable MONOBATCH_CUDA_PACKD "
-                                       "(did you mean MONOBATCH_CUDA_PACKED?)\n")
+    assert capsys.readouterr().err == ("monobatch: warning: unknown environment variable MONOBATCH_TRITON_GEMW "
+                                       "(did you mean MONOBATCH_TRITON_GEMV?)\n")
 
 
 def test_the_cli_warns_once_for_every_command():
@@ -167,12 +166,13 @@ def test_the_cli_warns_once_for_every_command():
 
 def _names_in(*folders: str, skip: tuple[str, ...] = ()) -> dict[str, set[str]]:
     """Every MONOBATCH_* literal in the files under ``folders`` (text files; ``skip``: paths
-    relative to the root left out), with the files that write it."""
+    relative to the root left out, and build outputs: __pycache__, pip's *.egg-info), with the files
+    that write it."""
     found: dict[str, set[str]] = {}
     for folder in folders:
         for path in sorted((ROOT / folder).rglob("*")):
             rel = str(path.relative_to(ROOT))
-            if not path.is_file() or "__pycache__" in path.parts or rel in skip:
+            if not path.is_file() or rel in skip or any(p == "__pycache__" or p.endswith(".egg-info") for p in path.parts):
                 continue
             for name in NAME_RE.findall(path.read_text(encoding="utf-8", errors="ignore")):
                 found.setdefault(name, set()).add(rel)

@@ -49,14 +49,6 @@ LAYOUT_TYPES = (T.Q4_0, T.Q8_0, T.Q6_K)
 INVARIANT_MS = (1, 3, 17, 64, 200)
 
 
-@pytest.fixture(autouse=True)
-def cuda_packed_opt_in(monkeypatch):
-    """These tests exercise the CUDA packed path, which is opt-in (``MONOBATCH_CUDA_PACKED``)."""
-    from monobatch.quant import packed
-
-    monkeypatch.setattr(packed, "CUDA_PACKED", True)
-
-
 def random_blocks(qtype: T, n: int, k: int, seed: int = 0) -> np.ndarray:
     """``n`` rows of ``k`` weights of ``qtype`` as raw bytes (tests/test_quant.py's generator: random
     bits, fp16 scale fields finite of either sign; not imported from there, whose import builds the

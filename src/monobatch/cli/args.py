@@ -182,8 +182,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto | float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on CUDA)")
     g.add_argument("--weights", choices=("packed", "dequant"), default=None,
                    help="packed: a GGUF's quantized weights stay packed in memory, dequantized inside the matmul "
-                        "(default on CPU; on CUDA opt-in with MONOBATCH_CUDA_PACKED=1, Triton kernels); dequant: every weight "
-                        "dequantized at load (CUDA's default)")
+                        "(the default, CPU and CUDA); dequant: every weight dequantized at load "
+                        "(more memory; on CUDA faster prompts and large batches)")
     g.add_argument("-c", "--ctx-size", type=int, default=0, help="context length in tokens (0 = the model's)")
     g.add_argument("-t", "--threads", type=int, default=-1, help="CPU threads (-1 = torch's default)")
     g.add_argument("--prefill-chunk", type=int, default=defaults.PREFILL_CHUNK,

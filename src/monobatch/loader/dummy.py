@@ -48,7 +48,7 @@ def dummy_model(shape: str, device: str | None = None, dtype: str | None = None,
         from monobatch.quant.random_packed import pack_randomly
 
         if not packed_supported(dev):
-            hint = " (packed CUDA kernels are opt-in: MONOBATCH_CUDA_PACKED=1)" if dev.type == "cuda" else ""
+            hint = " (the packed CUDA kernels need Triton)" if dev.type == "cuda" else ""
             raise InvalidRequestError(f"--quant: no packed kernels on {dev.type} here{hint}", "quant")
         try:
             pack_randomly(model, quant, gen)

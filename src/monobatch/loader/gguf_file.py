@@ -1,7 +1,7 @@
 """GGUF checkpoints (llama.cpp's format), read with the ``gguf`` package.
 
-With ``weights="packed"`` (the default where the packed kernels run: CPU, and CUDA with Triton when
-``MONOBATCH_CUDA_PACKED=1`` opts in, :data:`monobatch.quant.packed.CUDA_PACKED`) every 2-D weight of a
+With ``weights="packed"`` (the default where the packed kernels run: CPU with the compiled kernels,
+CUDA with Triton, :func:`monobatch.quant.packed.packed_supported`) every 2-D weight of a
 packed type (:data:`monobatch.quant.formats.PACKED_TYPES`) stays packed: its blocks are repacked
 once into a resident layout (:func:`monobatch.quant.formats.repack`; on CUDA the raw blocks are
 copied to the GPU and repacked there, :mod:`monobatch.quant.device_repack`) and held as a
@@ -224,7 +224,7 @@ def load_gguf_model(reader: GGUFReader, device: torch.device, dtype: torch.dtype
 
     Args:
         weights: ``packed`` (packed types stay packed where :func:`packed_supported`: CPU with
-            the compiled kernels, CUDA with Triton when opted in; elsewhere dequantized, said in the
+            the compiled kernels, CUDA with Triton; elsewhere dequantized, said in the
             log) or ``dequant``.
 
     Raises:
@@ -233,7 +233,7 @@ def load_gguf_model(reader: GGUFReader, device: torch.device, dtype: torch.dtype
     args = args or model_args(reader)
     pack = weights == "packed" and packed_supported(device)
     if weights == "packed" and not pack:
-        why = "packed CUDA kernels are opt-in (MONOBATCH_CUDA_PACKED=1; ADR 0006)" if device.type == "cuda" \
+        why = "no Triton for the packed CUDA kernels" if device.type == "cuda" \
             else f"no packed kernels on {device.type} here"
         log.warning("weights: %s; dequantized at load into %s", why, str(dtype).removeprefix("torch."))
     packed = packed_targets(reader, args) if pack else set()

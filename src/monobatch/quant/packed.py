@@ -55,20 +55,13 @@ def _dequant_buffer(rows: int, k: int) -> torch.Tensor:
     return buf[:rows * k].view(rows, k)
 
 
-#: Packed weights on CUDA are opt-in (``MONOBATCH_CUDA_PACKED=1``; ADR 0006, "The default on CUDA
-#: stays dequantize-at-load"). Since the FMA GEMV (2026-12-03) they are ahead of bf16 at B=1 decode
-#: (H200, llama-1b Q4_0: 1,281.8 against 1,155.5 tok/s) with 2.7x less weight memory, but
-#: behind on prompts (TTFT p256 3.28 against 2.57 ms: each weight dequantized into a temporary for
-#: cuBLAS) and 64-row batches (0.92x), and ``--deterministic`` runs every packed product through
-#: the tiled GEMM (not measured). Until those are at par, CUDA dequantizes at load by default.
-CUDA_PACKED = env.flag("MONOBATCH_CUDA_PACKED", False)
 
 
 def packed_supported(device: torch.device) -> bool:
-    """Whether weights can be held packed on ``device``: CPU with the compiled kernels; CUDA with
-    Triton when :data:`CUDA_PACKED` opts in."""
+    """Whether weights can be held packed on ``device``: CPU with the compiled kernels, CUDA with
+    Triton (the default on both since 2026-12-06: ADR 0006, "Packed by default on CUDA")."""
     if device.type == "cuda":
-        return CUDA_PACKED and triton is not None
+        return triton is not None
     return device.type == "cpu" and quant_cpu.available()
 
 
