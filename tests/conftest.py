@@ -17,6 +17,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Triton in-process on CPU too (kernels/common.py leaves it out there by default): the tests compile
 # the kernels for sm_90 without a GPU. tests/test_cpu_without_triton.py runs the default.
 os.environ.setdefault("MONOBATCH_TRITON", "1")
+# A MONOBATCH_* variable monobatch does not read (a typo, a removed knob such as
+# MONOBATCH_CUDA_PACKED in an old script's shell) would add its warning line to every command's
+# stderr, which many tests compare exactly: the tests run without them (tests/test_env.py sets its own).
+from monobatch import env as _env  # noqa: E402
+
+for _name in [n for n in os.environ if n.upper().startswith(_env.PREFIX) and n not in _env.KNOWN_NAMES]:
+    del os.environ[_name]
 torch.manual_seed(0)
 
 

@@ -86,6 +86,28 @@ def top2_margin(hf_model, ids: list[int]) -> float:
     return float(top[0] - top[1])
 
 
+def interpreter_numpy_shim() -> None:
+    """Let Triton's interpreter run under numpy >= 2.4 (call in a ``TRITON_INTERPRET=1`` process
+    before any kernel runs). Triton <= 3.6's interpreter turns a scalar (held as a one-element
+    array) into a Python int with ``int(array)``, e.g. for a loop bound, which numpy 2.4 refuses
+    ("only 0-dimensional arrays can be converted to Python scalars"; triton-lang/triton#9171,
+    fixed upstream by squeezing the array). This wraps the function that patches ``tl.tensor``
+    for a kernel's run so that ``__index__`` takes the array's one element; nothing else changes,
+    and with a Triton whose interpreter lacks that function it does nothing."""
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "numpy_shim", False):
+        return
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.numpy_shim = True
+    interpreter._patch_lang_tensor = patched
+
+
 def run_in_triton_interpreter(module: str, check: str) -> None:
     """Run ``tests/<module>.py``'s ``check()`` (which returns "ok") in a ``TRITON_INTERPRET=1``
     subprocess: the interpreter is chosen when Triton is imported, so not in this process. It runs
@@ -101,7 +123,7 @@ def run_in_triton_interpreter(module: str, check: str) -> None:
         pytest.skip("on a GPU the CUDA tests run instead")
     root = Path(__file__).resolve().parents[1]
     code = (f"import sys; sys.path[:0] = [{str(root / 'src')!r}, {str(root / 'tests')!r}]; "
-            f"from {module} import {check}; print({check}())")
+            f"import helpers; helpers.interpreter_numpy_shim(); from {module} import {check}; print({check}())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=root,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]

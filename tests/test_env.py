@@ -6,6 +6,7 @@ closest known name; the registry of names is checked against the code and docs/c
 from __future__ import annotations
 
 import re
+import subprocess
 
 import pytest
 
@@ -165,17 +166,24 @@ def test_the_cli_warns_once_for_every_command():
 
 
 def _names_in(*folders: str, skip: tuple[str, ...] = ()) -> dict[str, set[str]]:
-    """Every MONOBATCH_* literal in the files under ``folders`` (text files; ``skip``: paths
-    relative to the root left out, and build outputs: __pycache__, pip's *.egg-info), with the files
-    that write it."""
+    """Every MONOBATCH_* literal in the files under ``folders`` (``skip``: paths relative to the
+    root left out), with the files that write it. The files are git's (tracked, and untracked ones
+    not ignored), so build outputs (__pycache__, pip's *.egg-info) and ignored leftovers do not
+    count; outside a git checkout, every file but those build outputs."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", *folders], cwd=ROOT, capture_output=True,
+                            text=True)
+    if listed.returncode == 0 and listed.stdout.strip():
+        paths = [ROOT / rel for rel in listed.stdout.splitlines()]
+    else:
+        paths = [p for folder in folders for p in (ROOT / folder).rglob("*")
+                 if not any(part == "__pycache__" or part.endswith(".egg-info") for part in p.relative_to(ROOT).parts)]
     found: dict[str, set[str]] = {}
-    for folder in folders:
-        for path in sorted((ROOT / folder).rglob("*")):
-            rel = str(path.relative_to(ROOT))
-            if not path.is_file() or rel in skip or any(p == "__pycache__" or p.endswith(".egg-info") for p in path.parts):
-                continue
-            for name in NAME_RE.findall(path.read_text(encoding="utf-8", errors="ignore")):
-                found.setdefault(name, set()).add(rel)
+    for path in sorted(paths):
+        rel = path.relative_to(ROOT).as_posix()
+        if not path.is_file() or rel in skip:
+            continue
+        for name in NAME_RE.findall(path.read_text(encoding="utf-8", errors="ignore")):
+            found.setdefault(name, set()).add(rel)
     return found
 
 

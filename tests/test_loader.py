@@ -42,6 +42,39 @@ def test_bundled_weight_types_load_exactly(bundled_path, loaded):
     assert set(checked) == {"Q4_1", "Q8_0", "F32"}, checked
 
 
+def test_weights_held_packed_are_never_allocated_dense(bundled_path, loaded, monkeypatch):
+    """The parameters the loader will hold packed stay on the meta device until their packed
+    weight replaces them (new_model's ``held``): loading never takes the model's dense size (on
+    CUDA ``torch.empty`` would); the loaded model has no meta tensor left."""
+    from monobatch.loader import weights
+
+    reader = gguf_file.open_gguf(bundled_path)
+    args = gguf_file.model_args(reader)
+    held = gguf_file.packed_targets(reader, args)
+    assert held and "layers.0.self_attn.qkv_proj.weight" in held
+    built = []
+    new_model = weights.new_model
+    monkeypatch.setattr(gguf_file, "new_model", lambda *a, **k: built.append(new_model(*a, **k)) or built[-1])
+    model = gguf_file.load_gguf_model(reader, torch.device("cpu"), torch.float32, progress=False, args=args)
+    assert built and built[0] is model
+    assert not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    assert {n for n, w in [("embed_tokens", model.embed_tokens), *((f"{n}.weight", m.weight) for n, m in
+            model.named_modules() if isinstance(m, Linear))] if isinstance(w, PackedWeight)} == held
+    fresh = weights.new_model(args, torch.device("cpu"), torch.float32, held=held)
+    assert {n for n, p in fresh.named_parameters() if p.is_meta} == held
+
+
+def test_cuda_holds_gguf_weights_packed_where_triton_runs(monkeypatch):
+    """Packed is the default on CUDA as on CPU (ADR 0006, 2026-12-06): wherever Triton runs the
+    packed kernels; without Triton the loader dequantizes (and says so)."""
+    from monobatch.quant import packed
+
+    monkeypatch.setattr(packed, "triton", object())
+    assert packed.packed_supported(torch.device("cuda"))
+    monkeypatch.setattr(packed, "triton", None)
+    assert not packed.packed_supported(torch.device("cuda"))
+
+
 def test_model_args_from_bundled_metadata(loaded):
     a = loaded.model.args
     assert (a.hidden_size, a.num_hidden_layers, a.num_attention_heads, a.num_key_value_heads) == (576, 30, 9, 3)

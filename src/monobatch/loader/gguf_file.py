@@ -246,7 +246,7 @@ def load_gguf_model(reader: GGUFReader, device: torch.device, dtype: torch.dtype
     check_memory(args, dtype, device, need, "packed weights" if packed else None)
     rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     freq_factors = torch.from_numpy(dequantize_tensor(rope_freqs).copy()) if rope_freqs is not None else None
-    model = new_model(args, device, dtype, freq_factors)
+    model = new_model(args, device, dtype, freq_factors, held=packed)
     filler = WeightFiller(model)
     permute = args.model_type in ("llama", "mistral")
     kinds: Counter = Counter()

@@ -100,9 +100,13 @@ def check_memory(args: ModelArgs, dtype: torch.dtype, device: torch.device, need
 
 
 def new_model(args: ModelArgs, device: torch.device, dtype: torch.dtype,
-              freq_factors: torch.Tensor | None = None) -> DecoderModel:
+              freq_factors: torch.Tensor | None = None, held: frozenset[str] | set[str] = frozenset()) -> DecoderModel:
     """An unfilled model of ``args``' family (:mod:`monobatch.models.registry`) with its parameters
-    allocated (uninitialised) on ``device`` in ``dtype`` (floating-point tensors; others keep theirs).
+    allocated (uninitialised) on ``device`` in ``dtype`` (floating-point tensors; others keep theirs),
+    but those named in ``held`` (``named_parameters`` names: the weights the loader will hold
+    packed, :func:`monobatch.models.layers.hold_packed`), which stay on the meta device: never
+    allocated, so loading a packed model never needs its dense size (on CUDA ``torch.empty`` takes
+    the memory at once: ~15 GiB of bfloat16 for llama-8b, whose packed weights take 5).
 
     Built on the meta device, then every tensor replaced by ``torch.empty`` of its shape: not
     ``Module.to_empty``, whose ``empty_like`` of a meta tensor runs torch's Python reference and
@@ -110,7 +114,9 @@ def new_model(args: ModelArgs, device: torch.device, dtype: torch.dtype,
     resident for the rest of the process (2026-12-03, torch 2.13; issue 17's RSS)."""
     with torch.device("meta"):
         model = registry.family(args.model_type).Model(args, freq_factors)
-    model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device))
+    keep = {id(p) for name, p in model.named_parameters() if name in held}
+    model._apply(lambda t: t if id(t) in keep else
+                 torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device))
     for rope in model.ropes:
         rope.to(device)
     return model

@@ -30,7 +30,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from monobatch import env
 from monobatch.kernels import quant_cpu
 from monobatch.kernels import quant_gemm
 from monobatch.kernels.common import triton
@@ -53,8 +52,6 @@ def _dequant_buffer(rows: int, k: int) -> torch.Tensor:
     if buf is None or buf.numel() < rows * k:
         buf = _scratch.buf = torch.empty(max(rows * k, DEQUANT_CHUNK_BYTES // 4), dtype=torch.float32)
     return buf[:rows * k].view(rows, k)
-
-
 
 
 def packed_supported(device: torch.device) -> bool:
