@@ -432,3 +432,24 @@ def test_respond_logs_finished_only_once_the_answer_is_shaped(caplog):
     [line] = _server_lines(caplog)
     assert line.levelno == logging.WARNING and "failed: 500 ValueError (stream=false" in line.getMessage()
     assert "text" not in line.getMessage()
+
+
+def test_uvicorn_lines_pass_only_while_the_model_is_ready():
+    """serve's filter on uvicorn's logger: its INFO lines ("Started server process", "Shutting
+    down") only while the model is ready and loaded; warnings and errors always."""
+    import logging
+
+    from monobatch.server.runner import _WhileReady
+    from monobatch.server.state import ServerSettings, ServerState
+
+    state = ServerState(ServerSettings(), lambda: None)
+    quiet = _WhileReady(state)
+
+    def passes(level: int) -> bool:
+        return quiet.filter(logging.LogRecord("uvicorn.error", level, __file__, 1, "Shutting down", None, None))
+
+    assert not passes(logging.INFO) and passes(logging.WARNING) and passes(logging.ERROR)  # loading
+    state.ready.set()
+    assert passes(logging.INFO)  # ready: start-up and shutdown lines as uvicorn prints them
+    state.load_error = RuntimeError("no KV blocks")
+    assert not passes(logging.INFO) and passes(logging.ERROR)  # failed: the caller's one line says it
