@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,13 +45,40 @@ def test_kernel_cache_is_one_folder_per_installed_copy(monkeypatch, tmp_path):
     each would rebuild the other's module on every start): the folder names torch's version and a
     hash of this package's folder, under $MONOBATCH_KERNEL_CACHE."""
     import hashlib
-    from pathlib import Path
 
     from monobatch.kernels import quant_cpu
 
     monkeypatch.setenv("MONOBATCH_KERNEL_CACHE", str(tmp_path))
     where = hashlib.sha1(str(Path(quant_cpu.__file__).resolve().parent).encode()).hexdigest()[:10]
     assert quant_cpu.cache_dir() == tmp_path / f"torch-{torch.__version__}-{where}"
+
+
+def test_build_folders_of_deleted_copies_are_pruned(tmp_path):
+    """A build folder whose ``build.ninja`` compiles a source that no longer exists (a deleted
+    checkout) is removed; one whose source exists (a space in its path, escaped as ninja does),
+    one without a build file and the current one are kept."""
+    from monobatch.kernels import quant_cpu
+
+    live = tmp_path / "a checkout" / "quant_cpu.cpp"
+    live.parent.mkdir()
+    live.write_text("")
+
+    def folder(name: str, source: str | None) -> Path:
+        d = tmp_path / "cache" / name
+        d.mkdir(parents=True)
+        (d / "x.so").write_bytes(b"")
+        if source is not None:
+            (d / "build.ninja").write_text(f"ninja_required_version = 1.3\nbuild quant_cpu.o: compile {source}\n"
+                                           f"build cpu_ops.o: compile {source}\n")
+        return d
+
+    current = folder("torch-1-current", str(tmp_path / "gone" / "quant_cpu.cpp"))
+    gone = folder("torch-1-gone", str(tmp_path / "gone" / "quant_cpu.cpp"))
+    kept = folder("torch-1-live", str(live).replace(" ", "$ "))
+    bare = folder("torch-1-bare", None)
+    other = folder("unrelated", str(tmp_path / "gone" / "quant_cpu.cpp"))
+    assert quant_cpu.prune_stale(current) == [gone]
+    assert not gone.exists() and all(d.exists() for d in (current, kept, bare, other))
 
 
 def test_an_unknown_triton_setting_warns_and_counts_as_auto():

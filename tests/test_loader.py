@@ -135,6 +135,23 @@ def test_an_unreadable_safetensors_file_is_a_model_load_error(tmp_path, kind, wh
     assert message.startswith(where) and why in message, message
 
 
+@pytest.mark.parametrize("keep", [2, 100, 2_000, 1_500_000])
+def test_a_gguf_cut_inside_its_header_says_so(bundled_path, tmp_path, keep):
+    """A GGUF cut inside its metadata (the key-value fields, the vocabulary's strings): said as
+    truncated, with the path (it was numpy's "When changing to a larger dtype, its size must be a
+    divisor ..." for a 100-byte stub); a file too short for the magic and not its start is no GGUF."""
+    cut = tmp_path / "cut.gguf"
+    with open(bundled_path, "rb") as src:
+        cut.write_bytes(src.read(keep))
+    with pytest.raises(UnsupportedModelError) as info:
+        loader.load_model(str(cut), device="cpu", progress=False)
+    assert str(info.value).startswith(f"{cut}: the file is truncated (the header runs past the end of the file: the "
+                                      f"file has {keep} bytes, the header runs to byte "), info.value
+    cut.write_bytes(b"GX")
+    with pytest.raises(UnsupportedModelError, match=r"not a readable GGUF file \(GGUF magic invalid\)$"):
+        loader.load_model(str(cut), device="cpu", progress=False)
+
+
 @pytest.mark.parametrize("keep", [50_000_000, 2_000_000])
 def test_a_truncated_gguf_says_so_with_its_path(bundled_path, tmp_path, keep):
     """A GGUF cut short (a download that stopped): its header parses, a tensor's data runs past the

@@ -18,6 +18,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -44,10 +45,37 @@ def cache_dir(root: str | Path | None = None) -> Path:
     """Where the compiled module lives: ``root`` (default ``$MONOBATCH_KERNEL_CACHE``, or
     :data:`DEFAULT_CACHE`) / ``torch-<version>-<hash of this package's folder>``. One build folder
     per installed copy: ninja's build file names the source paths, so two checkouts sharing a
-    folder would rebuild each other's module on every start."""
+    folder would rebuild each other's module on every start. The folders of copies since deleted
+    are removed when the module loads (:func:`prune_stale`)."""
     root = root or env.text("MONOBATCH_KERNEL_CACHE") or DEFAULT_CACHE
     where = hashlib.sha1(str(Path(__file__).resolve().parent).encode()).hexdigest()[:10]
     return Path(root) / f"torch-{torch.__version__}-{where}"
+
+
+def prune_stale(build: Path) -> list[Path]:
+    """Remove the build folders beside ``build`` (``torch-*``) whose copy of the package is gone:
+    their ``build.ninja`` compiles a ``quant_cpu.cpp`` that no longer exists (a deleted checkout
+    or venv; each copy has its own folder, ~2 MB). A folder without that line, or whose source
+    still exists, is kept. Errors are ignored (another process may be pruning too).
+
+    Returns:
+        The folders removed.
+    """
+    gone = []
+    for other in build.parent.glob("torch-*"):
+        if other == build:
+            continue
+        try:
+            lines = (other / "build.ninja").read_text().splitlines()
+        except OSError:
+            continue
+        # ninja escapes a space, a colon and "$" with a "$" before them (a path with a space)
+        sources = [re.sub(r"\$(.)", r"\1", ln.split(": compile ", 1)[1].strip()) for ln in lines
+                   if ln.startswith(f"build {SOURCE.stem}.o: compile ")]
+        if sources and not Path(sources[0]).exists():
+            shutil.rmtree(other, ignore_errors=True)
+            gone.append(other)
+    return gone
 
 
 def _usable(build: Path) -> None:
@@ -90,6 +118,9 @@ def module() -> ModuleType:
     mod = cpp_extension.load(
         name=NAME, sources=[str(p) for p in SOURCES], build_directory=str(build),
         extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
+    gone = prune_stale(build)
+    if gone:
+        log.info("removed %d kernel build folder(s) of deleted copies of monobatch from %s", len(gone), build.parent)
     # A/B runs: least multiply-adds per thread (None: the C++ default)
     work = env.number("MONOBATCH_CPU_MIN_THREAD_WORK", None, parse=int, what="a positive integer", shown="the default")
     if work is not None:

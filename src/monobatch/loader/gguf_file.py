@@ -272,17 +272,20 @@ def load_gguf_model(reader: GGUFReader, device: torch.device, dtype: torch.dtype
 
 
 class TruncatedGGUF(ValueError):
-    """A tensor's data runs past the end of the file (a download or copy cut short).
+    """A tensor's data, or the header itself, runs past the end of the file (a download or copy
+    cut short).
 
     Attributes:
-        end: the byte that tensor's data runs to.
+        end: the byte that tensor's data (or the header field) runs to.
         size: the file's size in bytes.
+        header: True when the header (metadata or tensor infos) is what runs past the end.
     """
 
-    def __init__(self, end: int, size: int) -> None:
-        super().__init__(f"tensor data past the end of the file: the file has {size} bytes, a tensor's data runs "
-                         f"to byte {end}")
-        self.end, self.size = end, size
+    def __init__(self, end: int, size: int, header: bool = False) -> None:
+        what = "the header runs past the end of the file" if header else "tensor data past the end of the file"
+        part = "the header" if header else "a tensor's data"
+        super().__init__(f"{what}: the file has {size} bytes, {part} runs to byte {end}")
+        self.end, self.size, self.header = end, size, header
 
 
 class MappedReader(GGUFReader):
@@ -312,12 +315,13 @@ class MappedReader(GGUFReader):
     def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
         """gguf-py's, the slice's bytes taken from the plain view; a tensor's data (at or past
         ``data_offset``, which gguf-py sets before it builds the tensors) that runs past the end
-        of the file raises :class:`TruncatedGGUF` rather than numpy's reshape error."""
+        of the file raises :class:`TruncatedGGUF` rather than numpy's reshape error, and so does a
+        header field (before ``data_offset``) that does (a file cut inside its metadata)."""
         plain = self._plain_view()
         count = int(count)
         end = offset + np.dtype(dtype).itemsize * count
-        if end > plain.size and offset >= self.__dict__.get("data_offset", plain.size):
-            raise TruncatedGGUF(end, plain.size)
+        if end > plain.size:
+            raise TruncatedGGUF(end, plain.size, header=offset < self.__dict__.get("data_offset", plain.size))
         arr = plain[offset:end].view(dtype=dtype)[:count]
         return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
@@ -340,13 +344,19 @@ class MappedReader(GGUFReader):
         if itype == GGUFValueType.STRING:
             len_dt, byte_dt = (np.dtype(t).newbyteorder(self.byte_order) for t in (np.uint64, np.uint8))
             for _ in range(n):
+                if offs + 8 > plain.size:
+                    raise TruncatedGGUF(offs + 8, plain.size, header=True)
                 slen = plain[offs:offs + 8].view(len_dt)
                 k = int(slen[0])
+                if offs + 8 + k > plain.size:
+                    raise TruncatedGGUF(offs + 8 + k, plain.size, header=True)
                 parts += (slen, plain[offs + 8:offs + 8 + k].view(byte_dt))
                 idxs.append(len(parts) - 1)
                 offs += 8 + k
         else:
             dt = np.dtype(nptype).newbyteorder(self.byte_order)
+            if offs + n * dt.itemsize > plain.size:
+                raise TruncatedGGUF(offs + n * dt.itemsize, plain.size, header=True)
             for _ in range(n):
                 parts.append(plain[offs:offs + dt.itemsize].view(dt))
                 idxs.append(len(parts) - 1)
@@ -387,6 +397,8 @@ def open_gguf(path: str | Path) -> GGUFReader:
     try:
         return _READER(str(path), "r")
     except TruncatedGGUF as e:
+        if e.size < 4 and not b"GGUF".startswith(Path(path).read_bytes()):  # too short for the magic, and not its start
+            raise UnsupportedModelError(f"{path}: not a readable GGUF file (GGUF magic invalid)") from e
         raise UnsupportedModelError(f"{path}: the file is truncated ({e})") from e
     except Exception as e:  # gguf-py raises ValueError/struct errors on bad files
         raise UnsupportedModelError(f"{path}: not a readable GGUF file ({e})") from e

@@ -138,6 +138,10 @@ def validation_message(errors: list[dict], content_type: str | None = None) -> t
         return f"{_path(raw)}: invalid value ({'; '.join(dict.fromkeys(e['msg'] for e in same))})", _path(raw)
     if first.get("type") in ("model_type", "model_attributes_type", "dict_type"):  # not the class's name
         return f"{_path(raw)}: must be a JSON object, got {json_kind(first.get('input'))}", _path(raw)
+    ctx = first.get("ctx") or {}
+    if first.get("type") in ("too_short", "too_long") and "actual_length" in ctx:  # a list's length, as the range errors read
+        bound, n = ("at least", ctx.get("min_length")) if first["type"] == "too_short" else ("at most", ctx.get("max_length"))
+        return f"{_path(raw)}: must have {bound} {n} item{'' if n == 1 else 's'}, got {ctx['actual_length']}", _path(raw)
     return f"{_path(raw)}: {first['msg']}", _path(raw) or None
 
 

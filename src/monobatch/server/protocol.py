@@ -534,8 +534,8 @@ class SamplingFields(_Body):
 
     @model_validator(mode="after")
     def _openai_temperature(self) -> "SamplingFields":
-        # the HTTP API's own bound (MAX_TEMPERATURE); below 0, NaN: SamplingParams' 400
-        if self.temperature is not None and self.temperature > MAX_TEMPERATURE:
+        # the HTTP API's own range (0 to MAX_TEMPERATURE), both ends in its words; NaN: SamplingParams' 400
+        if self.temperature is not None and not 0 <= self.temperature <= MAX_TEMPERATURE and self.temperature == self.temperature:
             raise PydanticCustomError("temperature", "temperature: must be in [0, 2] (OpenAI's range), got {value}",
                                       {"field": "temperature", "value": self.temperature})
         return self
