@@ -25,6 +25,13 @@ from monobatch import env as _env  # noqa: E402
 for _name in [n for n in os.environ if n.upper().startswith(_env.PREFIX) and n not in _env.KNOWN_NAMES]:
     del os.environ[_name]
 torch.manual_seed(0)
+# Property tests: no per-example deadline (Hypothesis's default 200 ms) and no too_slow health check
+# (1 s of generation): on a busy 2-core CI host a paused process is no failure. A test's own
+# @settings(...) starts from this profile and changes only what it names.
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile("monobatch", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("monobatch")
 
 
 @pytest.fixture(scope="module")

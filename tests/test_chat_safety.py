@@ -336,7 +336,7 @@ SPECIALS = ["<|im_end|>", "<|im_start|>", "<|endoftext|>", "<repo_name>", "<file
 TEXT = st.lists(st.text(st.characters(codec="utf-8"), max_size=12) | st.sampled_from(
     ["<", "|", ">", "<|", "|>", "im_", "end", "_start", "\n", " ", _MARK_OPEN, _MARK_CLOSE, "0", ":"]),
     max_size=6).map("".join)
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
 @SETTINGS

@@ -55,30 +55,40 @@ def test_kernel_cache_is_one_folder_per_installed_copy(monkeypatch, tmp_path):
 
 def test_build_folders_of_deleted_copies_are_pruned(tmp_path):
     """A build folder whose ``build.ninja`` compiles a source that no longer exists (a deleted
-    checkout) is removed; one whose source exists (a space in its path, escaped as ninja does),
-    one without a build file and the current one are kept."""
+    checkout), not loaded for STALE_DAYS, is removed; one whose source exists (a space in its path,
+    escaped as ninja does), one loaded recently (a copy that may live on another host sharing the
+    cache), one without a build file and the current one are kept."""
+    import os
+    import time
+
     from monobatch.kernels import quant_cpu
 
     live = tmp_path / "a checkout" / "quant_cpu.cpp"
     live.parent.mkdir()
     live.write_text("")
+    dead = str(tmp_path / "gone" / "quant_cpu.cpp")
+    old = time.time() - (quant_cpu.STALE_DAYS + 1) * 86400
 
-    def folder(name: str, source: str | None) -> Path:
+    def folder(name: str, source: str | None, when: float = old) -> Path:
         d = tmp_path / "cache" / name
         d.mkdir(parents=True)
         (d / "x.so").write_bytes(b"")
         if source is not None:
             (d / "build.ninja").write_text(f"ninja_required_version = 1.3\nbuild quant_cpu.o: compile {source}\n"
                                            f"build cpu_ops.o: compile {source}\n")
+        os.utime(d, (when, when))
         return d
 
-    current = folder("torch-1-current", str(tmp_path / "gone" / "quant_cpu.cpp"))
-    gone = folder("torch-1-gone", str(tmp_path / "gone" / "quant_cpu.cpp"))
+    current = folder("torch-1-current", dead)
+    gone = folder("torch-1-gone", dead)
     kept = folder("torch-1-live", str(live).replace(" ", "$ "))
+    recent = folder("torch-1-recent", dead, when=time.time() - (quant_cpu.STALE_DAYS - 1) * 86400)
     bare = folder("torch-1-bare", None)
-    other = folder("unrelated", str(tmp_path / "gone" / "quant_cpu.cpp"))
+    other = folder("unrelated", dead)
     assert quant_cpu.prune_stale(current) == [gone]
-    assert not gone.exists() and all(d.exists() for d in (current, kept, bare, other))
+    assert not gone.exists() and all(d.exists() for d in (current, kept, recent, bare, other))
+    # aged against a later time, the recent one goes too
+    assert quant_cpu.prune_stale(current, now=time.time() + 2 * 86400) == [recent]
 
 
 def test_an_unknown_triton_setting_warns_and_counts_as_auto():

@@ -44,7 +44,7 @@ action = st.one_of(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(actions=st.lists(action, min_size=1, max_size=30),
        pool_blocks=st.integers(CONTEXT // BLOCK, 2 * CONTEXT // BLOCK),
        storage=st.sampled_from(["paged", "dense"]),

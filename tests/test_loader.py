@@ -135,7 +135,7 @@ def test_an_unreadable_safetensors_file_is_a_model_load_error(tmp_path, kind, wh
     assert message.startswith(where) and why in message, message
 
 
-@pytest.mark.parametrize("keep", [2, 100, 2_000, 1_500_000])
+@pytest.mark.parametrize("keep", [2, 4, 8, 24, 100, 2_000, 1_500_000])  # 4, 8, 24: cut between fields
 def test_a_gguf_cut_inside_its_header_says_so(bundled_path, tmp_path, keep):
     """A GGUF cut inside its metadata (the key-value fields, the vocabulary's strings): said as
     truncated, with the path (it was numpy's "When changing to a larger dtype, its size must be a

@@ -48,11 +48,12 @@ def test_sigterm_finishes_short_requests_aborts_long_ones_and_frees_the_port():
     not, are aborted before it ends and answered with an OpenAI-shaped 503; no traceback."""
     # 3 s of grace: the engine aborts what is left 1 s before it ends (ServerState.begin_shutdown),
     # so the short request has 2 s for its prefill and 4 steps beside two others; with 1.5 s it had
-    # 0.75 s, which a loaded 2-core host used up to half of. The long ones (240 tokens) run far longer.
-    server = start_server("-t", "1", "-c", "256", "--shutdown-timeout", "3")
+    # 0.75 s, which a loaded 2-core host used up to half of. The long ones (1,000 tokens, ~10 s at
+    # -t 1 even on a fast host) are still running at the abort.
+    server = start_server("-t", "1", "-c", "1024", "--shutdown-timeout", "3")
     port = int(server.base_url.rsplit(":", 1)[1])
     short, long_, plain = {}, {}, {}
-    long_body = {"prompt": "Hello", "max_tokens": 240, "ignore_eos": True}
+    long_body = {"prompt": "Hello", "max_tokens": 1000, "ignore_eos": True}
     threads = [threading.Thread(target=_stream, args=(server.base_url, {"prompt": "Hello", "max_tokens": 4,
                                                                         "temperature": 0}, short)),
                threading.Thread(target=_stream, args=(server.base_url, long_body, long_)),
@@ -100,6 +101,7 @@ def test_ctrl_c_shuts_down_then_exits_130_and_a_second_one_forces_it(sigints, ig
         while not free_port_is_bindable(port):
             assert time.monotonic() < deadline, "the graceful shutdown did not begin:\n" + "".join(server.log)
             time.sleep(0.01)
+        start = time.monotonic()  # the forced exit's time counts from the second Ctrl-C
         server.proc.send_signal(signal.SIGINT)
     rc = server.proc.wait(60)
     for t in threads:

@@ -6,7 +6,7 @@ request log reads a response's end (EventStream and respond driven through ASGI)
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
@@ -35,9 +35,6 @@ def test_split_reasoning(text, in_reasoning, content, reasoning):
     assert split_reasoning(text, "none", in_reasoning).content == text
 
 
-# deadline=None, as the suite's other property tests: Hypothesis's default 200 ms deadline (and its
-# 1 s too_slow health check) fails an example that a busy CI host merely paused
-@settings(deadline=None)
 @given(st.lists(st.sampled_from(["<", "think", ">", "</", "</think>", "<think>", "a", " ", "\n", "é", "t"]),
                 max_size=20), st.booleans(), st.data())
 def test_streamed_split_equals_whole_split(pieces, in_reasoning, data):

@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -46,34 +47,54 @@ def cache_dir(root: str | Path | None = None) -> Path:
     :data:`DEFAULT_CACHE`) / ``torch-<version>-<hash of this package's folder>``. One build folder
     per installed copy: ninja's build file names the source paths, so two checkouts sharing a
     folder would rebuild each other's module on every start. The folders of copies since deleted
-    are removed when the module loads (:func:`prune_stale`)."""
+    are removed, once unused for :data:`STALE_DAYS` days, when the module loads (:func:`prune_stale`)."""
     root = root or env.text("MONOBATCH_KERNEL_CACHE") or DEFAULT_CACHE
     where = hashlib.sha1(str(Path(__file__).resolve().parent).encode()).hexdigest()[:10]
     return Path(root) / f"torch-{torch.__version__}-{where}"
 
 
-def prune_stale(build: Path) -> list[Path]:
-    """Remove the build folders beside ``build`` (``torch-*``) whose copy of the package is gone:
-    their ``build.ninja`` compiles a ``quant_cpu.cpp`` that no longer exists (a deleted checkout
-    or venv; each copy has its own folder, ~2 MB). A folder without that line, or whose source
-    still exists, is kept. Errors are ignored (another process may be pruning too).
+#: Days a build folder of a deleted copy is kept after its last load (:func:`prune_stale`): a
+#: cache shared between hosts or containers (an NFS home, a mounted ``~/.cache``) holds copies
+#: that exist on another side; used there within this time, their folders stay.
+STALE_DAYS = 14
+
+
+def prune_stale(build: Path, now: float | None = None) -> list[Path]:
+    """Remove the build folders beside ``build`` (``torch-*``) of copies of the package that are
+    gone: their ``build.ninja`` compiles a ``quant_cpu.cpp`` that no longer exists (a deleted
+    checkout or venv; each copy has its own folder, ~2 MB), and the folder has not been loaded
+    for :data:`STALE_DAYS` days (its modification time, which every load updates). Any other
+    folder is kept; any error (a folder or source path this user cannot read, an unreadable build
+    file, another process pruning too) keeps the folder.
+
+    Args:
+        build: this copy's build folder (:func:`cache_dir`).
+        now: the time to age folders against, seconds since the epoch (default: now).
 
     Returns:
         The folders removed.
     """
+    cutoff = (time.time() if now is None else now) - STALE_DAYS * 86400
     gone = []
     for other in build.parent.glob("torch-*"):
-        if other == build:
-            continue
         try:
-            lines = (other / "build.ninja").read_text().splitlines()
-        except OSError:
-            continue
-        # ninja escapes a space, a colon and "$" with a "$" before them (a path with a space)
-        sources = [re.sub(r"\$(.)", r"\1", ln.split(": compile ", 1)[1].strip()) for ln in lines
-                   if ln.startswith(f"build {SOURCE.stem}.o: compile ")]
-        if sources and not Path(sources[0]).exists():
+            if other == build or other.stat().st_mtime > cutoff:
+                continue
+            lines = (other / "build.ninja").read_text(errors="replace").splitlines()
+            # ninja escapes a space, a colon and "$" with a "$" before them (a path with a space)
+            sources = [re.sub(r"\$(.)", r"\1", ln.split(": compile ", 1)[1].strip()) for ln in lines
+                       if ln.startswith(f"build {SOURCE.stem}.o: compile ")]
+            if not sources:
+                continue
+            try:
+                os.lstat(sources[0])
+                continue  # the copy exists
+            except (FileNotFoundError, NotADirectoryError):
+                pass  # gone (a path this user may not read raises PermissionError: kept, below)
             shutil.rmtree(other, ignore_errors=True)
+        except (OSError, ValueError):
+            continue
+        if not other.exists():
             gone.append(other)
     return gone
 
@@ -118,9 +139,15 @@ def module() -> ModuleType:
     mod = cpp_extension.load(
         name=NAME, sources=[str(p) for p in SOURCES], build_directory=str(build),
         extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
-    gone = prune_stale(build)
-    if gone:
-        log.info("removed %d kernel build folder(s) of deleted copies of monobatch from %s", len(gone), build.parent)
+    try:
+        os.utime(build)  # this folder's last load (torch's build lock touches it too): prune_stale ages by it
+        gone = prune_stale(build)
+    except Exception as e:  # never a reason to lose the kernels just built
+        log.debug("kernel cache not pruned (%s)", e)
+    else:
+        if gone:
+            log.info("removed %d kernel build folder(s) of deleted copies of monobatch from %s", len(gone),
+                     build.parent)
     # A/B runs: least multiply-adds per thread (None: the C++ default)
     work = env.number("MONOBATCH_CPU_MIN_THREAD_WORK", None, parse=int, what="a positive integer", shown="the default")
     if work is not None:

@@ -284,7 +284,7 @@ class TruncatedGGUF(ValueError):
     def __init__(self, end: int, size: int, header: bool = False) -> None:
         what = "the header runs past the end of the file" if header else "tensor data past the end of the file"
         part = "the header" if header else "a tensor's data"
-        super().__init__(f"{what}: the file has {size} bytes, {part} runs to byte {end}")
+        super().__init__(f"{what}: the file has {size} byte{'' if size == 1 else 's'}, {part} runs to byte {end}")
         self.end, self.size, self.header = end, size, header
 
 
@@ -320,8 +320,9 @@ class MappedReader(GGUFReader):
         plain = self._plain_view()
         count = int(count)
         end = offset + np.dtype(dtype).itemsize * count
-        if end > plain.size:
-            raise TruncatedGGUF(end, plain.size, header=offset < self.__dict__.get("data_offset", plain.size))
+        if end > plain.size:  # before gguf-py sets data_offset, every read is the header's
+            data_offset = self.__dict__.get("data_offset")
+            raise TruncatedGGUF(end, plain.size, header=data_offset is None or offset < data_offset)
         arr = plain[offset:end].view(dtype=dtype)[:count]
         return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 

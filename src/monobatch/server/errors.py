@@ -106,7 +106,8 @@ def validation_message(errors: list[dict], content_type: str | None = None) -> t
     list whose element is wrong: ``stop: [null]``), that one is given. ``content_type``: the
     request's header, named in the message when a body that is not an object came with another
     type than JSON (curl's ``-d`` without ``-H 'Content-Type: application/json'`` sends a form,
-    which is not read as JSON).
+    which is not read as JSON). A list (or object) of the wrong length reads as the range errors
+    do: ``messages: must have at least 1 item, got 0``.
     """
     first = errors[0]
     raw = _field_loc(first.get("loc", ()))

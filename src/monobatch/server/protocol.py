@@ -11,8 +11,8 @@ other value is a 400 naming the field.
 Value ranges are checked once, by :class:`monobatch.engine.params.SamplingParams`; this module
 checks only JSON types, the fields that never reach it (``n``, ``echo``, ``top_logprobs``), and
 where the HTTP API differs from the CLI and the Python API: ``max_tokens`` -1 is the CLI's "no
-limit", a 400 here as in OpenAI and vLLM; ``temperature`` is at most 2 here (OpenAI's range), any
-value >= 0 there (llama.cpp's knob).
+limit", a 400 here as in OpenAI and vLLM; ``temperature`` is in [0, 2] here (OpenAI's range, both
+ends checked here so that they read alike), any value >= 0 there (llama.cpp's knob).
 
 The JSON schemas of these models are the request bodies of ``/openapi.json``: the ranges the
 engine checks are written into them (``json_schema_extra``: documented here, still checked and
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from typing import Annotated, Any, Callable, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, WrapValidator, model_validator
@@ -535,7 +536,8 @@ class SamplingFields(_Body):
     @model_validator(mode="after")
     def _openai_temperature(self) -> "SamplingFields":
         # the HTTP API's own range (0 to MAX_TEMPERATURE), both ends in its words; NaN: SamplingParams' 400
-        if self.temperature is not None and not 0 <= self.temperature <= MAX_TEMPERATURE and self.temperature == self.temperature:
+        if self.temperature is not None and not math.isnan(self.temperature) \
+                and not 0 <= self.temperature <= MAX_TEMPERATURE:
             raise PydanticCustomError("temperature", "temperature: must be in [0, 2] (OpenAI's range), got {value}",
                                       {"field": "temperature", "value": self.temperature})
         return self
